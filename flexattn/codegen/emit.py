@@ -1,0 +1,458 @@
+"""IR -> Triton source. Pure functions: the same IR always gives the same text.
+
+A mod becomes one ``@triton.jit`` function that kernels call from their hooks:
+
+    def score_mod(score, b, h, q_idx, kv_idx, B0, B0_s0, B0_n0, ...)   -> float tile
+    def mask_mod(b, h, q_idx, kv_idx, B0, B0_s0, B0_n0, ...)           -> bool (broadcastable)
+
+Inside a kernel, ``b`` and ``h`` are int32 scalars and ``q_idx`` / ``kv_idx`` are int32 tiles that
+broadcast against each other (e.g. [BLOCK_M, 1] and [1, BLOCK_N]); mods are elementwise so any
+broadcastable layout works (the backward uses the transposed one). A score mod always returns a
+tile of ``score``'s shape and dtype. A mask mod returns a bool value that broadcasts to the tile
+(it may be a 0-d tensor, e.g. ``noop_mask``).
+
+Each captured tensor ``i`` of rank ``d`` is passed as ``B{i}`` (pointer), strides ``B{i}_s0..``
+and sizes ``B{i}_n0..``; `launch_args` builds the matching host values. Gathers wrap negative
+indices and never read outside the buffer (masked loads give 0 / False).
+
+``target`` is "cuda" (libdevice math) or "interpret" (Triton's CPU interpreter, which has no
+libdevice: the same functions are composed from core ops there).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flexattn import ir
+from flexattn.ir import Node
+
+TL_DTYPE = {
+    torch.bool: "tl.int1",
+    torch.int8: "tl.int8",
+    torch.int16: "tl.int16",
+    torch.int32: "tl.int32",
+    torch.int64: "tl.int64",
+    torch.uint8: "tl.uint8",
+    torch.float16: "tl.float16",
+    torch.bfloat16: "tl.bfloat16",
+    torch.float32: "tl.float32",
+    torch.float64: "tl.float64",
+}
+
+TARGETS = ("cuda", "interpret")
+
+# Helper functions shared by all mods of one module (emitted once, by `prelude`).
+_PRELUDE_COMMON = '''
+@triton.jit
+def _fa_floordiv_int(a, b):
+    # Python floor division on integers (Triton's // truncates toward zero).
+    q = a // b
+    r = a - q * b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), q - 1, q)
+
+
+@triton.jit
+def _fa_mod_int(a, b):
+    # Python-sign modulo on integers (the result takes the divisor's sign).
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def _fa_mod_float(a, b):
+    return a - b * tl.floor(a / b)
+
+
+@triton.jit
+def _fa_sign(x):
+    return tl.where(x > 0, 1, tl.where(x < 0, -1, 0)).to(x.dtype)
+'''
+
+_PRELUDE_CUDA = '''
+@triton.jit
+def _fa_tanh(x):
+    return libdevice.tanh(x)
+
+
+@triton.jit
+def _fa_tan(x):
+    return libdevice.tan(x)
+
+
+@triton.jit
+def _fa_expm1(x):
+    return libdevice.expm1(x)
+
+
+@triton.jit
+def _fa_log1p(x):
+    return libdevice.log1p(x)
+
+
+@triton.jit
+def _fa_pow(a, b):
+    return libdevice.pow(a, b)
+
+
+@triton.jit
+def _fa_round(x):
+    return libdevice.rint(x)
+
+
+@triton.jit
+def _fa_trunc(x):
+    return libdevice.trunc(x)
+'''
+
+# The interpreter has no libdevice; these compositions are accurate to a few ulp on the ranges
+# mods use (they are what CPU tests run, against torch's eager results with tolerances).
+_PRELUDE_INTERPRET = '''
+@triton.jit
+def _fa_tanh(x):
+    # tanh(x) = sign(x) * (1 - e) / (1 + e), e = exp(-2|x|); a series avoids cancellation near 0.
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    big = (1.0 - e) / (1.0 + e)
+    x2 = x * x
+    small = ax * (1.0 - x2 * (0.3333333333333333 - x2 * (0.13333333333333333 - x2 * 0.05396825396825397)))
+    y = tl.where(ax < 0.0625, small, big)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
+def _fa_tan(x):
+    return tl.sin(x) / tl.cos(x)
+
+
+@triton.jit
+def _fa_expm1(x):
+    # Series near 0, where exp(x) - 1 cancels.
+    small = x * (1.0 + x * (0.5 + x * (0.16666666666666666 + x * 0.041666666666666664)))
+    return tl.where(tl.abs(x) < 0.03125, small, tl.exp(x) - 1.0)
+
+
+@triton.jit
+def _fa_log1p(x):
+    # log1p(x) = log(u) * x / (u - 1) with u = 1 + x (Goldberg's trick), exact where u == 1.
+    u = 1.0 + x
+    d = u - 1.0
+    safe_d = tl.where(d == 0, 1.0, d)
+    return tl.where(d == 0, x, tl.log(u) * (x / safe_d))
+
+
+@triton.jit
+def _fa_pow(a, b):
+    mag = tl.exp2(b * tl.log2(tl.abs(a)))
+    b_int = tl.floor(b) == b
+    b_odd = b_int & (_fa_mod_float(b, 2.0 + 0.0 * b) == 1.0)
+    neg = tl.where(b_odd, -mag, mag)
+    out = tl.where(a < 0, tl.where(b_int, neg, float("nan")), mag)
+    return tl.where(b == 0, 1.0 + 0.0 * mag, out)
+
+
+@triton.jit
+def _fa_round(x):
+    # Round half to even, like torch.round.
+    r = tl.floor(x + 0.5)
+    tie = (r - x) == 0.5
+    odd = _fa_mod_float(r, 2.0 + 0.0 * r) != 0
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def _fa_trunc(x):
+    return tl.where(x < 0, tl.ceil(x), tl.floor(x))
+'''
+
+
+def prelude(target: str) -> str:
+    """Imports and helper functions every module with mods needs (emit once per module)."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    head = "import triton\nimport triton.language as tl\n"
+    if target == "cuda":
+        head += "from triton.language.extra import libdevice\n"
+    return head + _PRELUDE_COMMON + (_PRELUDE_CUDA if target == "cuda" else _PRELUDE_INTERPRET)
+
+
+# ---------------------------------------------------------------------------------------------
+# The op table: op -> template over operand expressions (a, b, c) and the node (for dtypes).
+
+
+def _pyval(value) -> str:
+    """A Python literal Triton's frontend accepts (inf/nan spelled as float())."""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float) and not math.isfinite(value):
+        return 'float("nan")' if math.isnan(value) else ('float("inf")' if value > 0 else '-float("inf")')
+    return repr(value)
+
+
+def _lit(value, dtype: torch.dtype) -> str:
+    """A Triton expression for a typed constant (bare literals where Triton types them right)."""
+    if dtype == torch.float32 and math.isfinite(value):
+        return repr(float(value))
+    if dtype == torch.int32:
+        return str(int(value))
+    return f"tl.full([], {_pyval(value)}, {TL_DTYPE[dtype]})"
+
+
+def _fconst(value: float, n: Node) -> str:
+    return _lit(value, n.dtype)
+
+
+def _floordiv(n, a, b):
+    return f"_fa_floordiv_int({a}, {b})" if ir.is_int(n.dtype) else f"tl.floor({a} / {b})"
+
+
+def _mod(n, a, b):
+    return f"_fa_mod_int({a}, {b})" if ir.is_int(n.dtype) else f"_fa_mod_float({a}, {b})"
+
+
+def _pow(n, a, b, node: Node):
+    exp = node.src[1]
+    if exp.op == "const" and float(exp.arg).is_integer() and 0 <= exp.arg <= 8:
+        k = int(exp.arg)
+        if k == 0:
+            return None  # handled by caller as a constant one
+        return "(" + " * ".join([a] * k) + ")"
+    if ir.is_int(n.dtype):
+        raise NotImplementedError(
+            "integer ** needs a constant exponent between 0 and 8 in kernels; cast to float first"
+        )
+    return f"_fa_pow({a}, {b})"
+
+
+def _minmax(fn):
+    def emit(n, a, b):
+        if n.dtype.is_floating_point:
+            return f"tl.{fn}({a}, {b}, propagate_nan=tl.PropagateNan.ALL)"
+        return f"tl.{fn}({a}, {b})"
+    return emit
+
+
+_BINARY = {
+    "add": lambda n, a, b: f"({a} + {b})",
+    "sub": lambda n, a, b: f"({a} - {b})",
+    "mul": lambda n, a, b: f"({a} * {b})",
+    "truediv": lambda n, a, b: f"({a} / {b})",
+    "floordiv": _floordiv,
+    "mod": _mod,
+    "minimum": _minmax("minimum"),
+    "maximum": _minmax("maximum"),
+    "and_": lambda n, a, b: f"({a} & {b})",
+    "or_": lambda n, a, b: f"({a} | {b})",
+    "xor": lambda n, a, b: f"({a} ^ {b})",
+    "lshift": lambda n, a, b: f"({a} << {b})",
+    "rshift": lambda n, a, b: f"({a} >> {b})",
+    "eq": lambda n, a, b: f"({a} == {b})",
+    "ne": lambda n, a, b: f"({a} != {b})",
+    "lt": lambda n, a, b: f"({a} < {b})",
+    "le": lambda n, a, b: f"({a} <= {b})",
+    "gt": lambda n, a, b: f"({a} > {b})",
+    "ge": lambda n, a, b: f"({a} >= {b})",
+}
+
+_UNARY = {
+    "neg": lambda n, a: f"(-{a})",
+    "abs": lambda n, a: f"tl.abs({a})",
+    "not": lambda n, a: f"({a} == 0)",
+    "invert": lambda n, a: f"(~{a})",
+    "sign": lambda n, a: f"_fa_sign({a})",
+    "relu": lambda n, a: f"tl.maximum({a}, {_fconst(0, n)})",
+    "floor": lambda n, a: f"tl.floor({a})",
+    "ceil": lambda n, a: f"tl.ceil({a})",
+    "round": lambda n, a: f"_fa_round({a})",
+    "trunc": lambda n, a: f"_fa_trunc({a})",
+    "exp": lambda n, a: f"tl.exp({a})",
+    "exp2": lambda n, a: f"tl.exp2({a})",
+    "expm1": lambda n, a: f"_fa_expm1({a})",
+    "log": lambda n, a: f"tl.log({a})",
+    "log2": lambda n, a: f"tl.log2({a})",
+    "log1p": lambda n, a: f"_fa_log1p({a})",
+    "sqrt": lambda n, a: f"tl.sqrt({a})",
+    "rsqrt": lambda n, a: f"tl.rsqrt({a})",
+    "reciprocal": lambda n, a: f"({_fconst(1.0, n)} / {a})",
+    "sin": lambda n, a: f"tl.sin({a})",
+    "cos": lambda n, a: f"tl.cos({a})",
+    "tan": lambda n, a: f"_fa_tan({a})",
+    "tanh": lambda n, a: f"_fa_tanh({a})",
+    "sigmoid": lambda n, a: f"tl.sigmoid({a})",
+    "erf": lambda n, a: f"tl.erf({a})",
+    "silu": lambda n, a: f"({a} * tl.sigmoid({a}))",
+    "gelu": lambda n, a: f"(0.5 * {a} * (1.0 + tl.erf({a} * 0.7071067811865476)))",
+    "gelu_tanh": lambda n, a: f"(0.5 * {a} * (1.0 + _fa_tanh(0.7978845608028654 * ({a} + 0.044715 * {a} * {a} * {a}))))",
+    # torch's softplus (beta=1, threshold=20)
+    "softplus": lambda n, a: f"tl.where({a} > 20.0, {a}, _fa_log1p(tl.exp({a})))",
+}
+
+# Ops whose template repeats an operand: it must be a name, not an inlined expression.
+_REPEATS = {"silu", "gelu", "gelu_tanh", "softplus"}
+# Low-precision floats are computed in float32 for math functions (as torch does internally).
+_MATH_IN_F32 = set(_UNARY) - {"neg", "abs", "not", "invert", "sign", "relu"}
+
+
+@dataclass(frozen=True)
+class ModSource:
+    """A generated mod: its function source and the buffer parameters after the fixed inputs."""
+
+    name: str
+    kind: str
+    source: str
+    params: tuple[str, ...]
+    buffers: tuple[ir.Buffer, ...]
+
+    def param_list(self, prefix: str) -> str:
+        """Kernel-level parameter names (``prefix`` + param), each followed by ", "."""
+        return "".join(f"{prefix}{p}, " for p in self.params)
+
+
+def buffer_params(buffers: list[ir.Buffer]) -> list[str]:
+    out = []
+    for buf in buffers:
+        out.append(f"B{buf.index}")
+        out += [f"B{buf.index}_s{d}" for d in range(buf.ndim)]
+        out += [f"B{buf.index}_n{d}" for d in range(buf.ndim)]
+    return out
+
+
+def launch_args(buffers: list[ir.Buffer] | tuple, tensors) -> list:
+    """Host values for `buffer_params`: pointer, strides, sizes of each captured tensor."""
+    out = []
+    for buf in buffers:
+        t = tensors[buf.index]
+        out.append(t)
+        out += list(t.stride())
+        out += list(t.shape)
+    return out
+
+
+def _axes(order: list[Node]) -> dict[int, frozenset]:
+    """Which tile axes each value varies along: 'm' (query rows), 'n' (KV columns)."""
+    axes: dict[int, frozenset] = {}
+    base = {"score": frozenset("mn"), "q_idx": frozenset("m"), "kv_idx": frozenset("n")}
+    for n in order:
+        if n.op == "input":
+            axes[id(n)] = base.get(n.arg, frozenset())
+        else:
+            axes[id(n)] = frozenset().union(*(axes[id(s)] for s in n.src)) if n.src else frozenset()
+    return axes
+
+
+def emit_mod(root: Node, kind: str, name: str | None = None, target: str = "cuda") -> ModSource:
+    """Emit the ``@triton.jit`` function for a score or mask mod."""
+    if kind not in ("score", "mask"):
+        raise ValueError(f"kind must be 'score' or 'mask', got {kind!r}")
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    if kind == "mask" and root.dtype != torch.bool:
+        raise TypeError(f"a mask mod must return bool, this one returns {ir.dtype_name(root.dtype)}")
+    name = name or f"{kind}_mod"
+    order = ir.toposort(root)
+    buffers = ir.buffers_of(root)
+    uses: dict[int, int] = {}
+    for n in order:
+        for s in n.src:
+            uses[id(s)] = uses.get(id(s), 0) + 1
+    axes = _axes(order)
+
+    lines: list[str] = []
+    expr: dict[int, str] = {}
+    counter = [0]
+
+    def fresh(prefix: str = "t") -> str:
+        counter[0] += 1
+        return f"{prefix}{counter[0] - 1}"
+
+    def as_name(n: Node) -> str:
+        e = expr[id(n)]
+        if e.isidentifier():
+            return e
+        v = fresh()
+        lines.append(f"{v} = {e}")
+        expr[id(n)] = v
+        return v
+
+    for n in order:
+        op = n.op
+        if op == "input":
+            if kind == "mask" and n.arg == "score":
+                raise TypeError("a mask mod cannot read the score")
+            e = n.arg
+        elif op == "const":
+            e = _lit(n.arg, n.dtype)
+        elif op == "load":
+            e = _emit_load(n, [as_name(s) if s.op != "const" else expr[id(s)] for s in n.src], lines, fresh)
+        elif op == "cast":
+            a = expr[id(n.src[0])]
+            e = f"({a} != 0)" if n.dtype == torch.bool else f"{a}.to({TL_DTYPE[n.dtype]})"
+        elif op == "where":
+            c, a, b = (expr[id(s)] for s in n.src)
+            e = f"tl.where({c}, {a}, {b})"
+        elif op in _UNARY:
+            a = as_name(n.src[0]) if op in _REPEATS else expr[id(n.src[0])]
+            low = op in _MATH_IN_F32 and n.dtype in (torch.float16, torch.bfloat16)
+            if low:
+                a = f"{a}.to(tl.float32)"
+                if op in _REPEATS:
+                    v = fresh()
+                    lines.append(f"{v} = {a}")
+                    a = v
+            e = _UNARY[op](n, a)
+            if low:
+                e = f"{e}.to({TL_DTYPE[n.dtype]})"
+        elif op == "pow":
+            a = as_name(n.src[0])
+            b = expr[id(n.src[1])]
+            e = _pow(n, a, b, n)
+            if e is None:
+                e = _lit(1, n.dtype)
+        elif op in _BINARY:
+            a, b = (expr[id(s)] for s in n.src)
+            if n.src[0].dtype in (torch.float16, torch.bfloat16) and op in ("floordiv", "mod"):
+                a, b = f"{a}.to(tl.float32)", f"{b}.to(tl.float32)"
+                e = f"{_BINARY[op](n, a, b)}.to({TL_DTYPE[n.dtype]})"
+            else:
+                e = _BINARY[op](n, a, b)
+        else:
+            raise NotImplementedError(f"no Triton emitter for op {op!r}")
+        expr[id(n)] = e
+        # Values used more than once get a name; single-use ones stay inline.
+        if uses.get(id(n), 0) > 1 and op not in ("input", "const"):
+            as_name(n)
+
+    result = expr[id(root)]
+    if kind == "score":
+        if root.op == "const":
+            result = f"tl.full(score.shape, {_pyval(root.arg)}, score.dtype)"
+        elif axes[id(root)] != frozenset("mn"):
+            result = f"({result} + tl.zeros_like(score))"
+    elif root.op == "const":
+        result = f"tl.full([], {1 if root.arg else 0}, tl.int1)"
+
+    params = buffer_params(buffers)
+    head = ["score"] if kind == "score" else []
+    sig = ", ".join(head + list(ir.INDEX_INPUTS) + params)
+    body = "\n".join(f"    {line}" for line in lines + [f"return {result}"])
+    src = f"@triton.jit\ndef {name}({sig}):\n{body}\n"
+    return ModSource(name, kind, src, tuple(params), tuple(buffers))
+
+
+def _emit_load(n: Node, idx: list[str], lines: list[str], fresh) -> str:
+    buf: ir.Buffer = n.arg
+    p = f"B{buf.index}"
+    if buf.ndim == 0:
+        return f"tl.load({p})"
+    offs, masks = [], []
+    for d, i in enumerate(idx):
+        size = f"{p}_n{d}"
+        v = fresh("i")
+        lines.append(f"{v} = tl.where({i} < 0, {i} + {size}, {i})")
+        masks.append(f"({v} >= 0) & ({v} < {size})")
+        offs.append(f"{v}.to(tl.int64) * {p}_s{d}")
+    m = fresh("m")
+    lines.append(f"{m} = {' & '.join(masks)}")
+    return f"tl.load({p} + {' + '.join(offs)}, mask={m}, other=0)"

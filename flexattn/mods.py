@@ -1,0 +1,97 @@
+"""`Mod`: a score or mask modification as IR plus the tensors it captured.
+
+Both front ends (the Python tracer and the DSL) produce a `Mod`. A Mod is callable exactly like
+the function it came from, so it runs anywhere a Python mod runs: eagerly on tensors (including
+inside ``torch.nn.attention.flex_attention``, under vmap), inside another mod being traced (its
+IR is inlined), and in flexattn's kernels (its IR is emitted as Triton).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from flexattn import ir
+from flexattn.codegen import emit
+
+SCORE, MASK = "score", "mask"
+ARITY = {SCORE: 5, MASK: 4}
+
+
+class Mod:
+    """A traced mod. ``kind`` is "score" or "mask"; ``buffers`` are the captured tensors."""
+
+    def __init__(self, kind: str, root: ir.Node, buffers: Sequence[torch.Tensor] = (),
+                 name: str = "mod", source: str = "", fn: Any = None):
+        if kind not in ARITY:
+            raise ValueError(f"kind must be 'score' or 'mask', got {kind!r}")
+        if kind == MASK and root.dtype != torch.bool:
+            raise TypeError(
+                f"mask_mod '{name}' must return a bool, but it returns {ir.dtype_name(root.dtype)}"
+            )
+        if kind == SCORE and not root.dtype.is_floating_point:
+            raise TypeError(
+                f"score_mod '{name}' must return a floating-point score, but it returns "
+                f"{ir.dtype_name(root.dtype)}"
+            )
+        self.kind = kind
+        self.ir = root
+        self.buffers = tuple(buffers)
+        self.name = name
+        self.source = source or str(root)
+        self.fn = fn
+        for buf in ir.buffers_of(root):
+            t = self.buffers[buf.index]
+            if t.dtype != buf.dtype or t.dim() != buf.ndim:
+                raise ValueError(f"buffer {buf} does not match captured tensor {t.dtype} {tuple(t.shape)}")
+
+    @property
+    def __name__(self) -> str:  # torch and users print mods by __name__
+        return self.name
+
+    @property
+    def score_dtype(self) -> torch.dtype | None:
+        for n in ir.toposort(self.ir):
+            if n.op == "input" and n.arg == "score":
+                return n.dtype
+        return None
+
+    def key(self) -> str:
+        """Structural cache key: equal for mods that generate the same kernel code."""
+        return f"{self.kind}:{self.ir.key()}"
+
+    def emit(self, target: str = "cuda", name: str | None = None) -> emit.ModSource:
+        return emit.emit_mod(self.ir, self.kind, name or f"{self.kind}_mod", target)
+
+    def launch_args(self) -> list:
+        """Kernel arguments for the captured tensors (pointer, strides, sizes each)."""
+        return emit.launch_args(ir.buffers_of(self.ir), self.buffers)
+
+    def check_device(self, device: torch.device, arg: str = "query") -> None:
+        for t in self.buffers:
+            if t.device != device:
+                raise ValueError(
+                    f"{self.kind}_mod '{self.name}' captured a tensor on {t.device}, but {arg} is on "
+                    f"{device}; move the captured tensor to {device}"
+                )
+
+    def __call__(self, *args):
+        if len(args) != ARITY[self.kind]:
+            raise TypeError(
+                f"{self.kind}_mod '{self.name}' takes {ARITY[self.kind]} arguments "
+                f"({', '.join(ir.SCORE_INPUTS[5 - ARITY[self.kind]:])}), got {len(args)}"
+            )
+        from flexattn import tracer  # the tracer imports this module
+
+        if tracer.is_traced(args):
+            return tracer.inline(self, args)
+        names = ir.SCORE_INPUTS if self.kind == SCORE else ir.INDEX_INPUTS
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        out = ir.evaluate(self.ir, dict(zip(names, args)), self.buffers, device=device)
+        if self.kind == SCORE and isinstance(args[0], torch.Tensor) and args[0].dtype.is_floating_point:
+            out = out.to(args[0].dtype)
+        return out
+
+    def __repr__(self) -> str:
+        return f"<{self.kind}_mod {self.name}: {ir.to_text(self.ir)}>"
