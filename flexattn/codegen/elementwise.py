@@ -1,0 +1,52 @@
+"""Run a mod over a full [B, H, Q, KV] index grid with a generated Triton kernel.
+
+This is the codegen's test bench (and the CPU/GPU dense mask path of ``create_mask``): the same
+emitted mod function the attention kernels inline, evaluated element by element.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from flexattn.codegen import emit
+from flexattn.codegen.render import load_kernel_module
+from flexattn.mods import SCORE, Mod
+
+
+def target_for(device: torch.device) -> str:
+    return "interpret" if device.type == "cpu" else "cuda"
+
+
+def kernel_module(mod: Mod, target: str):
+    src = mod.emit(target)
+    call_args = "score, " if mod.kind == SCORE else ""
+    call = f"{src.name}({call_args}b, h, q_idx, kv_idx, {src.param_list('')})"
+    hooks = {
+        "prelude": emit.prelude(target),
+        "mod_def": src.source,
+        "mod_params": src.param_list(""),
+        "mod_call": call,
+    }
+    return load_kernel_module("elementwise", hooks, {f"{mod.kind}_mod {mod.name}": mod.source},
+                              interpret=target == "interpret")
+
+
+def evaluate_grid(mod: Mod, B: int, H: int, Q_LEN: int, KV_LEN: int, score: torch.Tensor | None = None,
+                  device: torch.device | str = "cpu", BLOCK_M: int = 16, BLOCK_N: int = 16) -> torch.Tensor:
+    """``mod`` at every (b, h, q_idx, kv_idx); ``score`` is [B, H, Q, KV] for score mods."""
+    device = torch.device(device)
+    module = kernel_module(mod, target_for(device))
+    if mod.kind == SCORE:
+        if score is None:
+            raise ValueError("score mods need a score tensor of shape [B, H, Q_LEN, KV_LEN]")
+        out = torch.empty(B, H, Q_LEN, KV_LEN, dtype=mod.ir.dtype, device=device)
+    else:
+        score = torch.empty(1, 1, 1, 1, device=device)
+        out = torch.empty(B, H, Q_LEN, KV_LEN, dtype=torch.bool, device=device)
+    grid = (triton.cdiv(Q_LEN, BLOCK_M), triton.cdiv(KV_LEN, BLOCK_N), B * H)
+    module.elementwise_kernel[grid](
+        out, score, *mod.launch_args(), *score.stride(), *out.stride(), H, Q_LEN, KV_LEN,
+        IS_SCORE=mod.kind == SCORE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+    )
+    return out
