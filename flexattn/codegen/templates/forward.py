@@ -1,0 +1,270 @@
+# Block-sparse attention forward (prefill / training): O = softmax(mask(score_mod(Q K^T * scale))) V.
+#
+# One program per (query tile, batch x query head). It walks the KV tiles its query block must see:
+# first the *partial* ones (score_mod and mask_mod applied), then the *full* ones (mask known to be
+# all true: score_mod only), with an online softmax in base 2, and writes O and the row LSE.
+#
+# sub notation:
+#   Q               [B, HQ, Q_LEN, QK_HEAD_DIM]
+#   K               [B or 1, HKV, KV_LEN, QK_HEAD_DIM]   (batch 1 broadcasts: the host passes stride 0)
+#   V               [B or 1, HKV, KV_LEN, V_HEAD_DIM]
+#   Out             [B, HQ, Q_LEN, V_HEAD_DIM]           (any strides; the host matches Q's order)
+#   LSE             [B, HQ, Q_LEN] natural log, float32 (float64 for float64 inputs); -inf for rows
+#                   that see nothing
+#   KV_NUM_BLKS     [Bm, Hm, nQ] int32: how many partial KV blocks query block m visits
+#   KV_IDX          [Bm, Hm, nQ, nKV] int32: which ones (first KV_NUM_BLKS entries of each row)
+#   FULL_KV_NUM_BLKS, FULL_KV_IDX: the same for full blocks
+#                   Bm, Hm are 1 or B, HQ: the host passes stride 0 where the block mask broadcasts
+#   SM_SCALE        runtime float: 1/sqrt(QK_HEAD_DIM) unless the caller gave a scale
+#
+# constexprs:
+#   BLOCK_M, BLOCK_N       query rows / KV columns of one tile (powers of two >= 16)
+#   SPARSE_Q_BLOCK_SIZE    query rows per block-mask block; a multiple of BLOCK_M
+#   SPARSE_KV_BLOCK_SIZE   KV columns per block-mask block; a multiple of BLOCK_N (each sparse block
+#                          is walked as SPARSE_KV_BLOCK_SIZE // BLOCK_N tiles)
+#   QK_HEAD_DIM, V_HEAD_DIM             real head dims (E, Ev)
+#   QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED  next powers of two (>= 16): tl.arange/tl.dot shapes
+#   SAFE_HEAD_DIM          both head dims are already their rounded sizes: no column masks
+#   IS_DIVISIBLE           Q_LEN % BLOCK_M == 0 and KV_LEN is a multiple of every KV tile walked:
+#                          no row / column bounds checks at all
+#   GQA_SHARED_HEADS       query heads per KV head (HQ // HKV); kv head = h // GQA_SHARED_HEADS
+#   HAS_FULL_BLOCKS        FULL_KV_* exist (else only partial blocks are walked)
+#   PRESCALE_QK            multiply Q by SM_SCALE once per tile (rounded to Q's dtype: a little less
+#                          accurate) instead of every score tile
+#   ROWS_GUARANTEED_SAFE   the caller promises no row is fully masked: skip the -inf guard
+#   BLOCKS_ARE_CONTIGUOUS  each row's KV blocks are consecutive: step through them without reading
+#                          KV_IDX after the first entry
+#   OFFS_INT64             some tensor spans more than 2^31 elements: compute tile offsets in int64
+#   ACC_DTYPE              float32 (float64 for float64 inputs): scores, softmax state, accumulator
+#   SCORE_DTYPE            the dtype score_mod was traced with (its `score` input)
+#   DOT_PRECISION          tl.dot input_precision ("ieee", or "tf32" for float32 when torch allows it)
+#   DOT_IN_FP32            feed tl.dot float32 copies of the tiles (Triton's interpreter gets bfloat16
+#                          arithmetic wrong; the copies are exact, so results do not change)
+#
+# Mods (see flexattn/codegen/emit.py): score_mod(score, b, h, q_idx, kv_idx, <buffers>) and
+# mask_mod(b, h, q_idx, kv_idx, <buffers>), with b, h int32 scalars (h is the *query* head),
+# q_idx [BLOCK_M, 1] and kv_idx [1, BLOCK_N] int32.
+$prelude
+
+$score_mod_def
+
+$mask_mod_def
+
+
+@triton.jit
+def load_tile(ptrs, rows, cols, N_ROWS, N_COLS, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    # Zeros outside [0, N_ROWS) x [0, N_COLS); only the bounds that may be crossed are checked.
+    if CHECK_ROWS and CHECK_COLS:
+        x = tl.load(ptrs, mask=(rows[:, None] < N_ROWS) & (cols[None, :] < N_COLS), other=0.0)
+    elif CHECK_ROWS:
+        x = tl.load(ptrs, mask=rows[:, None] < N_ROWS, other=0.0)
+    elif CHECK_COLS:
+        x = tl.load(ptrs, mask=cols[None, :] < N_COLS, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def store_tile(ptrs, x, rows, cols, N_ROWS, N_COLS, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    if CHECK_ROWS and CHECK_COLS:
+        tl.store(ptrs, x, mask=(rows[:, None] < N_ROWS) & (cols[None, :] < N_COLS))
+    elif CHECK_ROWS:
+        tl.store(ptrs, x, mask=rows[:, None] < N_ROWS)
+    elif CHECK_COLS:
+        tl.store(ptrs, x, mask=cols[None, :] < N_COLS)
+    else:
+        tl.store(ptrs, x)
+
+
+@triton.jit
+def row_max(x):
+    # tl.max(x, 1) spelled as the reduction it is. Triton's interpreter cannot call standard-library
+    # jit functions (tl.max, tl.sum, tl.zeros) unless triton itself was imported in interpreter
+    # mode, but it runs tl.reduce with these combine functions natively (numpy).
+    return tl.reduce(x, 1, tl.standard._elementwise_max)
+
+
+@triton.jit
+def row_sum(x):
+    return tl.reduce(x, 1, tl.standard._sum_combine)
+
+
+@triton.jit
+def mma(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    if DOT_IN_FP32:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc.to(tl.float32), input_precision=DOT_PRECISION)
+    else:
+        out = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return out.to(acc.dtype)
+
+
+@triton.jit
+def forward_inner(
+    acc, l_i, m_i, q, K, V, BLOCK_IDX, num_blocks,
+    b, h, offs_m, KV_LEN, SM_SCALE,
+    stride_kn, stride_kk, stride_vn, stride_vk,
+    $score_mod_params $mask_mod_params
+    IS_FULL_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_KV_BLOCK_SIZE: tl.constexpr,
+    QK_HEAD_DIM: tl.constexpr, QK_HEAD_DIM_ROUNDED: tl.constexpr,
+    V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
+    IS_DIVISIBLE: tl.constexpr, PRESCALE_QK: tl.constexpr, ROWS_GUARANTEED_SAFE: tl.constexpr,
+    BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):
+    # One shared loop for partial blocks (IS_FULL_BLOCKS=False: mask_mod applied) and full blocks.
+    RCP_LN2: tl.constexpr = 1.4426950408889634
+    SPARSE_KV_MULTIPLE: tl.constexpr = SPARSE_KV_BLOCK_SIZE // BLOCK_N
+    tl.static_assert(SPARSE_KV_MULTIPLE * BLOCK_N == SPARSE_KV_BLOCK_SIZE)
+    offs_k = tl.arange(0, QK_HEAD_DIM_ROUNDED)
+    offs_v = tl.arange(0, V_HEAD_DIM_ROUNDED)
+    q_idx = offs_m[:, None]
+
+    start_n = tl.load(BLOCK_IDX) * SPARSE_KV_BLOCK_SIZE
+    for i in range(0, num_blocks * SPARSE_KV_MULTIPLE):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if OFFS_INT64:
+            rows = offs_n.to(tl.int64)
+        else:
+            rows = offs_n
+        # -- scores: qk = q @ k^T in ACC_DTYPE
+        k = load_tile(K + rows[:, None] * stride_kn + offs_k[None, :] * stride_kk, offs_n, offs_k,
+                      KV_LEN, QK_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
+        qk = mma(q, tl.trans(k), tl.full([BLOCK_M, BLOCK_N], 0.0, ACC_DTYPE), DOT_PRECISION, DOT_IN_FP32)
+        if not PRESCALE_QK:
+            qk = qk * SM_SCALE
+        kv_idx = offs_n[None, :]
+        s = score_mod(qk.to(SCORE_DTYPE), b, h, q_idx, kv_idx, $score_mod_params).to(ACC_DTYPE)
+        if not IS_FULL_BLOCKS:
+            s = tl.where(mask_mod(b, h, q_idx, kv_idx, $mask_mod_params), s, float("-inf"))
+        if not IS_DIVISIBLE:
+            s = tl.where(kv_idx < KV_LEN, s, float("-inf"))
+
+        # -- online softmax in base 2: m_i is the running row max, l_i the running row sum
+        s = s * RCP_LN2
+        m_ij = tl.maximum(m_i, row_max(s))
+        if ROWS_GUARANTEED_SAFE:
+            m_ref = m_ij
+        else:
+            # [Note] fully masked rows: while a row has seen only -inf, m_ij is -inf and s - m_ij
+            # would be NaN. Measure from 0 instead: p and alpha come out 0, l_i stays 0.
+            m_ref = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + row_sum(p)
+        v = load_tile(V + rows[:, None] * stride_vn + offs_v[None, :] * stride_vk, offs_n, offs_v,
+                      KV_LEN, V_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
+        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, DOT_IN_FP32)
+        m_i = m_ij
+
+        # -- next tile: the next BLOCK_N columns of this sparse block, or the start of the next block
+        if BLOCKS_ARE_CONTIGUOUS:
+            start_n += BLOCK_N
+        else:
+            nxt = i + 1
+            jump = nxt % SPARSE_KV_MULTIPLE == 0
+            nxt_block = tl.load(BLOCK_IDX + nxt // SPARSE_KV_MULTIPLE,
+                                mask=jump & (nxt < num_blocks * SPARSE_KV_MULTIPLE), other=0)
+            start_n = tl.where(jump, nxt_block * SPARSE_KV_BLOCK_SIZE, start_n + BLOCK_N)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def flex_attention_forward(
+    Q, K, V, Out, LSE,
+    KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX,
+    $score_mod_params $mask_mod_params
+    stride_qz, stride_qh, stride_qm, stride_qk,
+    stride_kz, stride_kh, stride_kn, stride_kk,
+    stride_vz, stride_vh, stride_vn, stride_vk,
+    stride_oz, stride_oh, stride_om, stride_ok,
+    stride_lz, stride_lh,
+    stride_nz, stride_nh, stride_nm, stride_iz, stride_ih, stride_im,
+    stride_fnz, stride_fnh, stride_fnm, stride_fiz, stride_fih, stride_fim,
+    HQ, Q_LEN, KV_LEN, SM_SCALE,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPARSE_Q_BLOCK_SIZE: tl.constexpr, SPARSE_KV_BLOCK_SIZE: tl.constexpr,
+    QK_HEAD_DIM: tl.constexpr, QK_HEAD_DIM_ROUNDED: tl.constexpr,
+    V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
+    IS_DIVISIBLE: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, HAS_FULL_BLOCKS: tl.constexpr,
+    PRESCALE_QK: tl.constexpr, ROWS_GUARANTEED_SAFE: tl.constexpr,
+    BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):
+    tl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M == 0)
+    LN2: tl.constexpr = 0.6931471805599453
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    h_kv = h // GQA_SHARED_HEADS
+
+    # -- this (batch, head)'s slices; int64 so that large tensors do not overflow
+    b64 = b.to(tl.int64)
+    Q += b64 * stride_qz + h.to(tl.int64) * stride_qh
+    K += b64 * stride_kz + h_kv.to(tl.int64) * stride_kh
+    V += b64 * stride_vz + h_kv.to(tl.int64) * stride_vh
+    Out += b64 * stride_oz + h.to(tl.int64) * stride_oh
+    LSE += b64 * stride_lz + h.to(tl.int64) * stride_lh
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, QK_HEAD_DIM_ROUNDED)
+    offs_v = tl.arange(0, V_HEAD_DIM_ROUNDED)
+    if OFFS_INT64:
+        rows = offs_m.to(tl.int64)
+    else:
+        rows = offs_m
+    q = load_tile(Q + rows[:, None] * stride_qm + offs_k[None, :] * stride_qk, offs_m, offs_k,
+                  Q_LEN, QK_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
+    if PRESCALE_QK:
+        q = (q.to(ACC_DTYPE) * SM_SCALE).to(q.dtype)
+
+    acc = tl.full([BLOCK_M, V_HEAD_DIM_ROUNDED], 0.0, ACC_DTYPE)
+    l_i = tl.full([BLOCK_M], 0.0, ACC_DTYPE)
+    m_i = tl.full([BLOCK_M], float("-inf"), ACC_DTYPE)
+
+    # -- partial blocks, then full blocks, of this query block's row in the block mask
+    q_blk = (pid_m * BLOCK_M) // SPARSE_Q_BLOCK_SIZE
+    num_blocks = tl.load(KV_NUM_BLKS + b64 * stride_nz + h * stride_nh + q_blk * stride_nm)
+    BLOCK_IDX = KV_IDX + b64 * stride_iz + h * stride_ih + q_blk * stride_im
+    acc, l_i, m_i = forward_inner(
+        acc, l_i, m_i, q, K, V, BLOCK_IDX, num_blocks,
+        b, h, offs_m, KV_LEN, SM_SCALE,
+        stride_kn, stride_kk, stride_vn, stride_vk,
+        $score_mod_params $mask_mod_params
+        False, BLOCK_M, BLOCK_N, SPARSE_KV_BLOCK_SIZE,
+        QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
+        IS_DIVISIBLE, PRESCALE_QK, ROWS_GUARANTEED_SAFE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64,
+        ACC_DTYPE, SCORE_DTYPE, DOT_PRECISION, DOT_IN_FP32,
+    )
+    if HAS_FULL_BLOCKS:
+        num_blocks = tl.load(FULL_KV_NUM_BLKS + b64 * stride_fnz + h * stride_fnh + q_blk * stride_fnm)
+        BLOCK_IDX = FULL_KV_IDX + b64 * stride_fiz + h * stride_fih + q_blk * stride_fim
+        acc, l_i, m_i = forward_inner(
+            acc, l_i, m_i, q, K, V, BLOCK_IDX, num_blocks,
+            b, h, offs_m, KV_LEN, SM_SCALE,
+            stride_kn, stride_kk, stride_vn, stride_vk,
+            $score_mod_params $mask_mod_params
+            True, BLOCK_M, BLOCK_N, SPARSE_KV_BLOCK_SIZE,
+            QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
+            IS_DIVISIBLE, PRESCALE_QK, ROWS_GUARANTEED_SAFE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64,
+            ACC_DTYPE, SCORE_DTYPE, DOT_PRECISION, DOT_IN_FP32,
+        )
+
+    # -- epilogue. A fully masked row has l_i = 0 and acc = 0: divide by 1 so that it writes 0, and
+    # its LSE is m_i + log2(0) = -inf (never NaN, since m_i is -inf too).
+    if ROWS_GUARANTEED_SAFE:
+        l_div = l_i
+    else:
+        l_div = tl.where(l_i == 0.0, 1.0, l_i)
+    acc = acc / l_div[:, None]
+    store_tile(Out + rows[:, None] * stride_om + offs_v[None, :] * stride_ok, acc.to(Out.dtype.element_ty),
+               offs_m, offs_v, Q_LEN, V_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
+    lse = ((m_i + tl.log2(l_i)) * LN2).to(LSE.dtype.element_ty)
+    if IS_DIVISIBLE:
+        tl.store(LSE + offs_m, lse)
+    else:
+        tl.store(LSE + offs_m, lse, mask=offs_m < Q_LEN)
