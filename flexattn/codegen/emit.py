@@ -351,8 +351,33 @@ def emit_mod(root: Node, kind: str, name: str | None = None, target: str = "cuda
     if kind == "mask" and root.dtype != torch.bool:
         raise TypeError(f"a mask mod must return bool, this one returns {ir.dtype_name(root.dtype)}")
     name = name or f"{kind}_mod"
-    order = ir.toposort(root)
     buffers = ir.buffers_of(root)
+    lines, expr, _, axes = _emit_values([root], kind)
+
+    result = expr[id(root)]
+    if kind == "score":
+        if root.op == "const":
+            result = f"tl.full(score.shape, {_pyval(root.arg)}, score.dtype)"
+        elif axes[id(root)] != frozenset("mn"):
+            result = f"({result} + tl.zeros_like(score))"
+    elif root.op == "const":
+        result = f"tl.full([], {1 if root.arg else 0}, tl.int1)"
+
+    params = buffer_params(buffers)
+    head = ["score"] if kind == "score" else []
+    sig = ", ".join(head + list(ir.INDEX_INPUTS) + params)
+    body = "\n".join(f"    {line}" for line in lines + [f"return {result}"])
+    src = f"@triton.jit\ndef {name}({sig}):\n{body}\n"
+    return ModSource(name, kind, src, tuple(params), tuple(buffers))
+
+
+def _emit_values(roots: list[Node], kind: str):
+    """Triton lines computing every node of ``roots`` (shared nodes once): (lines, expr, as_name, axes).
+
+    ``expr[id(node)]`` is each node's expression (a name once it was needed more than once);
+    ``as_name(node)`` binds a node's expression to a temporary and returns the name.
+    """
+    order = ir.toposort(roots)
     uses: dict[int, int] = {}
     for n in order:
         for s in n.src:
@@ -424,35 +449,109 @@ def emit_mod(root: Node, kind: str, name: str | None = None, target: str = "cuda
         if uses.get(id(n), 0) > 1 and op not in ("input", "const"):
             as_name(n)
 
-    result = expr[id(root)]
-    if kind == "score":
-        if root.op == "const":
-            result = f"tl.full(score.shape, {_pyval(root.arg)}, score.dtype)"
-        elif axes[id(root)] != frozenset("mn"):
-            result = f"({result} + tl.zeros_like(score))"
-    elif root.op == "const":
-        result = f"tl.full([], {1 if root.arg else 0}, tl.int1)"
-
-    params = buffer_params(buffers)
-    head = ["score"] if kind == "score" else []
-    sig = ", ".join(head + list(ir.INDEX_INPUTS) + params)
-    body = "\n".join(f"    {line}" for line in lines + [f"return {result}"])
-    src = f"@triton.jit\ndef {name}({sig}):\n{body}\n"
-    return ModSource(name, kind, src, tuple(params), tuple(buffers))
+    return lines, expr, as_name, axes
 
 
 def _emit_load(n: Node, idx: list[str], lines: list[str], fresh) -> str:
     buf: ir.Buffer = n.arg
-    p = f"B{buf.index}"
     if buf.ndim == 0:
-        return f"tl.load({p})"
+        return f"tl.load(B{buf.index})"
+    ptr, m = _emit_address(buf, idx, lines, fresh)
+    return f"tl.load({ptr}, mask={m}, other=0)"
+
+
+def _emit_address(buf: ir.Buffer, idx: list[str], lines: list[str], fresh, base: str | None = None):
+    """(pointer, bounds-mask name) of element ``idx`` of ``buf``: negative indices wrap.
+
+    ``base`` names another tensor of the same shape (its own strides ``{base}_s{d}``), e.g. the
+    gradient buffer that the backward scatters into at the address the forward gathered from.
+    """
+    p = f"B{buf.index}"
+    base = base or p
     offs, masks = [], []
     for d, i in enumerate(idx):
         size = f"{p}_n{d}"
         v = fresh("i")
         lines.append(f"{v} = tl.where({i} < 0, {i} + {size}, {i})")
         masks.append(f"({v} >= 0) & ({v} < {size})")
-        offs.append(f"{v}.to(tl.int64) * {p}_s{d}")
+        offs.append(f"{v}.to(tl.int64) * {base}_s{d}")
     m = fresh("m")
     lines.append(f"{m} = {' & '.join(masks)}")
-    return f"tl.load({p} + {' + '.join(offs)}, mask={m}, other=0)"
+    return f"{base} + {' + '.join(offs)}", m
+
+
+def emit_score_grad(d_score: Node, scatters=(), name: str = "score_mod_grad", target: str = "cuda",
+                    q_axis: int = 0) -> ModSource:
+    """Emit the backward twin of a score mod from its symbolic derivative (`flexattn.autodiff`):
+
+        def score_mod_grad(score, b, h, q_idx, kv_idx, grad, valid, <buffers>, <grad buffers>)
+
+    ``grad`` is d(loss)/d(mod output) as a tile and ``valid`` a bool mask broadcastable to it. It
+    returns ``where(valid, grad * d_score, 0)`` (d_score is the IR of d(out)/d(score)) and, for each
+    ``(load, d_load)`` in ``scatters``, atomically adds ``where(valid, grad * d_load, 0)`` into
+    ``G{i}`` — the gradient buffer of captured tensor ``i`` (same shape; its strides are passed as
+    ``G{i}_s{d}``, its sizes are ``B{i}``'s) — at the element the load read, with the load's
+    wrapping and bounds mask (out-of-range reads read 0 and send nothing back). Where the address
+    does not vary along a tile axis (``slope[h]``, ``bias[q_idx]``), the tile is summed along that
+    axis first: one atomic per distinct address, not one per lane. ``q_axis`` is the tile axis
+    q_idx varies along (0 for [BLOCK_M, BLOCK_N] tiles, 1 for the transposed ones).
+    """
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    if q_axis not in (0, 1):
+        raise ValueError(f"q_axis must be 0 or 1, got {q_axis!r}")
+    scatters = list(scatters)
+    roots = [d_score] + [d for _, d in scatters] + [i for load, _ in scatters for i in load.src]
+    lines, expr, as_name, axes = _emit_values(roots, "score")
+    counter = [0]
+
+    def fresh(prefix: str = "g") -> str:
+        counter[0] += 1
+        return f"g{prefix}{counter[0] - 1}"
+
+    tile_axis = {"m": q_axis, "n": 1 - q_axis}
+    for load, d_load in scatters:
+        buf: ir.Buffer = load.arg
+        g = f"G{buf.index}"
+        val = fresh("v")
+        dv = expr[id(d_load)]
+        scaled = "grad" if d_load.op == "const" and d_load.arg == 1.0 else f"grad * {dv}"
+        lines.append(f"{val} = tl.where(valid, {scaled}, 0.0)")
+        if buf.ndim == 0:
+            lines.append(f"tl.atomic_add({g}, tl.sum(tl.sum({val}, 1), 0).to({g}.dtype.element_ty))")
+            continue
+        idx = [as_name(s) if s.op != "const" else expr[id(s)] for s in load.src]
+        ptr, mask = _emit_address(buf, idx, lines, fresh, base=g)
+        varies = frozenset().union(*(axes[id(s)] for s in load.src))
+        summed = sorted(tile_axis[a] for a in "mn" if a not in varies)
+        if len(summed) == 2:
+            total = f"tl.sum(tl.sum({val}, 1), 0)"
+        elif len(summed) == 1:
+            total = f"tl.sum({val}, {summed[0]}, keep_dims=True)"
+        else:
+            total = val
+            mask = f"{mask} & valid"
+        lines.append(f"tl.atomic_add({ptr}, {total}.to({g}.dtype.element_ty), mask={mask})")
+
+    ds = expr[id(d_score)]
+    result = "grad" if d_score.op == "const" and d_score.arg == 1.0 else f"grad * {ds}"
+    buffers = {b.index: b for b in ir.buffers_of(roots)}
+    buffers.update({load.arg.index: load.arg for load, _ in scatters})
+    buffers = [buffers[i] for i in sorted(buffers)]
+    grads = {load.arg.index: load.arg for load, _ in scatters}
+    params = buffer_params(buffers)
+    for i in sorted(grads):
+        params += [f"G{i}"] + [f"G{i}_s{d}" for d in range(grads[i].ndim)]
+    sig = ", ".join(["score", *ir.INDEX_INPUTS, "grad", "valid", *params])
+    body = "\n".join(f"    {line}" for line in lines + [f"return tl.where(valid, {result}, 0.0)"])
+    src = f"@triton.jit\ndef {name}({sig}):\n{body}\n"
+    return ModSource(name, "score", src, tuple(params), tuple(buffers))
+
+
+def grad_launch_args(buffers, grads) -> list:
+    """Host values for the ``G{i}, G{i}_s{d}...`` parameters: ``grads`` maps buffer index -> tensor."""
+    out = []
+    for i in sorted(grads):
+        out.append(grads[i])
+        out += list(grads[i].stride())
+    return out
