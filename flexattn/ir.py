@@ -92,7 +92,8 @@ class Buffer:
 def _arg_key(arg: Any) -> Any:
     # 1 == 1.0 == True in Python; constants of different type must not intern together.
     if isinstance(arg, float):
-        return ("f", arg if not math.isnan(arg) else "nan", math.copysign(1.0, arg))
+        # NaN's sign bit is noise (folding inf - inf gives -nan on x86): all NaNs are one constant.
+        return ("f", "nan") if math.isnan(arg) else ("f", arg, math.copysign(1.0, arg))
     if isinstance(arg, bool):
         return ("b", arg)
     if isinstance(arg, int):
@@ -622,7 +623,8 @@ def to_text(root: Node) -> str:
         return f"{dtype_name(c.dtype)}({_const_text(c.arg)})"
 
     def operand(n: Node, sibling: Node) -> str:
-        return lit(n, sibling.dtype) if n.op == "const" else memo[id(n)]
+        # Two constants: neither anchors the other's dtype, so each is written with its own.
+        return lit(n, sibling.dtype if sibling.op != "const" else None) if n.op == "const" else memo[id(n)]
 
     for n in toposort(root):
         op = n.op
