@@ -384,7 +384,7 @@ class _ToIR(Transformer):
                     raise _Error(f"cannot call Python function '{name}': the tracer (flexattn.trace) is "
                                  "not available", meta, "bind a flexattn Mod instead")
                 try:
-                    mod = trace(fn)
+                    mod = trace(fn, score_dtype=self.scope.score_dtype)
                 except Exception as e:  # the tracer's own message says what went wrong
                     raise _Error(f"could not trace Python mod '{name}': {e}", meta) from e
             self.scope.mods[name] = mod
@@ -626,7 +626,12 @@ def _mod(kind: str, text: str, bindings: dict[str, Any], score_dtype: torch.dtyp
     from flexattn.mods import Mod
 
     root, tensors = parse_with_buffers(text, kind, bindings, score_dtype)
-    return Mod(kind, root, tensors, name=f"dsl_{kind}_mod", source=text)
+    mod = Mod(kind, root, tensors, name=f"dsl_{kind}_mod", source=text)
+    # torch's flex_attention tells score from mask mods by counting positional parameters.
+    params = ir.SCORE_INPUTS if kind == "score" else ir.INDEX_INPUTS
+    mod.__signature__ = inspect.Signature(
+        [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params])
+    return mod
 
 
 def mask_mod(text: str, /, **bindings):
