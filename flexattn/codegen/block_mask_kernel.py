@@ -1,0 +1,85 @@
+"""Host side of the block-mask kernels (templates/block_mask.py): render, launch, return tables.
+
+`build_tables` classifies every (query tile, KV tile) of a mask `Mod` with the generated
+``classify_kernel`` (interval analysis first, element evaluation only for undecided tiles) and
+writes the eight index tensors of a BlockMask with ``kv_order_kernel`` / ``q_order_kernel``.
+Scratch memory is 2 bits per tile; nothing of size Q_LEN x KV_LEN is ever allocated.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from flexattn import interval, ir
+from flexattn.codegen import emit
+from flexattn.codegen.render import load_kernel_module
+from flexattn.mods import Mod
+
+
+def kernel_module(mod: Mod, target: str):
+    src = mod.emit(target, name="mask_mod")
+    interval_src, interval_params = interval.emit_interval(mod.ir, "mask_interval")
+    params = src.param_list("")
+    hooks = {
+        "prelude": emit.prelude(target),
+        "mod_def": src.source,
+        "interval_def": interval_src,
+        "mod_params": params,
+        "interval_params": "".join(f"{p}, " for p in interval.summary_params(list(src.buffers))),
+        "mod_call": f"mask_mod(b, h, q_idx, kv_idx, {params})",
+        "interval_call": f"mask_interval(b, h, q_lo, q_hi, lo_kv, hi_kv, {', '.join(interval_params)})",
+    }
+    return load_kernel_module("block_mask", hooks, {f"mask_mod {mod.name}": mod.source},
+                              interpret=target == "interpret")
+
+
+def build_tables(mod: Mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOCK: int,
+                 device: torch.device, separate_full: bool = True, use_interval: bool = True):
+    """(kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx), each
+    shaped [BD, HD, ...] (int32); the full_* ones are None unless ``separate_full``."""
+    interpret = device.type == "cpu"
+    module = kernel_module(mod, "interpret" if interpret else "cuda")
+    used = ir.buffers_of(mod.ir)
+    summaries = {buf.index: interval.Summary.of(mod.buffers[buf.index]) for buf in used}
+    n_q, n_kv = triton.cdiv(Q_LEN, Q_BLOCK), triton.cdiv(KV_LEN, KV_BLOCK)
+    n_words = triton.cdiv(n_kv, 16)
+    BH = BD * HD
+    state = torch.empty(BH, n_q, n_words, dtype=torch.int32, device=device)
+    # The interpreter runs one program at a time: bigger vectors, fewer steps. On the GPU, sub-tiles
+    # of 64 x 64 keep registers in check.
+    sub_q, sub_kv = (Q_BLOCK, KV_BLOCK) if interpret else (min(Q_BLOCK, 64), min(KV_BLOCK, 64))
+    chunk_words = min(8, triton.next_power_of_2(n_words))
+    module.classify_kernel[(n_q, BH)](
+        state, *mod.launch_args(), *interval.summary_args(used, summaries),
+        state.stride(0), state.stride(1),
+        HD, Q_LEN, KV_LEN, n_kv, n_words,
+        BLOCK_Q=Q_BLOCK, BLOCK_KV=KV_BLOCK, SUB_Q=sub_q, SUB_KV=sub_kv,
+        CHUNK_WORDS=chunk_words, USE_INTERVAL=use_interval,
+    )
+
+    def tables(n_rows, n_cols):
+        num = torch.empty(BH, n_rows, dtype=torch.int32, device=device)
+        idx = torch.empty(BH, n_rows, n_cols, dtype=torch.int32, device=device)
+        return num, idx
+
+    kv_num, kv_idx = tables(n_q, n_kv)
+    q_num, q_idx = tables(n_kv, n_q)
+    if separate_full:
+        fkv_num, fkv_idx = tables(n_q, n_kv)
+        fq_num, fq_idx = tables(n_kv, n_q)
+    else:
+        fkv_num = fkv_idx = fq_num = fq_idx = kv_num  # unused by the kernels
+    common = dict(SEPARATE_FULL=separate_full)
+    module.kv_order_kernel[(n_q, BH)](
+        state, kv_num, kv_idx, fkv_num, fkv_idx, state.stride(0), state.stride(1), n_q, n_kv,
+        CHUNK=min(1024, triton.next_power_of_2(n_kv)), **common,
+    )
+    module.q_order_kernel[(n_kv, BH)](
+        state, q_num, q_idx, fq_num, fq_idx, state.stride(0), state.stride(1), n_q, n_kv,
+        CHUNK=min(1024, triton.next_power_of_2(n_q)), **common,
+    )
+    out = [kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx]
+    if not separate_full:
+        out[2] = out[3] = out[6] = out[7] = None
+    return tuple(None if t is None else t.view(BD, HD, *t.shape[1:]) for t in out)

@@ -1,0 +1,208 @@
+# Block-mask construction: classify every (query tile, KV tile) of a mask_mod as empty, partial or
+# full without ever materialising the [B, H, Q_LEN, KV_LEN] boolean mask, then write torch's
+# BlockMask index layout straight from the classification.
+#
+# Three kernels share one 2-bit-per-tile state array, STATE[BH, N_Q_TILES, N_WORDS] (int32, 16
+# tiles per word, tile j of a row in bits 2*(j%16)..2*(j%16)+1 of word j//16):
+#   classify_kernel  grid (N_Q_TILES, BH): interval analysis decides tiles wholesale; the tiles it
+#                    cannot decide are evaluated element by element with the emitted mask_mod.
+#   kv_order_kernel  grid (N_Q_TILES, BH): per query-tile row, counts and indices of the partial
+#                    and full KV tiles (kv_num_blocks / kv_indices / full_kv_*).
+#   q_order_kernel   grid (N_KV_TILES, BH): the same per KV-tile column (q_* / full_q_*).
+#
+# Index layout (torch's, from a stable descending argsort of the 0/1 tile row): a row of
+# *_indices holds the selected tiles in ascending order, then all other tiles in ascending order.
+#
+# [Note] Sequence tails: elements past Q_LEN / KV_LEN count as masked out (torch pads the dense
+# mask with False), so a tile cut by the sequence end is never full, and it is partial iff any
+# in-range element is true. Out-of-range indices are clamped before mask_mod sees them.
+#
+# sub notation:
+#   BLOCK_Q, BLOCK_KV: tile (sparse block) sizes; SUB_Q, SUB_KV: sub-tile evaluated at once
+#   CHUNK_WORDS: words (x16 tiles) classified per loop step; CHUNK: tiles per step when ordering
+#   USE_INTERVAL: decide tiles by interval analysis first (else evaluate every tile)
+#   SEPARATE_FULL: full tiles go to full_* (else every non-empty tile is "partial")
+#   HD: heads in the evaluated grid (program_id(1) = b * HD + h)
+$prelude
+
+$mod_def
+
+$interval_def
+
+# Reductions go through tl.reduce / tl.associative_scan: the helpers in triton.language.standard
+# (tl.sum, tl.max, tl.cumsum, tl.zeros) are jit functions that the CPU interpreter cannot call from
+# generated modules, while it runs these standard combine functions natively (numpy).
+_sum_op = tl.standard._sum_combine
+_max_op = tl.standard._elementwise_max
+_min_op = tl.standard._elementwise_min
+
+
+@triton.jit
+def _tile_max(x):
+    return tl.reduce(tl.reduce(x, 1, _max_op), 0, _max_op)
+
+
+@triton.jit
+def _tile_min(x):
+    return tl.reduce(tl.reduce(x, 1, _min_op), 0, _min_op)
+
+
+EMPTY: tl.constexpr = 0
+PARTIAL: tl.constexpr = 1
+FULL: tl.constexpr = 2
+UNKNOWN: tl.constexpr = 3
+
+
+@triton.jit
+def _exact_tile(
+    b, h, q_lo, kv_lo, Q_LEN, KV_LEN, $mod_params
+    BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, SUB_Q: tl.constexpr, SUB_KV: tl.constexpr,
+):
+    # -- evaluate mask_mod on every element of one tile: empty, partial or full
+    any_true = tl.full([], 0, tl.int32)
+    all_true = tl.full([], 1, tl.int32)
+    for sq in tl.static_range(0, BLOCK_Q, SUB_Q):
+        for sk in tl.static_range(0, BLOCK_KV, SUB_KV):
+            q_idx = q_lo + sq + tl.arange(0, SUB_Q)[:, None]
+            kv_idx = kv_lo + sk + tl.arange(0, SUB_KV)[None, :]
+            inside = (q_idx < Q_LEN) & (kv_idx < KV_LEN)
+            q_idx = tl.minimum(q_idx, Q_LEN - 1)
+            kv_idx = tl.minimum(kv_idx, KV_LEN - 1)
+            keep = ($mod_call) & inside
+            keep = keep.to(tl.int32)
+            any_true = tl.maximum(any_true, _tile_max(keep))
+            all_true = tl.minimum(all_true, _tile_min(keep))
+    return tl.where(all_true == 1, FULL, tl.where(any_true == 1, PARTIAL, EMPTY))
+
+
+@triton.jit
+def classify_kernel(
+    State, $mod_params $interval_params
+    stride_sbh, stride_sm,
+    HD, Q_LEN, KV_LEN, N_KV_TILES, N_WORDS,
+    BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, SUB_Q: tl.constexpr, SUB_KV: tl.constexpr,
+    CHUNK_WORDS: tl.constexpr, USE_INTERVAL: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HD
+    h = pid_bh % HD
+    q_lo = pid_m * BLOCK_Q
+    q_hi = tl.minimum(q_lo + BLOCK_Q, Q_LEN) - 1
+    q_whole = q_lo + BLOCK_Q <= Q_LEN
+    row = State + pid_bh.to(tl.int64) * stride_sbh + pid_m.to(tl.int64) * stride_sm
+    offs_w = tl.arange(0, CHUNK_WORDS)
+    lane = tl.arange(0, 16)
+    for w0 in range(0, N_WORDS, CHUNK_WORDS):
+        words_idx = w0 + offs_w
+        tile = words_idx[:, None] * 16 + lane[None, :]  # [CHUNK_WORDS, 16] KV tile ids
+        real = tile < N_KV_TILES
+        kv_lo = tile * BLOCK_KV
+        whole = q_whole & (kv_lo + BLOCK_KV <= KV_LEN)
+        if USE_INTERVAL:
+            # -- decide tiles from the ranges of their indices (padding lanes get a valid range)
+            lo_kv = tl.where(real, kv_lo, 0)
+            hi_kv = tl.where(real, tl.minimum(kv_lo + BLOCK_KV, KV_LEN) - 1, 0)
+            lo, hi = $interval_call
+            state = tl.where(lo == 1, FULL, tl.where(hi == 0, EMPTY, UNKNOWN))
+            state = tl.where((state == FULL) & (whole == 0), PARTIAL, state)
+        else:
+            state = tl.full([CHUNK_WORDS, 16], UNKNOWN, tl.int32)
+        state = tl.where(real, state, EMPTY)
+        words = tl.reduce(state << (2 * lane)[None, :], 1, _sum_op)  # disjoint bit fields: sum == or
+        if _tile_max(state) == UNKNOWN:
+            # -- evaluate the undecided tiles of this chunk one by one
+            for k in range(CHUNK_WORDS):
+                word = tl.reduce(tl.where(offs_w == k, words, 0), 0, _sum_op)
+                w = w0 + k
+                for t in range(16):
+                    s = (word >> (2 * t)) & 3
+                    if s == UNKNOWN:
+                        s = _exact_tile(b, h, q_lo, (w * 16 + t) * BLOCK_KV, Q_LEN, KV_LEN, $mod_params
+                                        BLOCK_Q, BLOCK_KV, SUB_Q, SUB_KV)
+                        word = (word & ~(3 << (2 * t))) | (s << (2 * t))
+                tl.store(row + w, word, mask=w < N_WORDS)
+        else:
+            tl.store(row + words_idx, words, mask=words_idx < N_WORDS)
+
+
+@triton.jit
+def _states(Words, i, real, stride, lane, COLUMN: tl.constexpr):
+    # Row of tiles: tile i sits in word i // 16. Column (KV tile `lane` of word column Words):
+    # query-tile row i's word is Words + i * stride.
+    if COLUMN:
+        word = tl.load(Words + i.to(tl.int64) * stride, mask=real, other=0)
+        return (word >> (2 * lane)) & 3
+    else:
+        word = tl.load(Words + i // 16, mask=real, other=0)
+        return (word >> (2 * (i % 16))) & 3
+
+
+@triton.jit
+def _selected(st, real, SELECT: tl.constexpr):
+    if SELECT == 0:  # no separate full tiles: every non-empty tile counts
+        return ((st != EMPTY) & real).to(tl.int32)
+    else:
+        return ((st == SELECT) & real).to(tl.int32)
+
+
+@triton.jit
+def _count(Words, N, stride, lane, SELECT: tl.constexpr, COLUMN: tl.constexpr, CHUNK: tl.constexpr):
+    offs = tl.arange(0, CHUNK)
+    n = tl.full([], 0, tl.int32)
+    for c in range(0, N, CHUNK):
+        i = c + offs
+        real = i < N
+        n += tl.reduce(_selected(_states(Words, i, real, stride, lane, COLUMN), real, SELECT), 0, _sum_op)
+    return n
+
+
+@triton.jit
+def _order(Words, N, stride, lane, Num, Idx,
+           SELECT: tl.constexpr, COLUMN: tl.constexpr, CHUNK: tl.constexpr):
+    # -- one row of an index table: selected tiles ascending, then the others ascending
+    n_sel = _count(Words, N, stride, lane, SELECT, COLUMN, CHUNK)
+    offs = tl.arange(0, CHUNK)
+    seen = tl.full([], 0, tl.int32)
+    for c in range(0, N, CHUNK):
+        i = c + offs
+        real = i < N
+        sel = _selected(_states(Words, i, real, stride, lane, COLUMN), real, SELECT)
+        before = seen + tl.associative_scan(sel, 0, _sum_op) - sel  # selected tiles before tile i
+        pos = tl.where(sel == 1, before, n_sel + i - before)
+        tl.store(Idx + pos, i, mask=real)
+        seen += tl.reduce(sel, 0, _sum_op)
+    tl.store(Num, n_sel)
+
+
+@triton.jit
+def kv_order_kernel(
+    State, KvNum, KvIdx, FullNum, FullIdx,
+    stride_sbh, stride_sm, N_Q_TILES, N_KV_TILES,
+    SEPARATE_FULL: tl.constexpr, CHUNK: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    words = State + pid_bh.to(tl.int64) * stride_sbh + pid_m.to(tl.int64) * stride_sm
+    row = pid_bh.to(tl.int64) * N_Q_TILES + pid_m
+    SEL: tl.constexpr = PARTIAL if SEPARATE_FULL else 0
+    _order(words, N_KV_TILES, 0, 0, KvNum + row, KvIdx + row * N_KV_TILES, SEL, False, CHUNK)
+    if SEPARATE_FULL:
+        _order(words, N_KV_TILES, 0, 0, FullNum + row, FullIdx + row * N_KV_TILES, FULL, False, CHUNK)
+
+
+@triton.jit
+def q_order_kernel(
+    State, QNum, QIdx, FullNum, FullIdx,
+    stride_sbh, stride_sm, N_Q_TILES, N_KV_TILES,
+    SEPARATE_FULL: tl.constexpr, CHUNK: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    words = State + pid_bh.to(tl.int64) * stride_sbh + pid_n // 16
+    lane = pid_n % 16
+    col = pid_bh.to(tl.int64) * N_KV_TILES + pid_n
+    SEL: tl.constexpr = PARTIAL if SEPARATE_FULL else 0
+    _order(words, N_Q_TILES, stride_sm, lane, QNum + col, QIdx + col * N_Q_TILES, SEL, True, CHUNK)
+    if SEPARATE_FULL:
+        _order(words, N_Q_TILES, stride_sm, lane, FullNum + col, FullIdx + col * N_Q_TILES, FULL, True, CHUNK)

@@ -1,0 +1,622 @@
+"""Interval (range) analysis of mask IR over tiles: decide whole tiles without evaluating them.
+
+For a tile of query indices ``[q_lo, q_hi]`` x KV indices ``[kv_lo, kv_hi]`` we compute, node by
+node, an interval that contains every value the node can take on the tile. For the bool root that
+interval says "always true" (the tile is full), "always false" (empty) or "don't know" (the caller
+evaluates the tile's elements). Causal, sliding-window, prefix-LM and other affine masks are
+decided exactly, except for the tiles their boundary crosses; gathers from captured 1-D tensors
+(document ids) use min/max summaries of the tensor (`Summary`).
+
+Representation. Integers and bools are bounded in int64 (bools as 0/1: ``lo == 1`` means always
+true, ``hi == 0`` always false). Floats are bounded in the node's own dtype, so a bound is rounded
+by the same monotone rounding as the elements it bounds; a float interval is either NaN-free, or
+both bounds are NaN, which means "anything, NaN included" (every comparison then says don't know).
+Whatever an op cannot bound soundly (integer overflow, transcendental functions, float division,
+ops we don't model) goes to the dtype's whole range: the analysis may give up, never lie.
+
+One set of transfer functions serves two back ends through an ``ops`` object:
+
+* `EagerOps` runs them on torch tensors, vectorised over many tiles at once (the CPU path);
+* `TritonOps` *stages* them: values are `Sym` names and every operation appends a line of Triton
+  source, which `emit_interval` wraps into a ``@triton.jit`` function for the GPU kernel.
+
+Example::
+
+    >>> from flexattn import ir
+    >>> q, kv = ir.input_("q_idx"), ir.input_("kv_idx")
+    >>> causal = ir.binary("ge", q, kv)
+    >>> t = torch.tensor
+    >>> tile_states(causal, {"b": (t(0), t(0)), "h": (t(0), t(0)),
+    ...     "q_idx": (t([0, 0, 128]), t([127, 127, 255])), "kv_idx": (t([128, 0, 0]), t([255, 127, 127]))}, [])
+    tensor([0, 3, 2], dtype=torch.int8)
+
+(empty above the diagonal, unknown on it, full below.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flexattn import ir
+from flexattn.codegen import emit
+
+# Tile states, shared with the block-mask kernels.
+EMPTY, PARTIAL, FULL, UNKNOWN = 0, 1, 2, 3
+
+I64 = torch.int64
+I64_MIN, I64_MAX = torch.iinfo(I64).min, torch.iinfo(I64).max
+ADD_SAFE = 1 << 62  # |bounds| below this: a sum or difference of two fits in int64
+MUL_SAFE = 1 << 31  # |bounds| below this: a product fits in int64
+
+# Granule of the buffer summaries: tile-aligned index ranges (tiles are multiples of 16) are exact.
+LOG_GRANULE = 4
+GRANULE = 1 << LOG_GRANULE
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    return "float" if dtype.is_floating_point else "int"
+
+
+# ---------------------------------------------------------------------------------------------
+# Back ends
+
+
+class EagerOps:
+    """Interval ops on torch tensors (all bounds broadcast against each other)."""
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = device
+
+    def i64(self, value: int):
+        return torch.tensor(value, dtype=I64, device=self.device)
+
+    def fconst(self, value: float, dtype: torch.dtype):
+        return torch.tensor(value, dtype=dtype, device=self.device)
+
+    def to(self, x, dtype: torch.dtype):
+        return x.to(dtype)
+
+    def where(self, c, a, b):
+        return torch.where(c, a, b)
+
+    def minimum(self, a, b):
+        return torch.minimum(a, b)  # propagates NaN
+
+    def maximum(self, a, b):
+        return torch.maximum(a, b)
+
+    def floordiv(self, a, b):
+        return torch.div(a, b, rounding_mode="floor")
+
+    def mod(self, a, b):
+        return torch.remainder(a, b)
+
+    def unary(self, op: str, x):
+        return {"floor": torch.floor, "ceil": torch.ceil, "round": torch.round, "trunc": torch.trunc}[op](x)
+
+    def gather(self, table, idx):
+        return table[idx]
+
+
+class Sym:
+    """A staged Triton value: the name of a temporary in the generated function."""
+
+    __slots__ = ("ops", "name")
+
+    def __init__(self, ops: "TritonOps", name: str):
+        self.ops, self.name = ops, name
+
+    def __str__(self):
+        return self.name
+
+    def _bin(self, other, fmt, swap=False):
+        a, b = (other, self) if swap else (self, other)
+        return self.ops.emit(fmt.format(_text(a), _text(b)))
+
+    __add__ = lambda s, o: s._bin(o, "({} + {})")
+    __radd__ = lambda s, o: s._bin(o, "({} + {})", True)
+    __sub__ = lambda s, o: s._bin(o, "({} - {})")
+    __rsub__ = lambda s, o: s._bin(o, "({} - {})", True)
+    __mul__ = lambda s, o: s._bin(o, "({} * {})")
+    __rmul__ = lambda s, o: s._bin(o, "({} * {})", True)
+    __rshift__ = lambda s, o: s._bin(o, "({} >> {})")
+    __and__ = lambda s, o: s._bin(o, "({} & {})")
+    __rand__ = lambda s, o: s._bin(o, "({} & {})", True)
+    __or__ = lambda s, o: s._bin(o, "({} | {})")
+    __ror__ = lambda s, o: s._bin(o, "({} | {})", True)
+    __xor__ = lambda s, o: s._bin(o, "({} ^ {})")
+    __lt__ = lambda s, o: s._bin(o, "({} < {})")
+    __le__ = lambda s, o: s._bin(o, "({} <= {})")
+    __gt__ = lambda s, o: s._bin(o, "({} > {})")
+    __ge__ = lambda s, o: s._bin(o, "({} >= {})")
+    __eq__ = lambda s, o: s._bin(o, "({} == {})")  # type: ignore[assignment]
+    __ne__ = lambda s, o: s._bin(o, "({} != {})")  # type: ignore[assignment]
+    __neg__ = lambda s: s.ops.emit(f"(-{s.name})")
+    __invert__ = lambda s: s.ops.emit(f"(~{s.name})")
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _text(x) -> str:
+    if isinstance(x, Sym):
+        return x.name
+    if isinstance(x, bool):
+        return "1" if x else "0"
+    if isinstance(x, int):
+        return str(x) if -(2**31) <= x < 2**31 else f"tl.full([], {x}, tl.int64)"
+    if isinstance(x, float):
+        return emit._pyval(x)
+    raise TypeError(f"cannot stage {type(x).__name__}")
+
+
+class TritonOps:
+    """Interval ops that append Triton source lines (see `emit_interval`)."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.count = 0
+
+    def emit(self, expr: str) -> Sym:
+        name = f"v{self.count}"
+        self.count += 1
+        self.lines.append(f"{name} = {expr}")
+        return Sym(self, name)
+
+    def i64(self, value: int):
+        return self.emit(f"tl.full([], {int(value)}, tl.int64)")
+
+    def fconst(self, value: float, dtype: torch.dtype):
+        return self.emit(f"tl.full([], {emit._pyval(float(value))}, {emit.TL_DTYPE[dtype]})")
+
+    def to(self, x, dtype: torch.dtype):
+        return self.emit(f"{_text(x)}.to({emit.TL_DTYPE[dtype]})")
+
+    def where(self, c, a, b):
+        return self.emit(f"tl.where({_text(c)}, {_text(a)}, {_text(b)})")
+
+    def _minmax(self, fn, a, b):
+        # Floats propagate NaN (a NaN bound means "don't know"); ints ignore the flag.
+        return self.emit(f"tl.{fn}({_text(a)}, {_text(b)}, propagate_nan=tl.PropagateNan.ALL)")
+
+    def minimum(self, a, b):
+        return self._minmax("minimum", a, b)
+
+    def maximum(self, a, b):
+        return self._minmax("maximum", a, b)
+
+    def floordiv(self, a, b):
+        return self.emit(f"_fa_floordiv_int({_text(a)}, {_text(b)})")
+
+    def mod(self, a, b):
+        return self.emit(f"_fa_mod_int({_text(a)}, {_text(b)})")
+
+    def unary(self, op: str, x):
+        fn = {"floor": "tl.floor", "ceil": "tl.ceil", "round": "_fa_round", "trunc": "_fa_trunc"}[op]
+        return self.emit(f"{fn}({_text(x)})")
+
+    def gather(self, table, idx):
+        return self.emit(f"tl.load({_text(table)} + {_text(idx)})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Buffer summaries
+
+
+@dataclass
+class Summary:
+    """Min/max pyramid of a captured tensor, for bounding gathers from it.
+
+    1-D tensors: level 0 holds the min/max of each `GRANULE` of elements, level k+1 of each pair of
+    level-k entries, up to one entry (the global min/max), all levels concatenated in ``mins`` /
+    ``maxs`` with level k starting at ``offsets[k]``. Other ranks keep only the global entry.
+    Int and bool tensors are summarised in int64, floats in their own dtype (NaN propagates).
+    """
+
+    mins: torch.Tensor
+    maxs: torch.Tensor
+    offsets: torch.Tensor
+    ndim: int
+
+    @property
+    def top(self) -> int:
+        return self.mins.numel() - 1
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "Summary":
+        x = t.detach()
+        if x.dtype.is_floating_point:
+            hi_pad, lo_pad = float("inf"), float("-inf")
+        else:
+            x = x.to(I64)
+            hi_pad, lo_pad = I64_MAX, I64_MIN
+        device = x.device
+        if x.numel() == 0:
+            zero = torch.zeros(1, dtype=x.dtype, device=device)
+            return Summary(zero, zero.clone(), torch.zeros(1, dtype=I64, device=device), t.dim())
+        if x.dim() != 1:
+            mn, mx = x.amin().reshape(1), x.amax().reshape(1)
+            return Summary(mn, mx, torch.zeros(1, dtype=I64, device=device), t.dim())
+
+        def level(v, pad, width, reduce):
+            extra = (-v.numel()) % width
+            if extra:
+                v = torch.cat([v, v.new_full((extra,), pad)])
+            return reduce(v.view(-1, width), dim=1)
+
+        mins, maxs = [level(x, hi_pad, GRANULE, torch.amin)], [level(x, lo_pad, GRANULE, torch.amax)]
+        while mins[-1].numel() > 1:
+            mins.append(level(mins[-1], hi_pad, 2, torch.amin))
+            maxs.append(level(maxs[-1], lo_pad, 2, torch.amax))
+        sizes = [m.numel() for m in mins]
+        offsets = torch.tensor([sum(sizes[:k]) for k in range(len(sizes))], dtype=I64, device=device)
+        return Summary(torch.cat(mins), torch.cat(maxs), offsets, 1)
+
+
+@dataclass
+class _SummaryRefs:
+    """Where a back end finds one buffer's summary: tables, level offsets, top entry, size."""
+
+    mins: Any
+    maxs: Any
+    offsets: Any
+    top: Any
+    size: Any  # dim-0 size of a 1-D buffer
+    ndim: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Transfer functions
+
+
+def _top(ops, dtype: torch.dtype):
+    k = _kind(dtype)
+    if k == "bool":
+        return ops.i64(0), ops.i64(1)
+    if k == "int":
+        info = torch.iinfo(dtype)
+        return ops.i64(info.min), ops.i64(info.max)
+    nan = ops.fconst(float("nan"), dtype)
+    return nan, nan
+
+
+def _fit(ops, lo, hi, dtype: torch.dtype, ok=None):
+    """Integer bounds for ``dtype``: its whole range where they overflow it (or ``ok`` is false)."""
+    info = torch.iinfo(dtype)
+    fits = (lo >= info.min) & (hi <= info.max)
+    ok = fits if ok is None else ok & fits
+    tlo, thi = _top(ops, dtype)
+    return ops.where(ok, lo, tlo), ops.where(ok, hi, thi)
+
+
+def _nan_norm(ops, lo, hi, dtype):
+    """Float bounds: if either is NaN, both are (the interval then means "anything")."""
+    bad = (lo != lo) | (hi != hi)
+    nan = ops.fconst(float("nan"), dtype)
+    return ops.where(bad, nan, lo), ops.where(bad, nan, hi)
+
+
+def _finite(lo, hi):
+    # x - x is 0 for finite x, NaN for inf and NaN.
+    return ((lo - lo) == 0) & ((hi - hi) == 0)
+
+
+def _within(x, bound: int):
+    lo, hi = x
+    return (lo >= -bound) & (hi <= bound)
+
+
+def _as_bool(ops, true, false):
+    """A bool interval from "surely true" / "surely false" conditions."""
+    return ops.to(true, I64), ops.to(~false, I64)
+
+
+def _compare(op, a, b):
+    """(surely true, surely false) of ``a op b`` for intervals a, b."""
+    (alo, ahi), (blo, bhi) = a, b
+    if op == "lt":
+        return ahi < blo, alo >= bhi
+    if op == "le":
+        return ahi <= blo, alo > bhi
+    if op == "gt":
+        return alo > bhi, ahi <= blo
+    if op == "ge":
+        return alo >= bhi, ahi < blo
+    same = (alo == ahi) & (blo == bhi) & (alo == blo)
+    apart = (ahi < blo) | (bhi < alo)
+    return (same, apart) if op == "eq" else (apart, same)
+
+
+def _bitlen(ops, x):
+    """Number of bits of ``x`` (0 <= x < 2**63), branch-free: 0 -> 0, 1 -> 1, 5 -> 3."""
+    n = ops.i64(0)
+    for s in (32, 16, 8, 4, 2, 1):
+        big = x >= (1 << s)
+        x = ops.where(big, x >> s, x)
+        n = n + ops.where(big, ops.i64(s), ops.i64(0))
+    return n + x
+
+
+def _load(ops, n: ir.Node, s, refs: _SummaryRefs):
+    """Bounds of ``buffer[index]``: in-range indices query the pyramid; others may read 0."""
+    dtype = n.dtype
+    is_float = dtype.is_floating_point
+    zero = ops.fconst(0.0, dtype) if is_float else ops.i64(0)
+    glo = ops.gather(refs.mins, refs.top)
+    ghi = ops.gather(refs.maxs, refs.top)
+    if refs.ndim == 0:
+        lo, hi = glo, ghi
+    elif refs.ndim == 1:
+        ilo, ihi = s[0]
+        size = refs.size
+        pos = (ilo >= 0) & (ihi < size)
+        neg = (ilo >= -size) & (ihi < 0)  # negative indices wrap like Python's
+        qlo = ops.where(pos, ilo, ops.where(neg, ilo + size, ops.i64(0)))
+        qhi = ops.where(pos, ihi, ops.where(neg, ihi + size, ops.i64(0)))
+        g1, g2 = qlo >> LOG_GRANULE, qhi >> LOG_GRANULE
+        # At level k = bitlen(g2 - g1) entries cover 2**k granules, so [g1, g2] meets at most two.
+        k = _bitlen(ops, g2 - g1)
+        off = ops.gather(refs.offsets, k)
+        a, b = off + (g1 >> k), off + (g2 >> k)
+        mn = ops.minimum(ops.gather(refs.mins, a), ops.gather(refs.mins, b))
+        mx = ops.maximum(ops.gather(refs.maxs, a), ops.gather(refs.maxs, b))
+        inside = pos | neg
+        lo = ops.where(inside, mn, ops.minimum(glo, zero))
+        hi = ops.where(inside, mx, ops.maximum(ghi, zero))
+    else:
+        lo, hi = ops.minimum(glo, zero), ops.maximum(ghi, zero)
+    if is_float:
+        return _nan_norm(ops, lo, hi, dtype)
+    return lo, hi
+
+
+def _cast(ops, n: ir.Node, x):
+    src, dst = n.src[0].dtype, n.dtype
+    ks, kd = _kind(src), _kind(dst)
+    lo, hi = x
+    if kd == "bool":
+        zero = 0.0 if ks == "float" else 0
+        return _as_bool(ops, (lo > zero) | (hi < zero), (lo == zero) & (hi == zero))
+    if kd == "float":
+        return _nan_norm(ops, ops.to(lo, dst), ops.to(hi, dst), dst)
+    if ks == "float":
+        ok = (lo >= -float(ADD_SAFE)) & (hi <= float(ADD_SAFE))  # false for NaN
+        zero = ops.fconst(0.0, src)
+        lo = ops.to(ops.where(ok, lo, zero), I64)  # float -> int truncates toward zero
+        hi = ops.to(ops.where(ok, hi, zero), I64)
+        return _fit(ops, lo, hi, dst, ok)
+    return _fit(ops, lo, hi, dst)
+
+
+def _arith(ops, op, n, a, b):
+    dtype = n.dtype
+    (alo, ahi), (blo, bhi) = a, b
+    if op == "add":
+        lo, hi = alo + blo, ahi + bhi
+    elif op == "sub":
+        lo, hi = alo - bhi, ahi - blo
+    else:
+        p = (alo * blo, alo * bhi, ahi * blo, ahi * bhi)
+        lo = ops.minimum(ops.minimum(p[0], p[1]), ops.minimum(p[2], p[3]))
+        hi = ops.maximum(ops.maximum(p[0], p[1]), ops.maximum(p[2], p[3]))
+    if dtype.is_floating_point:
+        # Finite operands never give NaN here; inf - inf or 0 * inf could.
+        ok = _finite(alo, ahi) & _finite(blo, bhi)
+        nan = ops.fconst(float("nan"), dtype)
+        return _nan_norm(ops, ops.where(ok, lo, nan), ops.where(ok, hi, nan), dtype)
+    safe = ADD_SAFE if op != "mul" else MUL_SAFE
+    return _fit(ops, lo, hi, dtype, _within(a, safe) & _within(b, safe))
+
+
+def _floordiv_or_mod(ops, op, n, a, b):
+    dtype = n.dtype
+    if dtype.is_floating_point:
+        return _top(ops, dtype)
+    (alo, ahi), (blo, bhi) = a, b
+    pos, neg = blo > 0, bhi < 0
+    ok = (pos | neg) & _within(a, ADD_SAFE) & _within(b, ADD_SAFE)
+    one = ops.i64(1)
+    # Divisors that may be 0 are replaced by 1 (their result is discarded) so nothing traps.
+    dlo, dhi = ops.where(ok, blo, one), ops.where(ok, bhi, one)
+    if op == "floordiv":
+        # floor(x / d) is monotone in x and in d on each side of 0: the corners bound it.
+        p = [ops.floordiv(x, d) for x in (alo, ahi) for d in (dlo, dhi)]
+        lo = ops.minimum(ops.minimum(p[0], p[1]), ops.minimum(p[2], p[3]))
+        hi = ops.maximum(ops.maximum(p[0], p[1]), ops.maximum(p[2], p[3]))
+        return _fit(ops, lo, hi, dtype, ok)
+    # Python-sign modulo: in [0, d-1] for d > 0 and [d+1, 0] for d < 0; exact when the numerator
+    # range stays inside one period of a constant divisor.
+    lo = ops.where(pos, ops.i64(0), dlo + 1)
+    hi = ops.where(pos, dhi - 1, ops.i64(0))
+    period = (dlo == dhi) & (ops.floordiv(alo, dlo) == ops.floordiv(ahi, dlo))
+    lo = ops.where(period, ops.mod(alo, dlo), lo)
+    hi = ops.where(period, ops.mod(ahi, dlo), hi)
+    return _fit(ops, lo, hi, dtype, ok)
+
+
+def _bitwise(ops, op, n, a, b):
+    (alo, ahi), (blo, bhi) = a, b
+    if n.dtype == torch.bool:
+        if op == "and_":
+            return ops.minimum(alo, blo), ops.minimum(ahi, bhi)
+        if op == "or_":
+            return ops.maximum(alo, blo), ops.maximum(ahi, bhi)
+        known = (alo == ahi) & (blo == bhi)
+        v = alo ^ blo
+        return ops.where(known, v, ops.i64(0)), ops.where(known, v, ops.i64(1))
+    if op == "and_":
+        # x & c lies in [0, c] when c >= 0.
+        tlo, thi = _top(ops, n.dtype)
+        an, bn = alo >= 0, blo >= 0
+        hi = ops.where(an & bn, ops.minimum(ahi, bhi), ops.where(an, ahi, ops.where(bn, bhi, thi)))
+        lo = ops.where(an | bn, ops.i64(0), tlo)
+        return lo, hi
+    if op == "rshift":
+        # Arithmetic shift by a known amount is floor division by a power of two: monotone.
+        ok = (blo == bhi) & (blo >= 0) & (blo < 63)
+        sh = ops.where(ok, blo, ops.i64(0))
+        return _fit(ops, alo >> sh, ahi >> sh, n.dtype, ok)
+    return _top(ops, n.dtype)
+
+
+def _unary(ops, op, n, x):
+    dtype = n.dtype
+    lo, hi = x
+    if op == "not":
+        return 1 - hi, 1 - lo
+    if dtype.is_floating_point:
+        if op == "neg":
+            lo, hi = -hi, -lo
+        elif op == "abs":
+            lo, hi = _abs(ops, lo, hi, ops.fconst(0.0, dtype))
+        elif op == "relu":
+            zero = ops.fconst(0.0, dtype)
+            lo, hi = ops.maximum(lo, zero), ops.maximum(hi, zero)
+        elif op in ("floor", "ceil", "round", "trunc"):
+            lo, hi = ops.unary(op, lo), ops.unary(op, hi)
+        else:
+            return _top(ops, dtype)  # transcendental: implementations need not be monotone
+        return _nan_norm(ops, lo, hi, dtype)
+    if op == "neg":
+        return _fit(ops, -hi, -lo, dtype, _within(x, ADD_SAFE))
+    if op == "invert":
+        return ~hi, ~lo
+    if op == "abs":
+        alo, ahi = _abs(ops, lo, hi, ops.i64(0))
+        return _fit(ops, alo, ahi, dtype, _within(x, ADD_SAFE))
+    if op == "sign":
+        def sgn(v):
+            return ops.where(v > 0, ops.i64(1), ops.where(v < 0, ops.i64(-1), ops.i64(0)))
+        return sgn(lo), sgn(hi)
+    if op == "relu":
+        zero = ops.i64(0)
+        return ops.maximum(lo, zero), ops.maximum(hi, zero)
+    return _top(ops, dtype)
+
+
+def _abs(ops, lo, hi, zero):
+    alo = ops.where(lo >= zero, lo, ops.where(hi <= zero, -hi, zero))
+    ahi = ops.maximum(-lo, hi)
+    return alo, ahi
+
+
+def _transfer(ops, n: ir.Node, s: list, inputs: dict, refs: dict[int, _SummaryRefs]):
+    op = n.op
+    if op == "const":
+        if n.dtype.is_floating_point:
+            c = ops.fconst(n.arg, n.dtype)
+        else:
+            c = ops.i64(int(n.arg))
+        return c, c
+    if op == "input":
+        return inputs[n.arg]
+    if op == "load":
+        return _load(ops, n, s, refs[n.arg.index])
+    if op == "cast":
+        return _cast(ops, n, s[0])
+    if op == "where":
+        (clo, chi), (alo, ahi), (blo, bhi) = s
+        yes, no = clo == 1, chi == 0
+        lo = ops.where(yes, alo, ops.where(no, blo, ops.minimum(alo, blo)))
+        hi = ops.where(yes, ahi, ops.where(no, bhi, ops.maximum(ahi, bhi)))
+        return lo, hi
+    if op in ir.COMPARISONS:
+        return _as_bool(ops, *_compare(op, s[0], s[1]))
+    if op in ("add", "sub", "mul"):
+        return _arith(ops, op, n, s[0], s[1])
+    if op in ("floordiv", "mod"):
+        return _floordiv_or_mod(ops, op, n, s[0], s[1])
+    if op in ("minimum", "maximum"):
+        f = ops.minimum if op == "minimum" else ops.maximum
+        return f(s[0][0], s[1][0]), f(s[0][1], s[1][1])
+    if op in ("and_", "or_", "xor", "lshift", "rshift"):
+        return _bitwise(ops, op, n, s[0], s[1])
+    if op in ir.UNARY_OPS:
+        return _unary(ops, op, n, s[0])
+    return _top(ops, n.dtype)  # truediv, pow, ...: not modelled
+
+
+def analyze(root: ir.Node, ops, inputs: dict, refs: dict[int, _SummaryRefs]):
+    """Bounds (lo, hi) of ``root``; ``inputs`` maps b/h/q_idx/kv_idx to int64 (lo, hi)."""
+    memo: dict[int, Any] = {}
+    for n in ir.toposort(root):
+        memo[id(n)] = _transfer(ops, n, [memo[id(x)] for x in n.src], inputs, refs)
+    return memo[id(root)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+
+
+def tile_states(root: ir.Node, inputs: dict, buffers, summaries: list[Summary] | None = None) -> torch.Tensor:
+    """EMPTY / FULL / UNKNOWN (int8) for each tile, eagerly with torch ops.
+
+    ``inputs`` maps "b", "h", "q_idx", "kv_idx" to (lo, hi) tensors that broadcast together (one
+    entry per tile); ranges are inclusive and must hold only in-range indices. FULL here means
+    "every element in the ranges is true": callers downgrade tiles cut by the sequence end.
+    """
+    if root.dtype != torch.bool:
+        raise TypeError(f"interval analysis decides bool masks, got {ir.dtype_name(root.dtype)}")
+    device = next(iter(inputs.values()))[0].device
+    ops = EagerOps(device)
+    if summaries is None:
+        summaries = [Summary.of(t) for t in buffers]
+    refs = {}
+    for buf in ir.buffers_of(root):
+        sm, t = summaries[buf.index], buffers[buf.index]
+        refs[buf.index] = _SummaryRefs(sm.mins, sm.maxs, sm.offsets, sm.top,
+                                       t.shape[0] if t.dim() == 1 else 0, t.dim())
+    ins = {k: (lo.to(I64), hi.to(I64)) for k, (lo, hi) in inputs.items()}
+    lo, hi = analyze(root, ops, ins, refs)
+    state = torch.where(lo == 1, FULL, torch.where(hi == 0, EMPTY, UNKNOWN)).to(torch.int8)
+    shape = torch.broadcast_shapes(*(t.shape for pair in ins.values() for t in pair))
+    return state.expand(shape)
+
+
+def summary_params(buffers: list[ir.Buffer]) -> list[str]:
+    """Kernel parameter names for the summaries of ``buffers`` (after the mod's own)."""
+    out = []
+    for buf in buffers:
+        i = buf.index
+        out += [f"S{i}_min", f"S{i}_max", f"S{i}_off", f"S{i}_top"]
+    return out
+
+
+def summary_args(buffers: list[ir.Buffer], summaries: list[Summary]) -> list:
+    out = []
+    for buf in buffers:
+        sm = summaries[buf.index]
+        out += [sm.mins, sm.maxs, sm.offsets, sm.top]
+    return out
+
+
+def emit_interval(root: ir.Node, name: str = "mask_interval") -> tuple[str, tuple[str, ...]]:
+    """The ``@triton.jit`` source of the interval analysis of ``root``, and its extra params.
+
+    Signature: ``name(b, h, q_lo, q_hi, kv_lo, kv_hi, <mod buffer params>, <summary params>)``,
+    returning int64 (lo, hi) of the root; ``lo == 1``: surely true, ``hi == 0``: surely false.
+    Index arguments are int32 or int64 tensors that broadcast together.
+    """
+    if root.dtype != torch.bool:
+        raise TypeError(f"interval analysis decides bool masks, got {ir.dtype_name(root.dtype)}")
+    ops = TritonOps()
+    inputs = {}
+    for key, lo, hi in (("b", "b", "b"), ("h", "h", "h"), ("q_idx", "q_lo", "q_hi"), ("kv_idx", "kv_lo", "kv_hi")):
+        slo = ops.emit(f"{lo}.to(tl.int64)")
+        shi = slo if hi == lo else ops.emit(f"{hi}.to(tl.int64)")
+        inputs[key] = (slo, shi)
+    buffers = ir.buffers_of(root)
+    refs = {}
+    for buf in buffers:
+        i = buf.index
+        size = ops.emit(f"B{i}_n0.to(tl.int64)") if buf.ndim == 1 else None
+        refs[i] = _SummaryRefs(Sym(ops, f"S{i}_min"), Sym(ops, f"S{i}_max"), Sym(ops, f"S{i}_off"),
+                               Sym(ops, f"S{i}_top"), size, buf.ndim)
+    lo, hi = analyze(root, ops, inputs, refs)
+    extra = tuple(emit.buffer_params(buffers) + summary_params(buffers))
+    sig = ", ".join(["b", "h", "q_lo", "q_hi", "kv_lo", "kv_hi", *extra])
+    body = "\n".join(f"    {line}" for line in ops.lines + [f"return {_text(lo)}, {_text(hi)}"])
+    return f"@triton.jit\ndef {name}({sig}):\n{body}\n", extra
