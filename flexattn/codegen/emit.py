@@ -518,16 +518,16 @@ def emit_score_grad(d_score: Node, scatters=(), name: str = "score_mod_grad", ta
         scaled = "grad" if d_load.op == "const" and d_load.arg == 1.0 else f"grad * {dv}"
         lines.append(f"{val} = tl.where(valid, {scaled}, 0.0)")
         if buf.ndim == 0:
-            lines.append(f"tl.atomic_add({g}, tl.sum(tl.sum({val}, 1), 0).to({g}.dtype.element_ty))")
+            lines.append(f"tl.atomic_add({g}, {_sum_all(val)}.to({g}.dtype.element_ty))")
             continue
         idx = [as_name(s) if s.op != "const" else expr[id(s)] for s in load.src]
         ptr, mask = _emit_address(buf, idx, lines, fresh, base=g)
         varies = frozenset().union(*(axes[id(s)] for s in load.src))
         summed = sorted(tile_axis[a] for a in "mn" if a not in varies)
         if len(summed) == 2:
-            total = f"tl.sum(tl.sum({val}, 1), 0)"
+            total = _sum_all(val)
         elif len(summed) == 1:
-            total = f"tl.sum({val}, {summed[0]}, keep_dims=True)"
+            total = f"tl.reduce({val}, {summed[0]}, tl.standard._sum_combine, keep_dims=True)"
         else:
             total = val
             mask = f"{mask} & valid"
@@ -546,6 +546,12 @@ def emit_score_grad(d_score: Node, scatters=(), name: str = "score_mod_grad", ta
     body = "\n".join(f"    {line}" for line in lines + [f"return tl.where(valid, {result}, 0.0)"])
     src = f"@triton.jit\ndef {name}({sig}):\n{body}\n"
     return ModSource(name, "score", src, tuple(params), tuple(buffers))
+
+
+def _sum_all(tile: str) -> str:
+    # tl.reduce with the standard combine function rather than tl.sum: Triton's interpreter cannot
+    # call standard-library jit functions from generated modules (see templates/forward.py).
+    return f"tl.reduce(tl.reduce({tile}, 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)"
 
 
 def grad_launch_args(buffers, grads) -> list:

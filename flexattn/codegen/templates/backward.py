@@ -1,0 +1,475 @@
+# Block-sparse attention backward: dQ, dK, dV and the gradients of the score_mod's captured tensors.
+#
+# Three kernels, launched in this order:
+#   backward_preprocess  Delta[i] = rowsum(dO[i] * O[i]) - dLSE[i]      (one program per query tile)
+#   backward_dkdv        one program per (KV tile, batch x KV head): walks the query tiles that see
+#                        its KV tile (the transposed block mask: Q_NUM_BLKS / Q_IDX, then the full
+#                        twins), for every query head of its GQA group, accumulating dK and dV
+#   backward_dq          one program per (query tile, batch x query head): walks KV tiles like the
+#                        forward and accumulates dQ; it also scatters captured-tensor gradients
+#
+# P is recomputed from Q, K and the saved LSE (no [L, L] tensor is ever stored). With
+# s = score_mod(q.k * SM_SCALE) and P = exp(s - LSE):
+#   dV  = P^T dO
+#   dP  = dO V^T
+#   dS  = P * (dP - Delta)            gradient w.r.t. the modified score s; Delta includes -dLSE
+#                                     because d LSE / d s = P
+#   dS' = dS * d score_mod / d score  (score_mod_grad: the symbolic derivative, emitted from the IR)
+#   dQ  = dS' K * SM_SCALE,   dK = dS'^T Q * SM_SCALE
+#
+# sub notation:
+#   Q, DQ           [B, HQ, Q_LEN, QK_HEAD_DIM]
+#   K, V            [B or 1, HKV, KV_LEN, QK_HEAD_DIM / V_HEAD_DIM]   (batch 1: the host passes stride 0)
+#   DK, DV          [B, HKV, KV_LEN, ...]: one slice per *query* batch (the host sums over the batch
+#                   when K/V broadcast)
+#   Out, DO         [B, HQ, Q_LEN, V_HEAD_DIM]
+#   LSE             [B, HQ, Q_LEN], natural log, -inf for rows that see nothing
+#   DLSE            [B, HQ, Q_LEN] gradient of LSE (only read when HAS_GRAD_LSE)
+#   DELTA           [B, HQ, Q_LEN] float32/64, written by backward_preprocess
+#   KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX   [Bm, Hm, nQ(, nKV)] as in the forward (dQ)
+#   Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX       [Bm, Hm, nKV(, nQ)] the transposed lists:
+#                   the query blocks that see each KV block (dK/dV); Bm, Hm broadcast by stride 0
+#   G{i}            float32/64 gradient buffer of captured tensor i (zeroed by the host; atomics)
+#   SM_SCALE        runtime float
+#
+# constexprs:
+#   BLOCK_M1, BLOCK_N1     dK/dV pass: query rows per inner step / KV rows per program
+#   BLOCK_M2, BLOCK_N2     dQ pass: query rows per program / KV columns per inner step
+#   SPARSE_Q_BLOCK_SIZE    query rows per block-mask block (a multiple of BLOCK_M1 and BLOCK_M2)
+#   SPARSE_KV_BLOCK_SIZE   KV columns per block-mask block (a multiple of BLOCK_N1 and BLOCK_N2)
+#   QK_HEAD_DIM, V_HEAD_DIM             real head dims (E, Ev)
+#   QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED  next powers of two (>= 16)
+#   SAFE_HEAD_DIM          both head dims are powers of two: no column masks
+#   IS_DIVISIBLE           Q_LEN and KV_LEN fill whole sparse blocks (and tiles): no bounds checks
+#   GQA_SHARED_HEADS       query heads per KV head; query head h reads KV head h // GQA_SHARED_HEADS
+#   HAS_FULL_BLOCKS        the FULL_* lists exist
+#   HAS_GRAD_LSE           the caller's loss used the returned LSE: Delta -= dLSE
+#   BLOCKS_ARE_CONTIGUOUS  each list's blocks are consecutive (no indirect jumps)
+#   OFFS_INT64             some tensor spans more than 2^31 elements: int64 tile offsets
+#   ACC_DTYPE              float32 (float64 for float64 inputs): scores, P, dS, accumulators
+#   SCORE_DTYPE            the dtype score_mod was traced with
+#   DOT_PRECISION          tl.dot input_precision
+#   DOT_IN_FP32            feed tl.dot float32 copies (the interpreter's bfloat16 dot is wrong)
+#
+# Mods (flexattn/codegen/emit.py): score_mod / mask_mod exactly as in the forward;
+# score_mod_grad(score, b, h, q_idx, kv_idx, grad, valid, ...) returns where(valid, grad * d mod /
+# d score, 0) and, in the dQ pass, atomically adds grad * d mod / d value into G{i} for every
+# gather from a captured floating tensor that needs a gradient. The dK/dV pass uses transposed
+# tiles: kv_idx is [BLOCK_N1, 1] and q_idx [1, BLOCK_M1] (mods are elementwise, so any layout works).
+$prelude
+
+$score_mod_def
+
+$mask_mod_def
+
+$score_grad_def
+
+$score_dscore_def
+
+
+@triton.jit
+def load_tile(ptrs, rows, cols, N_ROWS, N_COLS, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    # Zeros outside [0, N_ROWS) x [0, N_COLS); only the bounds that may be crossed are checked.
+    if CHECK_ROWS and CHECK_COLS:
+        x = tl.load(ptrs, mask=(rows[:, None] < N_ROWS) & (cols[None, :] < N_COLS), other=0.0)
+    elif CHECK_ROWS:
+        x = tl.load(ptrs, mask=rows[:, None] < N_ROWS, other=0.0)
+    elif CHECK_COLS:
+        x = tl.load(ptrs, mask=cols[None, :] < N_COLS, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def store_tile(ptrs, x, rows, cols, N_ROWS, N_COLS, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    if CHECK_ROWS and CHECK_COLS:
+        tl.store(ptrs, x, mask=(rows[:, None] < N_ROWS) & (cols[None, :] < N_COLS))
+    elif CHECK_ROWS:
+        tl.store(ptrs, x, mask=rows[:, None] < N_ROWS)
+    elif CHECK_COLS:
+        tl.store(ptrs, x, mask=cols[None, :] < N_COLS)
+    else:
+        tl.store(ptrs, x)
+
+
+@triton.jit
+def mma(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    if DOT_IN_FP32:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc.to(tl.float32), input_precision=DOT_PRECISION)
+    else:
+        out = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return out.to(acc.dtype)
+
+
+@triton.jit
+def load_rows(ptrs, offs, N, other, IS_DIVISIBLE: tl.constexpr):
+    if IS_DIVISIBLE:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=offs < N, other=other)
+    return x
+
+
+@triton.jit
+def lse_base2(lse):
+    # LSE in base 2 for exp2. [Note] fully masked rows have LSE -inf; +inf makes their P exactly 0
+    # (every score of such a row is masked too, so no +inf - +inf can reach a visible element).
+    RCP_LN2: tl.constexpr = 1.4426950408889634
+    return tl.where(lse == float("-inf"), float("inf"), lse * RCP_LN2)
+
+
+@triton.jit
+def next_start(start, i, BLOCK_IDX, num_blocks, STEP: tl.constexpr, SPARSE_MULTIPLE: tl.constexpr,
+               SPARSE_BLOCK_SIZE: tl.constexpr, BLOCKS_ARE_CONTIGUOUS: tl.constexpr):
+    # The next tile: STEP further inside this sparse block, or the start of the next listed block.
+    if BLOCKS_ARE_CONTIGUOUS:
+        start += STEP
+    else:
+        nxt = i + 1
+        jump = nxt % SPARSE_MULTIPLE == 0
+        nxt_block = tl.load(BLOCK_IDX + nxt // SPARSE_MULTIPLE,
+                            mask=jump & (nxt < num_blocks * SPARSE_MULTIPLE), other=0)
+        start = tl.where(jump, nxt_block * SPARSE_BLOCK_SIZE, start + STEP)
+    return start
+
+
+# ---------------------------------------------------------------------------------------------
+# Preprocess
+
+
+@triton.jit
+def backward_preprocess(
+    Out, DO, DLSE, DELTA,
+    stride_oz, stride_oh, stride_om, stride_ok,
+    stride_doz, stride_doh, stride_dom, stride_dok,
+    stride_dlz, stride_dlh, stride_dlm,
+    HQ, Q_LEN,
+    BLOCK_M: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr,
+    HAS_GRAD_LSE: tl.constexpr, ACC_DTYPE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HQ).to(tl.int64)
+    h = (pid_bh % HQ).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_v = tl.arange(0, V_HEAD_DIM_ROUNDED)
+    rows = offs_m.to(tl.int64)
+    o = load_tile(Out + b * stride_oz + h * stride_oh + rows[:, None] * stride_om + offs_v[None, :] * stride_ok,
+                  offs_m, offs_v, Q_LEN, V_HEAD_DIM, True, True)
+    do = load_tile(DO + b * stride_doz + h * stride_doh + rows[:, None] * stride_dom + offs_v[None, :] * stride_dok,
+                   offs_m, offs_v, Q_LEN, V_HEAD_DIM, True, True)
+    # (tl.reduce, not tl.sum: the interpreter cannot call standard-library jit functions)
+    delta = tl.reduce(o.to(ACC_DTYPE) * do.to(ACC_DTYPE), 1, tl.standard._sum_combine)
+    if HAS_GRAD_LSE:
+        dlse = tl.load(DLSE + b * stride_dlz + h * stride_dlh + rows * stride_dlm, mask=offs_m < Q_LEN, other=0.0)
+        delta -= dlse.to(ACC_DTYPE)
+    tl.store(DELTA + pid_bh.to(tl.int64) * Q_LEN + offs_m, delta, mask=offs_m < Q_LEN)
+
+
+# ---------------------------------------------------------------------------------------------
+# dK / dV
+
+
+@triton.jit
+def dkdv_inner(
+    dk, dv, k, v, Q, DO, LSE, DELTA, BLOCK_IDX, num_blocks,
+    b, h, offs_n, Q_LEN, KV_LEN, SM_SCALE,
+    stride_qm, stride_qk, stride_dom, stride_dok, stride_lm,
+    $score_mod_params $mask_mod_params
+    IS_FULL_BLOCKS: tl.constexpr,
+    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, SPARSE_Q_BLOCK_SIZE: tl.constexpr,
+    QK_HEAD_DIM: tl.constexpr, QK_HEAD_DIM_ROUNDED: tl.constexpr,
+    V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
+    IS_DIVISIBLE: tl.constexpr, BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):
+    # Transposed tiles: rows are this program's KV positions, columns the query positions.
+    RCP_LN2: tl.constexpr = 1.4426950408889634
+    SPARSE_Q_MULTIPLE: tl.constexpr = SPARSE_Q_BLOCK_SIZE // BLOCK_M1
+    tl.static_assert(SPARSE_Q_MULTIPLE * BLOCK_M1 == SPARSE_Q_BLOCK_SIZE)
+    offs_k = tl.arange(0, QK_HEAD_DIM_ROUNDED)
+    offs_v = tl.arange(0, V_HEAD_DIM_ROUNDED)
+    kv_idx = offs_n[:, None]
+
+    start_m = tl.load(BLOCK_IDX) * SPARSE_Q_BLOCK_SIZE
+    for i in range(0, num_blocks * SPARSE_Q_MULTIPLE):
+        offs_m = start_m + tl.arange(0, BLOCK_M1)
+        if OFFS_INT64:
+            rows = offs_m.to(tl.int64)
+        else:
+            rows = offs_m
+        q_idx = offs_m[None, :]
+        # -- recompute P^T from the scores and the saved LSE
+        q = load_tile(Q + rows[:, None] * stride_qm + offs_k[None, :] * stride_qk, offs_m, offs_k,
+                      Q_LEN, QK_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
+        qkT = mma(k, tl.trans(q), tl.full([BLOCK_N1, BLOCK_M1], 0.0, ACC_DTYPE), DOT_PRECISION, DOT_IN_FP32)
+        qkT = (qkT * SM_SCALE).to(SCORE_DTYPE)
+        sT = score_mod(qkT, b, h, q_idx, kv_idx, $score_mod_params).to(ACC_DTYPE)
+        if IS_FULL_BLOCKS:
+            if IS_DIVISIBLE:
+                valid = tl.full([1, 1], 1, tl.int1)
+            else:
+                valid = (q_idx < Q_LEN) & (kv_idx < KV_LEN)
+        else:
+            valid = mask_mod(b, h, q_idx, kv_idx, $mask_mod_params)
+            if not IS_DIVISIBLE:
+                valid = valid & (q_idx < Q_LEN) & (kv_idx < KV_LEN)
+        lse = lse_base2(load_rows(LSE + rows * stride_lm, offs_m, Q_LEN, float("inf"), IS_DIVISIBLE))
+        pT = tl.where(valid, tl.exp2(sT * RCP_LN2 - lse[None, :]), 0.0)
+        # -- dV += P^T dO
+        do = load_tile(DO + rows[:, None] * stride_dom + offs_v[None, :] * stride_dok, offs_m, offs_v,
+                       Q_LEN, V_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
+        dv = mma(pT.to(do.dtype), do, dv, DOT_PRECISION, DOT_IN_FP32)
+        # -- dS^T = P^T * (dP^T - Delta), through score_mod's derivative; dK += dS^T Q
+        dpT = mma(v, tl.trans(do), tl.full([BLOCK_N1, BLOCK_M1], 0.0, ACC_DTYPE), DOT_PRECISION, DOT_IN_FP32)
+        delta = load_rows(DELTA + offs_m, offs_m, Q_LEN, 0.0, IS_DIVISIBLE)
+        dsT = pT * (dpT - delta[None, :])
+        dsT = score_mod_dscore(qkT, b, h, q_idx, kv_idx, dsT, valid, $score_dscore_args).to(ACC_DTYPE)
+        dk = mma(dsT.to(q.dtype), q, dk, DOT_PRECISION, DOT_IN_FP32)
+
+        start_m = next_start(start_m, i, BLOCK_IDX, num_blocks, BLOCK_M1, SPARSE_Q_MULTIPLE,
+                             SPARSE_Q_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS)
+    return dk, dv
+
+
+@triton.jit
+def backward_dkdv(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+    $score_mod_params $mask_mod_params
+    stride_qz, stride_qh, stride_qm, stride_qk,
+    stride_kz, stride_kh, stride_kn, stride_kk,
+    stride_vz, stride_vh, stride_vn, stride_vk,
+    stride_doz, stride_doh, stride_dom, stride_dok,
+    stride_lz, stride_lh, stride_lm,
+    stride_dkz, stride_dkh, stride_dkn, stride_dkk,
+    stride_dvz, stride_dvh, stride_dvn, stride_dvk,
+    stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+    stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+    HQ, HKV, Q_LEN, KV_LEN, SM_SCALE,
+    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+    SPARSE_Q_BLOCK_SIZE: tl.constexpr, SPARSE_KV_BLOCK_SIZE: tl.constexpr,
+    QK_HEAD_DIM: tl.constexpr, QK_HEAD_DIM_ROUNDED: tl.constexpr,
+    V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
+    IS_DIVISIBLE: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, HAS_FULL_BLOCKS: tl.constexpr,
+    BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):
+    tl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N1 == 0)
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HKV
+    h_kv = pid_bh % HKV
+    b64 = b.to(tl.int64)
+
+    offs_n = pid_n * BLOCK_N1 + tl.arange(0, BLOCK_N1)
+    offs_k = tl.arange(0, QK_HEAD_DIM_ROUNDED)
+    offs_v = tl.arange(0, V_HEAD_DIM_ROUNDED)
+    if OFFS_INT64:
+        rows = offs_n.to(tl.int64)
+    else:
+        rows = offs_n
+    K += b64 * stride_kz + h_kv.to(tl.int64) * stride_kh
+    V += b64 * stride_vz + h_kv.to(tl.int64) * stride_vh
+    k = load_tile(K + rows[:, None] * stride_kn + offs_k[None, :] * stride_kk, offs_n, offs_k,
+                  KV_LEN, QK_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
+    v = load_tile(V + rows[:, None] * stride_vn + offs_v[None, :] * stride_vk, offs_n, offs_v,
+                  KV_LEN, V_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
+    dk = tl.full([BLOCK_N1, QK_HEAD_DIM_ROUNDED], 0.0, ACC_DTYPE)
+    dv = tl.full([BLOCK_N1, V_HEAD_DIM_ROUNDED], 0.0, ACC_DTYPE)
+    kv_blk = (pid_n * BLOCK_N1) // SPARSE_KV_BLOCK_SIZE
+
+    # -- every query head of the GQA group reads this K/V tile: their gradients add up here
+    for g in range(0, GQA_SHARED_HEADS):
+        h = h_kv * GQA_SHARED_HEADS + g
+        h64 = h.to(tl.int64)
+        Qh = Q + b64 * stride_qz + h64 * stride_qh
+        DOh = DO + b64 * stride_doz + h64 * stride_doh
+        LSEh = LSE + b64 * stride_lz + h64 * stride_lh
+        DELTAh = DELTA + (b64 * HQ + h64) * Q_LEN
+
+        num_blocks = tl.load(Q_NUM_BLKS + b64 * stride_nz + h * stride_nh + kv_blk * stride_nn)
+        BLOCK_IDX = Q_IDX + b64 * stride_iz + h * stride_ih + kv_blk * stride_in
+        dk, dv = dkdv_inner(
+            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, BLOCK_IDX, num_blocks,
+            b, h, offs_n, Q_LEN, KV_LEN, SM_SCALE,
+            stride_qm, stride_qk, stride_dom, stride_dok, stride_lm,
+            $score_mod_params $mask_mod_params
+            False, BLOCK_M1, BLOCK_N1, SPARSE_Q_BLOCK_SIZE,
+            QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
+            IS_DIVISIBLE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64, ACC_DTYPE, SCORE_DTYPE,
+            DOT_PRECISION, DOT_IN_FP32,
+        )
+        if HAS_FULL_BLOCKS:
+            num_blocks = tl.load(FULL_Q_NUM_BLKS + b64 * stride_fnz + h * stride_fnh + kv_blk * stride_fnn)
+            BLOCK_IDX = FULL_Q_IDX + b64 * stride_fiz + h * stride_fih + kv_blk * stride_fin
+            dk, dv = dkdv_inner(
+                dk, dv, k, v, Qh, DOh, LSEh, DELTAh, BLOCK_IDX, num_blocks,
+                b, h, offs_n, Q_LEN, KV_LEN, SM_SCALE,
+                stride_qm, stride_qk, stride_dom, stride_dok, stride_lm,
+                $score_mod_params $mask_mod_params
+                True, BLOCK_M1, BLOCK_N1, SPARSE_Q_BLOCK_SIZE,
+                QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
+                IS_DIVISIBLE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64, ACC_DTYPE, SCORE_DTYPE,
+                DOT_PRECISION, DOT_IN_FP32,
+            )
+
+    dk = dk * SM_SCALE
+    DK += b64 * stride_dkz + h_kv.to(tl.int64) * stride_dkh
+    DV += b64 * stride_dvz + h_kv.to(tl.int64) * stride_dvh
+    store_tile(DK + rows[:, None] * stride_dkn + offs_k[None, :] * stride_dkk, dk.to(DK.dtype.element_ty),
+               offs_n, offs_k, KV_LEN, QK_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
+    store_tile(DV + rows[:, None] * stride_dvn + offs_v[None, :] * stride_dvk, dv.to(DV.dtype.element_ty),
+               offs_n, offs_v, KV_LEN, V_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
+
+
+# ---------------------------------------------------------------------------------------------
+# dQ (and captured-tensor gradients)
+
+
+@triton.jit
+def dq_inner(
+    dq, q, do, lse, delta, K, V, BLOCK_IDX, num_blocks,
+    b, h, offs_m, Q_LEN, KV_LEN, SM_SCALE,
+    stride_kn, stride_kk, stride_vn, stride_vk,
+    $score_mod_params $mask_mod_params $grad_params
+    IS_FULL_BLOCKS: tl.constexpr,
+    BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, SPARSE_KV_BLOCK_SIZE: tl.constexpr,
+    QK_HEAD_DIM: tl.constexpr, QK_HEAD_DIM_ROUNDED: tl.constexpr,
+    V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
+    IS_DIVISIBLE: tl.constexpr, BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):
+    RCP_LN2: tl.constexpr = 1.4426950408889634
+    SPARSE_KV_MULTIPLE: tl.constexpr = SPARSE_KV_BLOCK_SIZE // BLOCK_N2
+    tl.static_assert(SPARSE_KV_MULTIPLE * BLOCK_N2 == SPARSE_KV_BLOCK_SIZE)
+    offs_k = tl.arange(0, QK_HEAD_DIM_ROUNDED)
+    offs_v = tl.arange(0, V_HEAD_DIM_ROUNDED)
+    q_idx = offs_m[:, None]
+
+    start_n = tl.load(BLOCK_IDX) * SPARSE_KV_BLOCK_SIZE
+    for i in range(0, num_blocks * SPARSE_KV_MULTIPLE):
+        offs_n = start_n + tl.arange(0, BLOCK_N2)
+        if OFFS_INT64:
+            rows = offs_n.to(tl.int64)
+        else:
+            rows = offs_n
+        kv_idx = offs_n[None, :]
+        # -- recompute P
+        k = load_tile(K + rows[:, None] * stride_kn + offs_k[None, :] * stride_kk, offs_n, offs_k,
+                      KV_LEN, QK_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
+        qk = mma(q, tl.trans(k), tl.full([BLOCK_M2, BLOCK_N2], 0.0, ACC_DTYPE), DOT_PRECISION, DOT_IN_FP32)
+        qk = (qk * SM_SCALE).to(SCORE_DTYPE)
+        s = score_mod(qk, b, h, q_idx, kv_idx, $score_mod_params).to(ACC_DTYPE)
+        if IS_FULL_BLOCKS:
+            if IS_DIVISIBLE:
+                valid = tl.full([1, 1], 1, tl.int1)
+            else:
+                valid = (q_idx < Q_LEN) & (kv_idx < KV_LEN)
+        else:
+            valid = mask_mod(b, h, q_idx, kv_idx, $mask_mod_params)
+            if not IS_DIVISIBLE:
+                valid = valid & (q_idx < Q_LEN) & (kv_idx < KV_LEN)
+        p = tl.where(valid, tl.exp2(s * RCP_LN2 - lse[:, None]), 0.0)
+        # -- dS = P * (dP - Delta) through score_mod's derivative (scatters captured grads); dQ += dS K
+        v = load_tile(V + rows[:, None] * stride_vn + offs_v[None, :] * stride_vk, offs_n, offs_v,
+                      KV_LEN, V_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
+        dp = mma(do, tl.trans(v), tl.full([BLOCK_M2, BLOCK_N2], 0.0, ACC_DTYPE), DOT_PRECISION, DOT_IN_FP32)
+        ds = p * (dp - delta[:, None])
+        ds = score_mod_grad(qk, b, h, q_idx, kv_idx, ds, valid, $score_grad_args).to(ACC_DTYPE)
+        dq = mma(ds.to(k.dtype), k, dq, DOT_PRECISION, DOT_IN_FP32)
+
+        start_n = next_start(start_n, i, BLOCK_IDX, num_blocks, BLOCK_N2, SPARSE_KV_MULTIPLE,
+                             SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS)
+    return dq
+
+
+@triton.jit
+def backward_dq(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX,
+    $score_mod_params $mask_mod_params $grad_params
+    stride_qz, stride_qh, stride_qm, stride_qk,
+    stride_kz, stride_kh, stride_kn, stride_kk,
+    stride_vz, stride_vh, stride_vn, stride_vk,
+    stride_doz, stride_doh, stride_dom, stride_dok,
+    stride_lz, stride_lh, stride_lm,
+    stride_dqz, stride_dqh, stride_dqm, stride_dqk,
+    stride_nz, stride_nh, stride_nm, stride_iz, stride_ih, stride_im,
+    stride_fnz, stride_fnh, stride_fnm, stride_fiz, stride_fih, stride_fim,
+    HQ, Q_LEN, KV_LEN, SM_SCALE,
+    BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+    SPARSE_Q_BLOCK_SIZE: tl.constexpr, SPARSE_KV_BLOCK_SIZE: tl.constexpr,
+    QK_HEAD_DIM: tl.constexpr, QK_HEAD_DIM_ROUNDED: tl.constexpr,
+    V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
+    IS_DIVISIBLE: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, HAS_FULL_BLOCKS: tl.constexpr,
+    BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):
+    tl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M2 == 0)
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    h_kv = h // GQA_SHARED_HEADS
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+
+    Q += b64 * stride_qz + h64 * stride_qh
+    K += b64 * stride_kz + h_kv.to(tl.int64) * stride_kh
+    V += b64 * stride_vz + h_kv.to(tl.int64) * stride_vh
+    DO += b64 * stride_doz + h64 * stride_doh
+    DQ += b64 * stride_dqz + h64 * stride_dqh
+    LSE += b64 * stride_lz + h64 * stride_lh
+    DELTA += (b64 * HQ + h64) * Q_LEN
+
+    offs_m = pid_m * BLOCK_M2 + tl.arange(0, BLOCK_M2)
+    offs_k = tl.arange(0, QK_HEAD_DIM_ROUNDED)
+    offs_v = tl.arange(0, V_HEAD_DIM_ROUNDED)
+    if OFFS_INT64:
+        rows = offs_m.to(tl.int64)
+    else:
+        rows = offs_m
+    q = load_tile(Q + rows[:, None] * stride_qm + offs_k[None, :] * stride_qk, offs_m, offs_k,
+                  Q_LEN, QK_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
+    do = load_tile(DO + rows[:, None] * stride_dom + offs_v[None, :] * stride_dok, offs_m, offs_v,
+                   Q_LEN, V_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
+    lse = lse_base2(load_rows(LSE + rows * stride_lm, offs_m, Q_LEN, float("inf"), IS_DIVISIBLE))
+    delta = load_rows(DELTA + offs_m, offs_m, Q_LEN, 0.0, IS_DIVISIBLE)
+    dq = tl.full([BLOCK_M2, QK_HEAD_DIM_ROUNDED], 0.0, ACC_DTYPE)
+
+    q_blk = (pid_m * BLOCK_M2) // SPARSE_Q_BLOCK_SIZE
+    num_blocks = tl.load(KV_NUM_BLKS + b64 * stride_nz + h * stride_nh + q_blk * stride_nm)
+    BLOCK_IDX = KV_IDX + b64 * stride_iz + h * stride_ih + q_blk * stride_im
+    dq = dq_inner(
+        dq, q, do, lse, delta, K, V, BLOCK_IDX, num_blocks,
+        b, h, offs_m, Q_LEN, KV_LEN, SM_SCALE,
+        stride_kn, stride_kk, stride_vn, stride_vk,
+        $score_mod_params $mask_mod_params $grad_params
+        False, BLOCK_M2, BLOCK_N2, SPARSE_KV_BLOCK_SIZE,
+        QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
+        IS_DIVISIBLE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64, ACC_DTYPE, SCORE_DTYPE,
+        DOT_PRECISION, DOT_IN_FP32,
+    )
+    if HAS_FULL_BLOCKS:
+        num_blocks = tl.load(FULL_KV_NUM_BLKS + b64 * stride_fnz + h * stride_fnh + q_blk * stride_fnm)
+        BLOCK_IDX = FULL_KV_IDX + b64 * stride_fiz + h * stride_fih + q_blk * stride_fim
+        dq = dq_inner(
+            dq, q, do, lse, delta, K, V, BLOCK_IDX, num_blocks,
+            b, h, offs_m, Q_LEN, KV_LEN, SM_SCALE,
+            stride_kn, stride_kk, stride_vn, stride_vk,
+            $score_mod_params $mask_mod_params $grad_params
+            True, BLOCK_M2, BLOCK_N2, SPARSE_KV_BLOCK_SIZE,
+            QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
+            IS_DIVISIBLE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64, ACC_DTYPE, SCORE_DTYPE,
+            DOT_PRECISION, DOT_IN_FP32,
+        )
+
+    dq = dq * SM_SCALE
+    store_tile(DQ + rows[:, None] * stride_dqm + offs_k[None, :] * stride_dqk, dq.to(DQ.dtype.element_ty),
+               offs_m, offs_k, Q_LEN, QK_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
