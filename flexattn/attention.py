@@ -478,10 +478,16 @@ class FlexAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        raise NotImplementedError(
-            "flexattn.flex_attention has no backward yet; run the forward under torch.no_grad() or "
-            "use torch.nn.attention.flex_attention for training"
+        from flexattn.backward import flex_attention_backward
+
+        query, key, value, out, lse = ctx.saved_tensors
+        n_score, n_mask = len(ctx.score_mod.buffers), len(ctx.mask_mod.buffers)
+        dq, dk, dv, buffer_grads = flex_attention_backward(
+            query, key, value, out, lse, grad_out, grad_lse, ctx.score_mod, ctx.mask_mod, ctx.block_mask,
+            ctx.blocks, ctx.scale, ctx.kernel_options, ctx.needs_input_grad[10:10 + n_score],
         )
+        # No gradients for the mods, block mask, scale and options; mask_mod's captures are not differentiable.
+        return (dq, dk, dv) + (None,) * 7 + tuple(buffer_grads) + (None,) * n_mask
 
 
 # ---------------------------------------------------------------------------------------------
