@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flexattn import autodiff, ir
+from flexattn import autodiff, ir, testing
 
 F64 = torch.float64
 B, H, Q, KV = 2, 3, 5, 7
@@ -275,3 +275,17 @@ def score_irs_local():
 @given(root=score_irs_local(), seed=st.integers(0, 2**16))
 def test_random_mods_match_torch_autograd(root, seed):
     check(root, seed=seed)
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=testing.score_irs(max_depth=4),
+       seed=st.integers(0, 2**16))
+def test_shared_random_score_irs_match_torch_autograd(case, seed):
+    # The project-wide strategy (mixed dtypes, gathers out of range, int/bool subtrees), in float64.
+    node, bufs = case
+    root, bufs = testing.to_float64(node), testing.buffers_float64(bufs)
+    env = testing.grid_inputs(2, 3, 9, 11, testing.random_score(2, 3, 9, 11, torch.float64, seed))
+    grad_out = torch.randn(2, 3, 9, 11, generator=torch.Generator().manual_seed(seed), dtype=F64)
+    expected, got = torch_grads(root, env, bufs, grad_out), our_grads(root, env, bufs, grad_out)
+    for i, (e, g) in enumerate(zip(expected, got)):
+        torch.testing.assert_close(g, e, equal_nan=True, msg=lambda m: f"grad {i} of {root}: {m}")
