@@ -7,6 +7,8 @@
 See docs/dsl.md for the grammar.
 """
 
-from flexattn.dsl.parser import CONSTANTS, FUNCTIONS, DSLError, mask_mod, parse, parse_with_buffers, score_mod
+from flexattn.dsl.parser import (CONSTANTS, FUNCTIONS, DSLError, make_mod, mask_mod, parse, parse_with_buffers,
+                                 score_mod)
 
-__all__ = ["CONSTANTS", "DSLError", "FUNCTIONS", "mask_mod", "parse", "parse_with_buffers", "score_mod"]
+__all__ = ["CONSTANTS", "DSLError", "FUNCTIONS", "make_mod", "mask_mod", "parse", "parse_with_buffers",
+           "score_mod"]

@@ -622,7 +622,13 @@ def parse(text: str, kind: str | None = None, bindings: dict[str, Any] | None = 
     return parse_with_buffers(text, kind, bindings, score_dtype)[0]
 
 
-def _mod(kind: str, text: str, bindings: dict[str, Any], score_dtype: torch.dtype = torch.float32):
+def make_mod(kind: str, text: str, bindings: dict[str, Any] | None = None,
+             score_dtype: torch.dtype = torch.float32):
+    """The `Mod` of DSL ``text``; `mask_mod` and `score_mod` with the kind and options explicit.
+
+    >>> make_mod("score", "score * scale", {"scale": 0.5}, torch.float16).ir.dtype
+    torch.float16
+    """
     from flexattn.mods import Mod
 
     root, tensors = parse_with_buffers(text, kind, bindings, score_dtype)
@@ -645,7 +651,7 @@ def mask_mod(text: str, /, **bindings):
     >>> m(0, 0, torch.tensor(3), torch.tensor(2))
     tensor(True)
     """
-    return _mod("mask", text, bindings)
+    return make_mod("mask", text, bindings)
 
 
 def score_mod(text: str, /, **bindings):
@@ -655,4 +661,4 @@ def score_mod(text: str, /, **bindings):
     >>> alibi(torch.tensor(1.0), 0, 1, torch.tensor(4), torch.tensor(0))
     tensor(0.)
     """
-    return _mod("score", text, bindings)
+    return make_mod("score", text, bindings)
