@@ -280,9 +280,11 @@ _UNARY = {
     "cos": lambda n, a: f"tl.cos({a})",
     "tan": lambda n, a: f"_fa_tan({a})",
     "tanh": lambda n, a: f"_fa_tanh({a})",
-    "sigmoid": lambda n, a: f"tl.sigmoid({a})",
+    # 1 / (1 + exp(-x)) is what tl.sigmoid computes; tl.sigmoid itself is a standard-library jit
+    # function, which Triton's interpreter cannot call from generated modules.
+    "sigmoid": lambda n, a: f"(1.0 / (1.0 + tl.exp(-{a})))",
     "erf": lambda n, a: f"tl.erf({a})",
-    "silu": lambda n, a: f"({a} * tl.sigmoid({a}))",
+    "silu": lambda n, a: f"({a} / (1.0 + tl.exp(-{a})))",
     "gelu": lambda n, a: f"(0.5 * {a} * (1.0 + tl.erf({a} * 0.7071067811865476)))",
     "gelu_tanh": lambda n, a: f"(0.5 * {a} * (1.0 + _fa_tanh(0.7978845608028654 * ({a} + 0.044715 * {a} * {a} * {a}))))",
     # torch's softplus (beta=1, threshold=20)
