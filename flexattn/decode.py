@@ -173,6 +173,8 @@ class _Plan:
 
 
 _PLANS: dict[tuple, _Plan] = {}
+# Output/partial allocator; tests swap in a NaN-filling one so that unwritten elements show.
+_empty = torch.empty
 
 
 def _tensor_key(t: torch.Tensor | None):
@@ -250,15 +252,15 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         if mod is not None:
             mod.check_device(query.device)
 
-    out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=query.device)
-    lse = torch.empty(plan.out_shape[:3], dtype=torch.float32, device=query.device)
+    out = _empty(plan.out_shape, dtype=plan.out_dtype, device=query.device)
+    lse = _empty(plan.out_shape[:3], dtype=torch.float32, device=query.device)
     if out.numel() == 0 or lse.numel() == 0:
         return (out, lse.fill_(float("-inf"))) if return_lse else out
     if plan.split_kv > 1:
         rows = lse.numel()
-        acc_part = torch.empty((rows, plan.split_kv, plan.out_shape[3]), dtype=torch.float32, device=query.device)
-        m_part = torch.empty((rows, plan.split_kv), dtype=torch.float32, device=query.device)
-        l_part = torch.empty((rows, plan.split_kv), dtype=torch.float32, device=query.device)
+        acc_part = _empty((rows, plan.split_kv, plan.out_shape[3]), dtype=torch.float32, device=query.device)
+        m_part = _empty((rows, plan.split_kv), dtype=torch.float32, device=query.device)
+        l_part = _empty((rows, plan.split_kv), dtype=torch.float32, device=query.device)
     else:
         acc_part = m_part = l_part = lse  # unused: the split kernel writes Out and LSE itself
     if fields is not None:
@@ -416,6 +418,7 @@ def _make_plan(query, key, value, score_mod, mask_mod, fields, scale, enable_gqa
         APPLY_MASK_DENSE=mask_mod is not None and not has_block_mask,
         HAS_KV_LENGTHS=kv_lengths is not None, SAFE_M_BOUNDARY=safe_m, SAFE_N_BOUNDARY=safe_n,
         SAFE_HEAD_DIM=safe_head, SM_SCALE=float(scale), INPUT_PRECISION=precision,
+        DOT_F32=not on_gpu and query.dtype == torch.bfloat16,
     )
     launch = {}
     if on_gpu:

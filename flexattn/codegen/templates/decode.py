@@ -33,6 +33,8 @@
 #   D, DV             E and EV rounded up to powers of two (>= 16)
 #   SM_SCALE          softmax scale applied to q.k before score_mod
 #   INPUT_PRECISION   tl.dot precision ("ieee" for float32 inputs, "tf32" if asked)
+#   DOT_F32           run the dots in float32 (Triton's CPU interpreter multiplies bfloat16 bit
+#                     patterns as integers); products still round P to V's dtype first
 #   SPLIT_PAD         SPLIT_KV rounded up to a power of two (combine kernel)
 $prelude
 
@@ -61,6 +63,7 @@ def _decode_tile(
     offs_d, offs_dv, E, EV,
     APPLY_MASK: tl.constexpr, SM_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
     SAFE_N_BOUNDARY: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     # K/V tile pointers advance in int64 (start_n * stride can pass 2**31 on long caches);
     # offsets inside the tile stay int32.
@@ -79,6 +82,10 @@ def _decode_tile(
         v = tl.load(V_tile + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                     mask=n_ok[:, None] & (offs_dv[None, :] < EV), other=0.0)
     # -- scores, score_mod, mask_mod (flex_attention's order: mods see the scaled score)
+    p_dtype = v.dtype
+    if DOT_F32:
+        kT = kT.to(tl.float32)
+        v = v.to(tl.float32)
     score = tl.dot(q, kT, input_precision=INPUT_PRECISION) * SM_SCALE
     score = ($score_call).to(tl.float32)
     if APPLY_MASK:
@@ -96,7 +103,8 @@ def _decode_tile(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.reduce(p, 1, _sum_op)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    # P is rounded to V's storage dtype, as the tensor-core product needs (also under DOT_F32).
+    acc = acc * alpha[:, None] + tl.dot(p.to(p_dtype).to(v.dtype), v, input_precision=INPUT_PRECISION)
     return acc, l_i, m_new
 
 
@@ -110,6 +118,7 @@ def _decode_walk(
     IS_DENSE: tl.constexpr, APPLY_MASK: tl.constexpr, TILE: tl.constexpr, SPLIT_KV: tl.constexpr,
     SM_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
     SAFE_N_BOUNDARY: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     # This program's slice of the tile list: entries [lo, hi) of num_tiles, split evenly.
     per_split = (num_tiles + SPLIT_KV - 1) // SPLIT_KV
@@ -128,7 +137,7 @@ def _decode_walk(
                 stride_kn, stride_kd, stride_vn, stride_vd,
                 $score_params$mask_params
                 offs_d, offs_dv, E, EV,
-                APPLY_MASK, SM_SCALE, BLOCK_N, SAFE_N_BOUNDARY, SAFE_HEAD_DIM, INPUT_PRECISION,
+                APPLY_MASK, SM_SCALE, BLOCK_N, SAFE_N_BOUNDARY, SAFE_HEAD_DIM, INPUT_PRECISION, DOT_F32,
             )
     return acc, l_i, m_i
 
@@ -155,6 +164,7 @@ def decode_split_kernel(
     HAS_BLOCK_MASK: tl.constexpr, HAS_FULL_BLOCKS: tl.constexpr, APPLY_MASK_DENSE: tl.constexpr,
     HAS_KV_LENGTHS: tl.constexpr, SAFE_M_BOUNDARY: tl.constexpr, SAFE_N_BOUNDARY: tl.constexpr,
     SAFE_HEAD_DIM: tl.constexpr, SM_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
     tl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N == 0)
@@ -184,6 +194,8 @@ def decode_split_kernel(
     else:
         q = tl.load(Q_rows + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & (offs_d[None, :] < E),
                     other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
     K_head = K + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
     V_head = V + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
 
@@ -209,7 +221,7 @@ def decode_split_kernel(
             $score_params$mask_params
             offs_d, offs_dv, E, EV,
             False, True, SPARSE_KV_BLOCK_SIZE, SPLIT_KV,
-            SM_SCALE, BLOCK_N, SAFE_N_BOUNDARY, SAFE_HEAD_DIM, INPUT_PRECISION,
+            SM_SCALE, BLOCK_N, SAFE_N_BOUNDARY, SAFE_HEAD_DIM, INPUT_PRECISION, DOT_F32,
         )
         # -- full tiles: score_mod only
         if HAS_FULL_BLOCKS:
@@ -222,7 +234,7 @@ def decode_split_kernel(
                 $score_params$mask_params
                 offs_d, offs_dv, E, EV,
                 False, False, SPARSE_KV_BLOCK_SIZE, SPLIT_KV,
-                SM_SCALE, BLOCK_N, SAFE_N_BOUNDARY, SAFE_HEAD_DIM, INPUT_PRECISION,
+                SM_SCALE, BLOCK_N, SAFE_N_BOUNDARY, SAFE_HEAD_DIM, INPUT_PRECISION, DOT_F32,
             )
     else:
         acc, l_i, m_i = _decode_walk(
@@ -232,7 +244,7 @@ def decode_split_kernel(
             $score_params$mask_params
             offs_d, offs_dv, E, EV,
             True, APPLY_MASK_DENSE, TILE_KV, SPLIT_KV,
-            SM_SCALE, BLOCK_N, SAFE_N_BOUNDARY, SAFE_HEAD_DIM, INPUT_PRECISION,
+            SM_SCALE, BLOCK_N, SAFE_N_BOUNDARY, SAFE_HEAD_DIM, INPUT_PRECISION, DOT_F32,
         )
 
     # Row (b, h, q) of the [B, HQ, Q_LEN] row space.

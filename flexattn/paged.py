@@ -1,0 +1,188 @@
+"""A paged KV cache: K/V live in fixed-size pages shared by all sequences, one page table each.
+
+`PagedKVCache` keeps one physical K and V buffer, ``[1, H, n_pages * page_size, E]``, and for
+each batch slot a page table (logical page -> physical page) and its inverse. Attention runs on
+the physical buffers (batch 1, broadcast over the query batch) with a BlockMask and mods that
+were written for logical positions and converted here:
+
+    cache = PagedKVCache(n_pages=64, page_size=128, max_batch_size=4, num_heads=8, head_dim=64)
+    cache.reserve(0, 1000); cache.reserve(1, 300)                 # host: assign pages
+    cache.assign(batch_idx, input_pos, k_new, v_new)              # device: write new tokens
+    bm = cache.convert_logical_block_mask(logical_block_mask)     # kv_indices -> physical pages
+    out = decode_attention(q, cache.k_cache, cache.v_cache, mask_mod=cache.get_mask_mod(causal),
+                           block_mask=bm)
+
+`reserve`/`erase` decide page ownership on the host (between steps, like a serving scheduler);
+`assign`, the converted BlockMask and the converted mods only read device tensors that
+`reserve`/`erase` update in place, so a decode step that uses them can be captured in a CUDA graph.
+The converted mods read ``physical_to_logical`` in-kernel: a KV position on a page that the
+sequence does not own is masked out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flexattn import ir
+from flexattn.mods import MASK, SCORE, Mod
+
+
+class PagedKVCache:
+    """Physical K/V pages plus per-sequence page tables (torch's experimental PagedAttention API).
+
+    Example:
+        >>> cache = PagedKVCache(n_pages=8, page_size=16, max_batch_size=2, num_heads=2, head_dim=32)
+        >>> cache.reserve(0, 40)            # sequence 0 owns 3 pages
+        >>> cache.page_table[0, :3].tolist() != [-1, -1, -1]
+        True
+    """
+
+    def __init__(self, n_pages: int, page_size: int, max_batch_size: int, num_heads: int, head_dim: int,
+                 v_head_dim: int | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        for name, v in (("n_pages", n_pages), ("page_size", page_size), ("max_batch_size", max_batch_size),
+                        ("num_heads", num_heads), ("head_dim", head_dim)):
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self.n_pages, self.page_size, self.max_batch_size = n_pages, page_size, max_batch_size
+        device = torch.device(device)
+        length = n_pages * page_size
+        self.k_cache = torch.zeros(1, num_heads, length, head_dim, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(1, num_heads, length, v_head_dim or head_dim, dtype=dtype, device=device)
+        # page_table[b, logical page] = physical page; physical_to_logical[b, physical page] = logical page.
+        self.page_table = torch.full((max_batch_size, n_pages), -1, dtype=torch.int32, device=device)
+        self.physical_to_logical = torch.full((max_batch_size, n_pages), -1, dtype=torch.int32, device=device)
+        self.capacity = [0] * max_batch_size          # pages owned, per slot (host)
+        self.empty_pages = list(range(n_pages - 1, -1, -1))
+        self._slots = torch.arange(max_batch_size, dtype=torch.int32, device=device)
+
+    # -- page ownership (host)
+
+    def _check_slot(self, batch_idx: int) -> None:
+        if not isinstance(batch_idx, int) or not 0 <= batch_idx < self.max_batch_size:
+            raise ValueError(f"batch_idx must be an int in [0, {self.max_batch_size}), got {batch_idx!r}")
+
+    def reserve(self, batch_idx: int, seq_len: int) -> None:
+        """Give slot ``batch_idx`` enough pages for ``seq_len`` tokens (pages it has are kept)."""
+        self._check_slot(batch_idx)
+        need = -(-seq_len // self.page_size) - self.capacity[batch_idx]
+        if need <= 0:
+            return
+        if need > len(self.empty_pages):
+            raise RuntimeError(f"PagedKVCache is out of pages: slot {batch_idx} needs {need} more for "
+                               f"{seq_len} tokens, {len(self.empty_pages)} free of {self.n_pages}")
+        first = self.capacity[batch_idx]
+        pages = [self.empty_pages.pop() for _ in range(need)]
+        phys = torch.tensor(pages, dtype=torch.int32)
+        logical = torch.arange(first, first + need, dtype=torch.int32)
+        self.page_table[batch_idx, first:first + need] = phys.to(self.page_table.device)
+        self.physical_to_logical[batch_idx, phys.long()] = logical.to(self.page_table.device)
+        self.capacity[batch_idx] += need
+
+    def erase(self, batch_idx: int) -> None:
+        """Free every page of slot ``batch_idx``."""
+        self._check_slot(batch_idx)
+        n = self.capacity[batch_idx]
+        pages = self.page_table[batch_idx, :n].tolist()
+        self.empty_pages.extend(reversed(pages))
+        self.page_table[batch_idx, :n] = -1
+        self.physical_to_logical[batch_idx].fill_(-1)
+        self.capacity[batch_idx] = 0
+
+    # -- writing tokens (device only)
+
+    def physical_positions(self, batch_idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """Physical cache position of logical position ``input_pos[i, s]`` of slot ``batch_idx[i]``."""
+        page = self.page_table[batch_idx.long()[:, None], (input_pos // self.page_size).long()]
+        return page.long() * self.page_size + input_pos.long() % self.page_size
+
+    def assign(self, batch_idx: torch.Tensor, input_pos: torch.Tensor, k_val: torch.Tensor,
+               v_val: torch.Tensor) -> None:
+        """Write ``k_val``/``v_val`` [B, H, S, E] at logical positions ``input_pos`` [B, S] of slots ``batch_idx`` [B].
+
+        The slots must own those positions (`reserve` first). No host synchronisation.
+        """
+        if k_val.dim() != 4 or k_val.shape[1] != self.k_cache.shape[1] or k_val.shape[3] != self.k_cache.shape[3]:
+            raise ValueError(f"k_val must be [B, {self.k_cache.shape[1]}, S, {self.k_cache.shape[3]}], "
+                             f"got {tuple(k_val.shape)}")
+        if v_val.shape[:3] != k_val.shape[:3] or v_val.shape[3] != self.v_cache.shape[3]:
+            raise ValueError(f"v_val must be [B, H, S, {self.v_cache.shape[3]}] like k_val, got {tuple(v_val.shape)}")
+        if input_pos.shape != (k_val.shape[0], k_val.shape[2]):
+            raise ValueError(f"input_pos must be [B, S] = {(k_val.shape[0], k_val.shape[2])}, got {tuple(input_pos.shape)}")
+        if batch_idx.shape != (k_val.shape[0],):
+            raise ValueError(f"batch_idx must be [B] = ({k_val.shape[0]},), got {tuple(batch_idx.shape)}")
+        addr = self.physical_positions(batch_idx, input_pos).flatten()
+        H = k_val.shape[1]
+        self.k_cache[0][:, addr] = k_val.transpose(0, 1).reshape(H, -1, k_val.shape[3]).to(self.k_cache.dtype)
+        self.v_cache[0][:, addr] = v_val.transpose(0, 1).reshape(H, -1, v_val.shape[3]).to(self.v_cache.dtype)
+
+    # -- logical -> physical attention inputs
+
+    def convert_logical_block_mask(self, block_mask, batch_idx: torch.Tensor | None = None):
+        """The BlockMask over physical pages that ``block_mask`` (over logical positions) means.
+
+        The KV block size must equal ``page_size``. Query batch b uses slot ``batch_idx[b]``
+        (default: b). The result's mask_mod is the converted one (`get_mask_mod`).
+        """
+        size = block_mask.BLOCK_SIZE
+        q_bs, kv_bs = (size, size) if isinstance(size, int) else tuple(size)
+        if kv_bs != self.page_size:
+            raise ValueError(f"block_mask KV block size ({kv_bs}) must equal page_size ({self.page_size})")
+        num, idx = block_mask.kv_num_blocks, block_mask.kv_indices
+        B = num.shape[0] if batch_idx is None else batch_idx.shape[0]
+        slots = (self._slots[:B] if batch_idx is None else batch_idx).long()
+
+        def convert(n, i):
+            if n is None:
+                return None, None
+            n = n.expand(B, *n.shape[1:])
+            i = i.expand(B, *i.shape[1:])
+            table = self.page_table[slots]                                       # [B, n_pages]
+            phys = torch.gather(table[:, None, None, :].expand(*i.shape[:3], -1), 3, i.long())
+            # Unlisted entries (past kv_num_blocks) may name unowned pages: clamp them to page 0.
+            phys = phys.clamp_min(0).to(torch.int32)
+            out = torch.zeros(*i.shape[:3], self.n_pages, dtype=torch.int32, device=i.device)
+            out[..., : i.shape[3]] = phys
+            return n.contiguous(), out
+
+        num, idx = convert(num, idx)
+        full_num, full_idx = convert(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+        logical_mod = block_mask.mask_mod if isinstance(block_mask.mask_mod, Mod) else None
+        mask_mod = self.get_mask_mod(logical_mod, batch_idx)
+        seq = getattr(block_mask, "seq_lengths", None)
+        seq = (seq[0], self.n_pages * self.page_size) if seq is not None else None
+        return type(block_mask).from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=(q_bs, kv_bs),
+                                               mask_mod=mask_mod, seq_lengths=seq)
+
+    def _logical_kv(self, n_buffers: int, batch_idx: torch.Tensor | None):
+        """IR for (logical kv_idx, owned?) of the physical kv_idx, plus the tensors it reads."""
+        slots = self._slots if batch_idx is None else batch_idx
+        p2l = ir.Buffer(n_buffers, "physical_to_logical", torch.int32, 2)
+        slot = ir.Buffer(n_buffers + 1, "slots", slots.dtype, 1)
+        kv = ir.input_("kv_idx")
+        page = ir.binary("floordiv", kv, self.page_size)
+        logical_page = ir.load(p2l, [ir.load(slot, [ir.input_("b")]), page])
+        logical = ir.binary("add", ir.binary("mul", logical_page, self.page_size),
+                            ir.binary("mod", kv, self.page_size))
+        return logical, ir.binary("ge", logical_page, 0), [self.physical_to_logical, slots]
+
+    def get_mask_mod(self, mask_mod: Mod | None, batch_idx: torch.Tensor | None = None) -> Mod:
+        """``mask_mod`` over physical positions: also False on pages the sequence does not own."""
+        if mask_mod is not None and (not isinstance(mask_mod, Mod) or mask_mod.kind != MASK):
+            raise TypeError(f"mask_mod must be a flexattn mask Mod or None, got {mask_mod!r}")
+        base = mask_mod.buffers if mask_mod is not None else ()
+        logical, owned, extra = self._logical_kv(len(base), batch_idx)
+        if mask_mod is None:
+            return Mod(MASK, owned, extra, name="paged_owned")
+        body = ir.substitute(mask_mod.ir, lambda n: logical if n.op == "input" and n.arg == "kv_idx" else None)
+        return Mod(MASK, ir.binary("and_", owned, body), list(base) + extra, name=f"paged_{mask_mod.name}")
+
+    def get_score_mod(self, score_mod: Mod | None, batch_idx: torch.Tensor | None = None) -> Mod | None:
+        """``score_mod`` called with logical kv_idx (positions of unowned pages are masked anyway)."""
+        if score_mod is None:
+            return None
+        if not isinstance(score_mod, Mod) or score_mod.kind != SCORE:
+            raise TypeError(f"score_mod must be a flexattn score Mod or None, got {score_mod!r}")
+        logical, _, extra = self._logical_kv(len(score_mod.buffers), batch_idx)
+        body = ir.substitute(score_mod.ir, lambda n: logical if n.op == "input" and n.arg == "kv_idx" else None)
+        return Mod(SCORE, body, list(score_mod.buffers) + extra, name=f"paged_{score_mod.name}")

@@ -1,0 +1,186 @@
+"""Split-KV decoding kernel (Triton interpreter) against the float64 eager reference."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import create_block_mask
+
+import flexattn
+from flexattn import decode
+from flexattn.decode import causal_at, causal_at_with_length, decode_attention, valid_length
+from flexattn.reference import attention_reference
+
+
+@pytest.fixture(autouse=True)
+def nan_outputs(monkeypatch):
+    """Every buffer the kernels write starts as NaN, so an element they miss shows up."""
+    monkeypatch.setattr(decode, "_empty", lambda *a, **kw: torch.full(*a, float("nan"), **kw))
+
+
+def qkv(B, Hq, Hkv, Q_LEN, KV_LEN, E, Ev=None, dtype=torch.float32, kv_batch=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Q_LEN, E, generator=g).to(dtype)
+    k = torch.randn(kv_batch or B, Hkv, KV_LEN, E, generator=g).to(dtype)
+    v = torch.randn(kv_batch or B, Hkv, KV_LEN, Ev or E, generator=g).to(dtype)
+    return q, k, v
+
+
+def check(q, k, v, score_mod=None, mask_mod=None, block_mask=None, kv_lengths=None, ref_mask=None,
+          opts=None, factor=8.0):
+    """Kernel vs float64 reference; its error must stay within `factor` x eager float32's."""
+    gqa = q.shape[1] != k.shape[1]
+    out, lse = decode_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                                enable_gqa=gqa, return_lse=True, kernel_options=opts, kv_lengths=kv_lengths)
+    ref_mask = ref_mask if ref_mask is not None else mask_mod
+    kw = dict(score_mod=score_mod, block_mask=block_mask, mask_mod=ref_mask, enable_gqa=gqa, return_lse=True)
+    ref_out, ref_lse = attention_reference(q, k, v, **kw)
+    eager_out, eager_lse = attention_reference(q, k, v, dtype=None, **kw)
+    assert out.shape == ref_out.shape and out.dtype == q.dtype
+    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    assert not out.isnan().any() and not lse.isnan().any()
+    # Fully masked rows: output exactly 0 and LSE -inf, exactly where the reference says so.
+    dead = ref_lse == -math.inf
+    assert torch.equal(lse == -math.inf, dead)
+    assert (out[dead] == 0).all()
+    live = ~dead
+    err = (out.double() - ref_out).abs().max().item()
+    eager_err = (eager_out.double() - ref_out).abs().max().item()
+    floor = 1e-6 if q.dtype == torch.float32 else 1e-3
+    assert err <= factor * eager_err + floor, (err, eager_err)
+    lerr = (lse.double() - ref_lse)[live].abs().max().item() if live.any() else 0.0
+    assert lerr <= 1e-5 * (1 + ref_lse[live].abs().max().item() if live.any() else 1), lerr
+    return out, lse
+
+
+# (Q_LEN, Hq, Hkv, KV_LEN, E, Ev, SPLIT_KV): GQA ratios 1, 4, 8 and 3; lengths not multiples of 16.
+SHAPES = [
+    (1, 4, 4, 77, 32, 32, 1),
+    (3, 8, 2, 150, 16, 24, 3),
+    (8, 8, 1, 100, 32, 32, 2),
+    (2, 6, 2, 45, 20, 20, 4),
+    (3, 3, 1, 200, 64, 16, 5),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "q{}_h{}-{}_kv{}_e{}-{}_s{}".format(*s))
+def test_dense_shapes(shape):
+    Q_LEN, Hq, Hkv, KV_LEN, E, Ev, split = shape
+    q, k, v = qkv(2, Hq, Hkv, Q_LEN, KV_LEN, E, Ev)
+    check(q, k, v, opts={"SPLIT_KV": split})
+
+
+def test_default_split_and_kv_batch_broadcast():
+    q, k, v = qkv(3, 4, 2, 2, 90, 32, kv_batch=1)
+    check(q, k, v)
+
+
+def test_score_mod_with_captured_tensors():
+    bias = torch.randn(8)
+    softcap = flexattn.score_mod("12 * tanh((score + bias[h] * (q_idx - kv_idx) / 64) / 12)", bias=bias)
+    q, k, v = qkv(2, 8, 2, 3, 130, 32)
+    check(q, k, v, score_mod=softcap, opts={"SPLIT_KV": 3})
+
+
+def test_offset_causal_and_lengths_mask():
+    # New tokens sit at pos..pos+Q_LEN-1 of a cache filled to lengths[b] (<= allocated 160).
+    pos = torch.tensor(97, dtype=torch.int32)
+    lengths = torch.tensor([100, 61], dtype=torch.int32)
+    q, k, v = qkv(2, 4, 1, 3, 160, 16)
+    mask = causal_at_with_length(pos, lengths)
+    check(q, k, v, mask_mod=mask, opts={"SPLIT_KV": 4})
+    # The same through the kv_lengths argument (the tail is never read) plus the offset mask.
+    check(q, k, v, mask_mod=causal_at(pos), kv_lengths=lengths, ref_mask=mask, opts={"SPLIT_KV": 4})
+    # Lengths alone, including a batch with no valid keys: its rows are 0 / -inf.
+    empty = torch.tensor([0, 33], dtype=torch.int32)
+    out, lse = check(q, k, v, mask_mod=valid_length(empty), opts={"SPLIT_KV": 2})
+    assert (lse[0] == -math.inf).all() and (out[0] == 0).all()
+    out2, lse2 = decode_attention(q, k, v, enable_gqa=True, return_lse=True, kv_lengths=empty,
+                                  kernel_options={"SPLIT_KV": 2})
+    torch.testing.assert_close(out2, out, atol=1e-6, rtol=1e-6)
+    assert torch.equal(lse2 == -math.inf, lse == -math.inf)
+
+
+def test_captured_position_is_read_in_kernel():
+    """Updating the 0-d position in place changes the result without a new launch plan."""
+    pos = torch.tensor(10, dtype=torch.int32)
+    mask = causal_at(pos)
+    q, k, v = qkv(1, 2, 2, 1, 70, 16)
+    a = decode_attention(q, k, v, mask_mod=mask, kernel_options={"SPLIT_KV": 2})
+    plans = len(decode._PLANS)
+    pos.fill_(60)
+    b = decode_attention(q, k, v, mask_mod=mask, kernel_options={"SPLIT_KV": 2})
+    assert len(decode._PLANS) == plans
+    torch.testing.assert_close(b.double(), attention_reference(q, k, v, mask_mod=mask), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(a, b)
+
+
+def _block_mask(fn, B, H, Q_LEN, KV_LEN, bs):
+    return create_block_mask(fn, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=bs)
+
+
+def test_block_mask_partial_and_full_tiles():
+    pos = torch.tensor(130, dtype=torch.int32)
+    window = flexattn.mask_mod("(q_idx + pos >= kv_idx) & (q_idx + pos - kv_idx < 90)", pos=pos)
+    # torch's eager create_block_mask never marks a padded query block full: Q_LEN = its block.
+    q, k, v = qkv(2, 8, 2, 4, 170, 32)
+    bm = _block_mask(window, None, None, 4, 170, (4, 16))
+    assert bm.full_kv_num_blocks.sum() > 0 and bm.kv_num_blocks.sum() > 0
+    check(q, k, v, mask_mod=window, block_mask=bm, opts={"SPLIT_KV": 3})
+
+
+def test_block_mask_per_head_and_batch():
+    # Per-head (H = Hq) masks: heads are not packed; per-batch rows; Q_LEN spans two query blocks.
+    doc = torch.tensor([40, 75], dtype=torch.int32)
+    mask = flexattn.mask_mod("(kv_idx < doc[b]) & ((kv_idx + h) % 3 != 0) | (q_idx == kv_idx)", doc=doc)
+    q, k, v = qkv(2, 4, 2, 20, 93, 16)
+    bm = _block_mask(mask, 2, 4, 20, 93, 16)
+    check(q, k, v, mask_mod=mask, block_mask=bm, opts={"SPLIT_KV": 2})
+
+
+def test_block_mask_with_score_mod_and_kv_lengths():
+    lengths = torch.tensor([50, 111], dtype=torch.int32)
+    mask = flexattn.mask_mod("kv_idx % 5 != 1")
+    score = flexattn.score_mod("score * 0.5 + (kv_idx % 7) * 0.1")
+    q, k, v = qkv(2, 2, 2, 1, 128, 32)
+    bm = _block_mask(mask, None, None, 1, 128, 32)
+    check(q, k, v, score_mod=score, mask_mod=mask, block_mask=bm, kv_lengths=lengths,
+          ref_mask=flexattn.mask_mod("(kv_idx % 5 != 1) & (kv_idx < lengths[b])", lengths=lengths),
+          opts={"SPLIT_KV": 2})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(dtype):
+    q, k, v = qkv(1, 8, 2, 2, 100, 32, dtype=dtype)
+    check(q, k, v, opts={"SPLIT_KV": 2}, factor=4.0)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    Q_LEN=st.integers(1, 9), Hkv=st.integers(1, 3), ratio=st.sampled_from([1, 2, 3, 5]),
+    KV_LEN=st.integers(1, 140), E=st.sampled_from([16, 24, 32]), split=st.integers(1, 6),
+    window=st.integers(1, 150),
+)
+def test_hypothesis(Q_LEN, Hkv, ratio, KV_LEN, E, split, window):
+    pos = torch.tensor(max(KV_LEN - Q_LEN, 0), dtype=torch.int32)
+    mask = flexattn.mask_mod("(q_idx + pos >= kv_idx) & (q_idx + pos - kv_idx < w)", pos=pos, w=window)
+    q, k, v = qkv(1, Hkv * ratio, Hkv, Q_LEN, KV_LEN, E, seed=KV_LEN)
+    check(q, k, v, mask_mod=mask, opts={"SPLIT_KV": split})
+
+
+def test_validation_errors():
+    q, k, v = qkv(2, 4, 2, 1, 40, 16)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        decode_attention(q, k, v)
+    with pytest.raises(ValueError, match="batch must be 1 or 2"):
+        decode_attention(q, k.repeat(2, 1, 1, 1)[:3], v.repeat(2, 1, 1, 1)[:3], enable_gqa=True)
+    with pytest.raises(TypeError, match="kv_lengths"):
+        decode_attention(q, k, v, enable_gqa=True, kv_lengths=torch.tensor([3.0, 4.0]))
+    with pytest.raises(ValueError, match="unknown keys"):
+        decode_attention(q, k, v, enable_gqa=True, kernel_options={"SPLITKV": 2})
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        decode_attention(q.double(), k.double(), v.double(), enable_gqa=True)
+    with pytest.raises(TypeError, match="0-d integer"):
+        causal_at(torch.tensor([1]))
