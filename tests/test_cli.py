@@ -6,9 +6,7 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from flexattn import ir
 from flexattn.cli import main, node_listing
 from flexattn.dsl import parse
 

@@ -226,6 +226,18 @@ def test_mod_is_a_mod():
     assert torch.equal(out, doc[:, None] == doc[None, :])
 
 
+def test_dsl_mod_inside_a_traced_python_mod():
+    doc = torch.tensor([0, 0, 1, 1, 1])
+    same_doc = mask_mod("doc[q_idx] == doc[kv_idx]", doc=doc)
+
+    def shifted_doc_causal(b, h, q_idx, kv_idx):
+        return same_doc(b, h, q_idx - 1, kv_idx) & (q_idx >= kv_idx)
+
+    traced = flexattn.trace(shifted_doc_causal)
+    assert traced.ir is parse("doc[q_idx - 1] == doc[kv_idx] and q_idx >= kv_idx", "mask", {"doc": doc})
+    assert traced.buffers[0] is doc
+
+
 def test_text_is_never_evaluated():
     for text in ["__import__('os').system('echo hi')", "open('x')", "exec('1')", "q_idx.__class__"]:
         with pytest.raises(DSLError):

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from lark import Lark, Token, Transformer, Tree, v_args
-from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+from lark import Lark, Transformer, Tree, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken, VisitError
 from lark.lark import PostLex
 
 from flexattn import ir
@@ -571,19 +571,17 @@ def parse_with_buffers(text: str, kind: str | None = None, bindings: dict[str, A
                 where = (f"line {scope.lets[name][1]}" if name in scope.lets else
                          "a keyword binding" if name in scope.bindings else "a built-in name")
                 raise _Error(f"'{name}' is already defined ({where})", tok, "pick another name for the let")
-            scope.lets[name] = (_transform(to_ir, expr), tok.line)
-        root = _transform(to_ir, body)
+            scope.lets[name] = (to_ir.transform(expr), tok.line)
+        root = to_ir.transform(body)  # aliased rules always make a Tree
     except VisitError as e:
         orig = e.orig_exc
         if isinstance(orig, _Error):
             raise _located(text, orig.message, orig.pos, orig.hint) from None
         if isinstance(orig, ir.IRError):
             raise _located(text, str(orig), e.obj.meta) from None
-        raise orig
-    except _Error as e:
+        raise  # a bug, not the user's text
+    except _Error as e:  # raised here for a let, not inside the Transformer
         raise _located(text, e.message, e.pos, e.hint) from None
-    except ir.IRError as e:
-        raise _located(text, str(e), body.meta if isinstance(body, Tree) else body) from None
 
     try:
         root = root if isinstance(root, Node) else ir.const(root)
@@ -596,12 +594,6 @@ def parse_with_buffers(text: str, kind: str | None = None, bindings: dict[str, A
         raise _located(text, f"{kind} text must produce {want}, but it produces {ir.dtype_name(root.dtype)}",
                        _pos_of(body), hint)
     return root, scope.tensors
-
-
-def _transform(to_ir: _ToIR, tree: Any) -> Value:
-    if isinstance(tree, Tree):
-        return to_ir.transform(tree)
-    raise _Error("expected an expression", tree)  # not reachable with this grammar
 
 
 def _pos_of(tree: Any) -> Any:
