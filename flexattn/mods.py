@@ -8,6 +8,7 @@ IR is inlined), and in flexattn's kernels (its IR is emitted as Triton).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Sequence
 
 import torch
@@ -41,6 +42,12 @@ class Mod:
         self.name = name
         self.source = source or str(root)
         self.fn = fn
+        self._by_score_dtype: dict[torch.dtype, ir.Node] = {}
+        # torch's flex_attention counts a mod's positional parameters: show it the real ones.
+        names = ir.SCORE_INPUTS if kind == SCORE else ir.INDEX_INPUTS
+        self.__signature__ = inspect.Signature(
+            [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
+        )
         for buf in ir.buffers_of(root):
             t = self.buffers[buf.index]
             if t.dtype != buf.dtype or t.dim() != buf.ndim:
@@ -56,6 +63,16 @@ class Mod:
             if n.op == "input" and n.arg == "score":
                 return n.dtype
         return None
+
+    def with_score_dtype(self, dtype: torch.dtype) -> ir.Node:
+        """This mod's IR with its ``score`` input (and result) in ``dtype``."""
+        root = self._by_score_dtype.get(dtype)
+        if root is None:
+            new_score = ir.input_("score", dtype)
+            root = ir.substitute(self.ir, lambda n: new_score if n.op == "input" and n.arg == "score" else None)
+            root = ir.cast(root, dtype) if self.kind == SCORE else root
+            self._by_score_dtype[dtype] = root
+        return root
 
     def key(self) -> str:
         """Structural cache key: equal for mods that generate the same kernel code."""
@@ -88,7 +105,11 @@ class Mod:
             return tracer.inline(self, args)
         names = ir.SCORE_INPUTS if self.kind == SCORE else ir.INDEX_INPUTS
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        out = ir.evaluate(self.ir, dict(zip(names, args)), self.buffers, device=device)
+        root = self.ir
+        score = args[0] if self.kind == SCORE else None
+        if isinstance(score, torch.Tensor) and score.dtype.is_floating_point and score.dtype != self.score_dtype:
+            root = self.with_score_dtype(score.dtype)
+        out = ir.evaluate(root, dict(zip(names, args)), self.buffers, device=device)
         if self.kind == SCORE and isinstance(args[0], torch.Tensor) and args[0].dtype.is_floating_point:
             out = out.to(args[0].dtype)
         return out
