@@ -511,7 +511,9 @@ class Evaluator:
     exactly as the kernels do.
     """
 
-    def __init__(self, inputs: dict[str, Any], buffers: list[torch.Tensor] | tuple, device=None):
+    def __init__(self, inputs: dict[str, Any], buffers: list[torch.Tensor] | tuple, device=None,
+                 keep_score_dtype: bool = False):
+        self.keep_score_dtype = keep_score_dtype  # floating scores are not cast to the traced dtype
         self.inputs = inputs
         self.buffers = buffers
         self.device = device
@@ -533,6 +535,9 @@ class Evaluator:
         if op == "const":
             return torch.tensor(n.arg, dtype=n.dtype, device=self.device)
         if op == "input":
+            x = self.inputs.get(n.arg)
+            if self.keep_score_dtype and n.arg == "score" and isinstance(x, torch.Tensor) and x.is_floating_point():
+                return x
             try:
                 return self._tensor(self.inputs[n.arg], n.dtype)
             except KeyError:

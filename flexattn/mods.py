@@ -105,11 +105,9 @@ class Mod:
             return tracer.inline(self, args)
         names = ir.SCORE_INPUTS if self.kind == SCORE else ir.INDEX_INPUTS
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        root = self.ir
-        score = args[0] if self.kind == SCORE else None
-        if isinstance(score, torch.Tensor) and score.dtype.is_floating_point and score.dtype != self.score_dtype:
-            root = self.with_score_dtype(score.dtype)
-        out = ir.evaluate(root, dict(zip(names, args)), self.buffers, device=device)
+        # The score passes through at the caller's precision (e.g. float64 in reference checks).
+        # No IR is built here: torch's flex_attention runs this under dynamo.
+        out = ir.Evaluator(dict(zip(names, args)), self.buffers, device, keep_score_dtype=True).value(self.ir)
         if self.kind == SCORE and isinstance(args[0], torch.Tensor) and args[0].dtype.is_floating_point:
             out = out.to(args[0].dtype)
         return out
