@@ -234,6 +234,11 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if mask_mod is None and isinstance(getattr(block_mask, "mask_mod", None), Mod):
         mask_mod = block_mask.mask_mod
     mask_mod = _as_mod(mask_mod, MASK, "mask_mod")
+    # flex_attention passes an identity score mod and a constant-True mask for "none": skip them.
+    if score_mod is not None and score_mod.ir.op == "input":
+        score_mod = None
+    if mask_mod is not None and mask_mod.ir.op == "const" and mask_mod.ir.arg:
+        mask_mod = None
     fields = _mask_fields(block_mask)
     opts = tuple(sorted((kernel_options or {}).items()))
     key_ = (
@@ -344,7 +349,7 @@ def _make_plan(query, key, value, score_mod, mask_mod, fields, scale, enable_gqa
         _check(NKV * kv_bs >= KV_LEN, f"block_mask covers {NKV * kv_bs} kv positions but KV_LEN is {KV_LEN}")
         _check(num.device == device and idx.device == device,
                f"block_mask is on {num.device} but query is on {device}")
-        BLOCK_N = min(BLOCK_N, kv_bs)
+        BLOCK_N = min(BLOCK_N, kv_bs & -kv_bs)  # a power of two that divides the block size
         _check(kv_bs % BLOCK_N == 0 and BLOCK_N >= 16,
                f"block_mask KV block size {kv_bs} must be a multiple of BLOCK_N={BLOCK_N} (>= 16)")
         _check(idx.stride(3) == 1, "block_mask.kv_indices must be contiguous in its last dimension")
@@ -372,8 +377,10 @@ def _make_plan(query, key, value, score_mod, mask_mod, fields, scale, enable_gqa
         split = int(options["SPLIT_KV"])
         _check(split >= 1, f"kernel_options['SPLIT_KV'] must be >= 1, got {split}")
     else:
-        per_sm = float(options.get("PROGRAMS_PER_SM", 4.0))
-        min_tiles = int(options.get("MIN_TILES_PER_SPLIT", 4 if on_gpu else 1))
+        # Several programs per SM: the last, partly filled wave then costs little, and partials
+        # stay small (rows x SPLIT_KV x Ev floats against megabytes of K/V).
+        per_sm = float(options.get("PROGRAMS_PER_SM", 8.0))
+        min_tiles = int(options.get("MIN_TILES_PER_SPLIT", 8 if on_gpu else 1))
         want = math.ceil(per_sm * _num_sms(device) / max(programs, 1))
         sub = kv_bs // BLOCK_N if has_block_mask else 1
         cap = max(1, (walk_tiles * sub) // max(min_tiles, 1) // sub)
