@@ -1,0 +1,424 @@
+"""BlockMask / create_block_mask: identical to torch's, without the dense mask.
+
+What we compare with torch's ``create_block_mask``: all eight tables (kv_*, full_kv_*, q_*,
+full_q_*) element for element, including the entries past each row's count (torch's layout there
+is deterministic: the unselected tiles in ascending order, from a stable argsort), their shapes and
+dtypes, seq_lengths, BLOCK_SIZE, to_dense(), sparsity() and the text picture.
+"""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import zlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+import flexattn
+from flexattn import ir
+from flexattn.block_mask import (BlockMask, and_masks, create_block_mask, create_mask, noop_mask,
+                                 or_masks)
+from flexattn.mods import Mod
+from test_interval import mask_irs
+
+FIELDS = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+          "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"]
+
+
+def assert_same(ours: BlockMask, theirs) -> None:
+    for f in FIELDS:
+        a, b = getattr(ours, f), getattr(theirs, f)
+        if b is None:
+            assert a is None, f
+            continue
+        assert a.dtype == b.dtype == torch.int32, f
+        assert a.shape == b.shape, (f, a.shape, b.shape)
+        assert torch.equal(a, b), f"{f} differs:\nours   {a}\ntorch  {b}"
+    assert ours.seq_lengths == tuple(theirs.seq_lengths)
+    assert ours.BLOCK_SIZE == tuple(theirs.BLOCK_SIZE)
+    assert ours.shape == theirs.shape
+    assert torch.equal(ours.to_dense(), theirs.to_dense())
+    assert ours.sparsity() == pytest.approx(theirs.sparsity())
+
+
+def both(mask, B, H, Q, KV, bs, backend="torch", **kw):
+    ours = create_block_mask(mask, B, H, Q, KV, device="cpu", BLOCK_SIZE=bs, backend=backend, **kw)
+    theirs = torch_create_block_mask(mask, B, H, Q, KV, device="cpu", BLOCK_SIZE=bs)
+    return ours, theirs
+
+
+# ---------------------------------------------------------------------------------------------
+# Mask families, written as Python mods (traced) exactly as for torch
+
+
+def _doc_ids(lengths):
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+
+
+DOC = _doc_ids([3, 50, 17, 1, 90, 33, 64, 40, 2])  # 300 tokens, uneven documents
+RANDOM = torch.rand(300, 300, generator=torch.Generator().manual_seed(0)) < 0.3
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def sliding_window(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx <= 37)
+
+
+def prefix_lm(b, h, q_idx, kv_idx):
+    return (kv_idx < 50) | (q_idx >= kv_idx)
+
+
+def per_head(b, h, q_idx, kv_idx):
+    return q_idx + 16 * h + 5 * b >= kv_idx
+
+
+def _families(doc, table):
+    """The mask families; the ones that capture tensors capture ``doc`` / ``table``."""
+
+    def document(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    def random_mask(b, h, q_idx, kv_idx):
+        return table[q_idx, kv_idx]
+
+    return [causal, sliding_window, prefix_lm, document, document_causal, random_mask, per_head]
+
+
+FAMILIES = _families(DOC, RANDOM)
+document, document_causal, random_mask = FAMILIES[3:6]
+SHAPES = [(1, 1), (5, 123), (123, 5), (200, 200), (257, 129), (300, 300)]
+BLOCKS = [16, 32, 64, 128, 256, (16, 64), (128, 32)]
+
+
+@pytest.mark.parametrize("mask", FAMILIES, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("bs", BLOCKS, ids=str)
+def test_families_match_torch(mask, bs):
+    for Q, KV in SHAPES:
+        assert_same(*both(mask, 2, 3, Q, KV, bs))
+
+
+@pytest.mark.parametrize("mask", FAMILIES, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("bs,Q,KV", [(16, 100, 77), ((32, 16), 257, 129), (64, 300, 300)], ids=str)
+def test_generated_kernels_match_torch(mask, bs, Q, KV):
+    # The Triton path (the GPU default) through the CPU interpreter.
+    assert_same(*both(mask, 2, 2, Q, KV, bs, backend="triton"))
+
+
+def test_dsl_mods_and_mod_objects():
+    mod = flexattn.mask_mod("(doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)", doc=DOC)
+    for backend in ("torch", "triton"):
+        ours = create_block_mask(mod, 1, 2, 300, 280, device="cpu", BLOCK_SIZE=64, backend=backend)
+        assert_same(ours, torch_create_block_mask(document_causal, 1, 2, 300, 280, device="cpu", BLOCK_SIZE=64))
+        assert ours.mask_mod is mod and ours.mod is mod
+    q, kv = ir.input_("q_idx"), ir.input_("kv_idx")
+    built = Mod("mask", ir.binary("ge", q, kv), name="causal_ir")
+    assert_same(create_block_mask(built, 1, 1, 100, 100, "cpu", 32),
+                torch_create_block_mask(causal, 1, 1, 100, 100, "cpu", 32))
+
+
+def test_none_batch_and_heads_broadcast():
+    ours, theirs = both(causal, None, None, 200, 200, 64)
+    assert ours.kv_num_blocks.shape == (1, 1, 4)
+    assert_same(ours, theirs)
+    # A mask that ignores b and h is classified once and repeated.
+    ours = create_block_mask(causal, 3, 4, 200, 200, device="cpu", BLOCK_SIZE=64)
+    assert ours.kv_indices.shape == (3, 4, 4, 4) and ours.kv_indices.is_contiguous()
+
+
+def test_separate_full_blocks_off():
+    for backend in ("torch", "triton"):
+        ours = create_block_mask(sliding_window, 1, 1, 200, 200, "cpu", 32, separate_full_blocks=False,
+                                 backend=backend)
+        theirs = torch_create_block_mask(sliding_window, 1, 1, 200, 200, "cpu", 32, separate_full_blocks=False)
+        assert_same(ours, theirs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Random mask IR and shapes (hypothesis)
+
+shapes = st.tuples(st.sampled_from([None, 1, 2]), st.sampled_from([None, 1, 3]),
+                   st.integers(1, 250), st.integers(1, 250),
+                   st.sampled_from([16, 32, 64, 128, (16, 32), (64, 16)]))
+
+
+def _ir_mod(root):
+    from test_interval import BUFFERS
+
+    return Mod("mask", root, BUFFERS, name="random_ir")
+
+
+@settings(max_examples=40, deadline=None)
+@given(mask_irs, shapes)
+def test_random_ir_matches_torch(root, shape):
+    B, H, Q, KV, bs = shape
+    assert_same(*both(_ir_mod(root), B, H, Q, KV, bs))
+
+
+@settings(max_examples=12, deadline=None)
+@given(mask_irs, st.tuples(st.integers(1, 120), st.integers(1, 120), st.sampled_from([16, (16, 32), 32])))
+def test_interval_fast_path_equals_exact_evaluation(root, shape):
+    # The staged (Triton) interval analysis and the eager one decide tiles; with it off every tile
+    # is evaluated element by element. All three must agree, and agree with torch.
+    Q, KV, bs = shape
+    mod = _ir_mod(root)
+    fast = create_block_mask(mod, 2, 2, Q, KV, "cpu", bs, backend="triton")
+    exact = create_block_mask(mod, 2, 2, Q, KV, "cpu", bs, backend="triton", use_interval=False)
+    eager = create_block_mask(mod, 2, 2, Q, KV, "cpu", bs, backend="torch")
+    theirs = torch_create_block_mask(mod, 2, 2, Q, KV, "cpu", bs)
+    for ours in (fast, exact, eager):
+        assert_same(ours, theirs)
+
+
+# ---------------------------------------------------------------------------------------------
+# BlockMask methods against torch's
+
+
+def test_getitem_matches_torch():
+    ours, theirs = both(per_head, 2, 3, 257, 200, 32)
+    for index in [0, -1, (1, 2), (slice(0, 2), slice(1, 3)), (0, 1, torch.tensor([1, 3])),
+                  (slice(None), -2, slice(2, 5))]:
+        assert_same(ours[index], theirs[index])
+    with pytest.raises(RuntimeError, match="sliced"):
+        ours[0].mask_mod(None, None, None, None)
+
+
+def test_adjust_matches_torch_on_causal_and_crops_exactly():
+    ours, theirs = both(causal, 1, 2, 512, 512, 64)
+    for q, kv in [(512, 512), (300, 300), (64, 500), (1, 129)]:
+        assert_same(ours._adjust(q, kv), theirs._adjust(q, kv))
+    # A mask whose rows do not start at tile 0: cropping keeps exactly the tiles inside.
+    band = lambda b, h, q_idx, kv_idx: (kv_idx >= 128) & (kv_idx < 256)  # noqa: E731
+    bm = create_block_mask(band, 1, 1, 512, 512, "cpu", 64)
+    small = bm._adjust(256, 192)
+    fresh = create_block_mask(band, 1, 1, 256, 192, "cpu", 64)
+    assert torch.equal(small.to_dense(), fresh.to_dense())
+    assert small.kv_num_blocks.tolist() == [[[0] * 4]] and small.full_kv_num_blocks.tolist() == [[[1] * 4]]
+
+
+def test_from_kv_blocks_and_as_tuple_match_torch():
+    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+
+    ours, theirs = both(document_causal, 2, 1, 300, 300, 32)
+    args = (ours.kv_num_blocks, ours.kv_indices, ours.full_kv_num_blocks, ours.full_kv_indices)
+    rebuilt = BlockMask.from_kv_blocks(*args, BLOCK_SIZE=32, seq_lengths=(300, 300))
+    assert_same(rebuilt, TorchBlockMask.from_kv_blocks(*args, BLOCK_SIZE=32, seq_lengths=(300, 300)))
+    t = ours.as_tuple()
+    assert t[:2] == (300, 300) and t[-3:-1] == (32, 32) and t[-1] is document_causal
+    assert all(torch.equal(a, getattr(ours, f)) for a, f in zip(t[2:10], FIELDS))
+    assert ours.as_tuple(flatten=False)[0] == (300, 300)
+    # Default seq_lengths from the table shapes, default mask_mod.
+    bare = BlockMask.from_kv_blocks(ours.kv_num_blocks, ours.kv_indices, BLOCK_SIZE=(32, 64))
+    assert bare.seq_lengths == (10 * 32, 10 * 64) and bare.mask_mod is noop_mask and bare.full_q_indices is None
+
+
+def test_text_picture_and_repr_match_torch():
+    ours, theirs = both(sliding_window, 2, 1, 300, 300, 16)
+    assert str(ours) == str(theirs)
+    assert ours.to_string(grid_size=-1) == theirs.to_string(grid_size=-1)
+    assert ours.to_string(limit=1) == theirs.to_string(limit=1)
+    assert repr(ours).splitlines()[1:] == repr(theirs).splitlines()[1:]
+
+
+def test_to_moves_mod_buffers():
+    ours = create_block_mask(document, 1, 1, 300, 300, "cpu", 64)
+    moved = ours.to("cpu")
+    assert_same(moved, ours)
+    assert moved.mod.buffers[0].device.type == "cpu" and moved.mask_mod is document
+
+
+def test_check_shape_errors():
+    bm = create_block_mask(per_head, 2, 3, 256, 256, "cpu", 64)
+    bm.check_shape(2, 3, 256, 256)
+    with pytest.raises(ValueError, match=r"created for \(Q_LEN, KV_LEN\) = \(256, 256\).*\(128, 256\).*_adjust"):
+        bm.check_shape(2, 3, 128, 256)
+    with pytest.raises(ValueError, match="create a new block mask"):
+        bm.check_shape(2, 3, 512, 256)
+    with pytest.raises(ValueError, match="batch size 2, expected 1 or the inputs' batch size 4"):
+        bm.check_shape(4, 3, 256, 256)
+    with pytest.raises(ValueError, match="3 heads, expected 1 or the query's 6 heads"):
+        bm.check_shape(2, 6, 256, 256)
+    create_block_mask(causal, None, None, 256, 256, "cpu", 64).check_shape(8, 16, 256, 256)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers: and/or/noop masks, create_mask
+
+
+def test_and_or_noop_masks_match_torch():
+    window = lambda b, h, q_idx, kv_idx: q_idx - kv_idx < 40  # noqa: E731
+    prefix = lambda b, h, q_idx, kv_idx: kv_idx < 20  # noqa: E731
+    for mask in (and_masks(causal, window), or_masks(prefix, causal), noop_mask, and_masks(),
+                 or_masks(and_masks(causal, window), prefix)):
+        assert_same(*both(mask, 1, 1, 150, 170, 16))
+    # Mods combine into one Mod (buffers renumbered).
+    d = flexattn.mask_mod("doc[q_idx] == doc[kv_idx]", doc=DOC)
+    c = flexattn.mask_mod("q_idx >= kv_idx")
+    w = flexattn.mask_mod("tbl[q_idx, kv_idx]", tbl=RANDOM)
+    combined = or_masks(and_masks(d, c), w)
+    assert isinstance(combined, Mod) and len(combined.buffers) == 2
+    ref = lambda b, h, q_idx, kv_idx: document_causal(b, h, q_idx, kv_idx) | random_mask(b, h, q_idx, kv_idx)  # noqa: E731
+    for backend in ("torch", "triton"):
+        assert_same(create_block_mask(combined, 1, 1, 300, 300, "cpu", 64, backend=backend),
+                    torch_create_block_mask(ref, 1, 1, 300, 300, "cpu", 64))
+    with pytest.raises(TypeError, match="argument 1 is int"):
+        and_masks(causal, 3)
+
+
+def test_create_mask_matches_torch():
+    from torch.nn.attention.flex_attention import create_mask as torch_create_mask
+
+    for mask in (document_causal, per_head, noop_mask):
+        assert torch.equal(create_mask(mask, 2, 3, 45, 37, "cpu"), torch_create_mask(mask, 2, 3, 45, 37, "cpu"))
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx >= kv_idx, score, -float("inf"))
+
+    assert torch.equal(create_mask(score_mod, 1, 2, 20, 30, "cpu"), torch_create_mask(score_mod, 1, 2, 20, 30, "cpu"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.mark.parametrize("bs,msg", [(48, "power of two >= 16, got 48"), (8, "got 8"), (0, "got 0"),
+                                    ((64, 24), "KV block size must be a power of two >= 16, got 24"),
+                                    (True, "int or a"), ((16, 16, 16), "pair"), ("128", "int or a")])
+def test_bad_block_sizes(bs, msg):
+    with pytest.raises((ValueError, TypeError), match=msg):
+        create_block_mask(causal, 1, 1, 64, 64, "cpu", bs)
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(Q_LEN=0), "Q_LEN must be a positive int, got 0"),
+                                    (dict(KV_LEN=-3), "KV_LEN must be a positive int, got -3"),
+                                    (dict(B=0), "B must be a positive int or None, got 0"),
+                                    (dict(H=2.0), "H must be a positive int or None, got 2.0"),
+                                    (dict(Q_LEN=10.5), "Q_LEN must be a positive int")])
+def test_bad_lengths(kw, msg):
+    args = dict(B=1, H=1, Q_LEN=64, KV_LEN=64)
+    args.update(kw)
+    with pytest.raises(ValueError, match=msg):
+        create_block_mask(causal, device="cpu", **args)
+
+
+def test_non_bool_mask_mod_is_rejected():
+    with pytest.raises(TypeError, match="must return a bool.*int32"):
+        create_block_mask(lambda b, h, q_idx, kv_idx: q_idx - kv_idx, 1, 1, 64, 64, "cpu")
+    with pytest.raises(TypeError, match="mask_mod must be a callable"):
+        create_block_mask("q_idx >= kv_idx", 1, 1, 64, 64, "cpu")
+    with pytest.raises(TypeError, match="must be a mask_mod, got a score_mod"):
+        create_block_mask(flexattn.score_mod("score * 2"), 1, 1, 64, 64, "cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Scale: the CPU path's memory is O(tiles)
+
+_SCALE_SCRIPT = textwrap.dedent("""
+    import json, resource, time, torch
+    from flexattn.block_mask import create_block_mask
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+    create_block_mask(causal, 1, 1, 512, 512, device="cpu")  # imports, tracing, warm caches
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = time.perf_counter()
+    bm = create_block_mask(causal, 1, 1, 16384, 16384, device="cpu")
+    seconds = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"growth_mb": (after - before) / 1024, "seconds": seconds,
+                      "kv": bm.kv_num_blocks.flatten().tolist(), "full": bm.full_kv_num_blocks.flatten().tolist()}))
+""")
+
+
+def test_causal_16k_on_cpu_stays_small():
+    # torch's eager create_block_mask needs ~2.6 GB here (a dense 16k x 16k mask plus temporaries).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", _SCALE_SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=300, check=True).stdout
+    res = json.loads(out.strip().splitlines()[-1])
+    print(f"16k x 16k causal on CPU: {res['seconds']:.2f} s, peak RSS growth {res['growth_mb']:.1f} MB")
+    assert res["growth_mb"] < 256
+    assert res["kv"] == [1] * 128 and res["full"] == list(range(128))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pictures
+
+
+def _read_gray_png(path):
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        (n,) = struct.unpack(">I", data[pos:pos + 4])
+        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
+        assert struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])[0] == zlib.crc32(kind + body)
+        chunks[kind] = body
+        pos += 12 + n
+    w, h = struct.unpack(">II", chunks[b"IHDR"][:8])
+    raw = zlib.decompress(chunks[b"IDAT"])
+    rows = [raw[r * (w + 1) + 1:(r + 1) * (w + 1)] for r in range(h)]
+    return torch.tensor([list(r) for r in rows], dtype=torch.uint8)
+
+
+def test_png_picture(tmp_path):
+    bm = create_block_mask(prefix_lm, 2, 1, 300, 300, "cpu", 64)  # 5 x 5 tiles
+    path = bm.to_png(str(tmp_path / "mask.png"), batch=1, engine="plain")
+    img = _read_gray_png(path)
+    scale = 512 // 5
+    assert img.shape == (5 * scale, 5 * scale)
+    tiles = img[::scale, ::scale]
+    expected = torch.tensor([255, 150, 0], dtype=torch.uint8)[bm.tile_states()[1, 0].long()]
+    assert torch.equal(tiles, expected)
+    assert (tiles == 0).any() and (tiles == 150).any() and (tiles == 255).any()
+
+
+def test_png_matplotlib_engine(tmp_path):
+    bm = create_block_mask(causal, 1, 1, 256, 256, "cpu", 64)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match=r"flexattn\[plot\]"):
+            bm.to_png(str(tmp_path / "m.png"), engine="matplotlib")
+    else:
+        bm.to_png(str(tmp_path / "m.png"), engine="matplotlib")
+        assert open(tmp_path / "m.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the generated kernels against torch on CUDA (run on the device machine with -m gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("i", range(len(FAMILIES)), ids=lambda i: FAMILIES[i].__name__)
+def test_gpu_kernels_match_torch(i):
+    mask = FAMILIES[i]
+    on_gpu = _families(DOC.cuda(), RANDOM.cuda())[i]
+    for Q, KV, bs in [(300, 300, 16), (257, 129, (32, 64)), (300, 300, 128)]:
+        ours = create_block_mask(on_gpu, 2, 3, Q, KV, device="cuda", BLOCK_SIZE=bs)
+        theirs = torch_create_block_mask(mask, 2, 3, Q, KV, device="cpu", BLOCK_SIZE=bs)
+        assert_same(ours.to("cpu"), theirs)
+
+
+@pytest.mark.gpu
+def test_gpu_long_document_mask_matches_torch():
+    lengths = torch.randint(100, 3000, (40,), generator=torch.Generator().manual_seed(1))
+    doc = _doc_ids(lengths.tolist()).cuda()
+    n = doc.numel()
+
+    def doc_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    ours = create_block_mask(doc_causal, 1, 1, n, n, device="cuda", BLOCK_SIZE=128)
+    theirs = torch_create_block_mask(doc_causal, 1, 1, n, n, device="cuda", BLOCK_SIZE=128)
+    assert_same(ours, theirs)
