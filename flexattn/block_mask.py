@@ -285,14 +285,14 @@ def _evaluate_unknown(mod: Mod, st: torch.Tensor, r0: int, Q_LEN: int, KV_LEN: i
         bb, hh, rr, cc = unknown[u0:u0 + per_step].unbind(1)
         q = (rr + r0).view(-1, 1, 1) * QB + oq
         kv = cc.view(-1, 1, 1) * KVB + okv
-        inside = (q < Q_LEN) & (kv < KV_LEN)
         keep = ir.evaluate(mod.ir, {
             "b": bb.view(-1, 1, 1).int(), "h": hh.view(-1, 1, 1).int(),
             "q_idx": q.clamp(max=Q_LEN - 1).int(), "kv_idx": kv.clamp(max=KV_LEN - 1).int(),
         }, mod.buffers, device=device)
-        keep = keep & inside
-        flat = keep.reshape(keep.shape[0], -1)
-        new = torch.where(flat.all(1), interval.FULL, torch.where(flat.any(1), interval.PARTIAL, interval.EMPTY))
+        if Q_LEN % QB or KV_LEN % KVB:
+            keep = keep & (q < Q_LEN) & (kv < KV_LEN)  # padding counts as masked out
+        count = keep.expand(len(bb), QB, KVB).reshape(len(bb), -1).sum(1, dtype=torch.int32)
+        new = torch.where(count == QB * KVB, interval.FULL, torch.where(count > 0, interval.PARTIAL, interval.EMPTY))
         st[bb, hh, rr, cc] = new.to(torch.int8)
 
 

@@ -17,7 +17,19 @@ from flexattn.codegen.render import load_kernel_module
 from flexattn.mods import Mod
 
 
+_MODULES: dict[tuple[str, str], object] = {}
+
+
 def kernel_module(mod: Mod, target: str):
+    """The rendered kernel module for ``mod`` (memoised on the mod's structural key)."""
+    key = (mod.key(), target)
+    module = _MODULES.get(key)
+    if module is None:
+        module = _MODULES[key] = _render(mod, target)
+    return module
+
+
+def _render(mod: Mod, target: str):
     src = mod.emit(target, name="mask_mod")
     interval_src, interval_params = interval.emit_interval(mod.ir, "mask_interval")
     params = src.param_list("")
@@ -56,6 +68,8 @@ def build_tables(mod: Mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: i
         HD, Q_LEN, KV_LEN, n_kv, n_words,
         BLOCK_Q=Q_BLOCK, BLOCK_KV=KV_BLOCK, SUB_Q=sub_q, SUB_KV=sub_kv,
         CHUNK_WORDS=chunk_words, USE_INTERVAL=use_interval,
+        # No FMA contraction: interval bounds rely on every float op rounding like torch's.
+        enable_fp_fusion=False,
     )
 
     def tables(n_rows, n_cols):
@@ -70,7 +84,7 @@ def build_tables(mod: Mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: i
         fq_num, fq_idx = tables(n_kv, n_q)
     else:
         fkv_num = fkv_idx = fq_num = fq_idx = kv_num  # unused by the kernels
-    common = dict(SEPARATE_FULL=separate_full)
+    common = dict(SEPARATE_FULL=separate_full, SEL=1 if separate_full else 0)
     module.kv_order_kernel[(n_q, BH)](
         state, kv_num, kv_idx, fkv_num, fkv_idx, state.stride(0), state.stride(1), n_q, n_kv,
         CHUNK=min(1024, triton.next_power_of_2(n_kv)), **common,

@@ -47,10 +47,10 @@ def _tile_min(x):
     return tl.reduce(tl.reduce(x, 1, _min_op), 0, _min_op)
 
 
-EMPTY: tl.constexpr = 0
-PARTIAL: tl.constexpr = 1
-FULL: tl.constexpr = 2
-UNKNOWN: tl.constexpr = 3
+EMPTY = tl.constexpr(0)
+PARTIAL = tl.constexpr(1)
+FULL = tl.constexpr(2)
+UNKNOWN = tl.constexpr(3)
 
 
 @triton.jit
@@ -179,13 +179,13 @@ def _order(Words, N, stride, lane, Num, Idx,
 def kv_order_kernel(
     State, KvNum, KvIdx, FullNum, FullIdx,
     stride_sbh, stride_sm, N_Q_TILES, N_KV_TILES,
-    SEPARATE_FULL: tl.constexpr, CHUNK: tl.constexpr,
+    SEPARATE_FULL: tl.constexpr, SEL: tl.constexpr, CHUNK: tl.constexpr,
 ):
+    # SEL: the state listed in KvIdx (PARTIAL, or 0 = any non-empty when not SEPARATE_FULL)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     words = State + pid_bh.to(tl.int64) * stride_sbh + pid_m.to(tl.int64) * stride_sm
     row = pid_bh.to(tl.int64) * N_Q_TILES + pid_m
-    SEL: tl.constexpr = PARTIAL if SEPARATE_FULL else 0
     _order(words, N_KV_TILES, 0, 0, KvNum + row, KvIdx + row * N_KV_TILES, SEL, False, CHUNK)
     if SEPARATE_FULL:
         _order(words, N_KV_TILES, 0, 0, FullNum + row, FullIdx + row * N_KV_TILES, FULL, False, CHUNK)
@@ -195,14 +195,13 @@ def kv_order_kernel(
 def q_order_kernel(
     State, QNum, QIdx, FullNum, FullIdx,
     stride_sbh, stride_sm, N_Q_TILES, N_KV_TILES,
-    SEPARATE_FULL: tl.constexpr, CHUNK: tl.constexpr,
+    SEPARATE_FULL: tl.constexpr, SEL: tl.constexpr, CHUNK: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     words = State + pid_bh.to(tl.int64) * stride_sbh + pid_n // 16
     lane = pid_n % 16
     col = pid_bh.to(tl.int64) * N_KV_TILES + pid_n
-    SEL: tl.constexpr = PARTIAL if SEPARATE_FULL else 0
     _order(words, N_Q_TILES, stride_sm, lane, QNum + col, QIdx + col * N_Q_TILES, SEL, True, CHUNK)
     if SEPARATE_FULL:
         _order(words, N_Q_TILES, stride_sm, lane, FullNum + col, FullIdx + col * N_Q_TILES, FULL, True, CHUNK)

@@ -1,0 +1,167 @@
+"""create_block_mask: flexattn vs torch (eager and torch.compile'd), time and peak extra memory.
+
+    python benchmarks/bench_block_mask.py                      # GPU: 32k, 128k, 1M tokens
+    python benchmarks/bench_block_mask.py --sizes 2k --device cpu --no-compile
+
+Masks: causal, and a 64-document mask (uneven document lengths, ``doc[q] == doc[kv]``), B = H = 1,
+BLOCK_SIZE 128. Every implementation gets the user's Python mask_mod, as in real use (flexattn
+traces it on each call, torch vmaps it).
+
+Columns: median time per call (triton.testing.do_bench on CUDA, wall clock on CPU) and, on CUDA,
+"extra MB": peak memory allocated during the call minus what was allocated before it, minus the
+returned BlockMask's own tensors (the eight index tables are O(tiles) by format: 1 GB at 1M
+tokens). So "extra" is the scratch an implementation needed on top of its answer. "OOM" means the
+call ran out of memory; "match" says whether flexattn's tables equal the torch result it is
+compared with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import time
+
+import torch
+import triton
+
+import flexattn
+from flexattn.block_mask import create_block_mask
+
+FIELDS = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+          "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"]
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().lower()
+    mult = {"k": 1024, "m": 1024 * 1024}.get(text[-1], 1)
+    return int(float(text[:-1] if text[-1] in "km" else text) * mult)
+
+
+def masks(n: int, docs: int, device: str):
+    gen = torch.Generator().manual_seed(0)
+    # Uneven documents: lengths drawn from a wide range, scaled to sum to n.
+    w = torch.rand(docs, generator=gen) * 4 + 0.25
+    lengths = (w / w.sum() * n).floor().long()
+    lengths[-1] += n - int(lengths.sum())
+    doc = torch.repeat_interleave(torch.arange(docs), lengths).to(device)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def document(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    return {"causal": causal, f"{docs}-document": document}
+
+
+def output_bytes(bm) -> int:
+    return sum(getattr(bm, f).numel() * getattr(bm, f).element_size()
+               for f in FIELDS if getattr(bm, f) is not None)
+
+
+def measure(fn, device: str, reps: int):
+    """(ms, extra MB, result) or ("OOM", ...) / ("error: ...", ...)."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        result = fn()  # warm-up: compilation, tracing caches
+        if device == "cuda":
+            torch.cuda.synchronize()
+            extra = (torch.cuda.max_memory_allocated() - base - output_bytes(result)) / 2**20
+            # Peak of a steady-state call (after compilation), measured the same way.
+            del result
+            gc.collect()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            result = fn()
+            torch.cuda.synchronize()
+            extra = (torch.cuda.max_memory_allocated() - base - output_bytes(result)) / 2**20
+            ms = triton.testing.do_bench(fn, warmup=5, rep=max(50, reps * 10), return_mode="median")
+        else:
+            extra = float("nan")
+            times = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t) * 1e3)
+            ms = sorted(times)[len(times) // 2]
+        return ms, extra, result
+    except torch.OutOfMemoryError:
+        return "OOM", None, None
+    except Exception as e:  # noqa: BLE001 - a benchmark reports, it does not stop
+        return f"error: {type(e).__name__}: {str(e).splitlines()[0][:60]}", None, None
+    finally:
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def same(a, b) -> str:
+    if a is None or b is None:
+        return "-"
+    b = b.to(a.kv_num_blocks.device) if hasattr(b, "to") else b
+    ok = all((getattr(a, f) is None and getattr(b, f) is None) or torch.equal(getattr(a, f), getattr(b, f))
+             for f in FIELDS)
+    return "yes" if ok else "NO"
+
+
+def cell(ms, extra) -> str:
+    if isinstance(ms, str):
+        return f"{ms:>22}"
+    mem = "" if extra is None or math.isnan(extra) else f" {extra:8.1f} MB"
+    return f"{f'{ms:.3f} ms{mem}':>22}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="32k,128k,1M", help="comma-separated token counts (k = 1024, M = 2**20)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--docs", type=int, default=64)
+    p.add_argument("--reps", type=int, default=5, help="timed calls on CPU (CUDA uses do_bench)")
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile(create_block_mask)")
+    p.add_argument("--no-torch", action="store_true", help="skip torch entirely (flexattn only)")
+    args = p.parse_args()
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here (use --device cpu)")
+    from torch.nn.attention.flex_attention import create_block_mask as torch_cbm
+
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    print(f"# create_block_mask on {name}: torch {torch.__version__}, triton {triton.__version__}, "
+          f"flexattn {flexattn.__version__}; B=H=1, BLOCK_SIZE={args.block_size}")
+    compiled = None if args.no_compile or args.no_torch else torch.compile(torch_cbm)
+    header = f"{'mask':>12} {'tokens':>8} | {'flexattn':>22} | {'torch eager':>22} | {'torch.compile':>22} | match"
+    print(header)
+    print("-" * len(header))
+    for size in [parse_size(s) for s in args.sizes.split(",")]:
+        for mname, mask in masks(size, args.docs, device).items():
+            def ours():
+                return create_block_mask(mask, 1, 1, size, size, device=device, BLOCK_SIZE=args.block_size)
+
+            f_ms, f_mem, f_res = measure(ours, device, args.reps)
+            row = [cell(f_ms, f_mem)]
+            ref = None
+            for impl in ("eager", "compile"):
+                if args.no_torch or (impl == "compile" and compiled is None):
+                    row.append(f"{'skipped':>22}")
+                    continue
+                fn = torch_cbm if impl == "eager" else compiled
+
+                def theirs(fn=fn):
+                    return fn(mask, 1, 1, size, size, device=device, BLOCK_SIZE=args.block_size)
+
+                t_ms, t_mem, t_res = measure(theirs, device, args.reps)
+                row.append(cell(t_ms, t_mem))
+                ref = t_res if t_res is not None else ref
+                del t_res
+            print(f"{mname:>12} {size:>8} | " + " | ".join(row) + f" | {same(f_res, ref)}", flush=True)
+            del f_res, ref
+
+
+if __name__ == "__main__":
+    main()
