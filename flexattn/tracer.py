@@ -199,13 +199,15 @@ def _number(x):
     """``x`` as a Python bool/int/float if it is a real number (numpy scalars included), else None."""
     if isinstance(x, (bool, int, float)):
         return x
-    if isinstance(x, numbers.Number) and not isinstance(x, torch.Tensor):
-        if isinstance(x, numbers.Integral):
-            return bool(x) if type(x).__name__ == "bool_" else int(x)
-        if isinstance(x, numbers.Real):
-            return float(x)
-    if type(x).__name__ == "bool_":  # numpy.bool_ is not a numbers.Number
+    if isinstance(x, torch.Tensor):
+        return None
+    kind = getattr(getattr(x, "dtype", None), "kind", None)  # numpy scalars: np.int64(3), np.bool_
+    if kind == "b":
         return bool(x)
+    if kind in ("i", "u"):
+        return int(x)
+    if kind == "f":
+        return float(x)
     return None
 
 
@@ -485,7 +487,7 @@ def _index_operand(trace: "_Trace", buffer: ir.Buffer, item):
             )
         else:
             return item.node
-    elif isinstance(item, bool) or type(item).__name__ == "bool_":
+    elif isinstance(_number(item), bool):
         what = "a Python bool"
     elif _number(item) is not None:
         n = _number(item)
@@ -1017,7 +1019,8 @@ def _factory(func, args, kwargs):
     if path in ("torch.tensor", "torch.as_tensor", "torch.scalar_tensor"):
         if len(args) != 1 or _number(args[0]) is None or set(kwargs) - {"dtype", "device", "requires_grad"}:
             return None
-        dtype = kwargs.get("dtype") or (torch.float32 if path == "torch.scalar_tensor" else ir.promote(_number(args[0])))
+        dtype = kwargs.get("dtype") or (torch.get_default_dtype() if path == "torch.scalar_tensor"
+                                        else ir.promote(_number(args[0])))
         return ir.const(_number(args[0]), dtype)
     sizes = args[:1] if path == "torch.full" else args
     if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
@@ -1046,6 +1049,10 @@ def _liftable(func, args, kwargs) -> bool:
 
 
 class _TraceMode(TorchFunctionMode):
+    """Active while a mod runs: routes calls on traced values to the table, and catches the calls
+    that have none (``torch.tensor(2.0)``, ``table[t0]`` with a captured 0-d ``t0``) when the mod
+    itself made them (flexattn's own torch calls, e.g. constant folding, pass straight through)."""
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if any(isinstance(a, (Proxy, _View)) for a in _flat(args, kwargs)):

@@ -273,6 +273,13 @@ def test_new_ones_and_friends_are_constants():
         assert same(mod.buffers, ()) and ir.buffers_of(mod.ir) == [], mod
 
 
+def test_numpy_scalars_are_weak_python_numbers():
+    import numpy as np
+
+    mod = check(lambda s, b, h, q, kv: s * np.float64(0.5) + (q + np.int64(3) > kv) * np.int64(2))
+    assert uncast(mod).dtype == torch.float32
+
+
 def test_new_ones_dtype_defaults_to_the_tensors():
     mod = trace(lambda b, h, q, kv: (b.new_ones(()) + q) > kv)
     assert all(n.dtype == torch.int32 for n in ir.toposort(mod.ir) if n.op == "const")
@@ -752,6 +759,7 @@ GYM_MASKS = [
     torch_flex.and_masks(generate_sliding_window(4), generate_doc_mask(DOC_IDS, torch.tensor([0, 3, 5, 10]))),
     torch_flex.or_masks(generate_prefix_lm(torch.tensor([2, 5])), generate_sliding_window(2)),
     torch_flex.noop_mask,
+    flexattn.noop_mask,
 ]
 GYM_SCORES = [
     generate_alibi_bias(H),
@@ -765,7 +773,7 @@ GYM_SCORES = [
 def test_attention_gym_masks(fn):
     mod = trace(fn)
     assert torch.equal(traced_eval(mod).expand(B, H, Q, KV), torch_flex.create_mask(fn, B, H, Q, KV, device="cpu"))
-    if fn is not torch_flex.noop_mask:  # vmap of a constant mod returns an unbatched value
+    if fn not in (torch_flex.noop_mask, flexattn.noop_mask):  # vmap of a constant is unbatched
         check(fn)
 
 
