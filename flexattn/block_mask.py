@@ -334,8 +334,8 @@ class BlockMask:
     Example::
 
         >>> bm = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 300, 300, "cpu", 128)
-        >>> bm.kv_num_blocks.tolist(), bm.full_kv_num_blocks.tolist()
-        ([[[1, 1, 1]]], [[[0, 1, 2]]])
+        >>> bm.kv_num_blocks.tolist(), bm.full_kv_num_blocks.tolist()  # the last row is cut at 300
+        ([[[1, 1, 3]]], [[[0, 1, 0]]])
     """
 
     def __init__(self, seq_lengths: tuple[int, int], kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor,

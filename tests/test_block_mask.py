@@ -288,6 +288,17 @@ def test_create_mask_matches_torch():
     assert torch.equal(create_mask(score_mod, 1, 2, 20, 30, "cpu"), torch_create_mask(score_mod, 1, 2, 20, 30, "cpu"))
 
 
+def test_docstring_examples():
+    import doctest
+
+    import flexattn.block_mask
+    import flexattn.interval
+
+    for module in (flexattn.block_mask, flexattn.interval):
+        result = doctest.testmod(module, raise_on_error=False)
+        assert result.failed == 0 and result.attempted > 0, module.__name__
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input
 
@@ -422,3 +433,25 @@ def test_gpu_long_document_mask_matches_torch():
     ours = create_block_mask(doc_causal, 1, 1, n, n, device="cuda", BLOCK_SIZE=128)
     theirs = torch_create_block_mask(doc_causal, 1, 1, n, n, device="cuda", BLOCK_SIZE=128)
     assert_same(ours, theirs)
+
+
+@pytest.mark.gpu
+def test_gpu_causal_1m_tokens_exact_and_small():
+    n, bs = 1 << 20, 128
+    create_block_mask(causal, 1, 1, 4096, 4096, device="cuda")  # compile outside the measurement
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    bm = create_block_mask(causal, 1, 1, n, n, device="cuda", BLOCK_SIZE=bs)
+    torch.cuda.synchronize()
+    tables = sum(getattr(bm, f).numel() * 4 for f in FIELDS)
+    extra_mb = (torch.cuda.max_memory_allocated() - base - tables) / 2**20
+    assert extra_mb < 64, f"{extra_mb:.1f} MB of scratch"
+    t = n // bs
+    rows = torch.arange(t, device="cuda", dtype=torch.int32)
+    assert (bm.kv_num_blocks[0, 0] == 1).all() and torch.equal(bm.kv_indices[0, 0, :, 0], rows)
+    assert torch.equal(bm.full_kv_num_blocks[0, 0], rows)
+    assert torch.equal(bm.q_num_blocks[0, 0], torch.ones_like(rows)) and torch.equal(bm.q_indices[0, 0, :, 0], rows)
+    assert torch.equal(bm.full_q_num_blocks[0, 0], t - 1 - rows)
+    # Row i of full_kv_indices: 0..i-1, then i..t-1 (every row is the identity permutation).
+    assert torch.equal(bm.full_kv_indices[0, 0, 77], rows) and torch.equal(bm.full_kv_indices[0, 0, -1], rows)
