@@ -87,12 +87,16 @@ def _user_frame(depth: int = 1):
     return frame
 
 
-def _called_from_flexattn() -> bool:
+# flexattn's own torch calls while a mod runs: promotion, constant folding, eager evaluation.
+_INTERNAL_FILES = {os.path.join(_FLEXATTN_DIR, f) for f in ("ir.py", "tracer.py", "mods.py")}
+
+
+def _called_internally() -> bool:
     # Skip torch's own frames (F.silu -> handle_torch_function ...); whoever called torch decides.
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
         frame = frame.f_back
-    return frame is not None and frame.f_code.co_filename.startswith(_FLEXATTN_DIR)
+    return frame is not None and frame.f_code.co_filename in _INTERNAL_FILES
 
 
 # Buffer names appear in printed DSL text, so they must not read as an input, an op or a literal.
@@ -1057,7 +1061,7 @@ class _TraceMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if any(isinstance(a, (Proxy, _View)) for a in _flat(args, kwargs)):
             return _dispatch(func, args, kwargs)
-        if (func in _FACTORIES or func in _HANDLERS) and not _called_from_flexattn():
+        if (func in _FACTORIES or func in _HANDLERS) and not _called_internally():
             if func in _FACTORIES:
                 node = _factory(func, args, kwargs)
                 if node is not None:
