@@ -379,15 +379,15 @@ def _apply(trace: "_Trace", build: Callable[[], ir.Node]) -> Proxy:
         return Proxy(build(), trace)
 
 
-# The one operator table: Python magic name -> IR op. Each binary entry also installs the
-# reflected form (__radd__ ...); comparisons need none (Python swaps them itself).
-_MAGIC_BINARY = {
-    "add": "add", "sub": "sub", "mul": "mul", "truediv": "truediv", "floordiv": "floordiv",
-    "mod": "mod", "pow": "pow", "and": "and_", "or": "or_", "xor": "xor",
-    "lshift": "lshift", "rshift": "rshift",
+# The one operator table: magic name -> (IR op, arity). Binary operators also get their
+# reflected twin (__radd__: `1 + q_idx`); comparisons need none, Python swaps them itself.
+_MAGIC = {
+    "add": ("add", 2), "sub": ("sub", 2), "mul": ("mul", 2), "truediv": ("truediv", 2),
+    "floordiv": ("floordiv", 2), "mod": ("mod", 2), "pow": ("pow", 2),
+    "and": ("and_", 2), "or": ("or_", 2), "xor": ("xor", 2), "lshift": ("lshift", 2), "rshift": ("rshift", 2),
+    "eq": ("eq", 2), "ne": ("ne", 2), "lt": ("lt", 2), "le": ("le", 2), "gt": ("gt", 2), "ge": ("ge", 2),
+    "neg": ("neg", 1), "abs": ("abs", 1), "invert": ("invert", 1),
 }
-_MAGIC_COMPARE = {"eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge"}
-_MAGIC_UNARY = {"neg": "neg", "abs": "abs", "invert": "invert"}
 
 
 def _magic_binary(op: str, reflected: bool):
@@ -405,22 +405,21 @@ def _magic_unary(op: str):
     return method
 
 
-for _name, _op in _MAGIC_BINARY.items():
-    method = _magic_binary(_op, False)
-    method.__name__ = f"__{_name}__"
-    setattr(Proxy, method.__name__, method)
-    method = _magic_binary(_op, True)
-    method.__name__ = f"__r{_name}__"
-    setattr(Proxy, method.__name__, method)
-for _name, _op in _MAGIC_COMPARE.items():
-    method = _magic_binary(_op, False)
-    method.__name__ = f"__{_name}__"
-    setattr(Proxy, method.__name__, method)
-for _name, _op in _MAGIC_UNARY.items():
-    method = _magic_unary(_op)
-    method.__name__ = f"__{_name}__"
-    setattr(Proxy, method.__name__, method)
-del _name, _op, method
+def _magic_methods():
+    """(dunder name, method) for every entry of `_MAGIC`."""
+    for name, (op, arity) in _MAGIC.items():
+        if arity == 1:
+            yield f"__{name}__", _magic_unary(op)
+            continue
+        yield f"__{name}__", _magic_binary(op, reflected=False)
+        if op not in ir.COMPARISONS:
+            yield f"__r{name}__", _magic_binary(op, reflected=True)
+
+
+for _name, _method in _magic_methods():
+    _method.__name__ = _name
+    setattr(Proxy, _name, _method)
+del _name, _method
 
 
 class _View:
@@ -453,11 +452,17 @@ class _View:
 
     __bool__ = __index__ = __int__ = __float__ = __iter__ = __len__ = _incomplete
 
+    def __getattr__(self, name: str):
+        if name.startswith("_") or not hasattr(torch.Tensor, name):
+            raise AttributeError(name)
+        self._incomplete()  # bias[b].float(), bias[b].shape ...
 
-for _name in [*_MAGIC_BINARY, *[f"r{n}" for n in _MAGIC_BINARY], *_MAGIC_COMPARE, *_MAGIC_UNARY, "pos"]:
-    setattr(_View, f"__{_name}__", _View._incomplete)
+
+for _name, _ in _magic_methods():  # a partially indexed tensor is not a value yet
+    setattr(_View, _name, _View._incomplete)
+_View.__pos__ = _View._incomplete
 _View.__hash__ = object.__hash__
-del _name
+del _name, _
 
 
 def _gather(trace: "_Trace", tensor: torch.Tensor, index, buffer: ir.Buffer | None = None, prefix: tuple = ()):

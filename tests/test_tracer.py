@@ -671,6 +671,7 @@ def test_unsupported_torch_function_names_itself_and_lists_supported():
     (lambda s, b, h, q, kv: s + BIAS1[q, kv], r"'BIAS1' \(1 dims\) with 2 indices"),
     (lambda s, b, h, q, kv: s + BIAS3[b][h], r"captured tensor 'BIAS3' \(3 dims\) indexed with only 2 index\(es\).*BIAS3\[h, q_idx, kv_idx\]"),
     (lambda s, b, h, q, kv: torch.exp(BIAS3[b]), r"'BIAS3' \(3 dims\) indexed with only 1"),
+    (lambda s, b, h, q, kv: BIAS3[b].float(), r"'BIAS3' \(3 dims\) indexed with only 1"),
     (lambda s, b, h, q, kv: s + BIAS3, r"combines captured tensor 'BIAS3' of shape \(2, 3, 11\) with a traced value"),
     (lambda s, b, h, q, kv: s[0], r"indexes a traced value"),
     (lambda s, b, h, q, kv: q * 2**40, r"constant 1099511627776 does not fit in int32"),
