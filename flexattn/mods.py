@@ -20,6 +20,13 @@ SCORE, MASK = "score", "mask"
 ARITY = {SCORE: 5, MASK: 4}
 
 
+def _canonical(device: torch.device) -> torch.device:
+    """'cuda' and 'cuda:<current>' name the same device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class Mod:
     """A traced mod. ``kind`` is "score" or "mask"; ``buffers`` are the captured tensors."""
 
@@ -86,8 +93,9 @@ class Mod:
         return emit.launch_args(ir.buffers_of(self.ir), self.buffers)
 
     def check_device(self, device: torch.device, arg: str = "query") -> None:
+        device = _canonical(torch.device(device))
         for t in self.buffers:
-            if t.device != device:
+            if _canonical(t.device) != device:
                 raise ValueError(
                     f"{self.kind}_mod '{self.name}' captured a tensor on {t.device}, but {arg} is on "
                     f"{device}; move the captured tensor to {device}"
