@@ -27,10 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
-from flexattn import ir
+from flexattn import decode, ir
+from flexattn.block_mask import as_mod as as_mask_mod
 from flexattn.codegen import emit
 from flexattn.codegen.render import load_kernel_module
 from flexattn.mods import ARITY, MASK, SCORE, Mod
+from flexattn.tracer import trace
 
 # ---------------------------------------------------------------------------------------------
 # Kernel options: the one place that lists them and picks their defaults.
@@ -49,6 +51,7 @@ _BOOL_OPTIONS = ("PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS",
 
 MAX_HEAD_DIM = 256  # larger tiles do not fit in registers / shared memory
 _LARGE_BLOCK = 1 << 30  # "one block covers the whole sequence" (no block mask)
+INT32_OFFSET_LIMIT = 2**31  # tensors reaching this element offset get 64-bit tile offsets
 
 
 def default_kernel_options(device: torch.device, dtype: torch.dtype, qk_head_dim: int,
@@ -86,11 +89,15 @@ def _check_kernel_options(kernel_options: dict | None) -> dict[str, Any]:
         return {}
     if not isinstance(kernel_options, dict):
         raise TypeError(f"kernel_options must be a dict or None, got {type(kernel_options).__name__}")
-    unknown = sorted(set(kernel_options) - set(KERNEL_OPTIONS))
+    unknown = sorted(set(kernel_options) - set(KERNEL_OPTIONS) - decode.DECODE_OPTIONS)
     if unknown:
         valid = "\n".join(f"  {k}: {v}" for k, v in KERNEL_OPTIONS.items())
-        raise ValueError(f"kernel_options has unknown key(s) {unknown}; valid keys are:\n{valid}")
+        extra = ", ".join(sorted(decode.DECODE_OPTIONS - set(KERNEL_OPTIONS)))
+        raise ValueError(f"kernel_options has unknown key(s) {unknown}; valid keys are:\n{valid}\n"
+                         f"  and, for the decoding kernel (short queries; see flexattn.decode): {extra}")
     for key, value in kernel_options.items():
+        if key not in KERNEL_OPTIONS:
+            continue  # decoding-only knobs: flexattn.decode checks them
         if key in _BOOL_OPTIONS:
             if not isinstance(value, bool):
                 raise TypeError(f"kernel_options[{key!r}] must be a bool, got {value!r}")
@@ -165,18 +172,26 @@ def _check_arity(fn: Callable, kind: str, arg: str) -> None:
                         f"{getattr(fn, '__name__', fn)!r} takes {len(positional)}")
 
 
-def as_mod(fn: Callable | Mod, kind: str, score_dtype: torch.dtype, arg: str) -> Mod:
-    """``fn`` as a `Mod` of ``kind``: a Mod is checked, a Python function traced."""
+def score_mod_as_mod(fn: Callable | Mod, score_dtype: torch.dtype, device: torch.device) -> Mod:
+    """``score_mod`` as a `Mod` whose score input is ``score_dtype`` (Python functions are traced)."""
     if isinstance(fn, Mod):
-        if fn.kind != kind:
-            raise TypeError(f"{arg} must be a {kind} mod, got the {fn.kind} mod {fn.name!r}")
-        return fn
-    if not callable(fn):
-        raise TypeError(f"{arg} must be a function or a flexattn Mod, got {type(fn).__name__}")
-    _check_arity(fn, kind, arg)
-    from flexattn.tracer import trace
+        if fn.kind != SCORE:
+            raise TypeError(f"score_mod must be a score mod, got the {fn.kind} mod {fn.name!r}")
+    elif callable(fn):
+        _check_arity(fn, SCORE, "score_mod")
+    else:
+        raise TypeError(f"score_mod must be a function or a flexattn Mod, got {type(fn).__name__}")
+    return trace(fn, SCORE, score_dtype=score_dtype, device=device)
 
-    return trace(fn, kind, score_dtype=score_dtype)
+
+def block_mask_mod(block_mask) -> Mod:
+    """The block mask's mask_mod as a `Mod`: flexattn's BlockMask keeps it traced (``.mod``);
+    torch's holds the Python function, traced here."""
+    mod = getattr(block_mask, "mod", None)
+    if isinstance(mod, Mod):
+        return mod
+    mask_mod = getattr(block_mask, "mask_mod", None)
+    return noop_mask_mod() if mask_mod is None else as_mask_mod(mask_mod, MASK, "block_mask.mask_mod")
 
 
 @functools.lru_cache(maxsize=None)
@@ -283,16 +298,6 @@ def _sparse_blocks(block_mask, B: int, Hq: int, Q_LEN: int, KV_LEN: int, device:
             raise ValueError(f"block_mask.full_kv_num_blocks {tuple(full_num.shape)} / full_kv_indices "
                              f"{tuple(full_idx.shape)} must match kv_num_blocks {tuple(num.shape)}")
     return SparseBlocks(num, idx, full_num, full_idx, q_block, kv_block, False)
-
-
-def block_mask_mod(block_mask, score_dtype: torch.dtype) -> Mod:
-    """The block mask's mask_mod as a `Mod` (traced if it is a Python function)."""
-    mod = getattr(block_mask, "mod", None)
-    if not isinstance(mod, Mod):
-        mod = getattr(block_mask, "mask_mod", None)
-    if mod is None:
-        return noop_mask_mod()
-    return as_mod(mod, MASK, score_dtype, "block_mask.mask_mod")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,9 +421,10 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     lse = _new_output((B, Hq, Q_LEN), None, lse_dtype, device)
     if out.numel() == 0:
         return out, lse
+    kernel_options = {k: v for k, v in kernel_options.items() if k in KERNEL_OPTIONS}
     options = default_kernel_options(device, query.dtype, E, Ev)
     options.update(kernel_options)
-    offs_int64 = max(_max_offset(t) for t in (query, key, value, out)) >= 2**31
+    offs_int64 = max(_max_offset(t) for t in (query, key, value, out)) >= INT32_OFFSET_LIMIT
     plan = _plan(device.type, query.dtype, B, Hq, Hkv, Q_LEN, KV_LEN, E, Ev,
                  blocks.q_block if blocks else None, blocks.kv_block if blocks else None,
                  blocks is None or blocks.full_kv_num_blocks is not None, score_mod.score_dtype, offs_int64,
@@ -494,6 +500,14 @@ class FlexAttentionFunction(torch.autograd.Function):
 # Public entry point
 
 
+def _use_decoding(query: torch.Tensor, options: dict, tensors) -> bool:
+    """Short queries go to the split-KV decoding kernel (inference only: it has no backward)."""
+    return (query.shape[2] < decode.DECODE_Q_THRESHOLD
+            and not options.get("FORCE_USE_FLEX_ATTENTION", False)
+            and query.dtype in decode.SUPPORTED_DTYPES
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+
+
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    score_mod: Callable | Mod | None = None, block_mask=None, scale: float | None = None,
                    enable_gqa: bool = False, return_lse: bool = False,
@@ -525,18 +539,21 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {scale!r}")
     score_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    score = identity_score_mod(score_dtype) if score_mod is None else as_mod(score_mod, SCORE, score_dtype, "score_mod")
+    score = identity_score_mod(score_dtype) if score_mod is None else \
+        score_mod_as_mod(score_mod, score_dtype, query.device)
     B, Hq, Q_LEN, _ = query.shape
     KV_LEN = key.shape[2]
     if block_mask is None:
         blocks, mask = None, noop_mask_mod()
     else:
         blocks = _sparse_blocks(block_mask, B, Hq, Q_LEN, KV_LEN, query.device)
-        mask = block_mask_mod(block_mask, score_dtype)
+        mask = block_mask_mod(block_mask)
     score.check_device(query.device)
     mask.check_device(query.device)
-    # FORCE_USE_FLEX_ATTENTION: the split-KV decoding kernel, when it is chosen for short queries,
-    # is chosen here; the option keeps every call on the block-sparse kernel.
+    if _use_decoding(query, options, (query, key, value, *score.buffers, *mask.buffers)):
+        return decode.decode_attention(query, key, value, score_mod=score, mask_mod=mask, block_mask=block_mask,
+                                       scale=float(scale), enable_gqa=enable_gqa, return_lse=return_lse,
+                                       kernel_options=options)
     out, lse = FlexAttentionFunction.apply(query, key, value, score, mask, block_mask, blocks, float(scale),
                                            enable_gqa, options, *score.buffers, *mask.buffers)
     return (out, lse) if return_lse else out

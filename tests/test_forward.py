@@ -1,0 +1,397 @@
+"""The block-sparse forward kernel (Triton's CPU interpreter) against the float64 reference.
+
+Every comparison has three parties: the kernel, eager attention in the inputs' dtype (what the
+dtype costs) and float64 eager attention (the truth); the kernel's error must stay within a small
+multiple of eager's (`flexattn.testing.assert_close_to_reference`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+from flexattn import attention, ir, testing
+from flexattn.attention import FlexAttentionFunction, flex_attention
+from flexattn.block_mask import BlockMask, create_block_mask
+from flexattn.mods import Mod
+from flexattn.reference import attention_reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+FORCE = {"FORCE_USE_FLEX_ATTENTION": True}  # short queries would otherwise take the decoding kernel
+
+
+@pytest.fixture(autouse=True)
+def nan_outputs(monkeypatch):
+    """Outputs start as NaN, so anything the kernel fails to write shows up."""
+    new_output = attention._new_output
+
+    def filled(*args, **kwargs):
+        return new_output(*args, **kwargs).fill_(math.nan)
+
+    monkeypatch.setattr(attention, "_new_output", filled)
+
+
+def make_qkv(B, Hq, Hkv, Q_LEN, KV_LEN, E, Ev, dtype, kv_batch=None, layout="bhle", seed=0):
+    """Random q, k, v; ``layout`` "blhe" stores them [B, L, H, E] (permuted views)."""
+    g = torch.Generator().manual_seed(seed)
+    kv_batch = B if kv_batch is None else kv_batch
+
+    def rand(b, h, n, e):
+        if layout == "blhe":
+            return torch.randn(b, n, h, e, generator=g).to(dtype).transpose(1, 2)
+        return torch.randn(b, h, n, e, generator=g).to(dtype)
+
+    return rand(B, Hq, Q_LEN, E), rand(kv_batch, Hkv, KV_LEN, E), rand(kv_batch, Hkv, KV_LEN, Ev)
+
+
+def score_bound(q, k, score_mod=None, scale=None) -> float:
+    """max |score| after the score mod (sets the absolute error scale of exp2-based softmax)."""
+    B, Hq, _, E = q.shape
+    Hkv = k.shape[1]
+    kk = k.double().repeat_interleave(Hq // Hkv, dim=1).expand(B, Hq, -1, -1)
+    scores = q.double() @ kk.transpose(-2, -1) * (scale or 1 / math.sqrt(E))
+    if score_mod is not None:
+        from flexattn.reference import apply_score_mod
+
+        scores = apply_score_mod(score_mod, scores)
+    finite = scores[torch.isfinite(scores)]
+    return max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
+
+
+def check(q, k, v, score_mod=None, block_mask=None, ref_score_mod=None, ref_mask_mod=None, factor=2.0,
+          kernel_options=None, **kwargs):
+    """Run flex_attention's block-sparse kernel; compare out and LSE with eager (same dtype) and
+    float64 references.
+
+    ``ref_score_mod`` / ``ref_mask_mod`` replace the mods in the float64 reference (e.g. their
+    float64 IR). Short queries would go to the decoding kernel: FORCE_USE_FLEX_ATTENTION keeps
+    them here. Returns (out, lse).
+    """
+    kernel_options = {"FORCE_USE_FLEX_ATTENTION": True, **(kernel_options or {})}
+    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True,
+                              kernel_options=kernel_options, **kwargs)
+    enable_gqa = kwargs.get("enable_gqa", False)
+    scale = kwargs.get("scale")
+    common = dict(block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, score_mod=ref_score_mod or score_mod, mask_mod=ref_mask_mod,
+                                       **common)
+    eager, eager_lse = attention_reference(q, k, v, score_mod=score_mod, dtype=q.dtype, **common)
+    assert out.shape == (q.shape[0], q.shape[1], q.shape[2], v.shape[3]) and out.dtype == q.dtype
+    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    # exp2-based softmax has an absolute error of a few ulp of the largest score (times |v|).
+    smax = score_bound(q, k, ref_score_mod or score_mod, scale)
+    eps32 = torch.finfo(torch.float32).eps
+    vmax = v.abs().max().item()
+    testing.assert_close_to_reference(out, eager, ref, factor=factor, name="out",
+                                      atol=max(4 * torch.finfo(q.dtype).eps, 16 * eps32 * smax) * vmax)
+    testing.assert_close_to_reference(lse, eager_lse.float(), ref_lse, factor=factor, name="lse",
+                                      atol=16 * eps32 * smax)
+    return out, lse
+
+
+def from_ir(kind, node, buffers, name="mod"):
+    return Mod(kind, node, buffers, name=name)
+
+
+def make_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, block_size):
+    return create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=block_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes, layouts, dtypes (no mods)
+
+
+@settings(max_examples=14, deadline=None)
+@given(
+    B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 2, 3]),
+    Q_LEN=st.integers(1, 130), KV_LEN=st.integers(1, 130),
+    E=st.sampled_from([16, 24, 40, 64]), Ev=st.sampled_from([16, 20, 64]),
+    dtype=st.sampled_from(DTYPES), kv_broadcast=st.booleans(), layout=st.sampled_from(["bhle", "blhe"]),
+    seed=st.integers(0, 2**16),
+)
+def test_shapes_dtypes_layouts(B, Hkv, G, Q_LEN, KV_LEN, E, Ev, dtype, kv_broadcast, layout, seed):
+    q, k, v = make_qkv(B, Hkv * G, Hkv, Q_LEN, KV_LEN, E, Ev, dtype, kv_batch=1 if kv_broadcast else B,
+                       layout=layout, seed=seed)
+    out, _ = check(q, k, v, enable_gqa=G > 1)
+    if E == Ev:  # output takes the query's stride order
+        assert out.stride() == torch.empty_like(q).stride()
+
+
+def test_output_follows_query_stride_order():
+    q, k, v = make_qkv(2, 2, 2, 33, 47, 16, 24, torch.float32, layout="blhe")
+    out = flex_attention(q, k, v, kernel_options=FORCE)
+    assert out.shape == (2, 2, 33, 24)
+    assert out.stride() == (33 * 2 * 24, 24, 2 * 24, 1)
+
+
+def test_strided_non_contiguous_inputs():
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(2, 3, 90, 80, generator=g)
+    q = base[:, :, ::2, 8:40]  # strided rows, sliced head dim
+    k = base.flip(2)[:, :, :60, 40:72]  # negative-free view of a flipped copy
+    v = base.transpose(2, 3)[:, :, :50, :60].transpose(2, 3)  # column-major last two dims
+    check(q, k, v)
+
+
+def test_float64_is_exact_to_rounding():
+    q, k, v = make_qkv(1, 2, 1, 45, 70, 24, 40, torch.float64)
+    causal = from_ir("mask", ir.binary("ge", ir.input_("q_idx"), ir.input_("kv_idx")), [])
+    bm = make_block_mask(causal, None, None, 45, 70, 32)
+    out, lse = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)
+    assert lse.dtype == torch.float64
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=1e-12)
+
+
+def test_empty_inputs():
+    q, k, v = make_qkv(1, 1, 1, 0, 20, 16, 16, torch.float32)
+    out, lse = flex_attention(q, k, v, return_lse=True, kernel_options=FORCE)
+    assert out.shape == (1, 1, 0, 16) and lse.shape == (1, 1, 0)
+    q, k, v = make_qkv(1, 1, 1, 5, 0, 16, 16, torch.float32)
+    out, lse = flex_attention(q, k, v, return_lse=True, kernel_options=FORCE)
+    assert (out == 0).all() and (lse == -math.inf).all()
+
+
+def test_matches_torch_eager_flex_attention():
+    """A second, independent oracle: torch's own eager flex_attention."""
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    q, k, v = make_qkv(2, 4, 2, 77, 100, 32, 32, torch.float32, seed=3)
+    alibi = from_ir("score", ir.binary("sub", ir.input_("score"), ir.binary(
+        "mul", ir.cast(ir.binary("sub", ir.input_("q_idx"), ir.input_("kv_idx")), torch.float32), 0.1)), [])
+    causal = from_ir("mask", ir.binary("ge", ir.input_("q_idx"), ir.input_("kv_idx")), [])
+    bm = make_block_mask(causal, None, None, 77, 100, 32)
+    out, lse = flex_attention(q, k, v, score_mod=alibi, block_mask=bm, enable_gqa=True, return_lse=True,
+                              kernel_options=FORCE)
+    ref, ref_lse = torch_flex(q, k, v, score_mod=alibi, block_mask=bm, enable_gqa=True, return_lse=True)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Random mods (the IR generator) with random block masks
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    score=testing.score_irs(max_depth=3, max_buffers=2),
+    mask=testing.mask_irs(max_depth=3, max_buffers=2),
+    B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 2]),
+    Q_LEN=st.integers(1, 128), KV_LEN=st.integers(1, 128),
+    E=st.sampled_from([16, 24, 32]), Ev=st.sampled_from([16, 24]),
+    dtype=st.sampled_from(DTYPES),
+    q_block=st.sampled_from([16, 32, 48, 64]), kv_block=st.sampled_from([16, 32, 48, 64]),
+    mask_heads=st.booleans(), tiles=st.sampled_from([None, (16, 16)]), seed=st.integers(0, 2**16),
+)
+def test_random_mods_and_block_masks(score, mask, B, Hkv, G, Q_LEN, KV_LEN, E, Ev, dtype, q_block, kv_block,
+                                     mask_heads, tiles, seed):
+    (score_node, score_bufs), (mask_node, mask_bufs) = score, mask
+    score_mod = from_ir("score", score_node, score_bufs, "random_score")
+    mask_mod = from_ir("mask", mask_node, mask_bufs, "random_mask")
+    ref_score = from_ir("score", testing.to_float64(score_node), testing.buffers_float64(score_bufs))
+    Hq = Hkv * G
+    # flexattn's create_block_mask takes powers of two; torch's object (duck-typed) takes 48 too.
+    create = torch_create_block_mask if 48 in (q_block, kv_block) else create_block_mask
+    bm = create(mask_mod, B, Hq if mask_heads else None, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=(q_block, kv_block))
+    q, k, v = make_qkv(B, Hq, Hkv, Q_LEN, KV_LEN, E, Ev, dtype, seed=seed)
+    options = None if tiles is None else {"BLOCK_M": tiles[0], "BLOCK_N": tiles[1]}
+    check(q, k, v, score_mod=score_mod, block_mask=bm, ref_score_mod=ref_score, enable_gqa=G > 1,
+          kernel_options=options)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fully masked rows
+
+
+def padding_mask(lengths):
+    """Keys at or beyond lengths[b] are padding: a batch with length 0 has only masked rows."""
+    return from_ir("mask", ir.binary("lt", ir.input_("kv_idx"), ir.load(
+        ir.Buffer(0, "lengths", torch.int64, 1), [ir.input_("b")])), [lengths])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fully_masked_rows_give_zero_and_minus_inf(dtype):
+    lengths = torch.tensor([0, 37, 5])
+    mask = padding_mask(lengths)
+    # Rows q_idx % 3 == 0 also see nothing: the score mod sends them to -inf.
+    drop = from_ir("score", ir.where(ir.binary("eq", ir.binary("mod", ir.input_("q_idx"), 3), 0), -math.inf,
+                                     ir.input_("score")), [])
+    bm = make_block_mask(mask, 3, None, 50, 70, 16)
+    q, k, v = make_qkv(3, 2, 2, 50, 70, 16, 16, dtype)
+    out, lse = check(q, k, v, score_mod=drop, block_mask=bm)
+    dead = torch.zeros(3, 2, 50, dtype=torch.bool)
+    dead[0] = True
+    dead[:, :, ::3] = True
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert (out[dead] == 0).all() and (lse[dead] == -math.inf).all()
+    assert (lse[~dead] > -math.inf).all()
+
+
+def test_rows_guaranteed_safe_matches_default_on_safe_masks():
+    causal = from_ir("mask", ir.binary("ge", ir.input_("q_idx"), ir.input_("kv_idx")), [])
+    bm = make_block_mask(causal, None, None, 64, 64, 32)
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, 32, torch.float32)
+    safe = flex_attention(q, k, v, block_mask=bm, kernel_options={"ROWS_GUARANTEED_SAFE": True, **FORCE})
+    torch.testing.assert_close(safe, flex_attention(q, k, v, block_mask=bm, kernel_options=FORCE), atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block-mask layouts and kernel options
+
+
+def causal_mod():
+    return from_ir("mask", ir.binary("ge", ir.input_("q_idx"), ir.input_("kv_idx")), [])
+
+
+def test_block_mask_without_full_blocks_and_shuffled_indices():
+    """Partial blocks only, listed in a random order per row: the kernel must follow kv_indices."""
+    causal = causal_mod()
+    bm = make_block_mask(causal, 2, 2, 70, 90, (32, 16))
+    g = torch.Generator().manual_seed(0)
+    # Merge full blocks into the partial list (mask_mod is true on them anyway) and shuffle.
+    dense = bm.to_dense().bool()
+    num = dense.sum(-1).to(torch.int32)
+    keys = torch.where(dense, torch.rand(dense.shape, generator=g), 2.0)
+    idx = keys.argsort(-1).to(torch.int32)
+    shuffled = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=(32, 16), mask_mod=causal, seq_lengths=(70, 90))
+    q, k, v = make_qkv(2, 2, 2, 70, 90, 16, 16, torch.float32)
+    out = flex_attention(q, k, v, block_mask=shuffled, kernel_options=FORCE)
+    torch.testing.assert_close(out, flex_attention(q, k, v, block_mask=bm, kernel_options=FORCE), atol=2e-6, rtol=2e-6)
+    check(q, k, v, block_mask=shuffled)
+
+
+@pytest.mark.parametrize("options", [
+    {"PRESCALE_QK": True},
+    {"BLOCKS_ARE_CONTIGUOUS": True},
+    {"BLOCK_M": 16, "BLOCK_N": 16},
+    {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+    {"FORCE_USE_FLEX_ATTENTION": True},
+])
+def test_kernel_options(options):
+    # Causal block masks list each row's blocks contiguously, so BLOCKS_ARE_CONTIGUOUS holds.
+    bm = make_block_mask(causal_mod(), None, None, 100, 100, 64)
+    q, k, v = make_qkv(1, 2, 2, 100, 100, 32, 32, torch.bfloat16)
+    check(q, k, v, block_mask=bm, kernel_options=options)
+
+
+def test_sparse_block_walked_in_sub_tiles():
+    """A 64-wide sparse KV block walked as four 16-wide tiles, next to a dense window mask."""
+    window = from_ir("mask", ir.binary("le", ir.unary("abs", ir.binary("sub", ir.input_("q_idx"),
+                                                                            ir.input_("kv_idx"))), 20), [])
+    bm = make_block_mask(window, None, None, 130, 150, (32, 64))
+    q, k, v = make_qkv(1, 1, 1, 130, 150, 16, 16, torch.float32)
+    check(q, k, v, block_mask=bm, kernel_options={"BLOCK_M": 16, "BLOCK_N": 16})
+
+
+def test_int64_offsets_path(monkeypatch):
+    """The 64-bit offset specialisation computes the same thing (forced on a small tensor)."""
+    monkeypatch.setattr(attention, "INT32_OFFSET_LIMIT", 0)
+    q, k, v = make_qkv(2, 2, 1, 40, 50, 16, 16, torch.float16, layout="blhe")
+    check(q, k, v, enable_gqa=True)
+
+
+def test_short_queries_take_the_decoding_kernel(monkeypatch):
+    calls = []
+    decode_attention = attention.decode.decode_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["kernel_options"])
+        return decode_attention(*args, **kwargs)
+
+    monkeypatch.setattr(attention.decode, "decode_attention", spy)
+    q, k, v = make_qkv(2, 4, 2, 5, 90, 32, 32, torch.float16)
+    bm = make_block_mask(causal_mod(), None, None, 5, 90, 16)
+    out, lse = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)
+    assert len(calls) == 1
+    forced = check(q, k, v, block_mask=bm, enable_gqa=True)
+    assert len(calls) == 1
+    torch.testing.assert_close(out, forced[0], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse, forced[1], atol=1e-4, rtol=1e-4)
+
+
+def test_scale_argument():
+    q, k, v = make_qkv(1, 2, 2, 30, 40, 16, 16, torch.float32)
+    check(q, k, v, scale=0.37)
+
+
+def test_inputs_that_need_grad_take_the_autograd_function():
+    bias = torch.randn(20, requires_grad=True)
+    score_mod = from_ir("score", ir.binary("add", ir.input_("score"), ir.load(
+        ir.Buffer(0, "bias", torch.float32, 1), [ir.input_("kv_idx")])), [bias])
+    q, k, v = make_qkv(1, 1, 1, 20, 20, 16, 16, torch.float32)
+    # A short query, but training: the block-sparse kernel (the decoding kernel has no backward).
+    out = flex_attention(q, k, v, score_mod=score_mod)
+    assert isinstance(out.grad_fn, FlexAttentionFunction._backward_cls)
+    with torch.no_grad():
+        assert flex_attention(q, k, v, score_mod=score_mod).grad_fn is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+def _qkv(**over):
+    shapes = dict(q=(1, 2, 10, 16), k=(1, 2, 12, 16), v=(1, 2, 12, 16))
+    shapes.update(over)
+    return [torch.randn(*shapes[n]) for n in ("q", "k", "v")]
+
+
+@pytest.mark.parametrize("args, kwargs, error, match", [
+    (_qkv(q=(2, 10, 16)), {}, ValueError, r"query must have 4 dimensions \[B, H, L, E\], got shape \(2, 10, 16\)"),
+    (_qkv(k=(1, 2, 12, 32), v=(1, 2, 12, 32)), {}, ValueError, r"key's head dim .* must equal query's E=16, got 32"),
+    (_qkv(k=(1, 3, 12, 16), v=(1, 3, 12, 16)), {"enable_gqa": True}, ValueError,
+     r"query heads \(2\) must be a multiple of key/value heads \(3\)"),
+    (_qkv(q=(1, 4, 10, 16)), {}, ValueError, r"query has 4 heads but key/value have 2: pass enable_gqa=True"),
+    (_qkv(v=(1, 2, 11, 16)), {}, ValueError, r"value must match key in \[B, H, KV_LEN\] = \[1, 2, 12\], got \[1, 2, 11\]"),
+    (_qkv(q=(3, 2, 10, 16), k=(2, 2, 12, 16), v=(2, 2, 12, 16)), {}, ValueError,
+     r"key/value batch must be 1 \(broadcast\) or query's batch 3, got 2"),
+    (_qkv(q=(1, 2, 10, 300), k=(1, 2, 12, 300)), {}, ValueError, r"query/key head dim E must be between 1 and 256, got 300"),
+    (_qkv(), {"kernel_options": {"BLOCK_K": 32}}, ValueError, r"unknown key\(s\) \['BLOCK_K'\]; valid keys are:\n  BLOCK_M"),
+    (_qkv(), {"kernel_options": {"BLOCK_M": 48}}, ValueError, r"kernel_options\['BLOCK_M'\] must be a power of two in 16..256, got 48"),
+    (_qkv(), {"kernel_options": {"PRESCALE_QK": 1}}, TypeError, r"kernel_options\['PRESCALE_QK'\] must be a bool, got 1"),
+    (_qkv(), {"score_mod": lambda score, b, h, q_idx: score}, TypeError,
+     r"score_mod must take 5 arguments \(score, b, h, q_idx, kv_idx\), but '<lambda>' takes 4"),
+    (_qkv(), {"score_mod": causal_mod()}, TypeError, r"score_mod must be a score mod, got the mask mod"),
+    (_qkv(), {"score_mod": 3}, TypeError, r"score_mod must be a function or a flexattn Mod, got int"),
+    (_qkv(), {"scale": "big"}, TypeError, r"scale must be a float or None, got 'big'"),
+])
+def test_errors(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        flex_attention(*args, **kwargs)
+
+
+def test_dtype_and_device_mismatch():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=r"key must have query's dtype torch.float32, got torch.float16"):
+        flex_attention(q, k.half(), v)
+    with pytest.raises(ValueError, match=r"value must be on query's device cpu, got meta"):
+        flex_attention(q, k, v.to("meta"))
+    with pytest.raises(TypeError, match=r"query must be float16, bfloat16, float32 or float64, got torch.int64"):
+        flex_attention(q.long(), k.long(), v.long())
+
+
+def test_block_mask_errors():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"block_mask was built for \(Q_LEN, KV_LEN\) = \(10, 20\), but query has "
+                                         r"Q_LEN=10 and key KV_LEN=12"):
+        flex_attention(q, k, v, block_mask=make_block_mask(causal_mod(), None, None, 10, 20, 16))
+    with pytest.raises(ValueError, match=r"block_mask has B=3, H=1; it must have B of 1 or query's 1 and H of 1 "
+                                         r"or query's 2"):
+        flex_attention(q, k, v, block_mask=make_block_mask(causal_mod(), 3, None, 10, 12, 16))
+    with pytest.raises(ValueError, match=r"block_mask has B=1, H=3"):
+        flex_attention(q, k, v, block_mask=make_block_mask(causal_mod(), None, 3, 10, 12, 16))
+    with pytest.raises(ValueError, match=r"block_mask's KV block size must be a positive multiple of 16 .* "
+                                         r"got BLOCK_SIZE=\(16, 8\)"):
+        flex_attention(q, k, v, block_mask=torch_create_block_mask(causal_mod(), None, None, 10, 12, "cpu", (16, 8)))
+    with pytest.raises(ValueError, match=r"kernel_options\['BLOCK_N'\]=64 must divide the block mask's block size 32"):
+        flex_attention(q, k, v, block_mask=make_block_mask(causal_mod(), None, None, 10, 12, 32),
+                       kernel_options={"BLOCK_N": 64, **FORCE})
+    bm = make_block_mask(causal_mod(), None, None, 10, 12, 16)
+    with pytest.raises(ValueError, match=r"block_mask.kv_num_blocks is on cpu but query is on meta"):
+        flex_attention(q.to("meta"), k.to("meta"), v.to("meta"), block_mask=bm)
