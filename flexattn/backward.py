@@ -218,6 +218,13 @@ def _kernel_module(score_mod: Mod, mask_mod: Mod, grad_buffers: tuple[int, ...],
     return module
 
 
+def _empty(shape, dtype: torch.dtype, device, like: torch.Tensor | None = None) -> torch.Tensor:
+    """An uninitialised tensor the kernels write in full (tests fill it with NaN to prove that)."""
+    if like is not None:
+        return torch.empty_like(like, dtype=dtype)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def _max_offset(t: torch.Tensor) -> int:
     return sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()) if s > 0)
 
@@ -262,11 +269,11 @@ def flex_attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch
     grad_bufs = {i: torch.zeros(score_mod.buffers[i].shape, dtype=torch.float64 if acc == torch.float64
                                 else torch.float32, device=device) for i in sorted(want & read)}
 
-    dq = torch.empty_like(query)
+    dq = _empty(query.shape, query.dtype, device, like=query)
     kv_batched = Bkv == B
     dk_dtype = key.dtype if kv_batched else acc
-    dk = torch.empty(B, Hkv, KV_LEN, E, dtype=dk_dtype, device=device)
-    dv = torch.empty(B, Hkv, KV_LEN, Ev, dtype=dk_dtype, device=device)
+    dk = _empty((B, Hkv, KV_LEN, E), dk_dtype, device)
+    dv = _empty((B, Hkv, KV_LEN, Ev), dk_dtype, device)
     if query.numel() == 0 or key.numel() == 0 or grad_out is None:
         dq.zero_(), dk.zero_(), dv.zero_()
         return _finish(dq, dk, dv, key, value, kv_batched, grad_bufs, score_mod, want)
@@ -308,7 +315,7 @@ def flex_attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch
     launch = dict(num_warps=opts["num_warps"], num_stages=opts["num_stages"])
 
     # -- Delta = rowsum(dO * O) - dLSE
-    delta = torch.empty(B, Hq, Q_LEN, dtype=acc, device=device)
+    delta = _empty((B, Hq, Q_LEN), acc, device)
     has_grad_lse = grad_lse is not None
     dlse = grad_lse if has_grad_lse else lse
     pre_m = min(64, _pow2_at_least(Q_LEN))
