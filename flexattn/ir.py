@@ -427,6 +427,8 @@ def unary(op: str, x: Operand) -> Node:
         x, dtype = as_node(x, xd), xd
     elif op == "neg" and xd == torch.bool:
         raise IRError("negation of a bool is not supported (use ~ or `not`)")
+    elif op in ("abs", "relu") and xd == torch.bool:
+        raise IRError(f"{op}() of a bool is not supported (torch has no bool {op}); cast to int first")
     elif rule == "float":
         dtype = xd if xd.is_floating_point else torch.get_default_dtype()
         x = as_node(x, dtype)
@@ -555,6 +557,7 @@ class Evaluator:
             idx = []
             for d, i in enumerate(src):
                 size = buf.shape[d]
+                i = i.long()  # int8/uint8 indices: i + size must not wrap
                 i = torch.where(i < 0, i + size, i)
                 inb = (i >= 0) & (i < size)
                 ok = inb if ok is None else ok & inb

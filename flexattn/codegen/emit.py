@@ -63,7 +63,25 @@ def _fa_mod_int(a, b):
 
 @triton.jit
 def _fa_mod_float(a, b):
-    return a - b * tl.floor(a / b)
+    # torch.remainder on floats: from the exact fmod, so 1.0 % 0.1 == 0.09999999999999995 like
+    # Python (a - b * floor(a / b) gives 0 there).
+    r = _fa_fmod(a, b)
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def _fa_floordiv_float(a, b):
+    # torch.floor_divide on floats (Python's //), step by step as torch computes it: 1.0 // 0.1
+    # is 9.0 (floor(1.0 / 0.1) would be 10.0).
+    q = a / b
+    r = _fa_fmod(a, b)
+    div = (a - r) / b
+    div = tl.where((r != 0) & ((b < 0) != (r < 0)), div - 1.0, div)
+    fl = tl.floor(div)
+    fl = tl.where(div - fl > 0.5, fl + 1.0, fl)
+    q_neg = (q < 0) | ((q == 0) & (1.0 / q < 0))  # signbit(q), -0.0 included
+    out = tl.where(div != 0, fl, tl.where(q_neg, -0.0, 0.0))
+    return tl.where(b == 0, q, out)
 
 
 @triton.jit
@@ -72,6 +90,16 @@ def _fa_sign(x):
 '''
 
 _PRELUDE_CUDA = '''
+@triton.jit
+def _fa_fmod(a, b):
+    # Exact remainder (Triton's float % lowers to an inexact a - b * trunc(a / b) on NVPTX).
+    return libdevice.fmod(a, b)
+
+
+@triton.jit
+def _fa_to_bf16(x):
+    return x.to(tl.bfloat16)
+
 @triton.jit
 def _fa_tanh(x):
     return libdevice.tanh(x)
@@ -110,6 +138,20 @@ def _fa_trunc(x):
 # The interpreter has no libdevice; these compositions are accurate to a few ulp on the ranges
 # mods use (they are what CPU tests run, against torch's eager results with tolerances).
 _PRELUDE_INTERPRET = '''
+@triton.jit
+def _fa_fmod(a, b):
+    # The interpreter computes float % with numpy.fmod: exact.
+    return a % b
+
+
+@triton.jit
+def _fa_to_bf16(x):
+    # float32 -> bfloat16 rounding to nearest even: the interpreter's own conversion truncates.
+    u = x.to(tl.uint32, bitcast=True)
+    r = (u + tl.full([], 0x7FFF, tl.uint32) + ((u >> 16) & tl.full([], 1, tl.uint32))) >> 16
+    r = tl.where(x != x, (u >> 16) | tl.full([], 0x40, tl.uint32), r)  # NaN stays (quiet) NaN
+    return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
 @triton.jit
 def _fa_tanh(x):
     # tanh(x) = sign(x) * (1 - e) / (1 + e), e = exp(-2|x|); a series avoids cancellation near 0.
@@ -150,16 +192,17 @@ def _fa_pow(a, b):
     b_odd = b_int & (_fa_mod_float(b, 2.0 + 0.0 * b) == 1.0)
     neg = tl.where(b_odd, -mag, mag)
     out = tl.where(a < 0, tl.where(b_int, neg, float("nan")), mag)
-    return tl.where(b == 0, 1.0 + 0.0 * mag, out)
+    return tl.where((b == 0) | (a == 1), 1.0 + 0.0 * mag, out)
 
 
 @triton.jit
 def _fa_round(x):
-    # Round half to even, like torch.round.
-    r = tl.floor(x + 0.5)
-    tie = (r - x) == 0.5
-    odd = _fa_mod_float(r, 2.0 + 0.0 * r) != 0
-    return tl.where(tie & odd, r - 1.0, r)
+    # Round half to even, like torch.round. x - floor(x) is exact (floor(x + 0.5) is not:
+    # 0.49999997 + 0.5 rounds up to 1.0 in float32).
+    r = tl.floor(x)
+    d = x - r
+    odd = _fa_fmod(r, 2.0 + 0.0 * r) != 0
+    return tl.where((d > 0.5) | ((d == 0.5) & odd), r + 1.0, r)
 
 
 @triton.jit
@@ -205,7 +248,7 @@ def _fconst(value: float, n: Node) -> str:
 
 
 def _floordiv(n, a, b):
-    return f"_fa_floordiv_int({a}, {b})" if ir.is_int(n.dtype) else f"tl.floor({a} / {b})"
+    return f"_fa_floordiv_int({a}, {b})" if ir.is_int(n.dtype) else f"_fa_floordiv_float({a}, {b})"
 
 
 def _mod(n, a, b):
@@ -293,8 +336,27 @@ _UNARY = {
 
 # Ops whose template repeats an operand: it must be a name, not an inlined expression.
 _REPEATS = {"silu", "gelu", "gelu_tanh", "softplus"}
-# Low-precision floats are computed in float32 for math functions (as torch does internally).
-_MATH_IN_F32 = set(_UNARY) - {"neg", "abs", "not", "invert", "sign", "relu"}
+# Low-precision floats: every op on them is computed in float32 and rounded once.
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _from_f32(e: str, dtype: torch.dtype) -> str:
+    """Round a float32 expression to ``dtype`` (nearest even, like torch)."""
+    return f"_fa_to_bf16({e})" if dtype == torch.bfloat16 else f"{e}.to({TL_DTYPE[dtype]})"
+
+
+def _is_number(e: str) -> bool:
+    try:
+        float(e)
+    except ValueError:
+        return False
+    return True
+
+
+class _F32:
+    """Stands in for a node in the op templates when a half/bfloat16 op is computed in float32."""
+
+    dtype = torch.float32
 
 
 @dataclass(frozen=True)
@@ -358,10 +420,13 @@ def emit_mod(root: Node, kind: str, name: str | None = None, target: str = "cuda
 
     result = expr[id(root)]
     if kind == "score":
+        # A value that does not vary along both tile axes (a constant, slope[h], q_idx * 0.5) is
+        # broadcast to score's shape, keeping the IR's dtype. (tl.full: tl.zeros_like is itself a
+        # jit function, which the interpreter cannot call from a nested jit function.)
         if root.op == "const":
-            result = f"tl.full(score.shape, {_pyval(root.arg)}, score.dtype)"
+            result = f"tl.full(score.shape, {_pyval(root.arg)}, {TL_DTYPE[root.dtype]})"
         elif axes[id(root)] != frozenset("mn"):
-            result = f"({result} + tl.zeros_like(score))"
+            result = f"({result} + tl.full(score.shape, 0, {TL_DTYPE[root.dtype]}))"
     elif root.op == "const":
         result = f"tl.full([], {1 if root.arg else 0}, tl.int1)"
 
@@ -403,6 +468,22 @@ def _emit_values(roots: list[Node], kind: str):
         expr[id(n)] = v
         return v
 
+    def bind(e: str) -> str:
+        """``e`` as a name (for templates that repeat an operand)."""
+        if e.isidentifier():
+            return e
+        v = fresh()
+        lines.append(f"{v} = {e}")
+        return v
+
+    def up(s: Node) -> str:
+        """``s``'s expression, in float32 if it is half/bfloat16 (constants: the exact value)."""
+        if s.dtype not in _LOW:
+            return expr[id(s)]
+        if s.op == "const":
+            return _lit(float(torch.tensor(s.arg, dtype=s.dtype).item()), torch.float32)
+        return f"{expr[id(s)]}.to(tl.float32)"
+
     for n in order:
         op = n.op
         if op == "input":
@@ -414,36 +495,42 @@ def _emit_values(roots: list[Node], kind: str):
         elif op == "load":
             e = _emit_load(n, [as_name(s) if s.op != "const" else expr[id(s)] for s in n.src], lines, fresh)
         elif op == "cast":
-            a = expr[id(n.src[0])]
-            e = f"({a} != 0)" if n.dtype == torch.bool else f"{a}.to({TL_DTYPE[n.dtype]})"
+            s = n.src[0]
+            if n.dtype == torch.bool:
+                e = f"({up(s)} != 0)"
+            elif s.dtype in _LOW or n.dtype in _LOW:
+                # Via float32, as torch converts to and from half/bfloat16 (and the interpreter
+                # has no bfloat16 conversions of its own).
+                e = up(s)
+                if s.dtype not in _LOW and s.dtype != torch.float32:
+                    e = f"{e}.to(tl.float32)"
+                if n.dtype != torch.float32:
+                    e = _from_f32(e, n.dtype)
+            else:
+                e = f"{expr[id(n.src[0])]}.to({TL_DTYPE[n.dtype]})"
         elif op == "where":
             c, a, b = (expr[id(s)] for s in n.src)
             e = f"tl.where({c}, {a}, {b})"
-        elif op in _UNARY:
-            a = as_name(n.src[0]) if op in _REPEATS else expr[id(n.src[0])]
-            low = op in _MATH_IN_F32 and n.dtype in (torch.float16, torch.bfloat16)
-            if low:
-                a = f"{a}.to(tl.float32)"
-                if op in _REPEATS:
-                    v = fresh()
-                    lines.append(f"{v} = {a}")
-                    a = v
-            e = _UNARY[op](n, a)
-            if low:
-                e = f"{e}.to({TL_DTYPE[n.dtype]})"
-        elif op == "pow":
-            a = as_name(n.src[0])
-            b = expr[id(n.src[1])]
-            e = _pow(n, a, b, n)
-            if e is None:
-                e = _lit(1, n.dtype)
-        elif op in _BINARY:
-            a, b = (expr[id(s)] for s in n.src)
-            if n.src[0].dtype in (torch.float16, torch.bfloat16) and op in ("floordiv", "mod"):
-                a, b = f"{a}.to(tl.float32)", f"{b}.to(tl.float32)"
-                e = f"{_BINARY[op](n, a, b)}.to({TL_DTYPE[n.dtype]})"
+        elif op in _UNARY or op in _BINARY or op == "pow":
+            # half/bfloat16 operands are computed in float32 and the result rounded once, which
+            # is what torch does (and the interpreter has no bfloat16 arithmetic at all).
+            low = n.src[0].dtype in _LOW
+            cn = _F32 if low else n
+            args = [up(s) for s in n.src]
+            if op == "pow":  # _fa_pow needs tensors, not Python literals
+                args = [f"tl.full([], {a}, {TL_DTYPE[cn.dtype]})" if _is_number(a) else a for a in args]
+            if op in _REPEATS or op == "pow":
+                args[0] = bind(args[0])
+            if op == "pow":
+                e = _pow(cn, args[0], args[1], n)
+                if e is None:
+                    e = f"tl.full([], 1, {TL_DTYPE[cn.dtype]})"  # x ** 0 == 1, even for nan
+            elif op in _UNARY:
+                e = _UNARY[op](cn, args[0])
             else:
-                e = _BINARY[op](n, a, b)
+                e = _BINARY[op](cn, args[0], args[1])
+            if low and n.dtype in _LOW:
+                e = _from_f32(e, n.dtype)
         else:
             raise NotImplementedError(f"no Triton emitter for op {op!r}")
         expr[id(n)] = e
@@ -478,7 +565,12 @@ def _emit_address(buf: ir.Buffer, idx: list[str], lines: list[str], fresh, base:
         masks.append(f"({v} >= 0) & ({v} < {size})")
         offs.append(f"{v}.to(tl.int64) * {base}_s{d}")
     m = fresh("m")
-    lines.append(f"{m} = {' & '.join(masks)}")
+    if len(masks) > 1:
+        # `!= 0` is free on GPU; Triton's interpreter gives an int1 scalar broadcast into a tile
+        # (b or h against q_idx) int32 storage, and masked loads reject that.
+        lines.append(f"{m} = ({' & '.join(masks)}) != 0")
+    else:
+        lines.append(f"{m} = {masks[0]}")
     return f"{base} + {' + '.join(offs)}", m
 
 
