@@ -206,6 +206,101 @@ def test_random_mods_and_block_masks(score, mask, B, Hkv, G, Q_LEN, KV_LEN, E, E
 
 
 # ---------------------------------------------------------------------------------------------
+# The mod families users write (Python functions, traced; the reference runs them under vmap)
+
+B_, H_, Q_, KV_ = 2, 4, 100, 130
+_g = torch.Generator().manual_seed(7)
+DOC = torch.repeat_interleave(torch.arange(4), torch.tensor([40, 25, 50, 15])).to(torch.int32)  # KV_ tokens
+DOC_START = torch.tensor([0, 40, 65, 115])
+PREFIX = torch.tensor([17, 60])
+LENGTHS = torch.tensor([130, 0])  # batch 1 is all padding: every row fully masked
+SLOPES = torch.exp2(-8.0 * torch.arange(1, H_ + 1) / H_)
+REL = (torch.randn(H_, 2 * 16 + 1, generator=_g) * 0.5).half()
+BIAS = torch.randn(B_, H_, Q_, KV_, generator=_g, requires_grad=True)
+BIAS_T = torch.randn(KV_, Q_, generator=_g).t()  # non-contiguous, read as [q, kv]
+ALLOWED = torch.rand(H_, 8, generator=_g) < 0.7  # bool table: may head h see key block j (of 17 keys)?
+IMG_W, IMG_H, NAT_K = 10, 13, 5  # NATTEN: a 13 x 10 image, 5 x 5 neighbourhoods (KV_ = 130 pixels)
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def sliding_window(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx <= 24)
+
+
+def prefix_lm(b, h, q_idx, kv_idx):
+    return (kv_idx < PREFIX[b]) | (q_idx >= kv_idx)
+
+
+def document_causal(b, h, q_idx, kv_idx):
+    # Nested gathers: each token's position inside its own document.
+    q_pos = q_idx - DOC_START[DOC[q_idx]]
+    kv_pos = kv_idx - DOC_START[DOC[kv_idx]]
+    return (DOC[q_idx] == DOC[kv_idx]) & (q_pos >= kv_pos)
+
+
+def natten(b, h, q_idx, kv_idx):
+    q_x, q_y = q_idx % IMG_W, q_idx // IMG_W
+    kv_x, kv_y = kv_idx % IMG_W, kv_idx // IMG_W
+    # The window is clamped inside the image, so border pixels see a full K x K window too.
+    c_x = q_x.clamp(NAT_K // 2, IMG_W - 1 - NAT_K // 2)
+    c_y = q_y.clamp(NAT_K // 2, IMG_H - 1 - NAT_K // 2)
+    return ((c_x - kv_x).abs() <= NAT_K // 2) & ((c_y - kv_y).abs() <= NAT_K // 2)
+
+
+def padding(b, h, q_idx, kv_idx):
+    return kv_idx < LENGTHS[b]
+
+
+def head_blocks(b, h, q_idx, kv_idx):
+    return ALLOWED[h, kv_idx // 17] | (q_idx == kv_idx)
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score + SLOPES[h] * (kv_idx - q_idx)
+
+
+def softcap(score, b, h, q_idx, kv_idx):
+    return 20 * torch.tanh(score / 20)
+
+
+def relative_position(score, b, h, q_idx, kv_idx):
+    return score + REL[h, (q_idx - kv_idx).clamp(-16, 16) + 16]
+
+
+def learnable_bias(score, b, h, q_idx, kv_idx):
+    return score + BIAS[b, h, q_idx, kv_idx]
+
+
+def transposed_bias(score, b, h, q_idx, kv_idx):
+    return score + BIAS_T[q_idx, kv_idx]
+
+
+def per_head_and_batch(score, b, h, q_idx, kv_idx):
+    return torch.where(h % 2 == 0, score, score * 0.5) + b.to(torch.float32)
+
+
+@pytest.mark.parametrize("score_mod, mask_mod", [
+    (None, causal),
+    (softcap, sliding_window),
+    (alibi, prefix_lm),
+    (relative_position, document_causal),
+    (None, natten),
+    (learnable_bias, causal),
+    (transposed_bias, padding),
+    (per_head_and_batch, head_blocks),
+], ids=lambda f: getattr(f, "__name__", "none"))
+def test_mod_families(score_mod, mask_mod):
+    q, k, v = make_qkv(B_, H_, H_ // 2, Q_, KV_, 32, 32, torch.bfloat16, seed=11)
+    bm = make_block_mask(mask_mod, B_, H_, Q_, KV_, 32)
+    with torch.no_grad():
+        out, lse = check(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True)
+    assert not out.isnan().any() and not lse.isnan().any()
+
+
+# ---------------------------------------------------------------------------------------------
 # Fully masked rows
 
 
