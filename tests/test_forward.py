@@ -106,18 +106,19 @@ def make_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, block_size):
 # Shapes, layouts, dtypes (no mods)
 
 
-@settings(max_examples=14, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
     B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 2, 3]),
-    Q_LEN=st.integers(1, 130), KV_LEN=st.integers(1, 130),
-    E=st.sampled_from([16, 24, 40, 64]), Ev=st.sampled_from([16, 20, 64]),
+    Q_LEN=st.integers(1, 200), KV_LEN=st.integers(1, 200),
+    E=st.sampled_from([8, 16, 24, 40, 64]), Ev=st.sampled_from([8, 16, 20, 64]),
     dtype=st.sampled_from(DTYPES), kv_broadcast=st.booleans(), layout=st.sampled_from(["bhle", "blhe"]),
-    seed=st.integers(0, 2**16),
+    tiles=st.sampled_from([None, (16, 32), (32, 16)]), seed=st.integers(0, 2**16),
 )
-def test_shapes_dtypes_layouts(B, Hkv, G, Q_LEN, KV_LEN, E, Ev, dtype, kv_broadcast, layout, seed):
+def test_shapes_dtypes_layouts(B, Hkv, G, Q_LEN, KV_LEN, E, Ev, dtype, kv_broadcast, layout, tiles, seed):
     q, k, v = make_qkv(B, Hkv * G, Hkv, Q_LEN, KV_LEN, E, Ev, dtype, kv_batch=1 if kv_broadcast else B,
                        layout=layout, seed=seed)
-    out, _ = check(q, k, v, enable_gqa=G > 1)
+    options = None if tiles is None else {"BLOCK_M": tiles[0], "BLOCK_N": tiles[1]}
+    out, _ = check(q, k, v, enable_gqa=G > 1, kernel_options=options)
     if E == Ev:  # output takes the query's stride order
         assert out.stride() == torch.empty_like(q).stride()
 
@@ -178,7 +179,7 @@ def test_matches_torch_eager_flex_attention():
 # Random mods (the IR generator) with random block masks
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     score=testing.score_irs(max_depth=3, max_buffers=2),
     mask=testing.mask_irs(max_depth=3, max_buffers=2),
