@@ -12,7 +12,8 @@ The work is split in three steps, each cached where it is pure:
    sizes and ``kernel_options`` (defaults for all of these live in `default_kernel_options`);
 3. fetch the generated kernel module for the pair of mods (`_kernel_module`) and launch it.
 
-The backward is not implemented yet: `FlexAttentionFunction` saves everything it will need.
+`FlexAttentionFunction` is the autograd entry; its backward lives in `flexattn.backward`. Short
+queries (inference) go to the split-KV decoding kernel in `flexattn.decode` instead.
 """
 
 from __future__ import annotations
@@ -156,8 +157,10 @@ def _check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, e
 # Mods
 
 
-def _check_arity(fn: Callable, kind: str, arg: str) -> None:
-    """A Python mod must take exactly the arguments torch passes (5 for score, 4 for mask)."""
+def _check_score_mod_arity(fn: Callable) -> None:
+    """A Python score_mod must take the 5 arguments torch passes (score, b, h, q_idx, kv_idx).
+
+    The tracer would fail too, but with Python's message, which does not name the argument."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -166,10 +169,8 @@ def _check_arity(fn: Callable, kind: str, arg: str) -> None:
         return
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in positional if p.default is p.empty]
-    n = ARITY[kind]
-    if not len(required) <= n <= len(positional):
-        names = ", ".join(ir.SCORE_INPUTS[5 - n:])
-        raise TypeError(f"{arg} must take {n} arguments ({names}), but "
+    if not len(required) <= ARITY[SCORE] <= len(positional):
+        raise TypeError(f"score_mod must take {ARITY[SCORE]} arguments ({', '.join(ir.SCORE_INPUTS)}), but "
                         f"{getattr(fn, '__name__', fn)!r} takes {len(positional)}")
 
 
@@ -179,7 +180,7 @@ def score_mod_as_mod(fn: Callable | Mod, score_dtype: torch.dtype, device: torch
         if fn.kind != SCORE:
             raise TypeError(f"score_mod must be a score mod, got the {fn.kind} mod {fn.name!r}")
     elif callable(fn):
-        _check_arity(fn, SCORE, "score_mod")
+        _check_score_mod_arity(fn)
     else:
         raise TypeError(f"score_mod must be a function or a flexattn Mod, got {type(fn).__name__}")
     return trace(fn, SCORE, score_dtype=score_dtype, device=device)
@@ -223,17 +224,20 @@ class SparseBlocks:
     full_kv_indices: torch.Tensor | None
     q_block: int
     kv_block: int
-    dense: bool  # no block mask: every KV column is visited, as full tiles
 
-    def strides(self, B: int, H: int) -> list[int]:
-        """Strides [b, h, q_block] of each tensor; 0 where the mask broadcasts over B or H."""
-        out = []
+    def launch_args(self) -> list:
+        """The four tensors (the partial ones stand in for absent full ones: HAS_FULL_BLOCKS is
+        then False and they are not read), then each one's [b, h, q_block] strides, 0 where the
+        mask broadcasts over B or H."""
         tensors = [self.kv_num_blocks, self.kv_indices]
-        tensors += [self.full_kv_num_blocks, self.full_kv_indices] if self.full_kv_num_blocks is not None \
-            else [self.kv_num_blocks, self.kv_indices]
+        if self.full_kv_num_blocks is not None:
+            tensors += [self.full_kv_num_blocks, self.full_kv_indices]
+        else:
+            tensors += tensors
+        strides = []
         for t in tensors:
-            out += [t.stride(0) if t.shape[0] > 1 else 0, t.stride(1) if t.shape[1] > 1 else 0, t.stride(2)]
-        return out
+            strides += [t.stride(0) if t.shape[0] > 1 else 0, t.stride(1) if t.shape[1] > 1 else 0, t.stride(2)]
+        return tensors + strides
 
 
 _DENSE_CACHE: dict[tuple, SparseBlocks] = {}
@@ -246,7 +250,7 @@ def _dense_blocks(device: torch.device, KV_LEN: int, block_n: int) -> SparseBloc
         zeros = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
         full = torch.full((1, 1, 1), triton.cdiv(KV_LEN, block_n), dtype=torch.int32, device=device)
         idx = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=device)
-        blocks = SparseBlocks(zeros, idx, full, idx, _LARGE_BLOCK, block_n, True)
+        blocks = SparseBlocks(zeros, idx, full, idx, _LARGE_BLOCK, block_n)
         if len(_DENSE_CACHE) > 256:
             _DENSE_CACHE.clear()
         _DENSE_CACHE[key] = blocks
@@ -298,7 +302,7 @@ def _sparse_blocks(block_mask, B: int, Hq: int, Q_LEN: int, KV_LEN: int, device:
         if full_num.shape != num.shape or full_idx.shape[:3] != num.shape:
             raise ValueError(f"block_mask.full_kv_num_blocks {tuple(full_num.shape)} / full_kv_indices "
                              f"{tuple(full_idx.shape)} must match kv_num_blocks {tuple(num.shape)}")
-    return SparseBlocks(num, idx, full_num, full_idx, q_block, kv_block, False)
+    return SparseBlocks(num, idx, full_num, full_idx, q_block, kv_block)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,9 +342,9 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.float64: tl.float64}
 @functools.lru_cache(maxsize=1024)
 def _plan(device_type: str, dtype: torch.dtype, B: int, Hq: int, Hkv: int, Q_LEN: int, KV_LEN: int,
           E: int, Ev: int, sparse_q: int | None, sparse_kv: int | None, has_full: bool,
-          score_dtype: torch.dtype | None, offs_int64: bool, options_items: tuple, explicit_items: tuple,
-          allow_tf32: bool) -> Plan:
-    options, explicit = dict(options_items), dict(explicit_items)
+          score_dtype: torch.dtype | None, offs_int64: bool, explicit_items: tuple, allow_tf32: bool) -> Plan:
+    explicit = dict(explicit_items)  # the user's kernel_options (forward keys only)
+    options = {**default_kernel_options(torch.device(device_type), dtype, E, Ev), **explicit}
     block_m = _tile("BLOCK_M", options, explicit, sparse_q, Q_LEN)
     block_n = _tile("BLOCK_N", options, explicit, sparse_kv, KV_LEN)
     if sparse_q is None:
@@ -422,14 +426,11 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     lse = _new_output((B, Hq, Q_LEN), None, lse_dtype, device)
     if out.numel() == 0:
         return out, lse
-    kernel_options = {k: v for k, v in kernel_options.items() if k in KERNEL_OPTIONS}
-    options = default_kernel_options(device, query.dtype, E, Ev)
-    options.update(kernel_options)
     offs_int64 = max(_max_offset(t) for t in (query, key, value, out)) >= INT32_OFFSET_LIMIT
     plan = _plan(device.type, query.dtype, B, Hq, Hkv, Q_LEN, KV_LEN, E, Ev,
                  blocks.q_block if blocks else None, blocks.kv_block if blocks else None,
                  blocks is None or blocks.full_kv_num_blocks is not None, score_mod.score_dtype, offs_int64,
-                 tuple(sorted(options.items())), tuple(sorted(kernel_options.items())),
+                 tuple(sorted((k, v) for k, v in kernel_options.items() if k in KERNEL_OPTIONS)),
                  device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
     if blocks is None:
         blocks = _dense_blocks(device, KV_LEN, plan.constexprs["BLOCK_N"])
@@ -442,14 +443,11 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
         if Bkv == 1:
             s[0] = 0
         kv_strides += s
-    full_num = blocks.full_kv_num_blocks if blocks.full_kv_num_blocks is not None else blocks.kv_num_blocks
-    full_idx = blocks.full_kv_indices if blocks.full_kv_indices is not None else blocks.kv_indices
+    block_args = blocks.launch_args()
     module.flex_attention_forward[plan.grid](
-        query, key, value, out, lse,
-        blocks.kv_num_blocks, blocks.kv_indices, full_num, full_idx,
+        query, key, value, out, lse, *block_args[:4],
         *score_mod.launch_args(), *mask_mod.launch_args(),
-        *query.stride(), *kv_strides, *out.stride(), lse.stride(0), lse.stride(1),
-        *blocks.strides(B, Hq),
+        *query.stride(), *kv_strides, *out.stride(), lse.stride(0), lse.stride(1), *block_args[4:],
         Hq, Q_LEN, KV_LEN, scale,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.constexprs,
     )
