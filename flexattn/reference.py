@@ -10,7 +10,8 @@
 
 Run it in float64 (the default) for an oracle, or in the inputs' dtype to measure what eager
 computation in that dtype costs (float16/bfloat16 matmuls, float32 softmax, as torch's eager
-flex_attention does).
+flex_attention does). It reads block masks with its own few lines of torch rather than
+`flexattn.block_mask`'s helpers, so that an oracle bug and a library bug cannot coincide.
 """
 
 from __future__ import annotations
