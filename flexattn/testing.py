@@ -227,6 +227,7 @@ class _Gen:
         self.in_range = in_range_gathers
         self.exact_only = exact_only
         self.has_score = has_score  # float leaves may read the score (score mods only)
+        self.max_depth = 0
         self.buffers: list[tuple[ir.Buffer, torch.Tensor, float, float]] = []
 
     # -- draw helpers
@@ -237,7 +238,8 @@ class _Gen:
         return self.draw(self.st.integers(0, 99)) < p * 100
 
     def stop(self, depth: int) -> bool:
-        return depth <= 0 or self.chance(0.25)
+        # The top two levels are always ops (hypothesis otherwise favours tiny trees).
+        return depth <= 0 or (depth < self.max_depth - 1 and self.chance(0.2))
 
     # -- buffers
     def buffer(self, kinds: tuple[torch.dtype, ...]):
@@ -426,8 +428,9 @@ class _Gen:
         if self.stop(depth):
             return self.float_leaf(self.has_score)
         exact_ops = ["add", "sub", "mul", "div", "minmax", "neg", "abs", "relu", "round", "fdivmod", "where",
-                     "cast", "cast_int", "sqrt", "sign"]
-        approx_ops = ["exp", "log", "trig", "tanh", "tan", "act", "pow", "recip"]
+                     "cast", "cast_int", "sign", "int_div"]
+        # (torch's float32 sqrt on CPU is not correctly rounded: it counts as approximate)
+        approx_ops = ["exp", "log", "trig", "tanh", "tan", "act", "pow", "recip", "sqrt"]
         choice = self.pick(exact_ops + ([] if exact else approx_ops * 2))
         a = self.float_val(depth - 1, exact)
         if choice in ("add", "sub", "mul", "minmax", "div"):
@@ -454,9 +457,9 @@ class _Gen:
             return self._float_result(ir.unary("abs", a.node), 0, a.mag, a)
         if choice == "relu":
             return self._float_result(ir.unary("relu", a.node), 0, max(a.hi, 0), a)
-        if choice == "sqrt":  # correctly rounded everywhere
+        if choice == "sqrt":
             node = ir.unary("sqrt", ir.binary("add", ir.unary("abs", a.node), 0.5))
-            return self._float_result(node, 0, math.sqrt(a.mag + 0.5), a)
+            return self._approx(node, 0, math.sqrt(a.mag + 0.5))
         if choice in ("round", "sign", "fdivmod"):
             if not a.exact:
                 return a
@@ -481,6 +484,12 @@ class _Gen:
             if v.mag > _FLOAT_CAP:
                 return a
             return _Val(ir.cast(v.node, self.pick(_FLOAT_BUFFER_DTYPES)), v.lo, v.hi, True)
+        if choice == "int_div":  # int / int is a float (true division), here by a non-zero constant
+            v = self.int_val(depth - 1)
+            if v.mag > _FLOAT_CAP:
+                return a
+            d = self.pick([3, -7, 2])
+            return _Val(ir.binary("truediv", v.node, d), -v.mag, v.mag, True)
         # Approximate math: inexact from here on.
         x = a.node
         if choice == "exp":
@@ -588,6 +597,7 @@ def _strategy(root_kind: str, max_depth: int, max_buffers: int, score_dtype, in_
     @st.composite
     def build(draw):
         gen = _Gen(draw, max_buffers, score_dtype, in_range_gathers, exact_only, root_kind == "score")
+        gen.max_depth = max_depth
         if root_kind == "mask":
             v = gen.bool_val(max_depth)
         elif root_kind == "int":

@@ -100,6 +100,21 @@ def _fa_fmod(a, b):
 def _fa_to_bf16(x):
     return x.to(tl.bfloat16)
 
+
+@triton.jit
+def _fa_and(a, b):
+    return a & b
+
+
+@triton.jit
+def _fa_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _fa_xor(a, b):
+    return a ^ b
+
 @triton.jit
 def _fa_tanh(x):
     return libdevice.tanh(x)
@@ -152,6 +167,23 @@ def _fa_to_bf16(x):
     r = tl.where(x != x, (u >> 16) | tl.full([], 0x40, tl.uint32), r)  # NaN stays (quiet) NaN
     return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
+
+# bool & | ^: the interpreter cannot combine a bool scalar (b < 1, a 0-d load) with a bool tile
+# (it broadcasts int1 scalars into int32 storage); as int8 it can.
+@triton.jit
+def _fa_and(a, b):
+    return (a.to(tl.int8) & b.to(tl.int8)) != 0
+
+
+@triton.jit
+def _fa_or(a, b):
+    return (a.to(tl.int8) | b.to(tl.int8)) != 0
+
+
+@triton.jit
+def _fa_xor(a, b):
+    return (a.to(tl.int8) ^ b.to(tl.int8)) != 0
+
 @triton.jit
 def _fa_tanh(x):
     # tanh(x) = sign(x) * (1 - e) / (1 + e), e = exp(-2|x|); a series avoids cancellation near 0.
@@ -192,7 +224,8 @@ def _fa_pow(a, b):
     b_odd = b_int & (_fa_mod_float(b, 2.0 + 0.0 * b) == 1.0)
     neg = tl.where(b_odd, -mag, mag)
     out = tl.where(a < 0, tl.where(b_int, neg, float("nan")), mag)
-    return tl.where((b == 0) | (a == 1), 1.0 + 0.0 * mag, out)
+    one = 1.0 + 0.0 * mag
+    return tl.where(b == 0, one, tl.where(a == 1, one, out))  # (a scalar | a tile: see _fa_and)
 
 
 @triton.jit
@@ -286,9 +319,9 @@ _BINARY = {
     "mod": _mod,
     "minimum": _minmax("minimum"),
     "maximum": _minmax("maximum"),
-    "and_": lambda n, a, b: f"({a} & {b})",
-    "or_": lambda n, a, b: f"({a} | {b})",
-    "xor": lambda n, a, b: f"({a} ^ {b})",
+    "and_": lambda n, a, b: f"_fa_and({a}, {b})" if n.dtype == torch.bool else f"({a} & {b})",
+    "or_": lambda n, a, b: f"_fa_or({a}, {b})" if n.dtype == torch.bool else f"({a} | {b})",
+    "xor": lambda n, a, b: f"_fa_xor({a}, {b})" if n.dtype == torch.bool else f"({a} ^ {b})",
     "lshift": lambda n, a, b: f"({a} << {b})",
     "rshift": lambda n, a, b: f"({a} >> {b})",
     "eq": lambda n, a, b: f"({a} == {b})",
@@ -562,13 +595,13 @@ def _emit_address(buf: ir.Buffer, idx: list[str], lines: list[str], fresh, base:
         size = f"{p}_n{d}"
         v = fresh("i")
         lines.append(f"{v} = tl.where({i} < 0, {i} + {size}, {i})")
-        masks.append(f"({v} >= 0) & ({v} < {size})")
+        masks.append(f"(({v} >= 0) & ({v} < {size}))")
         offs.append(f"{v}.to(tl.int64) * {base}_s{d}")
     m = fresh("m")
     if len(masks) > 1:
-        # `!= 0` is free on GPU; Triton's interpreter gives an int1 scalar broadcast into a tile
-        # (b or h against q_idx) int32 storage, and masked loads reject that.
-        lines.append(f"{m} = ({' & '.join(masks)}) != 0")
+        # Dimensions combine as int8 (free on GPU): Triton's interpreter cannot broadcast a bool
+        # scalar (an index from b, h or a 0-d load) into a bool tile (one from q_idx).
+        lines.append(f"{m} = ({' & '.join(x + '.to(tl.int8)' for x in masks)}) != 0")
     else:
         lines.append(f"{m} = {masks[0]}")
     return f"{base} + {' + '.join(offs)}", m
