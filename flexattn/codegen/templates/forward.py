@@ -255,15 +255,17 @@ def flex_attention_forward(
         )
 
     # -- epilogue. A fully masked row has l_i = 0 and acc = 0: divide by 1 so that it writes 0, and
-    # its LSE is m_i + log2(0) = -inf (never NaN, since m_i is -inf too).
+    # give it LSE -inf directly (m_i + log2(0) would be -inf too, but log2(0) is not worth computing).
     if ROWS_GUARANTEED_SAFE:
-        l_div = l_i
+        acc = acc / l_i[:, None]
+        lse2 = m_i + tl.log2(l_i)
     else:
-        l_div = tl.where(l_i == 0.0, 1.0, l_i)
-    acc = acc / l_div[:, None]
+        empty = l_i == 0.0
+        acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     store_tile(Out + rows[:, None] * stride_om + offs_v[None, :] * stride_ok, acc.to(Out.dtype.element_ty),
                offs_m, offs_v, Q_LEN, V_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
-    lse = ((m_i + tl.log2(l_i)) * LN2).to(LSE.dtype.element_ty)
+    lse = (lse2 * LN2).to(LSE.dtype.element_ty)
     if IS_DIVISIBLE:
         tl.store(LSE + offs_m, lse)
     else:
