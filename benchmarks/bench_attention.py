@@ -122,6 +122,10 @@ def main(argv=None) -> int:
         from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
         from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
+        # Five cases x (grad on/off) recompile flex_attention more than dynamo's default limit of 8;
+        # past it dynamo silently falls back to the eager, dense implementation.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         compiled_flex = torch.compile(torch_flex, dynamic=False)
 
     g = torch.Generator(device=device).manual_seed(0)

@@ -47,6 +47,13 @@ KERNEL_OPTIONS: dict[str, str] = {
     "ROWS_GUARANTEED_SAFE": "promise that no query row is fully masked (skips the -inf guard)",
     "BLOCKS_ARE_CONTIGUOUS": "promise that each query block's KV blocks are consecutive",
     "FORCE_USE_FLEX_ATTENTION": "always use the block-sparse kernel, never the decoding kernel",
+    # Backward (see flexattn.backward.default_backward_options for their defaults)
+    "BLOCK_M1": "backward dK/dV pass: query rows per step (power of two, 16..256)",
+    "BLOCK_N1": "backward dK/dV pass: KV rows per program (power of two, 16..256)",
+    "BLOCK_M2": "backward dQ pass: query rows per program (power of two, 16..256)",
+    "BLOCK_N2": "backward dQ pass: KV columns per step (power of two, 16..256)",
+    "bwd_num_warps": "backward: warps per program (1, 2, 4, 8 or 16)",
+    "bwd_num_stages": "backward: software-pipelining stages (>= 1)",
 }
 _BOOL_OPTIONS = ("PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "FORCE_USE_FLEX_ATTENTION")
 
@@ -105,12 +112,12 @@ def _check_kernel_options(kernel_options: dict | None) -> dict[str, Any]:
                 raise TypeError(f"kernel_options[{key!r}] must be a bool, got {value!r}")
         elif isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"kernel_options[{key!r}] must be an int, got {value!r}")
-        elif key in ("BLOCK_M", "BLOCK_N") and (value not in (16, 32, 64, 128, 256)):
+        elif key.startswith("BLOCK_") and (value not in (16, 32, 64, 128, 256)):
             raise ValueError(f"kernel_options[{key!r}] must be a power of two in 16..256, got {value}")
-        elif key == "num_warps" and value not in (1, 2, 4, 8, 16):
-            raise ValueError(f"kernel_options['num_warps'] must be 1, 2, 4, 8 or 16, got {value}")
-        elif key == "num_stages" and value < 1:
-            raise ValueError(f"kernel_options['num_stages'] must be >= 1, got {value}")
+        elif key.endswith("num_warps") and value not in (1, 2, 4, 8, 16):
+            raise ValueError(f"kernel_options[{key!r}] must be 1, 2, 4, 8 or 16, got {value}")
+        elif key.endswith("num_stages") and value < 1:
+            raise ValueError(f"kernel_options[{key!r}] must be >= 1, got {value}")
     return dict(kernel_options)
 
 

@@ -250,8 +250,8 @@ def flex_attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch
     ``buffers_need_grad[i]`` says whether ``score_mod.buffers[i]`` wants a gradient; the result's
     ``buffer_grads[i]`` is then its gradient (zeros if the mod never reads it in a way that depends
     on it) and None otherwise. ``blocks`` is the forward's `SparseBlocks` (None: no block mask).
-    ``kernel_options`` may hold BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages and
-    BLOCKS_ARE_CONTIGUOUS (the rest is ignored here).
+    ``kernel_options`` may hold BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, bwd_num_warps,
+    bwd_num_stages and BLOCKS_ARE_CONTIGUOUS (the rest is ignored here).
     """
     B, Hq, Q_LEN, E = query.shape
     Bkv, Hkv, KV_LEN, Ev = value.shape
@@ -260,7 +260,10 @@ def flex_attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
     kernel_options = dict(kernel_options or {})
     opts = default_backward_options(device, query.dtype, E, Ev)
-    opts.update({k: v for k, v in kernel_options.items() if k in opts})
+    # The forward's num_warps / num_stages do not carry over: the backward has its own knobs.
+    renamed = {"bwd_num_warps": "num_warps", "bwd_num_stages": "num_stages"}
+    opts.update({renamed.get(k, k): v for k, v in kernel_options.items()
+                 if renamed.get(k, k) in opts and k not in ("num_warps", "num_stages")})
 
     # -- captured tensors that want gradients: float32/64 buffers the dQ pass adds into
     d = score_mod_grad(score_mod)
