@@ -26,6 +26,21 @@ def window(b, h, q_idx, kv_idx):
     return (q_idx >= kv_idx) & (q_idx - kv_idx < 1024)
 
 
+_COMPILED = {}
+
+
+def _torch_flex_slope_grad(q, k, v, d_out, d_lse, S):
+    """The slope gradient that torch.compile(flex_attention) computes for the ALiBi case."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    fn = _COMPILED.setdefault("flex", torch.compile(flex_attention))
+    slopes = torch.tensor([0.5, 0.0625], device=DEVICE, requires_grad=True)
+    bm = create_block_mask(causal, 1, 1, S, S, device=DEVICE)
+    return _grads(lambda: fn(q, k, v, score_mod=lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi),
+                             block_mask=bm, return_lse=True), (slopes,), d_out, d_lse)[0]
+
+
 def _grads(fn, inputs, d_out, d_lse):
     out, lse = fn()
     loss = (out.float() * d_out).sum() + torch.where(torch.isfinite(lse), lse.float() * d_lse, 0.0).sum()
@@ -73,11 +88,12 @@ def test_bf16_backward_against_float32(S, D, case):
         if name == "dslopes":
             # A slope's gradient sums ~S^2/2 signed terms weighted by distances up to S: it is
             # ill-conditioned, and a flash-style backward (delta from the bf16 output) carries a
-            # small systematic bias that an eager bf16 backward does not. Measured on an H100 at
-            # S=2048, D=128: flexattn and torch.compile(flex_attention) agree to 1e-5 relative
-            # (-1006.12 vs -1006.13; float32 reference -1008.33). Bound the error by the vector's
-            # norm at bf16 level instead of by eager's error.
-            rel = ((a.double() - r.double()).norm() / r.double().norm()).item()
-            assert rel < 1e-2, f"{case} S={S} D={D} dslopes relative error {rel:.3g}"
+            # systematic error that an eager bf16 backward does not. The bar is torch's own fused
+            # kernel on the same inputs: flexattn must be no less accurate than it.
+            theirs = _torch_flex_slope_grad(q, k, v, d_out, d_lse, S)
+            err = (a.double() - r.double()).norm().item()
+            err_torch = (theirs.double() - r.double()).norm().item()
+            assert err <= 1.5 * err_torch + 1e-3 * r.double().norm().item(), (
+                f"{case} S={S} D={D} dslopes error {err:.3g} vs torch.compile(flex_attention)'s {err_torch:.3g}")
             continue
         testing.assert_close_to_reference(a, e, r, factor=3.0, name=f"{case} S={S} D={D} {name}")
