@@ -562,6 +562,11 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return decode.decode_attention(query, key, value, score_mod=score, mask_mod=mask, block_mask=block_mask,
                                        scale=float(scale), enable_gqa=enable_gqa, return_lse=return_lse,
                                        kernel_options=options)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *score.buffers)):
+        # A score mod the backward cannot differentiate fails here, before any work, not later.
+        from flexattn.autodiff import check_differentiable
+
+        check_differentiable(score.ir, f"score_mod '{score.name}'")
     out, lse = FlexAttentionFunction.apply(query, key, value, score, mask, block_mask, blocks, float(scale),
                                            enable_gqa, options, *score.buffers, *mask.buffers)
     return (out, lse) if return_lse else out

@@ -330,3 +330,16 @@ def test_random_mods_match_float64_autograd(problem, seed):
     # terms through the helper's atol (4 ulp of that dtype at the largest gradient).
     check_low_precision(torch.float32, score_mod=mod, score_mod64=mod64, mask=bm, tables=learn,
                         tables64=learn64, factor=4.0, seed=seed, **s)
+
+
+def test_undifferentiable_score_mod_fails_at_call_time(monkeypatch):
+    """An op without a derivative rule is reported by flex_attention itself, before any kernel runs."""
+    from flexattn import autodiff
+
+    monkeypatch.delitem(autodiff.UNARY_RULES, "tanh")
+    q, k, v = (torch.randn(1, 1, 20, 16, requires_grad=True) for _ in range(3))
+    softcap = lambda score, b, h, q_idx, kv_idx: 20 * torch.tanh(score / 20)  # noqa: E731
+    with pytest.raises(autodiff.NotDifferentiableError, match="tanh"):
+        flexattn.flex_attention(q, k, v, score_mod=softcap)
+    with torch.no_grad():  # no gradient wanted: nothing to differentiate, so it runs
+        assert torch.isfinite(flexattn.flex_attention(q, k, v, score_mod=softcap)).all()
