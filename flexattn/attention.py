@@ -31,7 +31,7 @@ import triton.language as tl
 from flexattn import decode, ir
 from flexattn.block_mask import as_mod as as_mask_mod
 from flexattn.codegen import emit
-from flexattn.codegen.render import load_kernel_module
+from flexattn.codegen.render import load_kernel_module, template_text
 from flexattn.mods import ARITY, MASK, SCORE, Mod
 from flexattn.tracer import trace
 
@@ -401,6 +401,7 @@ def _kernel_module(score_mod: Mod, mask_mod: Mod, target: str):
         mask_src = mask_mod.emit(target, "mask_mod")
         hooks = {
             "prelude": emit.prelude(target),
+            "tile_helpers": template_text("tiles"),
             "score_mod_def": score_src.source,
             "mask_mod_def": mask_src.source,
             "score_mod_params": score_src.param_list("score_"),

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from flexattn import autodiff
 from flexattn.codegen import emit
-from flexattn.codegen.render import load_kernel_module
+from flexattn.codegen.render import load_kernel_module, template_text
 from flexattn.mods import Mod
 
 _LARGE_BLOCK = 1 << 30  # "one sparse block covers the whole sequence" (no block mask)
@@ -205,6 +205,7 @@ def _kernel_module(score_mod: Mod, mask_mod: Mod, grad_buffers: tuple[int, ...],
                           for i in sorted(grads))
     hooks = {
         "prelude": emit.prelude(target),
+        "tile_helpers": template_text("tiles"),
         "score_mod_def": score_src.source,
         "mask_mod_def": mask_src.source,
         "score_grad_def": grad_src.source,
