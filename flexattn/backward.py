@@ -295,7 +295,7 @@ def flex_attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch
         q_lists = _dense_lists(device, triton.cdiv(Q_LEN, m1))
         kv_lists = _dense_lists(device, triton.cdiv(KV_LEN, n2))
         sq1, skv1, sq2, skv2 = m1, _LARGE_BLOCK, _LARGE_BLOCK, n2
-        contiguous = True
+        contiguous_q = contiguous_kv = True  # the dense lists are 0, 1, 2, ...
         divisible1 = Q_LEN % m1 == 0 and KV_LEN % n1 == 0
         divisible2 = Q_LEN % m2 == 0 and KV_LEN % n2 == 0
     else:
@@ -304,14 +304,16 @@ def flex_attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch
         m2, n2 = _fit(opts["BLOCK_M2"], Q_LEN, sq), _fit(opts["BLOCK_N2"], KV_LEN, skv)
         sq1 = sq2 = sq
         skv1 = skv2 = skv
-        contiguous = bool(opts["BLOCKS_ARE_CONTIGUOUS"])
+        # The user's promise is about each query block's KV blocks (the dQ pass's lists). It says
+        # nothing about the transposed lists the dK/dV pass walks: those are never assumed.
+        contiguous_kv, contiguous_q = bool(opts["BLOCKS_ARE_CONTIGUOUS"]), False
         divisible1 = divisible2 = Q_LEN % sq == 0 and KV_LEN % skv == 0
     e_round, ev_round = _pow2_at_least(E), _pow2_at_least(Ev)
     offs_int64 = max(_max_offset(t) for t in (query, key, value, out, grad_out, dk, dv)) >= 2**31
     common = dict(
         QK_HEAD_DIM=E, QK_HEAD_DIM_ROUNDED=e_round, V_HEAD_DIM=Ev, V_HEAD_DIM_ROUNDED=ev_round,
         SAFE_HEAD_DIM=E == e_round and Ev == ev_round, GQA_SHARED_HEADS=Hq // Hkv,
-        HAS_FULL_BLOCKS=True, BLOCKS_ARE_CONTIGUOUS=contiguous, OFFS_INT64=offs_int64,
+        HAS_FULL_BLOCKS=True, OFFS_INT64=offs_int64,
         ACC_DTYPE=_TL_DTYPE[acc], SCORE_DTYPE=_TL_DTYPE.get(score_mod.score_dtype, _TL_DTYPE[acc]),
         DOT_PRECISION="tf32" if query.dtype == torch.float32 and device.type == "cuda"
         and torch.backends.cuda.matmul.allow_tf32 else "ieee",
@@ -336,7 +338,7 @@ def flex_attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch
     mod_args = [*score_mod.launch_args(), *mask_mod.launch_args()]
 
     # -- dK, dV: one program per (KV tile, batch x KV head)
-    c1 = dict(common, HAS_FULL_BLOCKS=has_full_q, IS_DIVISIBLE=divisible1)
+    c1 = dict(common, HAS_FULL_BLOCKS=has_full_q, IS_DIVISIBLE=divisible1, BLOCKS_ARE_CONTIGUOUS=contiguous_q)
     module.backward_dkdv[(triton.cdiv(KV_LEN, n1), B * Hkv)](
         query, key, value, grad_out, lse, delta, dk, dv, *q_lists.args(), *mod_args,
         *query.stride(), *kv_strides, *grad_out.stride(), *lse.stride(), *dk.stride(), *dv.stride(),
@@ -345,7 +347,7 @@ def flex_attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch
     )
 
     # -- dQ (and captured-tensor gradients): one program per (query tile, batch x query head)
-    c2 = dict(common, HAS_FULL_BLOCKS=has_full_kv, IS_DIVISIBLE=divisible2)
+    c2 = dict(common, HAS_FULL_BLOCKS=has_full_kv, IS_DIVISIBLE=divisible2, BLOCKS_ARE_CONTIGUOUS=contiguous_kv)
     module.backward_dq[(triton.cdiv(Q_LEN, m2), B * Hq)](
         query, key, value, grad_out, lse, delta, dq, *kv_lists.args(), *mod_args,
         *emit.grad_launch_args(None, grad_bufs),

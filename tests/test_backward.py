@@ -343,3 +343,22 @@ def test_undifferentiable_score_mod_fails_at_call_time(monkeypatch):
         flexattn.flex_attention(q, k, v, score_mod=softcap)
     with torch.no_grad():  # no gradient wanted: nothing to differentiate, so it runs
         assert torch.isfinite(flexattn.flex_attention(q, k, v, score_mod=softcap)).all()
+
+
+def test_blocks_are_contiguous_promise_covers_only_the_kv_lists():
+    """BLOCKS_ARE_CONTIGUOUS promises consecutive KV blocks per query block; the transposed lists
+    of the dK/dV pass need not be (here KV block 0 is seen by query blocks 0 and 2, not 1)."""
+    from flexattn.block_mask import BlockMask
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 48, 16, dtype=F64, requires_grad=True) for _ in range(3))
+    # Query blocks (16 rows) see KV blocks (32 columns): [0], [1], [0] - each list is contiguous.
+    kv_num = torch.tensor([[[1, 1, 1]]], dtype=torch.int32)
+    kv_idx = torch.tensor([[[[0, 1], [1, 0], [0, 1]]]], dtype=torch.int32)
+    mask = BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=(16, 32), seq_lengths=(48, 48),
+                                    mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx - 30)
+    want = grads(lambda: attention_reference(q, k, v, block_mask=mask, return_lse=True), (q, k, v))
+    got = grads(lambda: flexattn.flex_attention(q, k, v, block_mask=mask, return_lse=True,
+                                                kernel_options={"BLOCKS_ARE_CONTIGUOUS": True}), (q, k, v))
+    for name, a, b in zip(["dq", "dk", "dv"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
