@@ -491,3 +491,10 @@ def test_block_mask_errors():
     bm = make_block_mask(causal_mod(), None, None, 10, 12, 16)
     with pytest.raises(ValueError, match=r"block_mask.kv_num_blocks is on cpu but query is on meta"):
         flex_attention(q.to("meta"), k.to("meta"), v.to("meta"), block_mask=bm)
+
+
+def test_captured_tensor_on_another_device_is_an_error():
+    q = torch.randn(1, 1, 20, 16)
+    bias = torch.zeros(4, device="meta")
+    with pytest.raises(ValueError, match=r"captured a tensor on meta, but query is on cpu"):
+        flex_attention(q, q, q, score_mod=lambda score, b, h, q_idx, kv_idx: score + bias[h])
