@@ -26,11 +26,11 @@ from typing import Any, Callable
 
 import torch
 import triton
-import triton.language as tl
 
 from flexattn import decode, ir
 from flexattn.block_mask import as_mod as as_mask_mod
 from flexattn.codegen import emit
+from flexattn.codegen.launch import ACC_TL_DTYPE, LARGE_BLOCK, needs_int64_offsets, pow2_at_least
 from flexattn.codegen.render import load_kernel_module, template_text
 from flexattn.mods import ARITY, MASK, SCORE, Mod
 from flexattn.tracer import trace
@@ -58,8 +58,6 @@ KERNEL_OPTIONS: dict[str, str] = {
 _BOOL_OPTIONS = ("PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "FORCE_USE_FLEX_ATTENTION")
 
 MAX_HEAD_DIM = 256  # larger tiles do not fit in registers / shared memory
-_LARGE_BLOCK = 1 << 30  # "one block covers the whole sequence" (no block mask)
-INT32_OFFSET_LIMIT = 2**31  # tensors reaching this element offset get 64-bit tile offsets
 
 
 def default_kernel_options(device: torch.device, dtype: torch.dtype, qk_head_dim: int,
@@ -259,7 +257,7 @@ def _dense_blocks(device: torch.device, KV_LEN: int, block_n: int) -> SparseBloc
         zeros = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
         full = torch.full((1, 1, 1), triton.cdiv(KV_LEN, block_n), dtype=torch.int32, device=device)
         idx = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=device)
-        blocks = SparseBlocks(zeros, idx, full, idx, _LARGE_BLOCK, block_n)
+        blocks = SparseBlocks(zeros, idx, full, idx, LARGE_BLOCK, block_n)
         if len(_DENSE_CACHE) > 256:
             _DENSE_CACHE.clear()
         _DENSE_CACHE[key] = blocks
@@ -328,9 +326,6 @@ class Plan:
     constexprs: dict
 
 
-def _pow2_at_least(n: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(n))
-
 
 def _tile(option: str, options: dict, explicit: dict, sparse: int | None, length: int) -> int:
     """A tile size: the user's (checked against the sparse block), or the default shrunk to fit."""
@@ -339,13 +334,12 @@ def _tile(option: str, options: dict, explicit: dict, sparse: int | None, length
         if sparse is not None and sparse % t != 0:
             raise ValueError(f"kernel_options[{option!r}]={t} must divide the block mask's block size {sparse}")
         return t
-    t = min(options[option], _pow2_at_least(length))
+    t = min(options[option], pow2_at_least(length))
     if sparse is not None:
         t = min(t, sparse & -sparse)  # largest power of two dividing the sparse block
     return t
 
 
-_TL_DTYPE = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -357,8 +351,8 @@ def _plan(device_type: str, dtype: torch.dtype, B: int, Hq: int, Hkv: int, Q_LEN
     block_m = _tile("BLOCK_M", options, explicit, sparse_q, Q_LEN)
     block_n = _tile("BLOCK_N", options, explicit, sparse_kv, KV_LEN)
     if sparse_q is None:
-        sparse_q, sparse_kv = _LARGE_BLOCK, block_n
-    e_round, ev_round = _pow2_at_least(E), _pow2_at_least(Ev)
+        sparse_q, sparse_kv = LARGE_BLOCK, block_n
+    e_round, ev_round = pow2_at_least(E), pow2_at_least(Ev)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     constexprs = dict(
         BLOCK_M=block_m, BLOCK_N=block_n,
@@ -372,18 +366,15 @@ def _plan(device_type: str, dtype: torch.dtype, B: int, Hq: int, Hkv: int, Q_LEN
         PRESCALE_QK=options["PRESCALE_QK"],
         ROWS_GUARANTEED_SAFE=options["ROWS_GUARANTEED_SAFE"],
         # Without a block mask the full blocks are consecutive by construction.
-        BLOCKS_ARE_CONTIGUOUS=options["BLOCKS_ARE_CONTIGUOUS"] or sparse_q == _LARGE_BLOCK,
+        BLOCKS_ARE_CONTIGUOUS=options["BLOCKS_ARE_CONTIGUOUS"] or sparse_q == LARGE_BLOCK,
         OFFS_INT64=offs_int64,
-        ACC_DTYPE=_TL_DTYPE[acc],
-        SCORE_DTYPE=_TL_DTYPE.get(score_dtype, _TL_DTYPE[acc]),
+        ACC_DTYPE=ACC_TL_DTYPE[acc],
+        SCORE_DTYPE=ACC_TL_DTYPE.get(score_dtype, ACC_TL_DTYPE[acc]),
         DOT_PRECISION="tf32" if dtype == torch.float32 and allow_tf32 else "ieee",
         DOT_IN_FP32=device_type == "cpu" and dtype == torch.bfloat16,
     )
     return Plan((triton.cdiv(Q_LEN, block_m), B * Hq), options["num_warps"], options["num_stages"], constexprs)
 
-
-def _max_offset(t: torch.Tensor) -> int:
-    return sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()) if s > 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,7 +427,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     lse = _new_output((B, Hq, Q_LEN), None, lse_dtype, device)
     if out.numel() == 0:
         return out, lse
-    offs_int64 = max(_max_offset(t) for t in (query, key, value, out)) >= INT32_OFFSET_LIMIT
+    offs_int64 = needs_int64_offsets(query, key, value, out)
     plan = _plan(device.type, query.dtype, B, Hq, Hkv, Q_LEN, KV_LEN, E, Ev,
                  blocks.q_block if blocks else None, blocks.kv_block if blocks else None,
                  blocks is None or blocks.full_kv_num_blocks is not None, score_mod.score_dtype, offs_int64,

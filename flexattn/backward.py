@@ -30,15 +30,13 @@ from typing import Any, Sequence
 
 import torch
 import triton
-import triton.language as tl
 
 from flexattn import autodiff
 from flexattn.codegen import emit
+from flexattn.codegen.launch import ACC_TL_DTYPE, LARGE_BLOCK, needs_int64_offsets, pow2_at_least
 from flexattn.codegen.render import load_kernel_module, template_text
 from flexattn.mods import Mod
 
-_LARGE_BLOCK = 1 << 30  # "one sparse block covers the whole sequence" (no block mask)
-_TL_DTYPE = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,13 +73,10 @@ def default_backward_options(device: torch.device, dtype: torch.dtype, qk_head_d
             "num_warps": warps, "num_stages": stages, "BLOCKS_ARE_CONTIGUOUS": False}
 
 
-def _pow2_at_least(n: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(n))
-
 
 def _fit(tile: int, length: int, sparse: int | None) -> int:
     """``tile`` shrunk to the sequence (rounded up to a power of two) and to divide ``sparse``."""
-    t = min(tile, _pow2_at_least(length))
+    t = min(tile, pow2_at_least(length))
     if sparse is not None:
         t = min(t, sparse & -sparse)
     return t
@@ -229,9 +224,6 @@ def _empty(shape, dtype: torch.dtype, device, like: torch.Tensor | None = None) 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _max_offset(t: torch.Tensor) -> int:
-    return sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()) if s > 0)
-
 
 def _kv_strides(t: torch.Tensor, broadcast: bool) -> list[int]:
     s = list(t.stride())
@@ -294,7 +286,7 @@ def flex_attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch
         # dK/dV walks query tiles of BLOCK_M1 in one long KV block; dQ walks KV tiles of BLOCK_N2.
         q_lists = _dense_lists(device, triton.cdiv(Q_LEN, m1))
         kv_lists = _dense_lists(device, triton.cdiv(KV_LEN, n2))
-        sq1, skv1, sq2, skv2 = m1, _LARGE_BLOCK, _LARGE_BLOCK, n2
+        sq1, skv1, sq2, skv2 = m1, LARGE_BLOCK, LARGE_BLOCK, n2
         contiguous_q = contiguous_kv = True  # the dense lists are 0, 1, 2, ...
         divisible1 = Q_LEN % m1 == 0 and KV_LEN % n1 == 0
         divisible2 = Q_LEN % m2 == 0 and KV_LEN % n2 == 0
@@ -308,13 +300,13 @@ def flex_attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch
         # nothing about the transposed lists the dK/dV pass walks: those are never assumed.
         contiguous_kv, contiguous_q = bool(opts["BLOCKS_ARE_CONTIGUOUS"]), False
         divisible1 = divisible2 = Q_LEN % sq == 0 and KV_LEN % skv == 0
-    e_round, ev_round = _pow2_at_least(E), _pow2_at_least(Ev)
-    offs_int64 = max(_max_offset(t) for t in (query, key, value, out, grad_out, dk, dv)) >= 2**31
+    e_round, ev_round = pow2_at_least(E), pow2_at_least(Ev)
+    offs_int64 = needs_int64_offsets(query, key, value, out, grad_out, dk, dv)
     common = dict(
         QK_HEAD_DIM=E, QK_HEAD_DIM_ROUNDED=e_round, V_HEAD_DIM=Ev, V_HEAD_DIM_ROUNDED=ev_round,
         SAFE_HEAD_DIM=E == e_round and Ev == ev_round, GQA_SHARED_HEADS=Hq // Hkv,
         HAS_FULL_BLOCKS=True, OFFS_INT64=offs_int64,
-        ACC_DTYPE=_TL_DTYPE[acc], SCORE_DTYPE=_TL_DTYPE.get(score_mod.score_dtype, _TL_DTYPE[acc]),
+        ACC_DTYPE=ACC_TL_DTYPE[acc], SCORE_DTYPE=ACC_TL_DTYPE.get(score_mod.score_dtype, ACC_TL_DTYPE[acc]),
         DOT_PRECISION="tf32" if query.dtype == torch.float32 and device.type == "cuda"
         and torch.backends.cuda.matmul.allow_tf32 else "ieee",
         DOT_IN_FP32=device.type == "cpu" and query.dtype == torch.bfloat16,
@@ -327,11 +319,11 @@ def flex_attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch
     delta = _empty((B, Hq, Q_LEN), acc, device)
     has_grad_lse = grad_lse is not None
     dlse = grad_lse if has_grad_lse else lse
-    pre_m = min(64, _pow2_at_least(Q_LEN))
+    pre_m = min(64, pow2_at_least(Q_LEN))
     module.backward_preprocess[(triton.cdiv(Q_LEN, pre_m), B * Hq)](
         out, grad_out, dlse, delta, *out.stride(), *grad_out.stride(), *dlse.stride(),
         Hq, Q_LEN, BLOCK_M=pre_m, V_HEAD_DIM=Ev, V_HEAD_DIM_ROUNDED=ev_round,
-        HAS_GRAD_LSE=has_grad_lse, ACC_DTYPE=_TL_DTYPE[acc],
+        HAS_GRAD_LSE=has_grad_lse, ACC_DTYPE=ACC_TL_DTYPE[acc],
     )
 
     kv_strides = _kv_strides(key, not kv_batched) + _kv_strides(value, not kv_batched)

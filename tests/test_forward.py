@@ -387,7 +387,10 @@ def test_sparse_block_walked_in_sub_tiles():
 
 def test_int64_offsets_path(monkeypatch):
     """The 64-bit offset specialisation computes the same thing (forced on a small tensor)."""
-    monkeypatch.setattr(attention, "INT32_OFFSET_LIMIT", 0)
+    from flexattn.codegen import launch
+
+    monkeypatch.setattr(launch, "INT32_OFFSET_LIMIT", 0)
+    assert launch.needs_int64_offsets(torch.empty(2, 2))
     q, k, v = make_qkv(2, 2, 1, 40, 50, 16, 16, torch.float16, layout="blhe")
     check(q, k, v, enable_gqa=True)
 
