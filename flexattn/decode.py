@@ -30,6 +30,7 @@ import torch
 import triton
 
 from flexattn import ir
+from flexattn.block_mask import as_mod
 from flexattn.codegen import emit
 from flexattn.codegen.render import load_kernel_module
 from flexattn.mods import MASK, SCORE, Mod
@@ -47,12 +48,8 @@ DECODE_OPTIONS = {
     "MIN_TILES_PER_SPLIT",  # never split so finely that a program walks fewer tiles
     "INPUT_PRECISION",      # tl.dot precision for float32 inputs: "ieee" (default) or "tf32"
 }
-# Forward-kernel options that may arrive through flex_attention's kernel_options; ignored here.
-FORWARD_ONLY_OPTIONS = {
-    "FORCE_USE_FLEX_ATTENTION", "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS",
-    "IS_DIVISIBLE", "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE", "OUTPUT_LOGSUMEXP",
-    "BACKEND", "num_buffers_warp_spec", "WRITE_DQ",
-}
+# The other flex_attention options (flexattn.attention.KERNEL_OPTIONS: forward-kernel and
+# backward knobs) are accepted and ignored here; anything else is an error (see `_ignored_options`).
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -162,18 +159,19 @@ class _Plan:
     split_kv: int
     grid: tuple
     combine_grid: tuple
-    static_args: tuple       # strides and sizes after the mod buffers
+    qkv_strides: tuple       # Q, K, V strides (then Out's, taken from the allocated output)
+    static_args: tuple       # BlockMask strides and sizes after Out's strides
     constexprs: dict
     combine_constexprs: dict
     launch: dict             # num_warps / num_stages
     out_shape: tuple
-    out_dtype: torch.dtype
     has_block_mask: bool
     has_full: bool
 
 
 _PLANS: dict[tuple, _Plan] = {}
-# Output/partial allocator; tests swap in a NaN-filling one so that unwritten elements show.
+# LSE/partials allocator; tests swap in a NaN-filling one so that unwritten elements show (the
+# output comes from attention._new_output, which they patch the same way).
 _empty = torch.empty
 
 
@@ -191,19 +189,18 @@ def _mask_fields(block_mask):
         raise TypeError(f"block_mask must be a BlockMask, got {type(block_mask).__name__}") from None
 
 
-def _as_mod(fn, kind: str, arg: str) -> Mod | None:
-    if fn is None or isinstance(fn, Mod):
-        if isinstance(fn, Mod) and fn.kind != kind:
-            raise TypeError(f"{arg} must be a {kind} mod, got a {fn.kind} mod '{fn.name}'")
-        return fn
-    if callable(fn):
-        from flexattn import tracer
+def _ignored_options() -> set[str]:
+    """flex_attention's options that mean nothing to the decoding kernel (accepted, ignored)."""
+    from flexattn.attention import KERNEL_OPTIONS  # attention imports this module
 
-        trace = getattr(tracer, "trace", None)
-        if trace is None:
-            raise TypeError(f"{arg} must be a flexattn Mod (the tracer is not available), got {fn!r}")
-        return trace(fn, kind=kind)
-    raise TypeError(f"{arg} must be a {kind} mod (a Mod or a function), got {_describe(fn)}")
+    return set(KERNEL_OPTIONS) - DECODE_OPTIONS
+
+
+def _new_output(shape, query: torch.Tensor) -> torch.Tensor:
+    """The output, in the query's stride order (flex_attention's contract; shared with the forward)."""
+    from flexattn import attention
+
+    return attention._new_output(shape, query, query.dtype, query.device)
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -214,14 +211,15 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
     Args:
         query: [B, Hq, Q_LEN, E]; key: [B or 1, Hkv, KV_LEN, E]; value: [B or 1, Hkv, KV_LEN, Ev].
-        score_mod, mask_mod: `Mod`s (``flexattn.trace`` makes them from Python functions).
+        score_mod, mask_mod: `Mod`s or Python mods (traced here).
             mask_mod runs on the BlockMask's partial tiles; without a BlockMask, on every tile.
-            If it is None, a Mod stored as ``block_mask.mask_mod`` is used.
+            If it is None, the BlockMask's own mask_mod (Python or `Mod`) is used.
         block_mask: a BlockMask (torch's or flexattn's fields) or None (every tile visited).
         scale: softmax scale, default 1/sqrt(E). enable_gqa: allow Hq a multiple of Hkv.
         return_lse: also return the natural-log LSE, float32 [B, Hq, Q_LEN] (-inf for rows that
             see nothing; their output is 0).
-        kernel_options: decode knobs (see DECODE_OPTIONS); forward-only knobs are ignored.
+        kernel_options: decode knobs (see DECODE_OPTIONS); flex_attention's other options
+            (``flexattn.attention.KERNEL_OPTIONS``) are ignored, anything else is an error.
         kv_lengths: optional int tensor [B]: only kv positions < kv_lengths[b] exist for batch b
             (read in-kernel; positions past it are neither read nor attended).
 
@@ -230,17 +228,23 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         >>> decode_attention(q, k, v).shape
         torch.Size([1, 4, 3, 32])
     """
-    score_mod = _as_mod(score_mod, SCORE, "score_mod")
-    if mask_mod is None and isinstance(getattr(block_mask, "mask_mod", None), Mod):
-        mask_mod = block_mask.mask_mod
-    mask_mod = _as_mod(mask_mod, MASK, "mask_mod")
+    if score_mod is not None:
+        score_mod = as_mod(score_mod, SCORE, "score_mod")
+    if mask_mod is None and block_mask is not None:
+        # The BlockMask's mask_mod as a Mod (flexattn's caches it as `.mod`; torch's holds a
+        # Python function, traced here), as flex_attention resolves it.
+        from flexattn.attention import block_mask_mod
+
+        mask_mod = block_mask_mod(block_mask)
+    elif mask_mod is not None:
+        mask_mod = as_mod(mask_mod, MASK, "mask_mod")
     # flex_attention passes an identity score mod and a constant-True mask for "none": skip them.
     if score_mod is not None and score_mod.ir.op == "input":
         score_mod = None
     if mask_mod is not None and mask_mod.ir.op == "const" and mask_mod.ir.arg:
         mask_mod = None
     fields = _mask_fields(block_mask)
-    opts = tuple(sorted((kernel_options or {}).items()))
+    opts = tuple(sorted((kernel_options or {}).items()))  # unknown keys: checked by _make_plan
     key_ = (
         _tensor_key(query), _tensor_key(key), _tensor_key(value),
         score_mod.key() if score_mod is not None else None,
@@ -257,7 +261,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         if mod is not None:
             mod.check_device(query.device)
 
-    out = _empty(plan.out_shape, dtype=plan.out_dtype, device=query.device)
+    out = _new_output(plan.out_shape, query)
     lse = _empty(plan.out_shape[:3], dtype=torch.float32, device=query.device)
     if out.numel() == 0 or lse.numel() == 0:
         return (out, lse.fill_(float("-inf"))) if return_lse else out
@@ -279,7 +283,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     plan.module.decode_split_kernel[plan.grid](
         query, key, value, out, lse, acc_part, m_part, l_part,
         num, idx, full_num, full_idx, kv_lengths if kv_lengths is not None else lse,
-        *mod_args, *plan.static_args,
+        *mod_args, *plan.qkv_strides, *out.stride(), *plan.static_args,
         **plan.constexprs, **plan.launch,
     )
     if plan.split_kv > 1:
@@ -324,9 +328,9 @@ def _make_plan(query, key, value, score_mod, mask_mod, fields, scale, enable_gqa
                f"kv_lengths must be an integer tensor of shape ({B},), got {_describe(kv_lengths)}", TypeError)
         _check(kv_lengths.device == query.device,
                f"kv_lengths is on {kv_lengths.device} but query is on {query.device}")
-    unknown = set(options) - DECODE_OPTIONS - FORWARD_ONLY_OPTIONS
+    unknown = set(options) - DECODE_OPTIONS - _ignored_options()
     _check(not unknown, f"kernel_options has unknown keys {sorted(unknown)}; decode knobs are "
-           f"{sorted(DECODE_OPTIONS)}")
+           f"{sorted(DECODE_OPTIONS)} (flex_attention's other options are accepted and ignored)")
     device = query.device
     G = HQ // max(HKV, 1)
     D, DV = _pow2(E), _pow2(EV)
@@ -400,8 +404,9 @@ def _make_plan(query, key, value, score_mod, mask_mod, fields, scale, enable_gqa
         return s
 
     kz = BK == 1 and B > 1
-    static = list(query.stride()) + strides(key, 4, kz) + strides(value, 4, kz)
-    static += [0, 0, 0, 0]  # placeholder for Out strides (filled below: Out is contiguous)
+    qkv_strides = list(query.stride()) + strides(key, 4, kz) + strides(value, 4, kz)
+    # Out's strides come next, at launch: Out follows the query's layout (see `_new_output`).
+    static = []
     if has_block_mask:
         def mstr(t, n):
             s = list(t.stride()[:n])
@@ -413,8 +418,6 @@ def _make_plan(query, key, value, score_mod, mask_mod, fields, scale, enable_gqa
     else:
         static += [0] * 12
     out_shape = (B, HQ, Q_LEN, EV)
-    ostride = torch.empty(out_shape, device="meta").stride()
-    static[12:16] = ostride
     static += [Q_LEN, KV_LEN, E, EV]
 
     constexprs = dict(
@@ -435,12 +438,12 @@ def _make_plan(query, key, value, score_mod, mask_mod, fields, scale, enable_gqa
         split_kv=split,
         grid=(split, B * HKV, (G // G_PACK) * NUM_Q_BLOCKS * M_TILES),
         combine_grid=(B * HQ * Q_LEN,),
+        qkv_strides=tuple(qkv_strides),
         static_args=tuple(static),
         constexprs=constexprs,
         combine_constexprs=dict(SPLIT_KV=split, SPLIT_PAD=max(2, triton.next_power_of_2(split)), DV=DV),
         launch=launch,
         out_shape=out_shape,
-        out_dtype=query.dtype,
         has_block_mask=has_block_mask,
         has_full=has_full,
     )

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
 import flexattn
-from flexattn import decode
+from flexattn import attention, decode
 from flexattn.decode import causal_at, causal_at_with_length, decode_attention, valid_length
 from flexattn.reference import attention_reference
 
@@ -18,6 +18,8 @@ from flexattn.reference import attention_reference
 def nan_outputs(monkeypatch):
     """Every buffer the kernels write starts as NaN, so an element they miss shows up."""
     monkeypatch.setattr(decode, "_empty", lambda *a, **kw: torch.full(*a, float("nan"), **kw))
+    new_output = attention._new_output  # the output, laid out like the query (shared with the forward)
+    monkeypatch.setattr(attention, "_new_output", lambda *a, **kw: new_output(*a, **kw).fill_(math.nan))
 
 
 def qkv(B, Hq, Hkv, Q_LEN, KV_LEN, E, Ev=None, dtype=torch.float32, kv_batch=None, seed=0):
@@ -184,3 +186,58 @@ def test_validation_errors():
         decode_attention(q.double(), k.double(), v.double(), enable_gqa=True)
     with pytest.raises(TypeError, match="0-d integer"):
         causal_at(torch.tensor([1]))
+
+
+def _window_py(b, h, q_idx, kv_idx):
+    """A Python mask_mod (not a DSL Mod): the block mask must carry it into the kernel."""
+    return (q_idx + 60 >= kv_idx) & (q_idx + 60 - kv_idx < 45)
+
+
+@pytest.mark.parametrize("maker", ["torch", "flexattn"])
+def test_block_mask_python_mask_mod_is_applied(maker):
+    """A Python mask_mod on the BlockMask masks the partial tiles (it used to be dropped)."""
+    create = create_block_mask if maker == "torch" else flexattn.create_block_mask
+    q, k, v = qkv(2, 4, 2, 3, 83, 16)
+    bm = create(_window_py, None, None, 3, 83, device="cpu", BLOCK_SIZE=16)
+    assert bm.kv_num_blocks.sum() > 0  # there are partial tiles for the mask to act on
+    out, lse = decode_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True,
+                                kernel_options={"SPLIT_KV": 2})
+    ref, ref_lse = attention_reference(q, k, v, mask_mod=_window_py, enable_gqa=True, return_lse=True)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    # flex_attention's dispatch to the decoding kernel gives the same.
+    torch.testing.assert_close(flexattn.flex_attention(q, k, v, block_mask=bm, enable_gqa=True), out,
+                               atol=1e-6, rtol=1e-6)
+
+
+def test_kernel_options_accepted_set():
+    """decode accepts its own knobs and every flex_attention option (backward knobs included,
+    ignored here); torch-only keys that flex_attention rejects are rejected too."""
+    q, k, v = qkv(1, 2, 2, 2, 40, 16)
+    ref = attention_reference(q, k, v)
+    every = {"BLOCK_M1": 32, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 32, "bwd_num_warps": 4,
+             "bwd_num_stages": 1, "PRESCALE_QK": False, "ROWS_GUARANTEED_SAFE": False,
+             "BLOCKS_ARE_CONTIGUOUS": False}
+    assert set(every) | set(decode.DECODE_OPTIONS) >= set(attention.KERNEL_OPTIONS) - {"FORCE_USE_FLEX_ATTENTION"}
+    for key_, value in every.items():
+        out = flexattn.flex_attention(q, k, v, kernel_options={key_: value})
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+        decode_attention(q, k, v, kernel_options={key_: value, "SPLIT_KV": 2})
+    for torch_only in ("IS_DIVISIBLE", "BACKEND", "OUTPUT_LOGSUMEXP", "WRITE_DQ"):
+        with pytest.raises(ValueError, match=torch_only):
+            decode_attention(q, k, v, kernel_options={torch_only: True})
+
+
+@pytest.mark.parametrize("Q_LEN", [1, 3])
+def test_output_follows_query_stride_order(Q_LEN):
+    """Like the forward kernel, decode returns the output in the query's stride order."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, Q_LEN, 2, 16, generator=g).transpose(1, 2)    # [B, H, L, E] view of [B, L, H, E]
+    k = torch.randn(2, 2, 70, 16, generator=g)
+    v = torch.randn(2, 70, 2, 16, generator=g).transpose(1, 2)
+    for split in (1, 3):  # the split kernel writes Out itself / the combine kernel writes it
+        out = decode_attention(q, k, v, kernel_options={"SPLIT_KV": split})
+        fwd = flexattn.flex_attention(q, k, v, kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
+        assert out.stride() == fwd.stride() == q.stride(), (out.stride(), fwd.stride(), q.stride())
+        torch.testing.assert_close(out, fwd, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.double(), attention_reference(q, k, v), atol=1e-5, rtol=1e-5)
