@@ -16,7 +16,8 @@ were written for logical positions and converted here:
 `assign`, the converted BlockMask and the converted mods only read device tensors that
 `reserve`/`erase` update in place, so a decode step that uses them can be captured in a CUDA graph.
 The converted mods read ``physical_to_logical`` in-kernel: a KV position on a page that the
-sequence does not own is masked out.
+sequence does not own is masked out. Likewise `assign` drops a write to a position its slot does
+not own (it lands on a scratch page past the cache) instead of checking on the host.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from flexattn import ir
+from flexattn.block_mask import as_mod
 from flexattn.mods import MASK, SCORE, Mod
 
 
@@ -47,8 +49,13 @@ class PagedKVCache:
         self.n_pages, self.page_size, self.max_batch_size = n_pages, page_size, max_batch_size
         device = torch.device(device)
         length = n_pages * page_size
-        self.k_cache = torch.zeros(1, num_heads, length, head_dim, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(1, num_heads, length, v_head_dim or head_dim, dtype=dtype, device=device)
+        # One scratch page past the cache takes writes to unowned positions (see `assign`); the
+        # caches attention reads are views without it.
+        store = (n_pages + 1) * page_size
+        self._k_store = torch.zeros(1, num_heads, store, head_dim, dtype=dtype, device=device)
+        self._v_store = torch.zeros(1, num_heads, store, v_head_dim or head_dim, dtype=dtype, device=device)
+        self.k_cache = self._k_store[:, :, :length]
+        self.v_cache = self._v_store[:, :, :length]
         # page_table[b, logical page] = physical page; physical_to_logical[b, physical page] = logical page.
         self.page_table = torch.full((max_batch_size, n_pages), -1, dtype=torch.int32, device=device)
         self.physical_to_logical = torch.full((max_batch_size, n_pages), -1, dtype=torch.int32, device=device)
@@ -92,15 +99,31 @@ class PagedKVCache:
     # -- writing tokens (device only)
 
     def physical_positions(self, batch_idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        """Physical cache position of logical position ``input_pos[i, s]`` of slot ``batch_idx[i]``."""
-        page = self.page_table[batch_idx.long()[:, None], (input_pos // self.page_size).long()]
-        return page.long() * self.page_size + input_pos.long() % self.page_size
+        """Physical cache position of logical position ``input_pos[i, s]`` of slot ``batch_idx[i]``,
+        or -1 where the slot does not own it (unreserved page, negative or past the page table).
+
+            >>> cache = PagedKVCache(n_pages=4, page_size=16, max_batch_size=1, num_heads=1, head_dim=16)
+            >>> cache.reserve(0, 20)
+            >>> cache.physical_positions(torch.tensor([0]), torch.tensor([[17, 40]])).tolist()
+            [[17, -1]]
+        """
+        pos = input_pos.long()
+        logical_page = pos.div(self.page_size, rounding_mode="floor")
+        in_table = (logical_page >= 0) & (logical_page < self.n_pages)
+        # Clamp before indexing (an index past the table would fault); unowned entries are -1.
+        page = self.page_table[batch_idx.long()[:, None], logical_page.clamp(0, self.n_pages - 1)].long()
+        owned = in_table & (page >= 0)
+        return torch.where(owned, page * self.page_size + pos % self.page_size, -1)
 
     def assign(self, batch_idx: torch.Tensor, input_pos: torch.Tensor, k_val: torch.Tensor,
-               v_val: torch.Tensor) -> None:
+               v_val: torch.Tensor, check: bool = False) -> None:
         """Write ``k_val``/``v_val`` [B, H, S, E] at logical positions ``input_pos`` [B, S] of slots ``batch_idx`` [B].
 
-        The slots must own those positions (`reserve` first). No host synchronisation.
+        The slots should own those positions (`reserve` first). A write to a position the slot
+        does not own is dropped (it goes to a scratch page that attention never reads), so a
+        stale position cannot overwrite another sequence's page. No host synchronisation, so it
+        can be captured in a CUDA graph; ``check=True`` adds ``torch._assert_async`` that every
+        position is owned (on CUDA that reports late and leaves the context unusable: debugging).
         """
         if k_val.dim() != 4 or k_val.shape[1] != self.k_cache.shape[1] or k_val.shape[3] != self.k_cache.shape[3]:
             raise ValueError(f"k_val must be [B, {self.k_cache.shape[1]}, S, {self.k_cache.shape[3]}], "
@@ -112,9 +135,13 @@ class PagedKVCache:
         if batch_idx.shape != (k_val.shape[0],):
             raise ValueError(f"batch_idx must be [B] = ({k_val.shape[0]},), got {tuple(batch_idx.shape)}")
         addr = self.physical_positions(batch_idx, input_pos).flatten()
+        if check:
+            torch._assert_async((addr >= 0).all(), "PagedKVCache.assign: a position is not owned by its "
+                                "slot; reserve() it first")
+        addr = torch.where(addr >= 0, addr, self.n_pages * self.page_size)  # the scratch page
         H = k_val.shape[1]
-        self.k_cache[0][:, addr] = k_val.transpose(0, 1).reshape(H, -1, k_val.shape[3]).to(self.k_cache.dtype)
-        self.v_cache[0][:, addr] = v_val.transpose(0, 1).reshape(H, -1, v_val.shape[3]).to(self.v_cache.dtype)
+        self._k_store[0][:, addr] = k_val.transpose(0, 1).reshape(H, -1, k_val.shape[3]).to(self.k_cache.dtype)
+        self._v_store[0][:, addr] = v_val.transpose(0, 1).reshape(H, -1, v_val.shape[3]).to(self.v_cache.dtype)
 
     # -- logical -> physical attention inputs
 
@@ -122,7 +149,8 @@ class PagedKVCache:
         """The BlockMask over physical pages that ``block_mask`` (over logical positions) means.
 
         The KV block size must equal ``page_size``. Query batch b uses slot ``batch_idx[b]``
-        (default: b). The result's mask_mod is the converted one (`get_mask_mod`).
+        (default: b). The result's mask_mod is ``block_mask``'s own (Python or `Mod`) converted
+        with `get_mask_mod`, so the partial tiles stay masked.
         """
         size = block_mask.BLOCK_SIZE
         q_bs, kv_bs = (size, size) if isinstance(size, int) else tuple(size)
@@ -147,8 +175,9 @@ class PagedKVCache:
 
         num, idx = convert(num, idx)
         full_num, full_idx = convert(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
-        logical_mod = block_mask.mask_mod if isinstance(block_mask.mask_mod, Mod) else None
-        mask_mod = self.get_mask_mod(logical_mod, batch_idx)
+        from flexattn.attention import block_mask_mod  # attention imports decode, which may import us
+
+        mask_mod = self.get_mask_mod(block_mask_mod(block_mask), batch_idx)
         seq = getattr(block_mask, "seq_lengths", None)
         seq = (seq[0], self.n_pages * self.page_size) if seq is not None else None
         return type(block_mask).from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=(q_bs, kv_bs),
@@ -166,10 +195,13 @@ class PagedKVCache:
                             ir.binary("mod", kv, self.page_size))
         return logical, ir.binary("ge", logical_page, 0), [self.physical_to_logical, slots]
 
-    def get_mask_mod(self, mask_mod: Mod | None, batch_idx: torch.Tensor | None = None) -> Mod:
-        """``mask_mod`` over physical positions: also False on pages the sequence does not own."""
-        if mask_mod is not None and (not isinstance(mask_mod, Mod) or mask_mod.kind != MASK):
-            raise TypeError(f"mask_mod must be a flexattn mask Mod or None, got {mask_mod!r}")
+    def get_mask_mod(self, mask_mod, batch_idx: torch.Tensor | None = None) -> Mod:
+        """``mask_mod`` (a `Mod`, a Python mask_mod or None) over physical positions: also False
+        on pages the sequence does not own."""
+        if mask_mod is not None:
+            mask_mod = as_mod(mask_mod, MASK, "mask_mod")
+            if mask_mod.ir.op == "const" and mask_mod.ir.arg is True:
+                mask_mod = None  # noop_mask: ownership alone
         base = mask_mod.buffers if mask_mod is not None else ()
         logical, owned, extra = self._logical_kv(len(base), batch_idx)
         if mask_mod is None:
@@ -177,12 +209,12 @@ class PagedKVCache:
         body = ir.substitute(mask_mod.ir, lambda n: logical if n.op == "input" and n.arg == "kv_idx" else None)
         return Mod(MASK, ir.binary("and_", owned, body), list(base) + extra, name=f"paged_{mask_mod.name}")
 
-    def get_score_mod(self, score_mod: Mod | None, batch_idx: torch.Tensor | None = None) -> Mod | None:
-        """``score_mod`` called with logical kv_idx (positions of unowned pages are masked anyway)."""
+    def get_score_mod(self, score_mod, batch_idx: torch.Tensor | None = None) -> Mod | None:
+        """``score_mod`` (a `Mod`, a Python score_mod or None) called with logical kv_idx
+        (positions of unowned pages are masked anyway)."""
         if score_mod is None:
             return None
-        if not isinstance(score_mod, Mod) or score_mod.kind != SCORE:
-            raise TypeError(f"score_mod must be a flexattn score Mod or None, got {score_mod!r}")
+        score_mod = as_mod(score_mod, SCORE, "score_mod")
         logical, _, extra = self._logical_kv(len(score_mod.buffers), batch_idx)
         body = ir.substitute(score_mod.ir, lambda n: logical if n.op == "input" and n.arg == "kv_idx" else None)
         return Mod(SCORE, body, list(score_mod.buffers) + extra, name=f"paged_{score_mod.name}")

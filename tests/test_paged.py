@@ -7,7 +7,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 import flexattn
-from flexattn import decode
+from flexattn import attention, decode
 from flexattn.decode import decode_attention
 from flexattn.paged import PagedKVCache
 from flexattn.reference import attention_reference
@@ -18,6 +18,8 @@ PAGE = 16
 @pytest.fixture(autouse=True)
 def nan_outputs(monkeypatch):
     monkeypatch.setattr(decode, "_empty", lambda *a, **kw: torch.full(*a, float("nan"), **kw))
+    new_output = attention._new_output
+    monkeypatch.setattr(attention, "_new_output", lambda *a, **kw: new_output(*a, **kw).fill_(math.nan))
 
 
 def fill(cache, lengths, k, v):
@@ -94,3 +96,52 @@ def test_paged_dense_walk_masks_unowned_pages():
     ref = attention_reference(q, k, v, mask_mod=mask)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert not math.isnan(out.sum().item())
+
+
+def _causal_fill(b, h, q_idx, kv_idx):
+    """Python mask_mod (module-level constants, no DSL): new tokens at lengths[b] - 2."""
+    lens = torch.tensor([83, 47], dtype=torch.int32)
+    return (q_idx + lens[b] - 2 >= kv_idx) & (kv_idx < lens[b])
+
+
+@pytest.mark.parametrize("maker", ["torch", "flexattn"])
+def test_convert_keeps_python_mask_mod(maker):
+    """A Python mask_mod on the logical BlockMask survives conversion: the converted BlockMask
+    alone (no explicit mask_mod) gives the contiguous result."""
+    create = create_block_mask if maker == "torch" else flexattn.create_block_mask
+    B, H, E, MAXLEN = 2, 2, 16, 90
+    torch.manual_seed(5)
+    k, v, q = torch.randn(B, H, MAXLEN, E), torch.randn(B, H, MAXLEN, E), torch.randn(B, H, 2, E)
+    cache = PagedKVCache(n_pages=14, page_size=PAGE, max_batch_size=B, num_heads=H, head_dim=E)
+    fill(cache, [83, 47], k, v)
+    logical = create(_causal_fill, B, None, 2, MAXLEN, device="cpu", BLOCK_SIZE=(16, PAGE))
+    physical = cache.convert_logical_block_mask(logical)
+    opts = {"SPLIT_KV": 2, "BLOCK_N": PAGE}
+    paged = decode_attention(q, cache.k_cache, cache.v_cache, block_mask=physical, return_lse=True,
+                             kernel_options=opts)
+    contiguous = decode_attention(q, k, v, block_mask=logical, return_lse=True, kernel_options=opts)
+    assert torch.equal(paged[0], contiguous[0]) and torch.equal(paged[1], contiguous[1])
+    ref = attention_reference(q, k, v, mask_mod=_causal_fill)
+    torch.testing.assert_close(paged[0].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_assign_drops_writes_to_unreserved_positions():
+    """Positions the slot does not own (unreserved page, past the table, negative) are not
+    written anywhere; the owned ones in the same call are."""
+    cache = PagedKVCache(n_pages=6, page_size=PAGE, max_batch_size=2, num_heads=2, head_dim=8)
+    cache.reserve(0, 40)                         # 3 pages: positions 0..47
+    cache.reserve(1, 16)
+    k0, v0 = torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
+    cache.assign(torch.tensor([0]), torch.arange(40)[None], k0, v0)
+    before_k, before_v = cache.k_cache.clone(), cache.v_cache.clone()
+    pos = torch.tensor([[45, 84, 200, -3]])      # owned, unreserved page 5, past all pages, negative
+    k1, v1 = torch.randn(1, 2, 4, 8) + 10, torch.randn(1, 2, 4, 8) + 10
+    cache.assign(torch.tensor([0]), pos, k1, v1)
+    addr = cache.physical_positions(torch.tensor([0]), torch.tensor([[45]]))[0, 0]
+    torch.testing.assert_close(cache.k_cache[0, :, addr], k1[0, :, 0], rtol=0, atol=0)
+    torch.testing.assert_close(cache.v_cache[0, :, addr], v1[0, :, 0], rtol=0, atol=0)
+    before_k[0, :, addr], before_v[0, :, addr] = k1[0, :, 0], v1[0, :, 0]
+    assert torch.equal(cache.k_cache, before_k) and torch.equal(cache.v_cache, before_v)
+    assert (cache.physical_positions(torch.tensor([0]), pos)[0, 1:] == -1).all()
+    with pytest.raises(RuntimeError, match="reserve"):
+        cache.assign(torch.tensor([0]), pos, k1, v1, check=True)
