@@ -30,7 +30,7 @@ import triton
 from flexattn import decode, ir
 from flexattn.block_mask import as_mod as as_mask_mod
 from flexattn.codegen import emit
-from flexattn.codegen.launch import ACC_TL_DTYPE, LARGE_BLOCK, needs_int64_offsets, pow2_at_least
+from flexattn.codegen.launch import ACC_TL_DTYPE, LARGE_BLOCK, needs_int64_offsets, pow2_at_least, target_for
 from flexattn.codegen.render import load_kernel_module, template_text
 from flexattn.mods import ARITY, MASK, SCORE, Mod
 from flexattn.tracer import trace
@@ -435,7 +435,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
                  device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
     if blocks is None:
         blocks = _dense_blocks(device, KV_LEN, plan.constexprs["BLOCK_N"])
-    module = _kernel_module(score_mod, mask_mod, "interpret" if device.type == "cpu" else "cuda")
+    module = _kernel_module(score_mod, mask_mod, target_for(device))
 
     # K/V with batch 1 broadcast over query's batch: stride 0 reads the same slice for every b.
     kv_strides = []

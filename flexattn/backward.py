@@ -33,7 +33,7 @@ import triton
 
 from flexattn import autodiff
 from flexattn.codegen import emit
-from flexattn.codegen.launch import ACC_TL_DTYPE, LARGE_BLOCK, needs_int64_offsets, pow2_at_least
+from flexattn.codegen.launch import ACC_TL_DTYPE, LARGE_BLOCK, needs_int64_offsets, pow2_at_least, target_for
 from flexattn.codegen.render import load_kernel_module, template_text
 from flexattn.mods import Mod
 
@@ -252,7 +252,7 @@ def flex_attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch
     B, Hq, Q_LEN, E = query.shape
     Bkv, Hkv, KV_LEN, Ev = value.shape
     device = query.device
-    target = "interpret" if device.type == "cpu" else "cuda"
+    target = target_for(device)
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
     kernel_options = dict(kernel_options or {})
     opts = default_backward_options(device, query.dtype, E, Ev)

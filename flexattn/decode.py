@@ -32,6 +32,7 @@ import triton
 from flexattn import ir
 from flexattn.block_mask import as_mod
 from flexattn.codegen import emit
+from flexattn.codegen.launch import pow2_at_least, target_for
 from flexattn.codegen.render import load_kernel_module
 from flexattn.mods import MASK, SCORE, Mod
 
@@ -108,10 +109,6 @@ def _describe(x: Any) -> str:
     return f"{type(x).__name__} {x!r}"
 
 
-def _target(device: torch.device) -> str:
-    return "interpret" if device.type == "cpu" else "cuda"
-
-
 _MODULES: dict[tuple, Any] = {}
 
 
@@ -147,10 +144,6 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 2  # the interpreter runs programs one by one; a couple of splits keeps tests honest
-
-
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(n))
 
 
 @dataclass
@@ -333,7 +326,7 @@ def _make_plan(query, key, value, score_mod, mask_mod, fields, scale, enable_gqa
            f"{sorted(DECODE_OPTIONS)} (flex_attention's other options are accepted and ignored)")
     device = query.device
     G = HQ // max(HKV, 1)
-    D, DV = _pow2(E), _pow2(EV)
+    D, DV = pow2_at_least(E), pow2_at_least(EV)
     on_gpu = device.type == "cuda"
 
     # -- tiles
@@ -372,7 +365,7 @@ def _make_plan(query, key, value, score_mod, mask_mod, fields, scale, enable_gqa
         safe_n = kv_lengths is None and KV_LEN % BLOCK_N == 0
         walk_tiles = triton.cdiv(KV_LEN, BLOCK_N)
     rows = G_PACK * Q_ROWS
-    BLOCK_M = min(_pow2(rows), max(16, int(options.get("BLOCK_M", 64))))
+    BLOCK_M = min(pow2_at_least(rows), max(16, int(options.get("BLOCK_M", 64))))
     M_TILES = triton.cdiv(rows, BLOCK_M)
     programs = B * HKV * (G // G_PACK) * NUM_Q_BLOCKS * M_TILES
 
@@ -434,7 +427,7 @@ def _make_plan(query, key, value, score_mod, mask_mod, fields, scale, enable_gqa
     if on_gpu:
         launch = dict(num_warps=int(options.get("num_warps", 4)), num_stages=int(options.get("num_stages", 3)))
     return _Plan(
-        module=_module(score_mod, mask_mod, _target(device)),
+        module=_module(score_mod, mask_mod, target_for(device)),
         split_kv=split,
         grid=(split, B * HKV, (G // G_PACK) * NUM_Q_BLOCKS * M_TILES),
         combine_grid=(B * HQ * Q_LEN,),

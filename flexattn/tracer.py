@@ -35,7 +35,6 @@ import inspect
 import keyword
 import linecache
 import math
-import numbers
 import os
 import sys
 import textwrap

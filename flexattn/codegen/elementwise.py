@@ -10,12 +10,9 @@ import torch
 import triton
 
 from flexattn.codegen import emit
+from flexattn.codegen.launch import target_for
 from flexattn.codegen.render import load_kernel_module
 from flexattn.mods import SCORE, Mod
-
-
-def target_for(device: torch.device) -> str:
-    return "interpret" if device.type == "cpu" else "cuda"
 
 
 def kernel_module(mod: Mod, target: str):

@@ -11,6 +11,11 @@ INT32_OFFSET_LIMIT = 2**31  # tensors reaching this element offset get 64-bit ti
 ACC_TL_DTYPE = {torch.float32: tl.float32, torch.float64: tl.float64}  # accumulator dtypes
 
 
+def target_for(device: torch.device) -> str:
+    """Codegen target for tensors on ``device``: CPU tensors run through Triton's interpreter."""
+    return "interpret" if device.type == "cpu" else "cuda"
+
+
 def pow2_at_least(n: int, floor: int = 16) -> int:
     """The next power of two >= ``n`` and >= ``floor`` (tl.arange / tl.dot shapes)."""
     return max(floor, triton.next_power_of_2(n))
