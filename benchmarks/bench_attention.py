@@ -14,35 +14,12 @@ can express the case (no mask, causal).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import triton
 
 import flexattn
-
-
-def timer(fn, device: str, warmup: int, rep: int) -> float:
-    """Median seconds per call (CUDA events on the GPU, wall clock on the CPU)."""
-    for _ in range(warmup):
-        fn()
-    if device == "cpu":
-        times = []
-        for _ in range(rep):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
+from timing import timer  # benchmarks/timing.py (scripts run from any directory)
 
 
 def cases(H: int, window: int, device: str):

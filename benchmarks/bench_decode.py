@@ -12,13 +12,12 @@ over time). Prints one table.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import triton
 
 import flexattn
+from timing import timer  # benchmarks/timing.py (scripts run from any directory)
 from flexattn.decode import decode_attention
 
 # (name, B, Hq, Hkv, KV_LEN, D)
@@ -29,28 +28,6 @@ GPU_SHAPES = [
     ("mha B16 8k", 16, 32, 32, 8192, 128),
 ]
 CPU_SHAPES = [("tiny", 1, 4, 2, 300, 32)]
-
-
-def timer(fn, device: str, warmup: int, rep: int) -> float:
-    """Median seconds per call (CUDA events on the GPU, wall clock on the CPU)."""
-    for _ in range(warmup):
-        fn()
-    if device == "cpu":
-        times = []
-        for _ in range(rep):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
 
 
 def copy_bandwidth(device: str, gib: float = 2.0) -> float:

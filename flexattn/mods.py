@@ -49,7 +49,6 @@ class Mod:
         self.name = name
         self.source = source or str(root)
         self.fn = fn
-        self._by_score_dtype: dict[torch.dtype, ir.Node] = {}
         # torch's flex_attention counts a mod's positional parameters: show it the real ones.
         names = ir.SCORE_INPUTS if kind == SCORE else ir.INDEX_INPUTS
         self.__signature__ = inspect.Signature(
@@ -70,16 +69,6 @@ class Mod:
             if n.op == "input" and n.arg == "score":
                 return n.dtype
         return None
-
-    def with_score_dtype(self, dtype: torch.dtype) -> ir.Node:
-        """This mod's IR with its ``score`` input (and result) in ``dtype``."""
-        root = self._by_score_dtype.get(dtype)
-        if root is None:
-            new_score = ir.input_("score", dtype)
-            root = ir.substitute(self.ir, lambda n: new_score if n.op == "input" and n.arg == "score" else None)
-            root = ir.cast(root, dtype) if self.kind == SCORE else root
-            self._by_score_dtype[dtype] = root
-        return root
 
     def key(self) -> str:
         """Structural cache key: equal for mods that generate the same kernel code."""
