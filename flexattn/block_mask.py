@@ -57,7 +57,7 @@ def _sliced_mask_mod_error(batch, head, token_q, token_kv):
     )
 
 
-def _is_noop(fn) -> bool:
+def is_noop_mask(fn) -> bool:
     if fn is noop_mask:
         return True
     try:
@@ -165,7 +165,7 @@ def as_mod(fn, kind: str = MASK, arg: str = "mask_mod") -> Mod:
         return fn
     if not callable(fn):
         raise TypeError(f"{arg} must be a callable {kind}_mod or a flexattn Mod, got {type(fn).__name__}")
-    if kind == MASK and _is_noop(fn):
+    if kind == MASK and is_noop_mask(fn):
         return Mod(MASK, ir.const(True), (), name="noop_mask", fn=fn)
     if fn is _sliced_mask_mod_error:
         _sliced_mask_mod_error(None, None, None, None)
@@ -672,8 +672,40 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         backend = "triton" if device.type == "cuda" else "torch"
     if backend not in ("triton", "torch"):
         raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
-    mod = as_mod(mask_mod)
+    if torch.compiler.is_compiling():
+        # In a compiled graph the tables come from a custom op; the mask_mod is captured for it.
+        from flexattn import capture
+
+        key, bufs = capture.capture(mask_mod, MASK, torch.float32)
+        tables = _tables_op(bufs, key, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, separate_full_blocks,
+                            device, backend, use_interval)
+        if not separate_full_blocks:
+            tables = [tables[0], tables[1], None, None, tables[2], tables[3], None, None]
+        bm = BlockMask((Q_LEN, KV_LEN), *tables, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod)
+        bm._flexattn_compiled_mask = (key, bufs)
+        return bm
+    mod = _resolve_mask(mask_mod, device)
     mod.check_device(device, arg="the block mask's device")
+    tables = _build_tables(mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, separate_full_blocks, backend,
+                           use_interval)
+    bm = BlockMask((Q_LEN, KV_LEN), *tables, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod)
+    bm._mod = mod
+    return bm
+
+
+def _resolve_mask(mask_mod, device: torch.device) -> Mod:
+    """The traced mask, through the trace cache (a lambda made anew each call is traced once)."""
+    from flexattn import modcache
+
+    if isinstance(mask_mod, Mod) or not callable(mask_mod):
+        return as_mod(mask_mod)  # checks the kind / raises the error that names the argument
+    template, buffers = modcache.resolve(mask_mod, MASK, torch.float32, device, lambda f, kind, **kw: as_mod(f))
+    return template if buffers is template.buffers else template.rebind(buffers)
+
+
+def _build_tables(mod: Mod, B, H, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOCK: int, device: torch.device,
+                  separate_full: bool, backend: str, use_interval: bool) -> tuple:
+    """The eight tables of ``mod``'s BlockMask (the full_* ones None unless ``separate_full``)."""
     used = {n.arg for n in ir.toposort(mod.ir) if n.op == "input"}
     BD = B if "b" in used else 1
     HD = H if "h" in used else 1
@@ -681,15 +713,41 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         from flexattn.codegen.block_mask_kernel import build_tables
 
         tables = build_tables(mod, BD, HD, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device,
-                              separate_full=separate_full_blocks, use_interval=use_interval)
+                              separate_full=separate_full, use_interval=use_interval)
     else:
         states = _classify_torch(mod, BD, HD, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, use_interval)
-        tables = _tables_from_states(states, separate_full_blocks)
+        tables = _tables_from_states(states, separate_full)
     if (BD, HD) != (B, H):
         tables = tuple(None if t is None else t.expand(B, H, *t.shape[2:]).contiguous() for t in tables)
-    bm = BlockMask((Q_LEN, KV_LEN), *tables, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod)
-    bm._mod = mod
-    return bm
+    return tables
+
+
+@torch.library.custom_op("flexattn::block_mask_tables", mutates_args=())
+def _tables_op(buffers: list[torch.Tensor], mask_key: str, B: int, H: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int,
+               KV_BLOCK: int, separate_full: bool, device: torch.device, backend: str,
+               use_interval: bool) -> list[torch.Tensor]:
+    """`create_block_mask`'s tables as a custom op (torch.compile): the 8 tables, or the 4
+    partial ones without ``separate_full``."""
+    from flexattn.mods import template
+
+    mod = template(mask_key).rebind(buffers)
+    return [t for t in _build_tables(mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, separate_full, backend,
+                                     use_interval) if t is not None]
+
+
+@_tables_op.register_fake
+def _(buffers, mask_key, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, separate_full, device, backend, use_interval):
+    n_q, n_kv = -(-Q_LEN // Q_BLOCK), -(-KV_LEN // KV_BLOCK)
+
+    def table(*shape):
+        return torch.empty(B, H, *shape, dtype=torch.int32, device=device)
+
+    def pair(rows, cols):  # counts and indices
+        return [table(rows), table(rows, cols)]
+
+    if separate_full:
+        return pair(n_q, n_kv) + pair(n_q, n_kv) + pair(n_kv, n_q) + pair(n_kv, n_q)
+    return pair(n_q, n_kv) + pair(n_kv, n_q)
 
 
 def create_mask(mod_fn: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,

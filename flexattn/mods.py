@@ -27,6 +27,19 @@ def _canonical(device: torch.device) -> torch.device:
     return device
 
 
+# Structural key -> a Mod with that key. Compiled graphs (torch.compile) name mods by key only; the
+# custom ops find the IR here at run time (every call passes its own captured tensors).
+_TEMPLATES: dict[str, "Mod"] = {}
+
+
+def template(key: str) -> "Mod":
+    """The IR of a mod known by its structural key (see `Mod.key`)."""
+    try:
+        return _TEMPLATES[key]
+    except KeyError:
+        raise KeyError(f"no mod with key {key[:80]!r}... was seen in this process") from None
+
+
 class Mod:
     """A traced mod. ``kind`` is "score" or "mask"; ``buffers`` are the captured tensors."""
 
@@ -54,10 +67,16 @@ class Mod:
         self.__signature__ = inspect.Signature(
             [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
         )
-        for buf in ir.buffers_of(root):
+        # What launches need on every call, computed once: the structural key, the buffers read.
+        self._key = f"{kind}:{root.key()}"
+        self.buffer_specs = tuple(ir.buffers_of(root))
+        for buf in self.buffer_specs:
             t = self.buffers[buf.index]
             if t.dtype != buf.dtype or t.dim() != buf.ndim:
                 raise ValueError(f"buffer {buf} does not match captured tensor {t.dtype} {tuple(t.shape)}")
+        if self._key not in _TEMPLATES:  # kept with shape-only stand-ins: no memory held
+            _TEMPLATES[self._key] = self.rebind(
+                [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in self.buffers])
 
     @property
     def __name__(self) -> str:  # torch and users print mods by __name__
@@ -72,14 +91,21 @@ class Mod:
 
     def key(self) -> str:
         """Structural cache key: equal for mods that generate the same kernel code."""
-        return f"{self.kind}:{self.ir.key()}"
+        return self._key
+
+    def rebind(self, buffers: Sequence[torch.Tensor]) -> "Mod":
+        """The same mod over other captured tensors (same dtypes and ranks; not re-checked)."""
+        mod = object.__new__(Mod)
+        mod.__dict__.update(self.__dict__)
+        mod.buffers, mod.fn = tuple(buffers), None
+        return mod
 
     def emit(self, target: str = "cuda", name: str | None = None) -> emit.ModSource:
         return emit.emit_mod(self.ir, self.kind, name or f"{self.kind}_mod", target)
 
     def launch_args(self) -> list:
         """Kernel arguments for the captured tensors (pointer, strides, sizes each)."""
-        return emit.launch_args(ir.buffers_of(self.ir), self.buffers)
+        return emit.launch_args(self.buffer_specs, self.buffers)
 
     def check_device(self, device: torch.device, arg: str = "query") -> None:
         device = _canonical(torch.device(device))
@@ -96,10 +122,12 @@ class Mod:
                 f"{self.kind}_mod '{self.name}' takes {ARITY[self.kind]} arguments "
                 f"({', '.join(ir.SCORE_INPUTS[5 - ARITY[self.kind]:])}), got {len(args)}"
             )
-        from flexattn import tracer  # the tracer imports this module
-
-        if tracer.is_traced(args):
-            return tracer.inline(self, args)
+        # Called on traced values (inside another mod being traced): the tracer's values know how
+        # to inline a Mod, so this module need not import the tracer.
+        for a in args:
+            inline = getattr(type(a), "__flexattn_inline__", None)
+            if inline is not None:
+                return inline(self, args)
         names = ir.SCORE_INPUTS if self.kind == SCORE else ir.INDEX_INPUTS
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
         # The score passes through at the caller's precision (e.g. float64 in reference checks).

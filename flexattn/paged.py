@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from flexattn import ir
-from flexattn.block_mask import as_mod
+from flexattn.block_mask import as_mod, noop_mask
 from flexattn.mods import MASK, SCORE, Mod
 
 
@@ -175,9 +175,10 @@ class PagedKVCache:
 
         num, idx = convert(num, idx)
         full_num, full_idx = convert(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
-        from flexattn.attention import block_mask_mod  # attention imports decode, which may import us
-
-        mask_mod = self.get_mask_mod(block_mask_mod(block_mask), batch_idx)
+        own = getattr(block_mask, "mod", None)  # flexattn's BlockMask keeps its mask_mod traced
+        if not isinstance(own, Mod):
+            own = as_mod(getattr(block_mask, "mask_mod", None) or noop_mask, MASK, "block_mask.mask_mod")
+        mask_mod = self.get_mask_mod(own, batch_idx)
         seq = getattr(block_mask, "seq_lengths", None)
         seq = (seq[0], self.n_pages * self.page_size) if seq is not None else None
         return type(block_mask).from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=(q_bs, kv_bs),

@@ -48,7 +48,7 @@ from torch.overrides import TorchFunctionMode
 from flexattn import ir
 from flexattn.mods import ARITY, MASK, SCORE, Mod
 
-__all__ = ["trace", "TraceError", "Proxy", "is_traced", "inline"]
+__all__ = ["trace", "TraceError", "Proxy", "is_traced", "inline", "call"]
 
 
 class TraceError(TypeError):
@@ -368,6 +368,11 @@ class Proxy:
 
     def __trunc__(self):
         return _apply(self.tracer, lambda: ir.unary("trunc", self.node))
+
+    @staticmethod
+    def __flexattn_inline__(mod, args):
+        """`Mod.__call__` on traced values: inline the Mod's IR (see `inline`)."""
+        return inline(mod, args)
 
     def __pos__(self):
         return self
@@ -1077,6 +1082,14 @@ class _TraceMode(TorchFunctionMode):
 
 # ---------------------------------------------------------------------------------------------
 # Entry points
+
+
+def call(func, args: tuple, kwargs: dict):
+    """Apply a torch function or Tensor method as if the mod being traced had called it (replays
+    the recordings of `flexattn.capture`)."""
+    if any(isinstance(a, (Proxy, _View)) for a in _flat(args, kwargs)):
+        return _dispatch(func, args, kwargs)
+    return func(*args, **kwargs)
 
 
 def is_traced(args) -> bool:

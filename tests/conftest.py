@@ -1,5 +1,6 @@
-"""Shared pytest setup: hypothesis profiles and the GPU marker."""
+"""Shared pytest setup: hypothesis profiles, the GPU marker, output poisoning."""
 
+import math
 import os
 
 import pytest
@@ -24,3 +25,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def nan_outputs(monkeypatch):
+    """Every output and scratch buffer the kernels write starts as NaN (integer ones are left
+    alone), so an element a kernel fails to write shows up."""
+    from flexattn.kernels import launch
+
+    empty = launch.empty
+
+    def filled(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(math.nan) if t.dtype.is_floating_point else t
+
+    monkeypatch.setattr(launch, "empty", filled)

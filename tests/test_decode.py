@@ -9,17 +9,15 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
 import flexattn
-from flexattn import attention, decode
+from flexattn import decode
+from flexattn.kernels import options, plans
 from flexattn.decode import causal_at, causal_at_with_length, decode_attention, valid_length
 from flexattn.reference import attention_reference
 
 
 @pytest.fixture(autouse=True)
-def nan_outputs(monkeypatch):
-    """Every buffer the kernels write starts as NaN, so an element they miss shows up."""
-    monkeypatch.setattr(decode, "_empty", lambda *a, **kw: torch.full(*a, float("nan"), **kw))
-    new_output = attention._new_output  # the output, laid out like the query (shared with the forward)
-    monkeypatch.setattr(attention, "_new_output", lambda *a, **kw: new_output(*a, **kw).fill_(math.nan))
+def _poison_outputs(nan_outputs):
+    """Outputs start as NaN, so anything the kernels fail to write shows up (tests/conftest.py)."""
 
 
 def qkv(B, Hq, Hkv, Q_LEN, KV_LEN, E, Ev=None, dtype=torch.float32, kv_batch=None, seed=0):
@@ -111,10 +109,10 @@ def test_captured_position_is_read_in_kernel():
     mask = causal_at(pos)
     q, k, v = qkv(1, 2, 2, 1, 70, 16)
     a = decode_attention(q, k, v, mask_mod=mask, kernel_options={"SPLIT_KV": 2})
-    plans = len(decode._PLANS)
+    n_plans = len(plans.DECODE)
     pos.fill_(60)
     b = decode_attention(q, k, v, mask_mod=mask, kernel_options={"SPLIT_KV": 2})
-    assert len(decode._PLANS) == plans
+    assert len(plans.DECODE) == n_plans
     torch.testing.assert_close(b.double(), attention_reference(q, k, v, mask_mod=mask), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(a, b)
 
@@ -176,11 +174,11 @@ def test_validation_errors():
     q, k, v = qkv(2, 4, 2, 1, 40, 16)
     with pytest.raises(ValueError, match="enable_gqa"):
         decode_attention(q, k, v)
-    with pytest.raises(ValueError, match="batch must be 1 or 2"):
+    with pytest.raises(ValueError, match=r"batch must be 1 \(broadcast\) or query.s batch 2, got 3"):
         decode_attention(q, k.repeat(2, 1, 1, 1)[:3], v.repeat(2, 1, 1, 1)[:3], enable_gqa=True)
     with pytest.raises(TypeError, match="kv_lengths"):
         decode_attention(q, k, v, enable_gqa=True, kv_lengths=torch.tensor([3.0, 4.0]))
-    with pytest.raises(ValueError, match="unknown keys"):
+    with pytest.raises(ValueError, match="unknown key"):
         decode_attention(q, k, v, enable_gqa=True, kernel_options={"SPLITKV": 2})
     with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
         decode_attention(q.double(), k.double(), v.double(), enable_gqa=True)
@@ -212,18 +210,20 @@ def test_block_mask_python_mask_mod_is_applied(maker):
 
 def test_kernel_options_accepted_set():
     """decode accepts its own knobs and every flex_attention option (backward knobs included,
-    ignored here); torch-only keys that flex_attention rejects are rejected too."""
+    ignored here); keys flexattn has no use for are rejected with what to do instead."""
     q, k, v = qkv(1, 2, 2, 2, 40, 16)
     ref = attention_reference(q, k, v)
     every = {"BLOCK_M1": 32, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 32, "bwd_num_warps": 4,
              "bwd_num_stages": 1, "PRESCALE_QK": False, "ROWS_GUARANTEED_SAFE": False,
              "BLOCKS_ARE_CONTIGUOUS": False}
-    assert set(every) | set(decode.DECODE_OPTIONS) >= set(attention.KERNEL_OPTIONS) - {"FORCE_USE_FLEX_ATTENTION"}
+    decode_only = {k for k, (family, _, _) in options.OPTIONS.items() if family == "decode"}
+    assert set(every) | decode_only | {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BACKEND"} >= \
+        set(options.OPTIONS) - {"FORCE_USE_FLEX_ATTENTION"}
     for key_, value in every.items():
         out = flexattn.flex_attention(q, k, v, kernel_options={key_: value})
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
         decode_attention(q, k, v, kernel_options={key_: value, "SPLIT_KV": 2})
-    for torch_only in ("IS_DIVISIBLE", "BACKEND", "OUTPUT_LOGSUMEXP", "WRITE_DQ"):
+    for torch_only in ("IS_DIVISIBLE", "OUTPUT_LOGSUMEXP", "WRITE_DQ", "USE_TMA"):
         with pytest.raises(ValueError, match=torch_only):
             decode_attention(q, k, v, kernel_options={torch_only: True})
 

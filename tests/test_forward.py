@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
-from flexattn import attention, ir, testing
-from flexattn.attention import FlexAttentionFunction, flex_attention
+from flexattn import ir, testing
+from flexattn.attention import flex_attention
+from flexattn.call import FlexAttentionFunction
 from flexattn.block_mask import BlockMask, create_block_mask
 from flexattn.mods import Mod
 from flexattn.reference import attention_reference
@@ -26,14 +27,8 @@ FORCE = {"FORCE_USE_FLEX_ATTENTION": True}  # short queries would otherwise take
 
 
 @pytest.fixture(autouse=True)
-def nan_outputs(monkeypatch):
-    """Outputs start as NaN, so anything the kernel fails to write shows up."""
-    new_output = attention._new_output
-
-    def filled(*args, **kwargs):
-        return new_output(*args, **kwargs).fill_(math.nan)
-
-    monkeypatch.setattr(attention, "_new_output", filled)
+def _poison_outputs(nan_outputs):
+    """Outputs start as NaN, so anything the kernels fail to write shows up (tests/conftest.py)."""
 
 
 def make_qkv(B, Hq, Hkv, Q_LEN, KV_LEN, E, Ev, dtype, kv_batch=None, layout="bhle", seed=0):
@@ -387,23 +382,28 @@ def test_sparse_block_walked_in_sub_tiles():
 
 def test_int64_offsets_path(monkeypatch):
     """The 64-bit offset specialisation computes the same thing (forced on a small tensor)."""
-    from flexattn.codegen import launch
+    from flexattn.kernels import launch
+    from flexattn.kernels import plans
+    from flexattn.kernels.launch import PlanCache
 
     monkeypatch.setattr(launch, "INT32_OFFSET_LIMIT", 0)
+    monkeypatch.setattr(plans, "FORWARD", PlanCache())  # plans made before would not see the limit
     assert launch.needs_int64_offsets(torch.empty(2, 2))
     q, k, v = make_qkv(2, 2, 1, 40, 50, 16, 16, torch.float16, layout="blhe")
     check(q, k, v, enable_gqa=True)
 
 
 def test_short_queries_take_the_decoding_kernel(monkeypatch):
+    from flexattn.kernels import decode as decode_kernel
+
     calls = []
-    decode_attention = attention.decode.decode_attention
+    run = decode_kernel.run
 
     def spy(*args, **kwargs):
-        calls.append(kwargs["kernel_options"])
-        return decode_attention(*args, **kwargs)
+        calls.append(args[0])
+        return run(*args, **kwargs)
 
-    monkeypatch.setattr(attention.decode, "decode_attention", spy)
+    monkeypatch.setattr(decode_kernel, "run", spy)
     q, k, v = make_qkv(2, 4, 2, 5, 90, 32, 32, torch.float16)
     bm = make_block_mask(causal_mod(), None, None, 5, 90, 16)
     out, lse = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)
@@ -451,7 +451,7 @@ def _qkv(**over):
     (_qkv(q=(3, 2, 10, 16), k=(2, 2, 12, 16), v=(2, 2, 12, 16)), {}, ValueError,
      r"key/value batch must be 1 \(broadcast\) or query's batch 3, got 2"),
     (_qkv(q=(1, 2, 10, 300), k=(1, 2, 12, 300)), {}, ValueError, r"query/key head dim E must be between 1 and 256, got 300"),
-    (_qkv(), {"kernel_options": {"BLOCK_K": 32}}, ValueError, r"unknown key\(s\) \['BLOCK_K'\]; valid keys are:\n  BLOCK_M"),
+    (_qkv(), {"kernel_options": {"BLOCK_K": 32}}, ValueError, r"unknown key 'BLOCK_K'; valid keys are:\n  BLOCK_M"),
     (_qkv(), {"kernel_options": {"BLOCK_M": 48}}, ValueError, r"kernel_options\['BLOCK_M'\] must be a power of two in 16..256, got 48"),
     (_qkv(), {"kernel_options": {"PRESCALE_QK": 1}}, TypeError, r"kernel_options\['PRESCALE_QK'\] must be a bool, got 1"),
     (_qkv(), {"score_mod": lambda score, b, h, q_idx: score}, TypeError,
@@ -492,7 +492,9 @@ def test_block_mask_errors():
         flex_attention(q, k, v, block_mask=make_block_mask(causal_mod(), None, None, 10, 12, 32),
                        kernel_options={"BLOCK_N": 64, **FORCE})
     bm = make_block_mask(causal_mod(), None, None, 10, 12, 16)
-    with pytest.raises(ValueError, match=r"block_mask.kv_num_blocks is on cpu but query is on meta"):
+    with pytest.raises(ValueError, match=r"block_mask is on meta but query is on cpu"):
+        flex_attention(q, k, v, block_mask=bm.to("meta"))
+    with pytest.raises(ValueError, match=r"query, key and value are meta tensors; flex_attention runs kernels"):
         flex_attention(q.to("meta"), k.to("meta"), v.to("meta"), block_mask=bm)
 
 

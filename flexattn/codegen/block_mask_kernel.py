@@ -40,10 +40,23 @@ def _render(mod: Mod, target: str):
         "mod_params": params,
         "interval_params": "".join(f"{p}, " for p in interval.summary_params(list(src.buffers))),
         "mod_call": f"mask_mod(b, h, q_idx, kv_idx, {params})",
+        # the captured tensors' strides and sizes (a document-id table grows with the lengths)
+        "classify_nospec": "".join(f'"{p}", ' for p in src.params if "_s" in p or "_n" in p),
         "interval_call": f"mask_interval(b, h, q_lo, q_hi, lo_kv, hi_kv, {', '.join(interval_params)})",
     }
     return load_kernel_module("block_mask", hooks, {f"mask_mod {mod.name}": mod.source},
                               interpret=target == "interpret")
+
+
+def chunks(n_q: int, n_kv: int, interpret: bool) -> tuple[int, int, int]:
+    """(CHUNK_WORDS, CHUNK for the q lists, CHUNK for the kv lists). On the GPU they do not depend
+    on the lengths, so a new length compiles nothing; the interpreter compiles nothing anyway and
+    runs fastest with vectors no longer than needed."""
+    if not interpret:
+        return 8, 1024, 1024
+    n_words = triton.cdiv(n_kv, 16)
+    return (min(8, triton.next_power_of_2(n_words)), min(1024, triton.next_power_of_2(n_q)),
+            min(1024, triton.next_power_of_2(n_kv)))
 
 
 def build_tables(mod: Mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOCK: int,
@@ -61,7 +74,7 @@ def build_tables(mod: Mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: i
     # The interpreter runs one program at a time: bigger vectors, fewer steps. On the GPU, sub-tiles
     # of 64 x 64 keep registers in check.
     sub_q, sub_kv = (Q_BLOCK, KV_BLOCK) if interpret else (min(Q_BLOCK, 64), min(KV_BLOCK, 64))
-    chunk_words = min(8, triton.next_power_of_2(n_words))
+    chunk_words, chunk_q, chunk_kv = chunks(n_q, n_kv, interpret)
     module.classify_kernel[(n_q, BH)](
         state, *mod.launch_args(), *interval.summary_args(used, summaries),
         state.stride(0), state.stride(1),
@@ -87,11 +100,11 @@ def build_tables(mod: Mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: i
     common = dict(SEPARATE_FULL=separate_full, SEL=1 if separate_full else 0)
     module.kv_order_kernel[(n_q, BH)](
         state, kv_num, kv_idx, fkv_num, fkv_idx, state.stride(0), state.stride(1), n_q, n_kv,
-        CHUNK=min(1024, triton.next_power_of_2(n_kv)), **common,
+        CHUNK=chunk_kv, **common,
     )
     module.q_order_kernel[(n_kv, BH)](
         state, q_num, q_idx, fq_num, fq_idx, state.stride(0), state.stride(1), n_q, n_kv,
-        CHUNK=min(1024, triton.next_power_of_2(n_q)), **common,
+        CHUNK=chunk_q, **common,
     )
     out = [kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx]
     if not separate_full:

@@ -10,7 +10,7 @@ import torch
 import triton
 
 from flexattn.codegen import emit
-from flexattn.codegen.launch import target_for
+from flexattn.kernels.launch import target_for
 from flexattn.codegen.render import load_kernel_module
 from flexattn.mods import SCORE, Mod
 

@@ -75,7 +75,9 @@ def _exact_tile(
     return tl.where(all_true == 1, FULL, tl.where(any_true == 1, PARTIAL, EMPTY))
 
 
-@triton.jit
+# Lengths, and everything that grows with them, are not specialised on (no recompilation for a
+# new sequence length: a BlockMask of new lengths reuses the compiled kernels).
+@triton.jit(do_not_specialize=[$classify_nospec"stride_sbh", "stride_sm", "HD", "Q_LEN", "KV_LEN", "N_KV_TILES", "N_WORDS"])
 def classify_kernel(
     State, $mod_params $interval_params
     stride_sbh, stride_sm,
@@ -120,7 +122,8 @@ def classify_kernel(
                     if s == UNKNOWN:
                         s = _exact_tile(b, h, q_lo, (w * 16 + t) * BLOCK_KV, Q_LEN, KV_LEN, $mod_params
                                         BLOCK_Q, BLOCK_KV, SUB_Q, SUB_KV)
-                        word = (word & ~(3 << (2 * t))) | (s << (2 * t))
+                        # int32 arithmetic: 3 << 30 must wrap (the interpreter would make it a Python int)
+                        word = (word & ~(tl.full([], 3, tl.int32) << (2 * t))) | (s << (2 * t))
                 tl.store(row + w, word, mask=w < N_WORDS)
         else:
             tl.store(row + words_idx, words, mask=words_idx < N_WORDS)
@@ -175,7 +178,7 @@ def _order(Words, N, stride, lane, Num, Idx,
     tl.store(Num, n_sel)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_sbh", "stride_sm", "N_Q_TILES", "N_KV_TILES"])
 def kv_order_kernel(
     State, KvNum, KvIdx, FullNum, FullIdx,
     stride_sbh, stride_sm, N_Q_TILES, N_KV_TILES,
@@ -191,7 +194,7 @@ def kv_order_kernel(
         _order(words, N_KV_TILES, 0, 0, FullNum + row, FullIdx + row * N_KV_TILES, FULL, False, CHUNK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_sbh", "stride_sm", "N_Q_TILES", "N_KV_TILES"])
 def q_order_kernel(
     State, QNum, QIdx, FullNum, FullIdx,
     stride_sbh, stride_sm, N_Q_TILES, N_KV_TILES,

@@ -31,7 +31,7 @@
 #                     no column masks on loads and scores
 #   SAFE_HEAD_DIM     E == D and EV == DV (head dims are already powers of two >= 16)
 #   D, DV             E and EV rounded up to powers of two (>= 16)
-#   SM_SCALE          softmax scale applied to q.k before score_mod
+#   SM_SCALE          runtime float: softmax scale applied to q.k before score_mod
 #   INPUT_PRECISION   tl.dot precision ("ieee" for float32 inputs, "tf32" if asked)
 #   DOT_F32           run the dots in float32 (Triton's CPU interpreter multiplies bfloat16 bit
 #                     patterns as integers); products still round P to V's dtype first
@@ -61,7 +61,7 @@ def _decode_tile(
     stride_kn, stride_kd, stride_vn, stride_vd,
     $score_params$mask_params
     offs_d, offs_dv, E, EV,
-    APPLY_MASK: tl.constexpr, SM_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+    APPLY_MASK: tl.constexpr, SM_SCALE, BLOCK_N: tl.constexpr,
     SAFE_N_BOUNDARY: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
@@ -116,7 +116,7 @@ def _decode_walk(
     $score_params$mask_params
     offs_d, offs_dv, E, EV,
     IS_DENSE: tl.constexpr, APPLY_MASK: tl.constexpr, TILE: tl.constexpr, SPLIT_KV: tl.constexpr,
-    SM_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SM_SCALE, BLOCK_N: tl.constexpr,
     SAFE_N_BOUNDARY: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
@@ -155,7 +155,7 @@ def decode_split_kernel(
     stride_ib, stride_ih, stride_iq,
     stride_fnb, stride_fnh, stride_fnq,
     stride_fib, stride_fih, stride_fiq,
-    Q_LEN, KV_LEN, E, EV,
+    Q_LEN, KV_LEN, E, EV, SM_SCALE,
     HKV: tl.constexpr, G: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr,
     Q_ROWS: tl.constexpr, NUM_Q_BLOCKS: tl.constexpr, M_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
@@ -163,7 +163,7 @@ def decode_split_kernel(
     SPARSE_Q_BLOCK_SIZE: tl.constexpr, SPARSE_KV_BLOCK_SIZE: tl.constexpr,
     HAS_BLOCK_MASK: tl.constexpr, HAS_FULL_BLOCKS: tl.constexpr, APPLY_MASK_DENSE: tl.constexpr,
     HAS_KV_LENGTHS: tl.constexpr, SAFE_M_BOUNDARY: tl.constexpr, SAFE_N_BOUNDARY: tl.constexpr,
-    SAFE_HEAD_DIM: tl.constexpr, SM_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    SAFE_HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)

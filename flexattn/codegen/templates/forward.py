@@ -15,6 +15,8 @@
 #   KV_IDX          [Bm, Hm, nQ, nKV] int32: which ones (first KV_NUM_BLKS entries of each row)
 #   FULL_KV_NUM_BLKS, FULL_KV_IDX: the same for full blocks
 #                   Bm, Hm are 1 or B, HQ: the host passes stride 0 where the block mask broadcasts
+#   MaxScores       [B, HQ, Q_LEN] like LSE: each row's largest modified score (natural units, -inf
+#                   for rows that see nothing); written only when OUTPUT_MAX
 #   SM_SCALE        runtime float: 1/sqrt(QK_HEAD_DIM) unless the caller gave a scale
 #
 # constexprs:
@@ -35,6 +37,7 @@
 #   BLOCKS_ARE_CONTIGUOUS  each row's KV blocks are consecutive: step through them without reading
 #                          KV_IDX after the first entry
 #   OFFS_INT64             some tensor spans more than 2^31 elements: compute tile offsets in int64
+#   OUTPUT_MAX             also write MaxScores (torch's AuxRequest(max_scores=True))
 #   ACC_DTYPE              float32 (float64 for float64 inputs): scores, softmax state, accumulator
 #   SCORE_DTYPE            the dtype score_mod was traced with (its `score` input)
 #   DOT_PRECISION          tl.dot input_precision ("ieee", or "tf32" for float32 when torch allows it)
@@ -141,7 +144,7 @@ def forward_inner(
 
 @triton.jit
 def flex_attention_forward(
-    Q, K, V, Out, LSE,
+    Q, K, V, Out, LSE, MaxScores,
     KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX,
     $score_mod_params $mask_mod_params
     stride_qz, stride_qh, stride_qm, stride_qk,
@@ -158,7 +161,7 @@ def flex_attention_forward(
     V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
     IS_DIVISIBLE: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, HAS_FULL_BLOCKS: tl.constexpr,
     PRESCALE_QK: tl.constexpr, ROWS_GUARANTEED_SAFE: tl.constexpr,
-    BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr,
+    BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr, OUTPUT_MAX: tl.constexpr,
     ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
@@ -177,6 +180,7 @@ def flex_attention_forward(
     V += b64 * stride_vz + h_kv.to(tl.int64) * stride_vh
     Out += b64 * stride_oz + h.to(tl.int64) * stride_oh
     LSE += b64 * stride_lz + h.to(tl.int64) * stride_lh
+    MaxScores += b64 * stride_lz + h.to(tl.int64) * stride_lh
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, QK_HEAD_DIM_ROUNDED)
@@ -238,3 +242,10 @@ def flex_attention_forward(
         tl.store(LSE + offs_m, lse)
     else:
         tl.store(LSE + offs_m, lse, mask=offs_m < Q_LEN)
+    if OUTPUT_MAX:
+        # m_i is the running max of the modified scores in base-2 units (-inf for empty rows).
+        mx = (m_i * LN2).to(MaxScores.dtype.element_ty)
+        if IS_DIVISIBLE:
+            tl.store(MaxScores + offs_m, mx)
+        else:
+            tl.store(MaxScores + offs_m, mx, mask=offs_m < Q_LEN)

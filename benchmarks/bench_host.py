@@ -1,0 +1,188 @@
+"""Per-call cost of the calls model code makes, flexattn vs torch.compile(flex_attention) vs SDPA.
+
+    python benchmarks/bench_host.py            # GPU: the three calls, host overhead, first calls
+    python benchmarks/bench_host.py --device cpu --calls 20   # CPU: host work only (interpreter)
+
+Every call builds its score_mod anew, as a model's ``forward`` does. "per call" is wall-clock
+time per call over a loop (synchronised at the end): for these small shapes that is host work
+plus launch, the figure a 32-layer model pays per layer. Also measured: flexattn's host work over
+a bare launch of the same Triton kernel with the same arguments, a new length in
+``create_block_mask`` after the first, and the first call of a never-seen mod (trace + codegen
++ Triton compile). Prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+import flexattn
+from flexattn.kernels import plans
+
+
+def per_call(fn, calls: int, device: str) -> float:
+    """Microseconds per call of ``fn`` in a loop (after warm-up)."""
+    for _ in range(5):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) / calls * 1e6
+
+
+def bare_launch_us(run_call, calls: int, device: str) -> float:
+    """Per-call time of the Triton launch that ``run_call`` makes last, replayed with the same
+    arguments (no flexattn host work): the floor flexattn's overhead is measured against."""
+    captured = {}
+    kernels = [p.kernel for p in plans.FORWARD.plans.values()] + \
+        [p.module.decode_split_kernel for p in plans.DECODE.plans.values()]
+    originals = {}
+    for k in kernels:
+        originals[id(k)] = k.run
+
+        def spy(*args, _k=k, **kwargs):
+            captured["call"] = (originals[id(_k)], args, kwargs)
+            return originals[id(_k)](*args, **kwargs)
+
+        k.run = spy
+    try:
+        run_call()
+    finally:
+        for k in kernels:
+            k.run = originals[id(k)]
+    launch, args, kwargs = captured["call"]
+    return per_call(lambda: launch(*args, **kwargs), calls, device)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--calls", type=int, default=None)
+    args = p.parse_args(argv)
+    device = args.device
+    gpu = device == "cuda"
+    calls = args.calls or (300 if gpu else 20)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    torch.manual_seed(0)
+    compiled_flex = torch.compile(torch_flex, dynamic=False) if gpu else None
+    rows = []
+
+    def table_row(name, fa, torch_us=None, sdpa_us=None, bare=None):
+        rows.append((name, fa, torch_us, sdpa_us, bare))
+
+    # -- 1. decoding step: B=1, Hq=32, Hkv=8, KV=4096, D=128, score_mod masking past a 0-d position
+    B, Hq, Hkv, KV, D = (1, 32, 8, 4096, 128) if gpu else (1, 4, 2, 256, 32)
+    q = torch.randn(B, Hq, 1, D, device=device, dtype=dtype)
+    k = torch.randn(B, Hkv, KV, D, device=device, dtype=dtype)
+    v = torch.randn(B, Hkv, KV, D, device=device, dtype=dtype)
+    pos = torch.tensor(KV - 100, device=device, dtype=torch.int32)
+
+    def fa_decode():
+        return flexattn.flex_attention(q, k, v, enable_gqa=True,
+                                       score_mod=lambda s, b, h, qi, ki: torch.where(ki <= pos, s, -math.inf))
+
+    fa = per_call(fa_decode, calls, device)
+    bare = bare_launch_us(fa_decode, calls, device)
+    t_us = s_us = None
+    if gpu:
+        t_us = per_call(lambda: compiled_flex(q, k, v, enable_gqa=True, score_mod=lambda s, b, h, qi, ki:
+                                              torch.where(ki <= pos, s, -math.inf)), calls, device)
+        s_us = per_call(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), calls, device)
+        torch.testing.assert_close(fa_decode().float(), compiled_flex(
+            q, k, v, enable_gqa=True, score_mod=lambda s, b, h, qi, ki: torch.where(ki <= pos, s, -math.inf)).float(),
+            atol=2e-2, rtol=2e-2)
+    table_row(f"decoding step B={B} Hq={Hq} Hkv={Hkv} KV={KV} D={D}", fa, t_us, s_us, bare)
+
+    # -- 2. tiny forward: B=1, H=4, S=256, D=64, score_mod with a closure constant
+    S, H, D = (256, 4, 64) if gpu else (64, 2, 32)
+    q, k, v = (torch.randn(1, H, S, D, device=device, dtype=dtype) for _ in range(3))
+
+    def fa_tiny():
+        cap = 30.0
+        return flexattn.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: cap * torch.tanh(s / cap))
+
+    fa = per_call(fa_tiny, calls, device)
+    bare = bare_launch_us(fa_tiny, calls, device)
+    t_us = None
+    if gpu:
+        def torch_tiny():
+            cap = 30.0
+            return compiled_flex(q, k, v, score_mod=lambda s, b, h, qi, ki: cap * torch.tanh(s / cap))
+        t_us = per_call(torch_tiny, calls, device)
+        torch.testing.assert_close(fa_tiny().float(), torch_tiny().float(), atol=2e-2, rtol=2e-2)
+    table_row(f"tiny forward B=1 H={H} S={S} D={D}", fa, t_us, None, bare)
+
+    # -- 3. training step: B=8, H=16, S=1024, D=64, causal, forward + backward
+    B, H, S, D = (8, 16, 1024, 64) if gpu else (1, 2, 64, 16)
+    q, k, v = (torch.randn(B, H, S, D, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    g = torch.randn(B, H, S, D, device=device, dtype=dtype)
+
+    def causal(b, h, qi, ki):
+        return qi >= ki
+
+    mask = flexattn.create_block_mask(causal, None, None, S, S, device=device)
+
+    def fa_train():
+        flexattn.flex_attention(q, k, v, block_mask=mask).backward(g)
+
+    fa = per_call(fa_train, max(calls // 3, 5), device)
+    t_us = s_us = None
+    if gpu:
+        tmask = torch_create_block_mask(causal, None, None, S, S, device=device)
+        t_us = per_call(lambda: compiled_flex(q, k, v, block_mask=tmask).backward(g), calls // 3, device)
+        s_us = per_call(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g), calls // 3,
+                        device)
+    table_row(f"training step B={B} H={H} S={S} D={D} causal fwd+bwd", fa, t_us, s_us)
+
+    # -- create_block_mask: a new length after the first
+    base = 8192 if gpu else 256
+    flexattn.create_block_mask(causal, None, None, base, base, device=device)
+    new_len = []
+    for i in range(1, 6):
+        n = base + 128 * i + 7
+        if gpu:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        flexattn.create_block_mask(causal, None, None, n, n, device=device)
+        if gpu:
+            torch.cuda.synchronize()
+        new_len.append((time.perf_counter() - t) * 1e3)
+
+    # -- first call of a never-seen mod (trace, codegen, Triton compile)
+    q, k, v = (torch.randn(1, 4, 256, 64, device=device, dtype=dtype) for _ in range(3))
+    c = random.Random().random() + 1.0  # a constant no earlier run compiled
+    if gpu:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    flexattn.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s * c - (qi - ki).abs() * 0.01)
+    if gpu:
+        torch.cuda.synchronize()
+    first = time.perf_counter() - t
+
+    name = torch.cuda.get_device_name() if gpu else "CPU (Triton interpreter)"
+    print(f"# bench_host: {name}, torch {torch.__version__}, flexattn {flexattn.__version__}, "
+          f"{dtype}, {calls} calls per figure")
+    print("| call | flexattn µs/call | torch.compile(flex) | SDPA | bare Triton launch | flexattn host work over it |")
+    print("|---|---|---|---|---|---|")
+    for name_, fa, t_us, s_us, bare in rows:
+        fmt = lambda x: "—" if x is None else f"{x:.0f}"  # noqa: E731
+        over = "—" if bare is None else f"{fa - bare:.1f}"
+        print(f"| {name_} | {fa:.0f} | {fmt(t_us)} | {fmt(s_us)} | {fmt(bare)} | {over} |")
+    print(f"\ncreate_block_mask, new lengths after {base}: " + ", ".join(f"{x:.2f}" for x in new_len) + " ms")
+    print(f"first call of a never-seen score_mod (trace + codegen + compile): {first:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,289 @@
+"""The call path of `flex_attention` and `decode_attention` (docs/design.md).
+
+    mod --(modcache: fingerprint -> template)--> key --> plan (kernels.plans) --> launch
+
+Per call: the score mod is resolved to a cached `Mod` template plus this call's captured tensors
+(Python mods are traced once per fingerprint), the block mask to its launch tables (prepared once
+per mask object), and the rest to a plan key (shapes, strides, dtypes, the mods' structural keys,
+block-mask layout, options); the plan (validation, tiles, constexprs, generated module; made once
+per key) is launched. Calls that need no gradient launch directly; the others go through
+`FlexAttentionFunction`. Under ``torch.compile`` the same call becomes a custom op
+(`flexattn.ops`), with the mods captured by `flexattn.capture`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import inspect
+from typing import Callable
+
+import torch
+
+from flexattn import capture, ir, modcache
+from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, options as opts, plans
+from flexattn.kernels.tables import tables_of
+from flexattn.mods import ARITY, MASK, SCORE, Mod
+from flexattn.tracer import trace
+
+
+def _check_score_mod_arity(fn: Callable) -> None:
+    """A Python score_mod must take the 5 arguments torch passes (score, b, h, q_idx, kv_idx)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return  # builtins / C functions: let the tracer report
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    if not len(required) <= ARITY[SCORE] <= len(positional):
+        raise TypeError(f"score_mod must take {ARITY[SCORE]} arguments ({', '.join(ir.SCORE_INPUTS)}), but "
+                        f"{getattr(fn, '__name__', fn)!r} takes {len(positional)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Mods: (template, this call's captured tensors)
+
+
+# The "no mod" mods, made once (plain module constants: Dynamo reads them without a lock).
+_IDENTITY = {dt: Mod(SCORE, ir.input_("score", dt), name="identity") for dt in (torch.float32, torch.float64)}
+_NOOP_MASK = Mod(MASK, ir.const(True), name="noop_mask")
+
+
+def identity_score_mod(score_dtype: torch.dtype) -> Mod:
+    return _IDENTITY[score_dtype]
+
+
+def noop_mask_mod() -> Mod:
+    return _NOOP_MASK
+
+
+def resolve_score_mod(fn, score_dtype: torch.dtype, device: torch.device) -> tuple[Mod, tuple]:
+    if fn is None:
+        return identity_score_mod(score_dtype), ()
+    if isinstance(fn, Mod):
+        if fn.kind != SCORE:
+            raise TypeError(f"score_mod must be a score mod, got the {fn.kind} mod {fn.name!r}")
+        if fn.score_dtype not in (None, score_dtype) or fn.ir.dtype != score_dtype:
+            fn = trace(fn, SCORE, score_dtype=score_dtype)  # re-typed copy
+        return fn, fn.buffers
+    if not callable(fn):
+        raise TypeError(f"score_mod must be a function or a flexattn Mod, got {type(fn).__name__}")
+    return modcache.resolve(fn, SCORE, score_dtype, device, _trace_score)
+
+
+def _trace_score(fn, kind, **kw) -> Mod:
+    _check_score_mod_arity(fn)
+    return trace(fn, kind, **kw)
+
+
+def resolve_mask_mod(block_mask, device: torch.device) -> tuple[Mod, tuple]:
+    """The block mask's mask_mod: flexattn's BlockMask keeps it traced (``.mod``); torch's holds
+    the Python function, resolved through the trace cache."""
+    mod = getattr(block_mask, "mod", None)
+    if isinstance(mod, Mod):
+        return mod, mod.buffers
+    fn = getattr(block_mask, "mask_mod", None)
+    if fn is None:
+        return noop_mask_mod(), ()
+    if isinstance(fn, Mod):
+        return fn, fn.buffers
+    from flexattn.block_mask import as_mod
+
+    return modcache.resolve(fn, MASK, torch.float32, device, lambda f, kind, **kw: as_mod(f, MASK, "block_mask.mask_mod"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd
+
+
+class FlexAttentionFunction(torch.autograd.Function):
+    """Forward via the generated kernel; ``call`` holds what the backward needs besides the saved
+    tensors (mods, block tables, scale, options). Trailing inputs are the captured tensors: the
+    score mod's, then the mask mod's (gradients flow to the score mod's floating ones)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, call, *buffers):
+        out, lse, mx = fwd.run(call.plan, query, key, value, call.score, buffers[:call.n_score], call.mask,
+                               buffers[call.n_score:], call.tables, call.scale)
+        ctx.save_for_backward(query, key, value, out, lse, *buffers)
+        ctx.call = call
+        if mx is not None:
+            ctx.mark_non_differentiable(mx)
+            return out, lse, mx
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse, grad_max=None):
+        query, key, value, out, lse, *buffers = ctx.saved_tensors
+        call = ctx.call
+        score_bufs, mask_bufs = tuple(buffers[:call.n_score]), tuple(buffers[call.n_score:])
+        need = tuple(ctx.needs_input_grad[4:4 + call.n_score])
+        plan_key = (call.key, need, grad_out.shape, grad_out.stride(), grad_lse is not None)
+        plan = plans.backward_plan(plan_key, query, key, value, out, grad_out, call.score, call.mask, call.tables,
+                                   call.options, need, score_bufs)
+        dq, dk, dv, grads = bwd.run(plan, query, key, value, out, lse, grad_out, grad_lse, call.score, score_bufs,
+                                    call.mask, mask_bufs, call.tables, call.scale)
+        buffer_grads = []
+        for i, t in enumerate(score_bufs):
+            if not need[i]:
+                buffer_grads.append(None)
+            elif i in grads:
+                buffer_grads.append(grads[i].to(t.dtype))
+            else:
+                buffer_grads.append(torch.zeros_like(t))  # not read in a way that depends on it
+        # No gradients for the plan; mask_mod's captures are not differentiable.
+        return (dq, dk, dv, None, *buffer_grads) + (None,) * len(mask_bufs)
+
+
+class _Call:
+    """One forward launch's non-tensor inputs (kept by autograd for the backward)."""
+
+    __slots__ = ("plan", "key", "score", "mask", "n_score", "tables", "scale", "options")
+
+    def __init__(self, plan, key, score, mask, n_score, tables, scale, options):
+        self.plan, self.key, self.score, self.mask = plan, key, score, mask
+        self.n_score, self.tables, self.scale, self.options = n_score, tables, scale, options
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry point
+
+def _meta(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device
+
+
+def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, want_max,
+           decoding: bool | None, kv_lengths=None, mask_override=None):
+    """The call path shared by `flex_attention` and `flexattn.decode.decode_attention`:
+    ``(out, lse, max_scores or None)``. ``decoding``: None picks by the query length."""
+    options = opts.check(kernel_options)
+    if torch.compiler.is_compiling():
+        return _attend_compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, options, want_max,
+                                decoding, kv_lengths, mask_override)
+    try:
+        device, dtype = query.device, query.dtype
+        q_meta, k_meta, v_meta = _meta(query), _meta(key), _meta(value)
+    except AttributeError:
+        check_inputs(query, key, value, enable_gqa)
+        raise
+    stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    score, score_bufs = resolve_score_mod(score_mod, stat_dtype, device)
+    tables = None if block_mask is None else tables_of(block_mask)
+    if mask_override is not None:
+        mask, mask_bufs = mask_override
+    elif block_mask is not None:
+        mask, mask_bufs = resolve_mask_mod(block_mask, device)
+    else:
+        mask, mask_bufs = noop_mask_mod(), ()
+    if scale is None:
+        scale = 1.0 / math.sqrt(q_meta[0][-1]) if q_meta[0][-1] > 0 else 1.0
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {scale!r}")
+    need_grad = torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad or any(t.requires_grad for t in score_bufs))
+    backend = options.get("BACKEND", "AUTO")
+    if decoding is None:
+        decoding = backend == "TRITON_DECODE" or (
+            backend == "AUTO" and not options.get("FORCE_USE_FLEX_ATTENTION", False) and not need_grad
+            and not want_max and q_meta[0][2] < dec.Q_THRESHOLD and dtype in dec.SUPPORTED_DTYPES)
+    if decoding and (need_grad or want_max):
+        raise ValueError("the decoding kernel (kernel_options BACKEND='TRITON_DECODE') computes no gradients "
+                         "and no max_scores; use BACKEND='AUTO'")
+    buf_devices = tuple(t.device for t in score_bufs) + tuple(t.device for t in mask_bufs)
+    plan_key = (decoding, q_meta, k_meta, v_meta, score.key(), mask.key(), buf_devices,
+                None if tables is None else tables.sig, enable_gqa, tuple(options.items()), want_max,
+                None if kv_lengths is None else _meta(kv_lengths),
+                device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
+    scale = float(scale)
+    if decoding:
+        plan = plans.decode_plan(plan_key, query, key, value, score, score_bufs, mask, mask_bufs, tables,
+                                 enable_gqa, options, kv_lengths)
+        score_k, mask_k = plans.decode_mods(score, mask)
+        out, lse = dec.run(plan, query, key, value, score_k, score_bufs, mask_k, mask_bufs, tables, scale, kv_lengths)
+        return out, lse, None
+    plan = plans.forward_plan(plan_key, query, key, value, score, score_bufs, mask, mask_bufs, tables, enable_gqa,
+                              options, want_max)
+    if not need_grad:
+        return fwd.run(plan, query, key, value, score, score_bufs, mask, mask_bufs, tables, scale)
+    # A score mod the backward cannot differentiate fails here, before any work, not later.
+    bwd.score_mod_grad(score)
+    call = _Call(plan, plan_key, score, mask, len(score_bufs), tables, scale, options)
+    res = FlexAttentionFunction.apply(query, key, value, call, *score_bufs, *mask_bufs)
+    return (res[0], res[1], res[2] if want_max else None)
+
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Under torch.compile: the same call as custom ops (flexattn.ops), mods captured for Dynamo
+
+
+def _compiled_mask(block_mask, mask_override) -> tuple[str, list[torch.Tensor]]:
+    if mask_override is not None:
+        return mask_override[0].key(), list(mask_override[1])
+    if block_mask is None:
+        return noop_mask_mod().key(), []
+    compiled = getattr(block_mask, "_flexattn_compiled_mask", None)  # made by create_block_mask in-graph
+    if compiled is not None:
+        return compiled
+    mod = getattr(block_mask, "_mod", None)
+    if isinstance(mod, Mod):
+        return mod.key(), list(mod.buffers)
+    fn = getattr(block_mask, "mask_mod", None)
+    if fn is None:
+        return noop_mask_mod().key(), []
+    from flexattn.block_mask import is_noop_mask
+
+    if is_noop_mask(fn):
+        return noop_mask_mod().key(), []
+    return capture.capture(fn, MASK, torch.float32)
+
+
+def _compiled_tables(block_mask) -> tuple[tuple, list[torch.Tensor]]:
+    if block_mask is None:
+        return (), []
+    size = block_mask.BLOCK_SIZE
+    q_block, kv_block = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+    seq = getattr(block_mask, "seq_lengths", None)
+    seq = None if seq is None else (int(seq[0]), int(seq[1]))
+    has_full = block_mask.full_kv_num_blocks is not None
+    has_q = getattr(block_mask, "q_num_blocks", None) is not None
+    names = ["kv_num_blocks", "kv_indices"] + (["full_kv_num_blocks", "full_kv_indices"] if has_full else [])
+    if has_q:
+        names += ["q_num_blocks", "q_indices"] + (["full_q_num_blocks", "full_q_indices"] if has_full else [])
+    tensors = []
+    for n in names:
+        t = getattr(block_mask, n).to(torch.int32)
+        tensors.append(t if t.stride(-1) == 1 else t.contiguous())
+    return (q_block, kv_block, seq, has_full, has_q), tensors
+
+
+def _attend_compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, options, want_max, decoding,
+                     kv_lengths, mask_override):
+    from flexattn import ops
+
+    stat_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    if score_mod is None:
+        score_key, score_bufs = identity_score_mod(stat_dtype).key(), []
+    else:
+        score_key, score_bufs = capture.capture(score_mod, SCORE, stat_dtype)
+    mask_key, mask_bufs = _compiled_mask(block_mask, mask_override)
+    block, tables = _compiled_tables(block_mask)
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    need_grad = torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad or any(t.requires_grad for t in score_bufs))
+    backend = options.get("BACKEND", "AUTO")
+    if decoding is None:
+        decoding = backend == "TRITON_DECODE" or (
+            backend == "AUTO" and not options.get("FORCE_USE_FLEX_ATTENTION", False) and not need_grad
+            and not want_max and query.shape[2] < dec.Q_THRESHOLD and query.dtype in dec.SUPPORTED_DTYPES)
+    spec = ops.spec(score_key, mask_key, block, bool(enable_gqa), tuple(sorted(options.items())), bool(want_max))
+    if decoding:
+        out, lse = torch.ops.flexattn.decode(query, key, value, score_bufs, mask_bufs, tables, kv_lengths, spec,
+                                             float(scale))
+        return out, lse, None
+    out, lse, mx = torch.ops.flexattn.forward(query, key, value, score_bufs, mask_bufs, tables, spec, float(scale))
+    return out, lse, (mx if want_max else None)

@@ -1,0 +1,179 @@
+"""The backward kernels (templates/backward.py): dQ, dK, dV and gradients of captured tensors.
+
+Three launches per call: a preprocess (Delta = rowsum(dO * O) - dLSE), a dK/dV pass over the
+transposed block lists (one program per KV tile; GQA heads of a group summed in-program), and a
+dQ pass over the forward's lists that also scatters captured-tensor gradients (atomic adds into
+float32/float64 buffers). d(score_mod)/d(score) comes from the IR (`flexattn.autodiff`). K/V with
+batch 1 broadcast over the query's batch get per-batch gradients summed on the host; fully
+masked rows (LSE = -inf) contribute exactly zero.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+
+from flexattn import autodiff
+from flexattn.codegen import emit
+from flexattn.kernels import launch, options as opts
+from flexattn.kernels.launch import LARGE_BLOCK, fit_tile, pow2_at_least
+from flexattn.kernels.tables import Direction, Tables, check_block_size, dense, q_direction
+from flexattn.mods import Mod
+
+
+@functools.lru_cache(maxsize=None)
+def score_mod_grad(score_mod: Mod) -> autodiff.ScoreModGrad:
+    """The symbolic derivative of ``score_mod`` (raises `autodiff.NotDifferentiableError` early)."""
+    autodiff.check_differentiable(score_mod.ir, f"score_mod '{score_mod.name}'")
+    return autodiff.differentiate(score_mod.ir)
+
+
+def module(score: Mod, mask: Mod, grad_buffers: tuple[int, ...], target: str):
+    def hooks():
+        d = score_mod_grad(score)
+        scatters = [(g.load, g.grad) for g in d.loads if g.buffer.index in grad_buffers]
+        score_src = score.emit(target, "score_mod")
+        mask_src = mask.emit(target, "mask_mod")
+        grad_src = emit.emit_score_grad(d.score, scatters, "score_mod_grad", target, q_axis=0)
+        dscore_src = emit.emit_score_grad(d.score, (), "score_mod_dscore", target, q_axis=1)
+        grads = {g.buffer.index: g.buffer for g in d.loads if g.buffer.index in grad_buffers}
+        grad_params = "".join(f"score_G{i}, " + "".join(f"score_G{i}_s{k}, " for k in range(grads[i].ndim))
+                              for i in sorted(grads))
+        return {
+            "score_mod_def": score_src.source, "mask_mod_def": mask_src.source,
+            "score_grad_def": grad_src.source, "score_dscore_def": dscore_src.source,
+            "score_mod_params": score_src.param_list("score_"), "mask_mod_params": mask_src.param_list("mask_"),
+            "grad_params": grad_params, "score_grad_args": grad_src.param_list("score_"),
+            "score_dscore_args": dscore_src.param_list("score_"),
+        }
+
+    return launch.kernel_module(
+        "backward", (score.key(), mask.key(), grad_buffers), target, hooks,
+        lambda: {f"score_mod {score.name}": score.source, f"mask_mod {mask.name}": mask.source})
+
+
+@dataclass(frozen=True)
+class Plan:
+    module: Any
+    grad_buffers: tuple[int, ...]   # captured tensors (by index) that get gradients
+    acc: torch.dtype
+    dk_dtype: torch.dtype
+    kv_batched: bool
+    pre: tuple                      # preprocess grid and constexprs
+    dkdv: tuple                     # (grid, constexprs)
+    dq: tuple
+    dense: tuple[Direction, Direction] | None  # (q lists, kv lists) without a block mask
+    strides: tuple                  # Q, K, V strides (K/V batch-broadcast)
+    sizes: tuple                    # Hq, Hkv, Q_LEN, KV_LEN
+
+
+def make_plan(query, key, value, out, grad_out, score: Mod, mask: Mod, tables: Tables | None,
+              explicit: dict, buffers_need_grad: tuple[bool, ...], score_bufs) -> Plan:
+    B, Hq, Q_LEN, E = query.shape
+    Bkv, Hkv, KV_LEN, Ev = value.shape
+    device, dtype = query.device, query.dtype
+    target = launch.target_for(device)
+    acc = launch.acc_dtype(dtype)
+    o = {**opts.backward_defaults(device, dtype, E, Ev), **explicit}
+    d = score_mod_grad(score)
+    want = {i for i, w in enumerate(buffers_need_grad) if w and score_bufs[i].dtype.is_floating_point}
+    grad_buffers = tuple(sorted(want & {g.buffer.index for g in d.loads}))
+
+    if tables is None:
+        m1, n1 = fit_tile(o["BLOCK_M1"], Q_LEN, None), fit_tile(o["BLOCK_N1"], KV_LEN, None)
+        m2, n2 = fit_tile(o["BLOCK_M2"], Q_LEN, None), fit_tile(o["BLOCK_N2"], KV_LEN, None)
+        # dK/dV walks query tiles of BLOCK_M1 in one long KV block; dQ walks KV tiles of BLOCK_N2.
+        dense_lists = (dense(device, triton.cdiv(Q_LEN, m1)), dense(device, triton.cdiv(KV_LEN, n2)))
+        sq1, skv1, sq2, skv2 = m1, LARGE_BLOCK, LARGE_BLOCK, n2
+        contiguous_q = contiguous_kv = True  # the dense lists are 0, 1, 2, ...
+        divisible1 = Q_LEN % m1 == 0 and KV_LEN % n1 == 0
+        divisible2 = Q_LEN % m2 == 0 and KV_LEN % n2 == 0
+        has_full_q = has_full_kv = True
+    else:
+        sq, skv = tables.q_block, tables.kv_block
+        check_block_size("Q", sq, (sq, skv))
+        m1, n1 = fit_tile(o["BLOCK_M1"], Q_LEN, sq), fit_tile(o["BLOCK_N1"], KV_LEN, skv)
+        m2, n2 = fit_tile(o["BLOCK_M2"], Q_LEN, sq), fit_tile(o["BLOCK_N2"], KV_LEN, skv)
+        dense_lists = None
+        sq1 = sq2 = sq
+        skv1 = skv2 = skv
+        # The user's promise is about each query block's KV blocks (the dQ pass's lists). It says
+        # nothing about the transposed lists the dK/dV pass walks: those are never assumed.
+        contiguous_kv, contiguous_q = bool(o.get("BLOCKS_ARE_CONTIGUOUS", False)), False
+        divisible1 = divisible2 = Q_LEN % sq == 0 and KV_LEN % skv == 0
+        has_full_q = has_full_kv = tables.kv.has_full
+    e_round, ev_round = pow2_at_least(E), pow2_at_least(Ev)
+    kv_batched = Bkv == B
+    common = dict(
+        QK_HEAD_DIM=E, QK_HEAD_DIM_ROUNDED=e_round, V_HEAD_DIM=Ev, V_HEAD_DIM_ROUNDED=ev_round,
+        SAFE_HEAD_DIM=E == e_round and Ev == ev_round, GQA_SHARED_HEADS=Hq // Hkv,
+        OFFS_INT64=launch.needs_int64_offsets(query, key, value, out, grad_out)
+        or B * Hkv * KV_LEN * max(E, Ev) >= launch.INT32_OFFSET_LIMIT,
+        ACC_DTYPE=launch.ACC_TL_DTYPE[acc], SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype,
+                                                                                launch.ACC_TL_DTYPE[acc]),
+        DOT_PRECISION=launch.dot_precision(device, dtype),
+        DOT_IN_FP32=device.type == "cpu" and dtype == torch.bfloat16,
+    )
+    if device.type == "cuda":
+        common.update(num_warps=o["bwd_num_warps"], num_stages=o["bwd_num_stages"])
+    pre_m = min(64, pow2_at_least(Q_LEN))
+    pre = ((triton.cdiv(Q_LEN, pre_m), B * Hq),
+           dict(BLOCK_M=pre_m, V_HEAD_DIM=Ev, V_HEAD_DIM_ROUNDED=ev_round, ACC_DTYPE=launch.ACC_TL_DTYPE[acc]))
+    dkdv = ((triton.cdiv(KV_LEN, n1), B * Hkv),
+            dict(common, BLOCK_M1=m1, BLOCK_N1=n1, SPARSE_Q_BLOCK_SIZE=sq1, SPARSE_KV_BLOCK_SIZE=skv1,
+                 HAS_FULL_BLOCKS=has_full_q, IS_DIVISIBLE=divisible1, BLOCKS_ARE_CONTIGUOUS=contiguous_q))
+    dq = ((triton.cdiv(Q_LEN, m2), B * Hq),
+          dict(common, BLOCK_M2=m2, BLOCK_N2=n2, SPARSE_Q_BLOCK_SIZE=sq2, SPARSE_KV_BLOCK_SIZE=skv2,
+               HAS_FULL_BLOCKS=has_full_kv, IS_DIVISIBLE=divisible2, BLOCKS_ARE_CONTIGUOUS=contiguous_kv))
+    strides = (*query.stride(), *launch.broadcast_strides(key, not kv_batched),
+               *launch.broadcast_strides(value, not kv_batched))
+    return Plan(module(score, mask, grad_buffers, target), grad_buffers, acc,
+                key.dtype if kv_batched else acc, kv_batched, pre, dkdv, dq, dense_lists, strides,
+                (Hq, Hkv, Q_LEN, KV_LEN))
+
+
+def run(plan: Plan, query, key, value, out, lse, grad_out, grad_lse, score: Mod, score_bufs, mask: Mod,
+        mask_bufs, tables: Tables | None, scale: float):
+    """``(dq, dk, dv, {buffer index: grad})`` for the captured tensors in ``plan.grad_buffers``."""
+    B, Hq, Q_LEN, E = query.shape
+    Hkv, KV_LEN, Ev = value.shape[1], value.shape[2], value.shape[3]
+    device = query.device
+    grad_bufs = {i: torch.zeros(score_bufs[i].shape, dtype=plan.acc, device=device) for i in plan.grad_buffers}
+    dq = launch.empty(query.shape, query.dtype, device, launch.stride_order(query))
+    dk = launch.empty((B, Hkv, KV_LEN, E), plan.dk_dtype, device)
+    dv = launch.empty((B, Hkv, KV_LEN, Ev), plan.dk_dtype, device)
+    if query.numel() == 0 or key.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_(), grad_bufs
+    if plan.dense is not None:
+        q_lists, kv_lists = plan.dense
+    else:
+        q_lists, kv_lists = q_direction(tables, KV_LEN), tables.kv
+    mod = plan.module
+
+    delta = launch.empty((B, Hq, Q_LEN), plan.acc, device)
+    dlse = grad_lse if grad_lse is not None else lse
+    grid, c = plan.pre
+    mod.backward_preprocess[grid](
+        out, grad_out, dlse, delta, *out.stride(), *grad_out.stride(), *dlse.stride(), Hq, Q_LEN,
+        HAS_GRAD_LSE=grad_lse is not None, **c)
+
+    mod_args = [*launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs)]
+    grid, c = plan.dkdv
+    mod.backward_dkdv[grid](
+        query, key, value, grad_out, lse, delta, dk, dv, *q_lists.args(), *mod_args,
+        *plan.strides, *grad_out.stride(), *lse.stride(), *dk.stride(), *dv.stride(),
+        *q_lists.strides(), *plan.sizes, scale, **c)
+    grid, c = plan.dq
+    mod.backward_dq[grid](
+        query, key, value, grad_out, lse, delta, dq, *kv_lists.args(), *mod_args,
+        *emit.grad_launch_args(None, grad_bufs),
+        *plan.strides, *grad_out.stride(), *lse.stride(), *dq.stride(),
+        *kv_lists.strides(), Hq, Q_LEN, KV_LEN, scale, **c)
+    if not plan.kv_batched:  # K/V broadcast over the batch: their gradient sums over it
+        dk = dk.sum(0, keepdim=True).to(key.dtype)
+        dv = dv.sum(0, keepdim=True).to(value.dtype)
+    return dq, dk, dv, grad_bufs

@@ -1,0 +1,125 @@
+"""The block-sparse forward kernel (templates/forward.py): plan once, launch per call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+
+from flexattn.kernels import launch, options as opts
+from flexattn.kernels.launch import LARGE_BLOCK, fit_tile, pow2_at_least
+from flexattn.kernels.tables import Direction, Tables, check_block_size, dense
+from flexattn.mods import Mod
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything about one forward launch that does not change between calls."""
+
+    kernel: Any
+    grid: tuple[int, int]
+    out_shape: tuple[int, ...]
+    stat_shape: tuple[int, int, int]
+    out_order: tuple[int, ...]
+    stat_dtype: torch.dtype
+    strides: tuple  # Q, K (batch-broadcast), V, Out strides
+    dense_rows: Direction | None  # the block lists to read without a block mask
+    sizes: tuple  # HQ, Q_LEN, KV_LEN
+    constexprs: dict
+    tiles: tuple[int, int]
+
+
+def module(score: Mod, mask: Mod, target: str):
+    def hooks():
+        score_def, score_params = launch.mod_hooks(score, target, "score_mod", "score_")
+        mask_def, mask_params = launch.mod_hooks(mask, target, "mask_mod", "mask_")
+        return {"score_mod_def": score_def, "mask_mod_def": mask_def,
+                "score_mod_params": score_params, "mask_mod_params": mask_params}
+
+    return launch.kernel_module(
+        "forward", (score.key(), mask.key()), target, hooks,
+        lambda: {f"score_mod {score.name}": score.source, f"mask_mod {mask.name}": mask.source})
+
+
+def _tile(option: str, options: dict, explicit: dict, sparse: int | None, length: int) -> int:
+    """A tile size: the user's (checked against the sparse block), or the default shrunk to fit."""
+    if option in explicit:
+        t = explicit[option]
+        if sparse is not None and sparse % t != 0:
+            raise ValueError(f"kernel_options[{option!r}]={t} must divide the block mask's block size {sparse}")
+        return t
+    return fit_tile(options[option], length, sparse)
+
+
+def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score: Mod, mask: Mod,
+              tables: Tables | None, explicit: dict, want_max: bool) -> Plan:
+    B, Hq, Q_LEN, E = query.shape
+    Bkv, Hkv, KV_LEN, Ev = value.shape
+    device, dtype = query.device, query.dtype
+    options = {**opts.forward_defaults(device, dtype, E, Ev), **explicit}
+    if tables is not None:  # the forward's query tiles are >= 16 rows too (decoding packs rows instead)
+        check_block_size("Q", tables.q_block, (tables.q_block, tables.kv_block))
+    sparse_q = tables.q_block if tables is not None else None
+    sparse_kv = tables.kv_block if tables is not None else None
+    block_m = _tile("BLOCK_M", options, explicit, sparse_q, Q_LEN)
+    block_n = _tile("BLOCK_N", options, explicit, sparse_kv, KV_LEN)
+    dense_rows = None
+    if tables is None:
+        sparse_q, sparse_kv = LARGE_BLOCK, block_n
+        dense_rows = dense(device, triton.cdiv(KV_LEN, block_n))
+    e_round, ev_round = pow2_at_least(E), pow2_at_least(Ev)
+    acc = launch.acc_dtype(dtype)
+    out_shape = (B, Hq, Q_LEN, Ev)
+    constexprs = dict(
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        SPARSE_Q_BLOCK_SIZE=sparse_q, SPARSE_KV_BLOCK_SIZE=sparse_kv,
+        QK_HEAD_DIM=E, QK_HEAD_DIM_ROUNDED=e_round, V_HEAD_DIM=Ev, V_HEAD_DIM_ROUNDED=ev_round,
+        SAFE_HEAD_DIM=E == e_round and Ev == ev_round,
+        # KV tiles run to the end of their sparse block, so KV_LEN must fill whole sparse blocks.
+        IS_DIVISIBLE=Q_LEN % block_m == 0 and KV_LEN % sparse_kv == 0,
+        GQA_SHARED_HEADS=Hq // Hkv,
+        HAS_FULL_BLOCKS=tables is None or tables.kv.has_full,
+        PRESCALE_QK=options["PRESCALE_QK"],
+        ROWS_GUARANTEED_SAFE=options["ROWS_GUARANTEED_SAFE"],
+        # Without a block mask the full blocks are consecutive by construction.
+        BLOCKS_ARE_CONTIGUOUS=options["BLOCKS_ARE_CONTIGUOUS"] or tables is None,
+        OFFS_INT64=launch.needs_int64_offsets(query, key, value) or
+        (B * Hq * Q_LEN * Ev >= launch.INT32_OFFSET_LIMIT),
+        OUTPUT_MAX=want_max,
+        ACC_DTYPE=launch.ACC_TL_DTYPE[acc],
+        SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[acc]),
+        DOT_PRECISION=launch.dot_precision(device, dtype),
+        DOT_IN_FP32=device.type == "cpu" and dtype == torch.bfloat16,
+    )
+    if device.type == "cuda":
+        constexprs.update(num_warps=options["num_warps"], num_stages=options["num_stages"])
+    kv_b = Bkv == 1 and B > 1
+    strides = (*query.stride(), *launch.broadcast_strides(key, kv_b), *launch.broadcast_strides(value, kv_b))
+    return Plan(
+        kernel=module(score, mask, launch.target_for(device)).flex_attention_forward,
+        grid=(triton.cdiv(Q_LEN, block_m), B * Hq), out_shape=out_shape, stat_shape=(B, Hq, Q_LEN),
+        out_order=launch.stride_order(query), stat_dtype=acc, strides=strides, dense_rows=dense_rows,
+        sizes=(Hq, Q_LEN, KV_LEN), constexprs=constexprs, tiles=(block_m, block_n),
+    )
+
+
+def run(plan: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score: Mod, score_bufs,
+        mask: Mod, mask_bufs, tables: Tables | None, scale: float):
+    """Launch: returns (out, lse, max_scores) with lse and max_scores in natural-log units
+    (max_scores is None unless the plan writes it)."""
+    device = query.device
+    out = launch.empty(plan.out_shape, query.dtype, device, plan.out_order)
+    lse = launch.empty(plan.stat_shape, plan.stat_dtype, device)
+    mx = launch.empty(plan.stat_shape, plan.stat_dtype, device) if plan.constexprs["OUTPUT_MAX"] else None
+    if out.numel() == 0:
+        return out, lse, mx
+    rows = plan.dense_rows if tables is None else tables.kv
+    plan.kernel[plan.grid](
+        query, key, value, out, lse, lse if mx is None else mx, *rows.args(),
+        *launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs),
+        *plan.strides, *out.stride(), lse.stride(0), lse.stride(1), *rows.strides(),
+        *plan.sizes, scale, **plan.constexprs,
+    )
+    return out, lse, mx

@@ -1,0 +1,155 @@
+"""The one launch layer: what every kernel family (forward, backward, decoding, block masks)
+needs on the host, written once.
+
+A kernel family splits its host work in two. Once per *plan key* (mods' structural keys, shapes,
+dtypes, stride pattern, block-mask layout, options) it validates, picks tiles and constexprs,
+renders/loads the generated module and precomputes every launch argument that does not change
+between calls; that is the family's ``Plan``, memoised in a `PlanCache`. Once per *call* it
+allocates outputs with `empty`, binds the tensors of the call, and launches. Nothing on the
+per-call half reads tensor values on the host (no ``.item()``, ``.cpu()``, ``.tolist()``), so calls
+can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Hashable
+
+import torch
+import triton
+import triton.language as tl
+
+from flexattn.codegen import emit
+from flexattn.codegen.render import load_kernel_module, template_text
+
+LARGE_BLOCK = 1 << 30  # a sparse block size meaning "one block covers the whole sequence" (no block mask)
+INT32_OFFSET_LIMIT = 2**31  # tensors reaching this element offset get 64-bit tile offsets
+ACC_TL_DTYPE = {torch.float32: tl.float32, torch.float64: tl.float64}  # accumulator dtypes
+
+
+def target_for(device: torch.device) -> str:
+    """Codegen target for tensors on ``device``: CPU tensors run through Triton's interpreter."""
+    return "interpret" if device.type == "cpu" else "cuda"
+
+
+def pow2_at_least(n: int, floor: int = 16) -> int:
+    """The next power of two >= ``n`` and >= ``floor`` (tl.arange / tl.dot shapes)."""
+    return max(floor, triton.next_power_of_2(n))
+
+
+def fit_tile(tile: int, length: int, sparse: int | None) -> int:
+    """``tile`` shrunk to the sequence (rounded up to a power of two) and to divide ``sparse``."""
+    t = min(tile, pow2_at_least(length))
+    if sparse is not None:
+        t = min(t, sparse & -sparse)  # the largest power of two dividing the sparse block
+    return t
+
+
+def max_offset(t: torch.Tensor) -> int:
+    """The largest element offset ``t`` reaches from its data pointer (decides 64-bit offsets)."""
+    return sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()) if s > 0)
+
+
+def needs_int64_offsets(*tensors: torch.Tensor) -> bool:
+    return max(max_offset(t) for t in tensors) >= INT32_OFFSET_LIMIT
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulator / statistics dtype: float64 for float64 inputs (gradcheck), else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def dot_precision(device: torch.device, dtype: torch.dtype) -> str:
+    return "tf32" if dtype == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32 \
+        else "ieee"
+
+
+def broadcast_strides(t: torch.Tensor, batch_broadcast: bool) -> list[int]:
+    """``t``'s strides, with the batch stride 0 when it broadcasts over the query's batch."""
+    s = list(t.stride())
+    if batch_broadcast:
+        s[0] = 0
+    return s
+
+
+def table_strides(t: torch.Tensor) -> list[int]:
+    """[b, h, row] strides of a block-mask table; 0 where the mask broadcasts over B or H."""
+    return [t.stride(0) if t.shape[0] > 1 else 0, t.stride(1) if t.shape[1] > 1 else 0, t.stride(2)]
+
+
+def stride_order(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s dimensions from outermost to innermost (outputs follow the query's layout). Equal
+    strides only happen next to a size-1 dimension, whose stride means nothing: it goes inside, so
+    that an output of the query's shape gets the query's strides (as ``torch.empty_like``)."""
+    return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), t.shape[d] == 1, d)))
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+          order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Every output and scratch buffer the kernels write in full comes from here (tests fill it
+    with NaN to prove that nothing is left unwritten). ``order``: dims outermost first."""
+    if order is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.empty_permuted(shape, order, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # the interpreter runs programs one by one; a couple of splits keeps tests honest
+
+
+# ---------------------------------------------------------------------------------------------
+# Generated modules and plans
+
+
+_MODULES: dict[Hashable, Any] = {}
+
+
+def mod_hooks(mod, target: str, name: str, prefix: str) -> tuple[str, str]:
+    """(definition, parameter list) of a mod inlined into a template."""
+    src = mod.emit(target, name)
+    return src.source, src.param_list(prefix)
+
+
+def kernel_module(template: str, key: Hashable, target: str, hooks: Callable[[], dict[str, str]],
+                  provenance: Callable[[], dict[str, str]]) -> Any:
+    """The generated module of ``template`` for ``key`` (mod keys plus anything else that changes
+    the source), rendered once per process and target and cached on disk."""
+    full_key = (template, key, target)
+    module = _MODULES.get(full_key)
+    if module is None:
+        h = hooks()
+        if "prelude" not in h:
+            h["prelude"] = emit.prelude(target)
+        if "tile_helpers" not in h and "$tile_helpers" in template_text(template):
+            h["tile_helpers"] = template_text("tiles")
+        module = load_kernel_module(template, h, provenance(), interpret=target == "interpret")
+        _MODULES[full_key] = module
+    return module
+
+
+class PlanCache:
+    """A bounded dict of plans: a miss calls ``make`` (validation, tiles, constexprs, module)."""
+
+    def __init__(self, limit: int = 4096):
+        self.plans: dict[Hashable, Any] = {}
+        self.limit = limit
+
+    def get(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = make()
+            if len(self.plans) >= self.limit:
+                self.plans.clear()
+            self.plans[key] = plan
+        return plan
+
+    def __len__(self) -> int:
+        return len(self.plans)
+
+
+def buffer_args(mod, buffers) -> list:
+    """Kernel arguments (pointer, strides, sizes) for the tensors ``mod`` captured in this call."""
+    return emit.launch_args(mod.buffer_specs, buffers) if buffers else []

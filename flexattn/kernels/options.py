@@ -1,0 +1,208 @@
+"""Every kernel knob in one table: names, meaning, validation and defaults.
+
+``kernel_options`` (flex_attention's argument) is checked here once per distinct dict content
+(`check`); the kernel families read their defaults from `forward_defaults`, `backward_defaults`
+and `decode_defaults`, which are the tuning surface (change defaults here and nowhere else).
+
+torch 2.13's keys are accepted with the same meaning where flexattn has the knob (``fwd_BLOCK_M``
+is ``BLOCK_M``, ``bwd_BLOCK_M1`` is ``BLOCK_M1``, ``BACKEND="TRITON"`` forces the block-sparse
+kernel, ...); the ones flexattn has no use for are refused with an error that says what to use.
+
+>>> check({"BLOCK_M": 64, "fwd_num_warps": 4})
+{'BLOCK_M': 64, 'num_warps': 4}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+POW2_TILES = (16, 32, 64, 128, 256)
+
+# name -> (family, kind, meaning). kind: "tile" (power of two 16..256), "warps", "stages", "bool",
+# "int" (>= 1, with an upper bound in _BOUNDS), "number" (> 0, bounded) or "str" (one of _CHOICES).
+OPTIONS: dict[str, tuple[str, str, str]] = {
+    # forward (block-sparse) kernel
+    "BLOCK_M": ("forward", "tile", "query rows per program (divides the block mask's Q block size)"),
+    "BLOCK_N": ("forward", "tile", "KV columns per inner step (divides the block mask's KV block size); "
+                                   "also the decoding kernel's KV step"),
+    "num_warps": ("forward", "warps", "warps per program (forward and decoding)"),
+    "num_stages": ("forward", "stages", "software-pipelining stages of the KV loop (forward and decoding)"),
+    "PRESCALE_QK": ("forward", "bool", "scale q once per tile instead of every score tile (slightly less accurate)"),
+    "ROWS_GUARANTEED_SAFE": ("forward", "bool", "promise that no query row is fully masked (skips the -inf guard)"),
+    "BLOCKS_ARE_CONTIGUOUS": ("forward", "bool", "promise that each query block's KV blocks are consecutive"),
+    "FORCE_USE_FLEX_ATTENTION": ("forward", "bool", "always use the block-sparse kernel, never the decoding kernel"),
+    # backward
+    "BLOCK_M1": ("backward", "tile", "dK/dV pass: query rows per step"),
+    "BLOCK_N1": ("backward", "tile", "dK/dV pass: KV rows per program"),
+    "BLOCK_M2": ("backward", "tile", "dQ pass: query rows per program"),
+    "BLOCK_N2": ("backward", "tile", "dQ pass: KV columns per step"),
+    "bwd_num_warps": ("backward", "warps", "backward: warps per program"),
+    "bwd_num_stages": ("backward", "stages", "backward: software-pipelining stages"),
+    # decoding (split-KV) kernel, used for short queries without gradients
+    "SPLIT_KV": ("decode", "int", "programs per row tile along KV (default: from the SM count)"),
+    "PROGRAMS_PER_SM": ("decode", "number", "SPLIT_KV target: programs >= this x SMs"),
+    "MIN_TILES_PER_SPLIT": ("decode", "int", "never split so finely that a program walks fewer KV tiles"),
+    "INPUT_PRECISION": ("decode", "str", "tl.dot precision for float32 inputs: 'ieee' or 'tf32'"),
+    "BACKEND": ("forward", "str", "torch's kernel choice: 'AUTO', 'TRITON' (block-sparse kernel), "
+                                  "'TRITON_DECODE' (decoding kernel)"),
+}
+_BOUNDS = {"SPLIT_KV": 1024, "PROGRAMS_PER_SM": 64, "MIN_TILES_PER_SPLIT": 1 << 20}
+_CHOICES = {"INPUT_PRECISION": ("ieee", "tf32"), "BACKEND": ("AUTO", "TRITON", "TRITON_DECODE")}
+
+# torch's spellings of flexattn's knobs.
+_ALIASES = {
+    "fwd_BLOCK_M": "BLOCK_M", "fwd_BLOCK_N": "BLOCK_N", "fwd_num_warps": "num_warps",
+    "fwd_num_stages": "num_stages", "bwd_BLOCK_M1": "BLOCK_M1", "bwd_BLOCK_N1": "BLOCK_N1",
+    "bwd_BLOCK_M2": "BLOCK_M2", "bwd_BLOCK_N2": "BLOCK_N2",
+}
+# torch keys flexattn refuses, with what to do instead.
+_REFUSED = {
+    "WRITE_DQ": "flexattn always accumulates captured-tensor gradients in the dQ pass; remove the key",
+    "USE_TMA": "flexattn chooses its memory path itself; remove the key",
+    "kpack": "a ROCm knob; flexattn's kernels target NVIDIA GPUs (and the CPU interpreter)",
+    "matrix_instr_nonkdim": "a ROCm knob; flexattn's kernels target NVIDIA GPUs (and the CPU interpreter)",
+    "waves_per_eu": "a ROCm knob; flexattn's kernels target NVIDIA GPUs (and the CPU interpreter)",
+    "OUTPUT_LOGSUMEXP": "an internal torch key; ask for the LSE with return_aux=AuxRequest(lse=True)",
+    "OUTPUT_MAX": "an internal torch key; ask for it with return_aux=AuxRequest(max_scores=True)",
+}
+
+_CHECKED: dict[tuple, dict[str, Any]] = {}
+
+
+def _value_error(key: str, value: Any, kind: str) -> str | None:
+    if kind == "bool":
+        return None if isinstance(value, bool) else "a bool"
+    if kind == "str":
+        return None if value in _CHOICES[key] else f"one of {list(_CHOICES[key])}"
+    if kind == "number":
+        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value <= _BOUNDS[key]
+        return None if ok else f"a number in (0, {_BOUNDS[key]}]"
+    if isinstance(value, bool) or not isinstance(value, int):
+        return "an int"
+    if kind == "tile":
+        return None if value in POW2_TILES else "a power of two in 16..256"
+    if kind == "warps":
+        return None if value in (1, 2, 4, 8, 16) else "1, 2, 4, 8 or 16"
+    if kind == "stages":
+        return None if 1 <= value <= 8 else "an int in 1..8"
+    bound = _BOUNDS[key]
+    return None if 1 <= value <= bound else f"an int in 1..{bound}"
+
+
+def check(kernel_options: dict | None) -> dict[str, Any]:
+    """Validated options with torch's aliases resolved; memoised by content (a repeated call with
+    the same options costs a tuple and a dict lookup)."""
+    if not kernel_options:
+        if kernel_options is None or isinstance(kernel_options, dict):
+            return {}
+    if not isinstance(kernel_options, dict):
+        raise TypeError(f"kernel_options must be a dict or None, got {type(kernel_options).__name__}")
+    try:
+        memo_key = tuple(kernel_options.items())
+        hit = _CHECKED.get(memo_key)
+    except TypeError:  # an unhashable value: validate (and fail) below
+        memo_key, hit = None, None
+    if hit is not None:
+        return hit
+    out: dict[str, Any] = {}
+    for key, value in kernel_options.items():
+        name = _ALIASES.get(key, key)
+        if key in _REFUSED:
+            raise ValueError(f"kernel_options[{key!r}] is not supported by flexattn: {_REFUSED[key]}")
+        if name not in OPTIONS:
+            valid = "\n".join(f"  {k} ({fam}): {doc}" for k, (fam, _, doc) in OPTIONS.items())
+            raise ValueError(f"kernel_options has an unknown key {key!r}; valid keys are:\n{valid}\n"
+                             f"  and torch's aliases {sorted(_ALIASES)}")
+        wanted = _value_error(name, value, OPTIONS[name][1])
+        if wanted is not None:
+            raise (TypeError if wanted in ("a bool", "an int") else ValueError)(
+                f"kernel_options[{key!r}] must be {wanted}, got {value!r}")
+        if name in out and out[name] != value:
+            raise ValueError(f"kernel_options sets {name!r} twice with different values (through {key!r})")
+        out[name] = value
+    if out.get("BACKEND") not in (None, "AUTO") and "FORCE_USE_FLEX_ATTENTION" in out:
+        raise ValueError("kernel_options: BACKEND cannot be combined with FORCE_USE_FLEX_ATTENTION")
+    if memo_key is not None:
+        if len(_CHECKED) > 1024:
+            _CHECKED.clear()
+        _CHECKED[memo_key] = out
+    return out
+
+
+def options_key(options: dict[str, Any]) -> tuple:
+    return tuple(sorted(options.items()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Defaults (the tuning surface)
+
+
+def forward_defaults(device: torch.device, dtype: torch.dtype, qk_head_dim: int, v_head_dim: int) -> dict[str, Any]:
+    """Forward-kernel defaults for one device / dtype / head-dim combination. Tiles are later
+    shrunk to fit short sequences and the block mask's block sizes.
+
+    >>> forward_defaults(torch.device("cpu"), torch.float32, 64, 64)["BLOCK_M"]
+    64
+    """
+    d = max(qk_head_dim, v_head_dim)
+    if device.type != "cuda":
+        # Triton's interpreter: cost is per tile operation (numpy underneath), so 64 x 64 tiles
+        # are fastest (about 3x faster than 32 x 32, and than 128 x 128, at E = 64).
+        block_m, block_n, warps, stages = 64, 64, 4, 1
+    elif dtype == torch.float64:
+        block_m, block_n, warps, stages = 32, 16, 4, 1
+    elif dtype == torch.float32:
+        block_m, block_n, warps, stages = (64, 32, 4, 3) if d <= 64 else (32, 32, 4, 2)
+    # bf16/fp16 on Hopper, from benchmarks/sweep_attention.py (docs/raw/*_sweep_attention.log):
+    # 8 warps beat 4 at D=64 by 2-3%; 128x128 tiles beat 128x64 at D=128 causal by 4%.
+    elif d <= 64:
+        block_m, block_n, warps, stages = 128, 64, 8, 3
+    elif d <= 128:
+        block_m, block_n, warps, stages = 128, 128, 8, 3
+    else:
+        block_m, block_n, warps, stages = 64, 32, 4, 2
+    return {
+        "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
+        "PRESCALE_QK": False, "ROWS_GUARANTEED_SAFE": False, "BLOCKS_ARE_CONTIGUOUS": False,
+    }
+
+
+def backward_defaults(device: torch.device, dtype: torch.dtype, qk_head_dim: int, v_head_dim: int) -> dict[str, Any]:
+    """Backward tiles: BLOCK_M1 x BLOCK_N1 for the dK/dV pass (query rows per step x KV rows per
+    program), BLOCK_M2 x BLOCK_N2 for the dQ pass.
+
+    >>> backward_defaults(torch.device("cpu"), torch.float32, 64, 64)["BLOCK_N1"]
+    32
+    """
+    d = max(qk_head_dim, v_head_dim)
+    if device.type != "cuda":
+        m1, n1, m2, n2, warps, stages = 32, 32, 32, 32, 4, 1
+    elif dtype == torch.float64:
+        m1, n1, m2, n2, warps, stages = 16, 32, 32, 16, 4, 1
+    elif dtype == torch.float32:
+        m1, n1, m2, n2, warps, stages = 32, 64, 64, 32, 4, 1
+    # bf16/fp16 on Hopper, from benchmarks/sweep_attention.py (docs/raw/*_sweep_attention.log):
+    # at D=64, 64x128 tiles with 4 warps spill (107 TF/s) where 64x64 runs at 326-353; at D=128,
+    # 3 stages beat 2 by 5-8%.
+    elif d <= 64:
+        m1, n1, m2, n2, warps, stages = 64, 64, 64, 64, 4, 3
+    elif d <= 128:
+        m1, n1, m2, n2, warps, stages = 64, 128, 128, 64, 8, 3
+    else:
+        m1, n1, m2, n2, warps, stages = 32, 64, 64, 32, 4, 1
+    return {"BLOCK_M1": m1, "BLOCK_N1": n1, "BLOCK_M2": m2, "BLOCK_N2": n2,
+            "bwd_num_warps": warps, "bwd_num_stages": stages}
+
+
+def decode_defaults(device: torch.device, qk_head_dim_rounded: int, v_head_dim_rounded: int) -> dict[str, Any]:
+    """Decoding-kernel defaults (SPLIT_KV itself is derived from the SM count at plan time)."""
+    on_gpu = device.type == "cuda"
+    return {
+        "BLOCK_N": (64 if max(qk_head_dim_rounded, v_head_dim_rounded) <= 128 else 32) if on_gpu else 16,
+        "BLOCK_M": 64, "num_warps": 4, "num_stages": 3,
+        # Several programs per SM: the last, partly filled wave then costs little, and partials
+        # stay small (rows x SPLIT_KV x Ev floats against megabytes of K/V).
+        "PROGRAMS_PER_SM": 8, "MIN_TILES_PER_SPLIT": 8 if on_gpu else 1, "INPUT_PRECISION": "ieee",
+    }

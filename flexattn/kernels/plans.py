@@ -1,0 +1,135 @@
+"""Launch plans of every kernel family, validated and memoised in one place.
+
+A plan key holds everything a plan depends on (shapes, strides, dtypes, devices, the mods'
+structural keys, the block-mask layout, options); on a miss the inputs are validated (the errors
+name the argument, what was expected and what came) and the family makes its plan. Callers: the
+eager call path (`flexattn.call`) and the custom ops that torch.compile sees (`flexattn.ops`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flexattn.kernels import backward as bwd, decode as dec, forward as fwd
+from flexattn.kernels.launch import PlanCache
+from flexattn.kernels.tables import Tables, check_against
+from flexattn.mods import Mod
+
+FORWARD = PlanCache()
+DECODE = PlanCache()
+BACKWARD = PlanCache()
+
+MAX_HEAD_DIM = 256  # larger tiles do not fit in registers / shared memory (every kernel family)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (once per plan: everything checked here is part of the plan key)
+
+
+def check_inputs(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_nested:
+            raise ValueError(f"{name} is a nested (jagged) tensor; flexattn takes dense [B, H, L, E] tensors. "
+                             f"Pack the sequences into one and use a document mask instead "
+                             f"(flexattn.masks.document, or a mask_mod comparing document ids)")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions [B, H, L, E], got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise TypeError(f"{name} must have query's dtype {query.dtype}, got {t.dtype}")
+        if t.device != query.device:
+            raise ValueError(f"{name} must be on query's device {query.device}, got {t.device}")
+    if query.device.type == "meta":
+        raise ValueError("query, key and value are meta tensors; flex_attention runs kernels and needs real "
+                         "data (CUDA or CPU tensors)")
+    B, Hq, _, E = query.shape
+    Bkv, Hkv, _, _ = key.shape
+    if key.shape[-1] != E:
+        raise ValueError(f"key's head dim (last dimension) must equal query's E={E}, got {key.shape[-1]} "
+                         f"(query {tuple(query.shape)}, key {tuple(key.shape)})")
+    if value.shape[:3] != key.shape[:3]:
+        raise ValueError(f"value must match key in [B, H, KV_LEN] = {list(key.shape[:3])}, "
+                         f"got {list(value.shape[:3])}")
+    if Bkv not in (1, B):
+        raise ValueError(f"key/value batch must be 1 (broadcast) or query's batch {B}, got {Bkv}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    if Hq != Hkv and not enable_gqa:
+        raise ValueError(f"query has {Hq} heads but key/value have {Hkv}: pass enable_gqa=True for "
+                         f"grouped-query attention")
+    for name, d in (("query/key head dim E", E), ("value head dim Ev", value.shape[-1])):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} must be between 1 and {MAX_HEAD_DIM}, got {d}")
+
+
+def _check_mod_devices(device: torch.device, mods) -> None:
+    for mod, bufs in mods:
+        for t in bufs:
+            if t.device != device and not (t.device.type == device.type == "cuda" and
+                                          (t.device.index is None or device.index is None)):
+                raise ValueError(f"{mod.kind}_mod '{mod.name}' captured a tensor on {t.device}, but query is "
+                                 f"on {device}; move the captured tensor to {device}")
+
+
+
+def forward_plan(key, query, key_t, value, score: Mod, score_bufs, mask: Mod, mask_bufs, tables: Tables | None,
+                 enable_gqa: bool, options: dict, want_max: bool) -> fwd.Plan:
+    return FORWARD.get(key, lambda: _make_forward_plan(query, key_t, value, score, score_bufs, mask, mask_bufs,
+                                                       tables, enable_gqa, options, want_max))
+
+
+def decode_plan(key, query, key_t, value, score: Mod, score_bufs, mask: Mod, mask_bufs, tables: Tables | None,
+                enable_gqa: bool, options: dict, kv_lengths) -> dec.Plan:
+    return DECODE.get(key, lambda: _make_decode_plan(query, key_t, value, score, score_bufs, mask, mask_bufs,
+                                                     tables, enable_gqa, options, kv_lengths))
+
+
+def backward_plan(key, query, key_t, value, out, grad_out, score: Mod, mask: Mod, tables: Tables | None,
+                  options: dict, need: tuple[bool, ...], score_bufs) -> bwd.Plan:
+    return BACKWARD.get(key, lambda: bwd.make_plan(query, key_t, value, out, grad_out, score, mask, tables,
+                                                   options, need, score_bufs))
+
+
+def decode_mods(score: Mod, mask: Mod) -> tuple[Mod | None, Mod | None]:
+    """The decoding kernel skips an identity score mod and a constant-True mask entirely."""
+    return (None if score.ir.op == "input" else score,
+            None if (mask.ir.op == "const" and mask.ir.arg) else mask)
+
+
+def _make_forward_plan(query, key, value, score, score_bufs, mask, mask_bufs, tables, enable_gqa, options,
+                       want_max):
+    check_inputs(query, key, value, enable_gqa)
+    B, Hq, Q_LEN, _ = query.shape
+    if tables is not None:
+        check_against(tables, B, Hq, Q_LEN, key.shape[2], query.device)
+    _check_mod_devices(query.device, ((score, score_bufs), (mask, mask_bufs)))
+    return fwd.make_plan(query, key, value, score, mask, tables, options, want_max)
+
+
+def _make_decode_plan(query, key, value, score, score_bufs, mask, mask_bufs, tables, enable_gqa, options,
+                      kv_lengths):
+    check_inputs(query, key, value, enable_gqa)
+    B, Hq, Q_LEN, _ = query.shape
+    if query.dtype not in dec.SUPPORTED_DTYPES:
+        raise TypeError(f"the decoding kernel takes float16, bfloat16 or float32 inputs, got {query.dtype}")
+    if tables is not None:
+        check_against(tables, B, Hq, Q_LEN, key.shape[2], query.device)
+    _check_mod_devices(query.device, ((score, score_bufs), (mask, mask_bufs)))
+    if kv_lengths is not None:
+        if not (isinstance(kv_lengths, torch.Tensor) and kv_lengths.shape == (B,)
+                and not kv_lengths.dtype.is_floating_point and kv_lengths.dtype != torch.bool):
+            got = f"{kv_lengths.dtype} tensor of shape {tuple(kv_lengths.shape)}" \
+                if isinstance(kv_lengths, torch.Tensor) else type(kv_lengths).__name__
+            raise TypeError(f"kv_lengths must be an integer tensor of shape ({B},), got {got}")
+        if kv_lengths.device != query.device:
+            raise ValueError(f"kv_lengths is on {kv_lengths.device} but query is on {query.device}")
+    return dec.make_plan(query, key, value, *decode_mods(score, mask), tables, options, kv_lengths)
+
+

@@ -1,0 +1,226 @@
+"""Block-mask tables as the kernels read them, prepared once per BlockMask object.
+
+A BlockMask (flexattn's or torch's: the fields are the same) is checked and its tables converted
+to int32 with a contiguous last dimension the first time a launch sees it; the result, `Tables`,
+is kept on the mask object (keyed by the identity of the tensors it was made from, so reassigning
+a field is noticed) and every later call with that mask costs an attribute lookup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+
+from flexattn.kernels.launch import table_strides
+
+_CACHE_ATTR = "_flexattn_tables"
+
+
+@dataclass(frozen=True)
+class Direction:
+    """One direction of a block mask: partial and full counts and indices, int32.
+
+    ``num[b, h, row]`` blocks are listed in ``idx[b, h, row, :num]``; ``full_*`` are None when
+    the mask has no separate full blocks (then the partial tensors stand in for them at launch,
+    HAS_FULL_BLOCKS is False and they are not read)."""
+
+    num: torch.Tensor
+    idx: torch.Tensor
+    full_num: torch.Tensor | None
+    full_idx: torch.Tensor | None
+
+    def args(self) -> list[torch.Tensor]:
+        fn = self.full_num if self.full_num is not None else self.num
+        fi = self.full_idx if self.full_idx is not None else self.idx
+        return [self.num, self.idx, fn, fi]
+
+    def strides(self) -> list[int]:
+        out = self.__dict__.get("_strides")
+        if out is None:
+            out = self.__dict__["_strides"] = [s for t in self.args() for s in table_strides(t)]
+        return out
+
+    @property
+    def has_full(self) -> bool:
+        return self.full_num is not None
+
+
+@dataclass(frozen=True)
+class Tables:
+    """What the kernels read of a BlockMask: ``kv`` rows per query block (forward, dQ, decoding),
+    ``q`` rows per KV block (dK/dV; made by transposing ``kv`` when the mask carries none, on
+    first use), the sparse block sizes and the lengths it was built for."""
+
+    kv: Direction
+    q: Direction | None
+    q_block: int
+    kv_block: int
+    seq_lengths: tuple[int, int] | None
+    sig: tuple  # everything a launch plan depends on: shapes, strides, block sizes, full blocks
+
+    def args(self) -> list:
+        return self.kv.args()
+
+
+def _index(t: Any, name: str, ndim: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dim() != ndim:
+        got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"block_mask.{name} must be a {ndim}-d integer tensor, got {got}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"block_mask.{name} must be an integer tensor (int32), got {t.dtype}")
+    if t.dtype != torch.int32:
+        t = t.to(torch.int32)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _block_sizes(block_mask) -> tuple[int, int]:
+    size = block_mask.BLOCK_SIZE
+    q, kv = (size, size) if isinstance(size, int) else tuple(size)
+    for name, s in (("Q", q), ("KV", kv)):
+        if not isinstance(s, int) or s <= 0:
+            raise ValueError(f"block_mask's {name} block size must be a positive int, got BLOCK_SIZE={size}")
+    check_block_size("KV", kv, size)  # every kernel walks KV tiles of >= 16 columns
+    return int(q), int(kv)
+
+
+def check_block_size(name: str, s: int, size) -> None:
+    if s % 16 != 0:
+        raise ValueError(f"block_mask's {name} block size must be a positive multiple of 16 (kernel tiles "
+                         f"are powers of two >= 16), got BLOCK_SIZE={size}")
+
+
+def _direction(block_mask, prefix: str) -> Direction | None:
+    num = getattr(block_mask, f"{prefix}_num_blocks", None)
+    if num is None:
+        return None
+    num = _index(num, f"{prefix}_num_blocks", 3)
+    idx = _index(getattr(block_mask, f"{prefix}_indices"), f"{prefix}_indices", 4)
+    full_num = getattr(block_mask, f"full_{prefix}_num_blocks", None)
+    full_idx = None
+    if full_num is not None:
+        full_num = _index(full_num, f"full_{prefix}_num_blocks", 3)
+        full_idx = _index(getattr(block_mask, f"full_{prefix}_indices"), f"full_{prefix}_indices", 4)
+        if full_num.shape != num.shape or full_idx.shape[:3] != num.shape:
+            raise ValueError(f"block_mask.full_{prefix}_num_blocks {tuple(full_num.shape)} / full_{prefix}_indices "
+                             f"{tuple(full_idx.shape)} must match {prefix}_num_blocks {tuple(num.shape)}")
+    if idx.shape[:3] != num.shape:
+        raise ValueError(f"block_mask.{prefix}_indices {tuple(idx.shape)} must start with {prefix}_num_blocks' "
+                         f"shape {tuple(num.shape)}")
+    devices = {t.device for t in (num, idx, full_num, full_idx) if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"block_mask's {prefix} tables are on different devices: {sorted(map(str, devices))}")
+    return Direction(num, idx, full_num, full_idx)
+
+
+def _sources(block_mask) -> tuple:
+    return tuple(getattr(block_mask, n, None) for n in (
+        "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+        "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices", "BLOCK_SIZE"))
+
+
+def tables_of(block_mask) -> Tables:
+    """The launch tables of ``block_mask``, made and checked once per mask object."""
+    cached = getattr(block_mask, _CACHE_ATTR, None)
+    if cached is not None:
+        sources, tables = cached
+        if all(a is b for a, b in zip(sources, _sources(block_mask))):
+            return tables
+    sources = _sources(block_mask)
+    if sources[0] is None:
+        raise TypeError(f"block_mask must be a BlockMask (flexattn's or torch's), got {type(block_mask).__name__}")
+    q_block, kv_block = _block_sizes(block_mask)
+    kv = _direction(block_mask, "kv")
+    q = _direction(block_mask, "q")
+    if q is not None and q.has_full != kv.has_full:
+        raise ValueError("block_mask has full blocks in one direction only (full_kv_* vs full_q_*)")
+    seq = getattr(block_mask, "seq_lengths", None)
+    seq = None if seq is None else (int(seq[0]), int(seq[1]))
+    sig = (q_block, kv_block, seq, kv.has_full, kv.num.device,
+           tuple((t.shape, t.stride()) for t in kv.args()))
+    tables = Tables(kv, q, q_block, kv_block, seq, sig)
+    try:
+        setattr(block_mask, _CACHE_ATTR, (sources, tables))
+    except AttributeError:  # a mask type that refuses attributes: prepared again each call
+        pass
+    return tables
+
+
+def check_against(tables: Tables, B: int, Hq: int, Q_LEN: int, KV_LEN: int, device: torch.device) -> None:
+    """A BlockMask used with inputs of these sizes (once per launch plan)."""
+    if tables.seq_lengths is not None and tables.seq_lengths != (Q_LEN, KV_LEN):
+        raise ValueError(f"block_mask was built for (Q_LEN, KV_LEN) = {tables.seq_lengths}, but query has "
+                         f"Q_LEN={Q_LEN} and key KV_LEN={KV_LEN}; build the block mask for these lengths")
+    num, idx = tables.kv.num, tables.kv.idx
+    if num.device != device:
+        raise ValueError(f"block_mask is on {num.device} but query is on {device}; use "
+                         f"block_mask.to({str(device)!r})")
+    Bm, Hm, nQ = num.shape
+    if Bm not in (1, B) or Hm not in (1, Hq):
+        raise ValueError(f"block_mask has B={Bm}, H={Hm}; it must have B of 1 or query's {B} and H of 1 or "
+                         f"query's {Hq}")
+    need_q, need_kv = triton.cdiv(Q_LEN, tables.q_block), triton.cdiv(KV_LEN, tables.kv_block)
+    if nQ < need_q:
+        raise ValueError(f"block_mask has {nQ} query blocks of {tables.q_block}, Q_LEN={Q_LEN} needs {need_q}")
+    if idx.shape[3] < need_kv and tables.seq_lengths is None:
+        raise ValueError(f"block_mask.kv_indices has {idx.shape[3]} KV blocks of {tables.kv_block}, "
+                         f"KV_LEN={KV_LEN} needs {need_kv}")
+    if tables.q is not None and tables.q.num.shape[2] < need_kv:
+        raise ValueError(f"block_mask.q_num_blocks has {tables.q.num.shape[2]} KV blocks, KV_LEN={KV_LEN} "
+                         f"needs {need_kv}")
+
+
+def transpose(num: torch.Tensor, idx: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The column-major twin of a (num, idx) block list: for each column block, the rows listing it.
+
+    Used when a block mask carries no ``q_*`` lists. Rows come out in increasing order.
+    >>> n, i = transpose(torch.tensor([[[1, 2]]]), torch.tensor([[[[1, 0], [0, 1]]]]), 2)
+    >>> n.tolist(), i[..., :1].tolist(), i[0, 0, 1].tolist()
+    ([[[1, 2]]], [[[[1], [0]]]], [0, 1])
+    """
+    listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None].long()
+    grid = torch.zeros(*idx.shape[:3], n_cols, dtype=torch.int32, device=idx.device)
+    grid.scatter_add_(-1, torch.where(listed, idx.long(), 0), listed.to(torch.int32))
+    seen = (grid > 0).transpose(-1, -2)  # [B, H, n_cols, n_rows]
+    count = seen.sum(-1).to(torch.int32)
+    rows = torch.arange(seen.shape[-1], device=idx.device)
+    # Listed rows first, in increasing order: sort keys put unlisted rows at the end.
+    order = torch.where(seen, rows, rows + seen.shape[-1]).argsort(-1).to(torch.int32)
+    return count.contiguous(), order.contiguous()
+
+
+def q_direction(tables: Tables, KV_LEN: int) -> Direction:
+    """The dK/dV pass's lists: the mask's own ``q_*`` tables, or ``kv`` transposed (made once)."""
+    if tables.q is not None:
+        return tables.q
+    n_kv = triton.cdiv(KV_LEN, tables.kv_block)
+    cache = tables.__dict__.setdefault("_transposed", {})
+    q = cache.get(n_kv)
+    if q is None:
+        kv = tables.kv
+        q_num, q_idx = transpose(kv.num, kv.idx, n_kv)
+        fq_num = fq_idx = None
+        if kv.has_full:
+            fq_num, fq_idx = transpose(kv.full_num, kv.full_idx, n_kv)
+        q = cache[n_kv] = Direction(q_num, q_idx, fq_num, fq_idx)
+    return q
+
+
+_DENSE: dict[tuple, Direction] = {}
+
+
+def dense(device: torch.device, n: int) -> Direction:
+    """No block mask: one row of ``n`` consecutive full blocks, starting at block 0."""
+    key = (device, n)
+    d = _DENSE.get(key)
+    if d is None:
+        zeros = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
+        full = torch.full((1, 1, 1), n, dtype=torch.int32, device=device)
+        idx = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=device)
+        d = Direction(zeros, idx, full, idx)
+        if len(_DENSE) > 1024:
+            _DENSE.clear()
+        _DENSE[key] = d
+    return d

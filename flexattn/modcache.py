@@ -1,0 +1,190 @@
+"""Trace once: Python mods -> cached `Mod` templates plus the tensors this call captured.
+
+Model code builds its ``score_mod`` lambda anew in every ``forward``. Tracing it again each call
+would cost more than the kernel launch, so a mod is traced once per *fingerprint* and later calls
+only collect the tensors it captured. `resolve` returns ``(template, buffers)``: ``template`` is a
+`Mod` whose IR (and so whose generated kernel) is shared by every call with the same fingerprint,
+``buffers`` are this call's captured tensors in the template's buffer order.
+
+What the fingerprint covers (`fingerprint` walks all of it, iteratively, in one pass):
+
+* the function's code object, the layout of its closure, its defaults and keyword defaults;
+* every value reachable from the closure cells, the defaults and the module globals the code
+  (and the code of functions nested in it) names:
+  - Python numbers, strings, None, dtypes, devices: by value (a closure float that changes
+    value is a new fingerprint: it is a constant of the kernel);
+  - tensors: by dtype, device, shape and layout (their values are kernel arguments), and by
+    which earlier tensor of the walk they are (aliasing decides how many buffers the IR has);
+  - functions (nested mods and helpers): recursively, the same way;
+  - ``functools.partial``: its function, arguments and keywords; bound methods: the function
+    and the object; `Mod` objects: their structural key and their captured tensors;
+  - tuples, lists, dicts, sets and objects with a ``__dict__`` (``nn.Module`` included): their
+    contents, recursively;
+  - modules, classes and builtins: by identity.
+* anything else (an object without ``__dict__`` of an unknown type), a walk longer than
+  `WALK_LIMIT` values, or a captured tensor that the walk cannot reach (one the mod computes
+  while it runs) makes the mod *uncacheable*: it is traced on every call, which is always right,
+  only slower.
+
+A DSL mod or any other `Mod` needs no tracing: it is its own template.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any
+
+import torch
+
+from flexattn.mods import Mod
+
+WALK_LIMIT = 4096  # values visited per fingerprint before a mod is treated as uncacheable
+
+_ATOMS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size,
+          slice, range, type(Ellipsis), torch.layout, torch.memory_format)
+_BY_IDENTITY = (types.ModuleType, type, types.BuiltinFunctionType, types.MethodDescriptorType,
+                types.WrapperDescriptorType, types.MethodWrapperType, types.GetSetDescriptorType,
+                types.ClassMethodDescriptorType)
+_OPAQUE = object()  # marks a fingerprint that cannot be trusted
+
+_GLOBAL_NAMES: dict[types.CodeType, tuple[str, ...]] = {}
+
+
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """Names ``code`` (and code nested in it: lambdas, comprehensions) may read as globals."""
+    names = _GLOBAL_NAMES.get(code)
+    if names is None:
+        found: dict[str, None] = {}
+        stack = [code]
+        while stack:
+            c = stack.pop()
+            found.update(dict.fromkeys(c.co_names))
+            stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+        names = _GLOBAL_NAMES[code] = tuple(found)
+    return names
+
+
+def fingerprint(fn: Any) -> tuple[tuple | None, list[torch.Tensor]]:
+    """``(key, tensors)``: a hashable key of everything that decides ``fn``'s IR (None if it
+    cannot be trusted) and the tensors reachable from it, in walk order."""
+    key: list = []
+    tensors: list[torch.Tensor] = []
+    seen: dict[int, int] = {}  # id(container or tensor) -> its position (cycles and aliasing)
+    stack = [fn]
+    steps = 0
+    while stack:
+        v = stack.pop()
+        steps += 1
+        if steps > WALK_LIMIT:
+            return None, tensors
+        t = type(v)
+        if t in _ATOMS:
+            key.append((t, v))
+            continue
+        if isinstance(v, torch.Tensor):
+            prev = seen.get(id(v))
+            if prev is not None:
+                key.append(("alias", prev))
+            else:
+                seen[id(v)] = len(tensors)
+                key.append(("T", v.dtype, v.device, v.shape, v.layout))
+                tensors.append(v)
+            continue
+        if isinstance(v, _BY_IDENTITY) or t in (types.BuiltinMethodType,):
+            key.append(v)
+            continue
+        vid = id(v)
+        if vid in seen:
+            key.append(("ref", seen[vid]))
+            continue
+        seen[vid] = len(key)
+        if isinstance(v, Mod):
+            key.append(("Mod", v.key()))
+            stack.extend(reversed(v.buffers))
+        elif t is types.FunctionType:
+            code = v.__code__
+            cells = v.__closure__ or ()
+            key.append(("fn", code, len(cells)))
+            g = v.__globals__
+            stack.extend(g.get(n, _MISSING) for n in reversed(_global_names(code)))
+            stack.append(v.__kwdefaults__)
+            stack.append(v.__defaults__)
+            for c in reversed(cells):
+                try:
+                    stack.append(c.cell_contents)
+                except ValueError:  # an empty cell (a name assigned later in the enclosing scope)
+                    stack.append(_MISSING)
+        elif t is functools.partial:
+            key.append("partial")
+            stack.extend((v.keywords, v.args, v.func))
+        elif t is types.MethodType:
+            key.append("method")
+            stack.extend((v.__self__, v.__func__))
+        elif t in (tuple, list):
+            key.append((t, len(v)))
+            stack.extend(reversed(v))
+        elif isinstance(v, dict):
+            key.append((dict, tuple(k if type(k) in _ATOMS else id(k) for k in v)))
+            stack.extend(reversed(list(v.values())))
+        elif t in (set, frozenset):
+            try:
+                key.append((t, frozenset(v)))
+            except TypeError:
+                return None, tensors
+        elif v is _MISSING:
+            key.append("missing")
+        else:
+            attrs = getattr(v, "__dict__", None)
+            if not isinstance(attrs, dict):
+                return None, tensors  # unknown object without a __dict__: cannot see what it holds
+            key.append(("obj", t))
+            stack.append(attrs)
+    return tuple(key), tensors
+
+
+_MISSING = type("_Missing", (), {"__repr__": lambda self: "<missing>"})()
+
+
+class _Entry:
+    __slots__ = ("template", "slots")
+
+    def __init__(self, template: Mod, slots: tuple[int, ...] | None):
+        self.template = template
+        self.slots = slots  # walk position of each template buffer; None: trace every call
+
+
+_CACHE: dict[tuple, _Entry] = {}
+_CACHE_LIMIT = 4096
+
+
+def resolve(fn: Any, kind: str, score_dtype: torch.dtype, device: torch.device,
+            trace) -> tuple[Mod, tuple[torch.Tensor, ...]]:
+    """``(template, buffers)`` for a mod: a `Mod` is its own template; a Python mod is traced by
+    ``trace(fn, kind, score_dtype=..., device=...)`` on its first fingerprint only."""
+    if isinstance(fn, Mod):
+        return fn, fn.buffers
+    fp, tensors = fingerprint(fn)
+    if fp is None:
+        mod = trace(fn, kind, score_dtype=score_dtype, device=device)
+        return mod, mod.buffers
+    key = (kind, score_dtype, device, fp)
+    entry = _CACHE.get(key)
+    if entry is None:
+        mod = trace(fn, kind, score_dtype=score_dtype, device=device)
+        by_id = {id(t): i for i, t in enumerate(tensors)}
+        slots = tuple(by_id.get(id(b), -1) for b in mod.buffers)
+        entry = _Entry(mod, None if -1 in slots else slots)
+        if len(_CACHE) >= _CACHE_LIMIT:
+            _CACHE.clear()
+        _CACHE[key] = entry
+        return mod, mod.buffers
+    if entry.slots is None:  # captures a tensor the walk cannot reach: trace again
+        mod = trace(fn, kind, score_dtype=score_dtype, device=device)
+        return mod, mod.buffers
+    return entry.template, tuple(tensors[i] for i in entry.slots)
+
+
+def clear() -> None:
+    """Forget every cached template (tests; a long-running process never needs it)."""
+    _CACHE.clear()

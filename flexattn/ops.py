@@ -1,0 +1,184 @@
+"""flexattn's kernels as torch custom ops, for ``torch.compile`` (and anything else that traces).
+
+Arguments are tensors and constants only: the mods are named by their structural keys inside
+``spec`` (a string made at compile time by `spec`; `flexattn.mods.template` finds their IR at run
+time) and their captured tensors are tensor-list arguments. Each op has a fake implementation
+(shapes, dtypes and strides only), so a compiled graph holds them without a graph break, and the
+forward op has its autograd formula registered (the backward op). The real implementations use the
+same plans and launches as eager calls (`flexattn.kernels`). Eager calls do not go through these
+ops: the dispatcher would add host time to every call.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, launch, plans
+from flexattn.kernels.tables import Direction, Tables, q_direction
+from flexattn.mods import template
+
+
+@torch.compiler.assume_constant_result
+def spec(score_key: str, mask_key: str, block: tuple, enable_gqa: bool, options: tuple, want_max: bool) -> str:
+    """The constant part of one call, as the string argument of the ops. ``block`` is
+    (q_block, kv_block, seq_lengths, has_full, has_q) or () without a block mask."""
+    return repr((score_key, mask_key, block, enable_gqa, options, want_max))
+
+
+_SPECS: dict[str, tuple] = {}
+
+
+def _parse(s: str):
+    parsed = _SPECS.get(s)
+    if parsed is None:
+        score_key, mask_key, block, enable_gqa, options, want_max = ast.literal_eval(s)
+        parsed = _SPECS[s] = (template(score_key), template(mask_key), block, enable_gqa, dict(options), want_max)
+    return parsed
+
+
+def _tables(block: tuple, tensors: list[Tensor]) -> Tables | None:
+    if not block:
+        return None
+    q_block, kv_block, seq, has_full, has_q = block
+    per = 4 if has_full else 2
+
+    def direction(ts):
+        return Direction(ts[0], ts[1], ts[2], ts[3]) if has_full else Direction(ts[0], ts[1], None, None)
+
+    kv = direction(tensors[:per])
+    q = direction(tensors[per:2 * per]) if has_q else None
+    sig = (q_block, kv_block, seq, has_full, kv.num.device, tuple((t.shape, t.stride()) for t in kv.args()))
+    return Tables(kv, q, q_block, kv_block, seq, sig)
+
+
+def _meta(t: Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device
+
+
+def _devices(ts) -> tuple:
+    return tuple(t.device for t in ts)
+
+
+# ---------------------------------------------------------------------------------------------
+# forward (+ autograd)
+
+
+@torch.library.custom_op("flexattn::forward", mutates_args=())
+def forward(query: Tensor, key: Tensor, value: Tensor, score_bufs: list[Tensor], mask_bufs: list[Tensor],
+            tables: list[Tensor], spec: str, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Block-sparse forward: ``(out, lse, max_scores)`` (max_scores is empty unless asked for)."""
+    score, mask, block, enable_gqa, options, want_max = _parse(spec)
+    t = _tables(block, tables)
+    key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _devices(score_bufs) + _devices(mask_bufs),
+            None if t is None else t.sig)
+    plan = plans.forward_plan(key_, query, key, value, score, score_bufs, mask, mask_bufs, t, enable_gqa,
+                              options, want_max)
+    out, lse, mx = fwd.run(plan, query, key, value, score, score_bufs, mask, mask_bufs, t, scale)
+    return out, lse, mx if mx is not None else lse.new_empty(0)
+
+
+def _stat_dtype(query: Tensor) -> torch.dtype:
+    return launch.acc_dtype(query.dtype)
+
+
+@forward.register_fake
+def _(query, key, value, score_bufs, mask_bufs, tables, spec, scale):
+    B, Hq, Q_LEN, _ = query.shape
+    want_max = ast.literal_eval(spec)[5]
+    out = torch.empty_permuted((B, Hq, Q_LEN, value.shape[-1]), launch.stride_order(query),
+                               dtype=query.dtype, device=query.device)
+    lse = query.new_empty((B, Hq, Q_LEN), dtype=_stat_dtype(query))
+    mx = query.new_empty((B, Hq, Q_LEN) if want_max else (0,), dtype=_stat_dtype(query))
+    return out, lse, mx
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, score_bufs, mask_bufs, tables, spec_, scale = inputs
+    out, lse, _ = output
+    ctx.save_for_backward(query, key, value, out, lse, *score_bufs, *mask_bufs, *tables)
+    ctx.sizes = (len(score_bufs), len(mask_bufs))
+    ctx.spec, ctx.scale = spec_, scale
+    ctx.need = [t.requires_grad and t.dtype.is_floating_point for t in score_bufs]
+
+
+def _backward(ctx, grad_out, grad_lse, grad_max):
+    query, key, value, out, lse, *rest = ctx.saved_tensors
+    n_score, n_mask = ctx.sizes
+    score_bufs, mask_bufs, tables = rest[:n_score], rest[n_score:n_score + n_mask], rest[n_score + n_mask:]
+    dq, dk, dv, grads = torch.ops.flexattn.backward(query, key, value, out, lse, grad_out, grad_lse,
+                                                    score_bufs, mask_bufs, tables, ctx.spec, ctx.scale, ctx.need)
+    buffer_grads = [g if need else None for g, need in zip(grads, ctx.need)]
+    # One entry per input, lists for the list inputs (the mask's tensors and the block tables get none).
+    return dq, dk, dv, buffer_grads, [None] * n_mask, [None] * len(tables), None, None
+
+
+torch.library.register_autograd("flexattn::forward", _backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("flexattn::backward", mutates_args=())
+def backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor,
+             grad_lse: Optional[Tensor], score_bufs: list[Tensor], mask_bufs: list[Tensor], tables: list[Tensor],
+             spec: str, scale: float, need: list[bool]) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """Gradients of `forward`: ``(dq, dk, dv, [grad of each score-mod tensor])`` (empty where
+    ``need`` is False)."""
+    score, mask, block, _, options, _ = _parse(spec)
+    t = _tables(block, tables)
+    if t is not None and t.q is None:
+        t = Tables(t.kv, q_direction(t, key.shape[2]), t.q_block, t.kv_block, t.seq_lengths, t.sig)
+    need_t = tuple(need)
+    key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _meta(grad_out), grad_lse is not None, need_t,
+            None if t is None else t.sig)
+    plan = plans.backward_plan(key_, query, key, value, out, grad_out, score, mask, t, options, need_t, score_bufs)
+    dq, dk, dv, grads = bwd.run(plan, query, key, value, out, lse, grad_out, grad_lse, score, score_bufs, mask,
+                                mask_bufs, t, scale)
+    buffer_grads = []
+    for i, b in enumerate(score_bufs):
+        if not need[i]:
+            buffer_grads.append(b.new_empty(0))
+        elif i in grads:
+            buffer_grads.append(grads[i].to(b.dtype))
+        else:
+            buffer_grads.append(torch.zeros_like(b))
+    return dq, dk, dv, buffer_grads
+
+
+@backward.register_fake
+def _(query, key, value, out, lse, grad_out, grad_lse, score_bufs, mask_bufs, tables, spec, scale, need):
+    dq = torch.empty_permuted(query.shape, launch.stride_order(query), dtype=query.dtype, device=query.device)
+    dk = key.new_empty(key.shape)
+    dv = value.new_empty(value.shape)
+    return dq, dk, dv, [torch.empty_like(b) if n else b.new_empty(0) for b, n in zip(score_bufs, need)]
+
+
+# ---------------------------------------------------------------------------------------------
+# decoding
+
+
+@torch.library.custom_op("flexattn::decode", mutates_args=())
+def decode(query: Tensor, key: Tensor, value: Tensor, score_bufs: list[Tensor], mask_bufs: list[Tensor],
+           tables: list[Tensor], kv_lengths: Optional[Tensor], spec: str, scale: float) -> tuple[Tensor, Tensor]:
+    """Split-KV decoding: ``(out, lse)``."""
+    score, mask, block, enable_gqa, options, _ = _parse(spec)
+    t = _tables(block, tables)
+    key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _devices(score_bufs) + _devices(mask_bufs),
+            None if t is None else t.sig, None if kv_lengths is None else _meta(kv_lengths))
+    plan = plans.decode_plan(key_, query, key, value, score, score_bufs, mask, mask_bufs, t, enable_gqa, options,
+                             kv_lengths)
+    return dec.run(plan, query, key, value, *_interleave(plans.decode_mods(score, mask), score_bufs, mask_bufs),
+                   t, scale, kv_lengths)
+
+
+def _interleave(mods, score_bufs, mask_bufs):
+    return mods[0], score_bufs, mods[1], mask_bufs
+
+
+@decode.register_fake
+def _(query, key, value, score_bufs, mask_bufs, tables, kv_lengths, spec, scale):
+    B, Hq, Q_LEN, _ = query.shape
+    out = torch.empty_permuted((B, Hq, Q_LEN, value.shape[-1]), launch.stride_order(query),
+                               dtype=query.dtype, device=query.device)
+    return out, query.new_empty((B, Hq, Q_LEN), dtype=torch.float32)

@@ -1,0 +1,326 @@
+"""The call path: a mod is traced once per fingerprint, a repeated call is a lookup and a launch,
+flexattn compiles under torch.compile(fullgraph=True), and block masks of new lengths reuse kernels.
+
+Each trace-cache edge is checked against torch's own eager flex_attention (the oracle) and by
+counting traces: a cache that missed a change would give the old mod's answer.
+"""
+
+import cProfile
+import functools
+import os
+import pstats
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+import flexattn
+from flexattn import call, modcache
+from flexattn.codegen import block_mask_kernel
+from flexattn.reference import attention_reference
+
+FLEXATTN_DIR = os.path.dirname(flexattn.__file__)
+FORCE = {"FORCE_USE_FLEX_ATTENTION": True}
+
+
+def qkv(B=1, H=2, L=37, E=16, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, H, L, E, generator=g, dtype=dtype) for _ in range(3))
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """Counts the tracer's runs (flexattn.call traces score mods through its `trace`)."""
+    count = {"n": 0}
+    real = call.trace
+
+    def counting(*args, **kwargs):
+        count["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(call, "trace", counting)
+    modcache.clear()
+    return count
+
+
+def check(q, k, v, score_mod, oracle=torch_flex, **kw):
+    """flexattn against torch's eager flex_attention with the same Python mod."""
+    out = flexattn.flex_attention(q, k, v, score_mod=score_mod, kernel_options=FORCE, **kw)
+    ref = oracle(q.double(), k.double(), v.double(), score_mod=score_mod, **kw)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# What a repeated call costs on the host
+
+
+def _flexattn_calls(fn) -> dict:
+    profile = cProfile.Profile()
+    profile.enable()
+    fn()
+    profile.disable()
+    return {k: v for k, v in pstats.Stats(profile).stats.items() if k[0].startswith(FLEXATTN_DIR)}
+
+
+@pytest.mark.parametrize("case, limit", [("forward", 40), ("decoding", 40), ("forward+backward", 80)])
+def test_repeated_call_is_a_lookup_and_a_launch(case, limit):
+    """Model code builds its score_mod anew every call: no tracing after the first, and at most
+    ``limit`` calls of flexattn's Python functions per call (cProfile)."""
+    q, k, v = qkv(L=40 if case != "decoding" else 1)
+    k, v = qkv(L=64)[1:]
+    bias = torch.randn(2, 64)
+    grad = case == "forward+backward"
+    for t in (q, k, v, bias):
+        t.requires_grad_(grad)
+
+    def step():
+        scale = 0.5
+        out = flexattn.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s * scale + bias[h, ki],
+                                      kernel_options=FORCE if case == "forward" else None)
+        if grad:
+            out.sum().backward()
+
+    step()
+    step()
+    calls = _flexattn_calls(step)
+    assert not [f for f in calls if f[0].endswith("tracer.py")], "a repeated call ran the tracer"
+    n_calls = sum(v[1] for v in calls.values())
+    assert n_calls <= limit, sorted((v[1], f[2]) for f, v in calls.items())
+
+
+# ---------------------------------------------------------------------------------------------
+# The trace cache's key: everything that changes the result, and nothing else
+
+SCALE = 1.5  # a module-level global read by a mod
+
+
+def scaled(score, b, h, q_idx, kv_idx):
+    return score * SCALE
+
+
+def test_fresh_lambda_of_the_same_code_is_traced_once(traces):
+    q, k, v = qkv()
+    bias = torch.randn(37)
+    for i in range(3):
+        bias.add_(1.0)  # values are arguments, not constants: the same kernel serves them all
+        check(q, k, v, lambda s, b, h, qi, ki: s + bias[ki])
+    assert traces["n"] == 1
+
+
+def test_closure_float_that_changed_value(traces):
+    q, k, v = qkv()
+    for cap in (5.0, 0.5, 5.0):
+        check(q, k, v, lambda s, b, h, qi, ki: cap * torch.tanh(s / cap))
+    assert traces["n"] == 2  # 5.0 and 0.5; 5.0 again is a hit
+
+
+def test_captured_tensor_of_another_shape_dtype_or_device(traces):
+    q, k, v = qkv()
+    for table in (torch.randn(37), torch.randn(2, 37), torch.randn(37, dtype=torch.float64)):
+        if table.dim() == 1:
+            check(q, k, v, lambda s, b, h, qi, ki: s + table[ki])
+        else:
+            check(q, k, v, lambda s, b, h, qi, ki: s + table[h, ki])
+    assert traces["n"] == 3
+    on_cpu = torch.randn(4)
+    on_meta = torch.empty(4, device="meta")
+    key_cpu = modcache.fingerprint(lambda s, b, h, qi, ki: s + on_cpu[h])[0]
+    key_meta = modcache.fingerprint(lambda s, b, h, qi, ki: s + on_meta[h])[0]
+    assert key_cpu != key_meta  # a captured tensor's device is part of the key
+
+
+def test_module_global_the_mod_reads(traces):
+    global SCALE
+    q, k, v = qkv()
+    try:
+        for value in (1.5, 3.0):
+            SCALE = value
+            check(q, k, v, scaled)
+    finally:
+        SCALE = 1.5
+    assert traces["n"] == 2
+
+
+def test_nested_mods_and_helpers(traces):
+    q, k, v = qkv()
+    table = torch.randn(2)
+
+    def make_inner(offset):
+        def inner(score, b, h, q_idx, kv_idx):
+            return score + table[h] + offset
+        return inner
+
+    for offset in (1.0, 2.0):
+        inner = make_inner(offset)
+        check(q, k, v, lambda s, b, h, qi, ki: inner(s, b, h, qi, ki) * 2)
+    dsl_inner = flexattn.score_mod("score * 3")
+    check(q, k, v, lambda s, b, h, qi, ki: dsl_inner(s, b, h, qi, ki) - 1)
+    assert traces["n"] == 3
+
+
+def test_functools_partial(traces):
+    q, k, v = qkv()
+
+    def biased(score, b, h, q_idx, kv_idx, amount):
+        return score + amount * (q_idx - kv_idx)
+
+    # torch's eager flex_attention cannot run a partial with a float keyword (its fake-tensor pass
+    # rejects the SymFloat): flexattn's float64 reference is the oracle here.
+    for amount in (0.1, -0.2, 0.1):
+        check(q, k, v, functools.partial(biased, amount=amount), oracle=attention_reference)
+    assert traces["n"] == 2
+
+
+def test_bound_methods_see_their_object(traces):
+    q, k, v = qkv()
+
+    class Layer(torch.nn.Module):
+        def __init__(self, slope):
+            super().__init__()
+            self.slope = slope
+            self.table = torch.nn.Parameter(torch.randn(2))
+
+        def score_mod(self, score, b, h, q_idx, kv_idx):
+            return score - self.slope * (q_idx - kv_idx).abs() + self.table[h]
+
+    a, b_ = Layer(0.1), Layer(0.1)
+    ref = attention_reference  # torch's eager flex_attention fails on a float read from an object
+    check(q, k, v, a.score_mod, oracle=ref)
+    check(q, k, v, b_.score_mod, oracle=ref)  # same code and constants, another Parameter: rebound only
+    a.slope = 0.3
+    check(q, k, v, a.score_mod, oracle=ref)
+    assert traces["n"] == 2
+
+
+def test_mod_objects_and_dsl_text(traces):
+    q, k, v = qkv()
+    for text in ("score * 2", "score - q_idx * 0.1"):
+        check(q, k, v, flexattn.score_mod(text))
+    bias = torch.randn(37)
+    check(q, k, v, flexattn.score_mod("score + bias[kv_idx]", bias=bias))
+    assert traces["n"] == 0  # Mods are their own templates
+
+
+def test_aliasing_decides_the_buffers(traces):
+    q, k, v = qkv()
+    t, u = torch.randn(37), torch.randn(37)
+    for x, y in ((t, t), (t, u)):
+        check(q, k, v, lambda s, b, h, qi, ki: s + x[ki] * y[qi])
+    assert traces["n"] == 2
+
+
+def test_a_mod_that_makes_its_own_tensors_is_traced_every_call(traces):
+    q, k, v = qkv()
+    for _ in range(2):
+        check(q, k, v, lambda s, b, h, qi, ki: s + torch.arange(37, dtype=torch.float32)[ki] * 0.01)
+    assert traces["n"] == 2  # correct, only slower
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile
+
+
+class RelativeBias(torch.nn.Module):
+    """What model code does: a score_mod lambda over an nn.Parameter, built in every forward."""
+
+    def __init__(self, heads=2, span=64):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(heads, span) * 0.1)
+        self.span = span
+
+    def forward(self, q, k, v, block_mask=None):
+        table = self.table
+        return flexattn.flex_attention(
+            q, k, v, block_mask=block_mask,
+            score_mod=lambda s, b, h, qi, ki: s + table[h, (qi - ki).abs().clamp(max=self.span - 1)])
+
+
+def _grads(model, q, k, v, **kw):
+    for t in (q, k, v, model.table):
+        t.grad = None
+    out = model(q, k, v, **kw)
+    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return out, [t.grad.clone() for t in (q, k, v, model.table)]
+
+
+def test_compiled_model_fullgraph_forward_backward_no_recompile():
+    torch._dynamo.reset()
+    model = RelativeBias()
+    compiled = torch.compile(model, fullgraph=True)
+    q, k, v = (t.requires_grad_() for t in qkv(L=45))
+    ref, ref_grads = _grads(model, q, k, v)
+    out, grads = _grads(compiled, q, k, v)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-6)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        with torch.no_grad():
+            model.table.mul_(-2.0)  # new parameter values
+        q2, k2, v2 = (t.requires_grad_() for t in qkv(L=45, seed=1))  # new activations
+        out2, grads2 = _grads(compiled, q2, k2, v2)
+    ref2, ref_grads2 = _grads(model, q2, k2, v2)
+    torch.testing.assert_close(out2, ref2, atol=1e-6, rtol=1e-6)
+    for g, r in zip(grads2, ref_grads2):
+        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-6)
+
+
+def test_compiled_create_block_mask_then_attention():
+    """create_block_mask and flex_attention in one fullgraph graph; new document ids (a block
+    mask of the same lengths) do not recompile."""
+    torch._dynamo.reset()
+
+    def attend(q, k, v, doc):
+        mask = flexattn.create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (qi >= ki), None, None,
+                                          q.shape[2], k.shape[2], device="cpu", BLOCK_SIZE=16)
+        return flexattn.flex_attention(q, k, v, block_mask=mask)
+
+    compiled = torch.compile(attend, fullgraph=True)
+    q, k, v = qkv(L=50)
+    for i, div in enumerate((17, 9)):
+        doc = (torch.arange(50) // div).int()
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            out = compiled(q, k, v, doc)
+        ref = torch_flex(q.double(), k.double(), v.double(),
+                         score_mod=lambda s, b, h, qi, ki: torch.where((doc[qi] == doc[ki]) & (qi >= ki), s, -torch.inf))
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_compiled_model_with_a_block_mask_made_outside():
+    torch._dynamo.reset()
+    model = RelativeBias()
+    compiled = torch.compile(model, fullgraph=True)
+    q, k, v = qkv(L=45)
+    for i, div in enumerate((8, 20)):  # same lengths and mod, other document ids: the same graph
+        doc = (torch.arange(45) // div).int()
+        mask = flexattn.create_block_mask(lambda b, h, qi, ki: doc[qi] == doc[ki], None, None, 45, 45,
+                                          device="cpu", BLOCK_SIZE=16)
+        with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=i > 0):
+            out = compiled(q, k, v, block_mask=mask)
+        torch.testing.assert_close(out, model(q, k, v, block_mask=mask), atol=1e-6, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block masks of new lengths
+
+
+def test_block_masks_of_new_lengths_reuse_kernels():
+    """On the GPU the block-mask kernels' constexprs do not depend on the lengths (and the lengths
+    are not specialised on), so a new length compiles nothing; one module serves every length."""
+    assert len({block_mask_kernel.chunks(n, n, interpret=False) for n in (1, 7, 64, 1000, 8192)}) == 1
+    mask = flexattn.mask_mod("(q_idx >= kv_idx) & (q_idx - kv_idx < 40)")
+    flexattn.create_block_mask(mask, None, None, 100, 100, device="cpu", BLOCK_SIZE=16, backend="triton")
+    modules = dict(block_mask_kernel._MODULES)
+    for n in (37, 130, 257):
+        bm = flexattn.create_block_mask(mask, None, None, n, n, device="cpu", BLOCK_SIZE=16, backend="triton")
+        dense = flexattn.create_mask(mask, 1, 1, n, n, device="cpu")[0, 0]
+        nb = -(-n // 16)
+        padded = torch.zeros(nb * 16, nb * 16, dtype=torch.bool)
+        padded[:n, :n] = dense
+        visited = padded.view(nb, 16, nb, 16).any(3).any(1).sum(1)  # tiles each query block must see
+        assert torch.equal((bm.kv_num_blocks + bm.full_kv_num_blocks)[0, 0], visited.int())
+    assert block_mask_kernel._MODULES == modules
+    source = next(iter(modules.values())).__file__
+    with open(source) as f:
+        text = f.read()
+    assert 'do_not_specialize=[' in text and '"Q_LEN", "KV_LEN"' in text

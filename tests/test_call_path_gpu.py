@@ -1,0 +1,107 @@
+"""The call path on a GPU (``pytest -m gpu``): CUDA-graph capture of forward and decoding calls
+made the way model code makes them (a fresh lambda per call), and a compiled model."""
+
+import math
+
+import pytest
+import torch
+
+import flexattn
+from flexattn.reference import attention_reference
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _capture(step):
+    """Warm up on a side stream (trace, plan, compile), then capture one call."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    return graph, static
+
+
+def test_cuda_graph_forward_with_fresh_lambda_per_call():
+    B, H, S, D = 2, 8, 1000, 64
+    q, k, v = (torch.randn(B, H, S, D, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    bias = torch.randn(H, device=DEV)
+    mask = flexattn.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device=DEV)
+
+    def step():
+        return flexattn.flex_attention(q, k, v, block_mask=mask,
+                                       score_mod=lambda s, b, h, qi, ki: s + bias[h] * (qi - ki) * 1e-3)
+
+    graph, static_out = _capture(step)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        bias.copy_(torch.randn_like(bias))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(static_out.float(), step().float(), atol=0, rtol=0)
+        ref = attention_reference(q, k, v, block_mask=mask,
+                                  score_mod=lambda s, b, h, qi, ki: s + bias[h] * (qi - ki) * 1e-3)
+        torch.testing.assert_close(static_out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_cuda_graph_decoding_through_flex_attention():
+    B, Hq, Hkv, L, D = 4, 32, 8, 4096, 128
+    q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, L, D, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    pos = torch.tensor(1000, device=DEV, dtype=torch.int32)
+
+    def step():
+        return flexattn.flex_attention(q, k, v, enable_gqa=True,
+                                       score_mod=lambda s, b, h, qi, ki: torch.where(ki <= pos, s, -math.inf))
+
+    graph, static_out = _capture(step)
+    for new_pos in (1500, 4000, 17):
+        q.copy_(torch.randn_like(q))
+        pos.fill_(new_pos)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(static_out.float(), step().float(), atol=0, rtol=0)
+        ref = attention_reference(q, k, v, enable_gqa=True,
+                                  score_mod=lambda s, b, h, qi, ki: torch.where(ki <= pos, s, -math.inf))
+        torch.testing.assert_close(static_out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_compiled_model_on_the_gpu():
+    torch._dynamo.reset()
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.slopes = torch.nn.Parameter(torch.rand(8, device=DEV) * 0.1)
+
+        def forward(self, q, k, v, mask):
+            slopes = self.slopes
+            return flexattn.flex_attention(q, k, v, block_mask=mask,
+                                           score_mod=lambda s, b, h, qi, ki: s - slopes[h] * (qi - ki))
+
+    layer = Layer()
+    compiled = torch.compile(layer, fullgraph=True)
+    S = 2048
+    mask = flexattn.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device=DEV)
+    grads = []
+    for model in (layer, compiled):
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(2, 8, S, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        layer.slopes.grad = None
+        out = model(q, k, v, mask)
+        out.float().sum().backward()
+        grads.append((out, q.grad, k.grad, v.grad, layer.slopes.grad))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        q, k, v = (torch.randn(2, 8, S, 64, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+        with torch.no_grad():
+            layer.slopes.mul_(0.5)
+            torch.testing.assert_close(compiled(q, k, v, mask), layer(q, k, v, mask), atol=0, rtol=0)
