@@ -13,7 +13,6 @@ per key) is launched. Calls that need no gradient launch directly; the others go
 
 from __future__ import annotations
 
-import functools
 import math
 import inspect
 from typing import Callable
@@ -122,7 +121,7 @@ class FlexAttentionFunction(torch.autograd.Function):
         need = tuple(ctx.needs_input_grad[4:4 + call.n_score])
         plan_key = (call.key, need, grad_out.shape, grad_out.stride(), grad_lse is not None)
         plan = plans.backward_plan(plan_key, query, key, value, out, grad_out, call.score, call.mask, call.tables,
-                                   call.options, need, score_bufs)
+                                   call.options, need, score_bufs, grad_lse is not None)
         dq, dk, dv, grads = bwd.run(plan, query, key, value, out, lse, grad_out, grad_lse, call.score, score_bufs,
                                     call.mask, mask_bufs, call.tables, call.scale)
         buffer_grads = []
@@ -166,7 +165,7 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
         device, dtype = query.device, query.dtype
         q_meta, k_meta, v_meta = _meta(query), _meta(key), _meta(value)
     except AttributeError:
-        check_inputs(query, key, value, enable_gqa)
+        plans.check_inputs(query, key, value, enable_gqa)
         raise
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     score, score_bufs = resolve_score_mod(score_mod, stat_dtype, device)
@@ -191,8 +190,9 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     if decoding and (need_grad or want_max):
         raise ValueError("the decoding kernel (kernel_options BACKEND='TRITON_DECODE') computes no gradients "
                          "and no max_scores; use BACKEND='AUTO'")
-    buf_devices = tuple(t.device for t in score_bufs) + tuple(t.device for t in mask_bufs)
-    plan_key = (decoding, q_meta, k_meta, v_meta, score.key(), mask.key(), buf_devices,
+    # The captured tensors' shapes and strides are kernel arguments the compiled kernel is specialised on.
+    buf_metas = tuple(_meta(t) for t in score_bufs) + tuple(_meta(t) for t in mask_bufs)
+    plan_key = (decoding, q_meta, k_meta, v_meta, score.key(), mask.key(), buf_metas,
                 None if tables is None else tables.sig, enable_gqa, tuple(options.items()), want_max,
                 None if kv_lengths is None else _meta(kv_lengths),
                 device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)

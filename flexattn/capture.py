@@ -14,7 +14,6 @@ its captured tensors (inputs of the custom ops in `flexattn.ops`).
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 

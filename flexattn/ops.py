@@ -59,8 +59,8 @@ def _meta(t: Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device
 
 
-def _devices(ts) -> tuple:
-    return tuple(t.device for t in ts)
+def _metas(ts) -> tuple:
+    return tuple(_meta(t) for t in ts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,7 +73,7 @@ def forward(query: Tensor, key: Tensor, value: Tensor, score_bufs: list[Tensor],
     """Block-sparse forward: ``(out, lse, max_scores)`` (max_scores is empty unless asked for)."""
     score, mask, block, enable_gqa, options, want_max = _parse(spec)
     t = _tables(block, tables)
-    key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _devices(score_bufs) + _devices(mask_bufs),
+    key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _metas(score_bufs) + _metas(mask_bufs),
             None if t is None else t.sig)
     plan = plans.forward_plan(key_, query, key, value, score, score_bufs, mask, mask_bufs, t, enable_gqa,
                               options, want_max)
@@ -131,8 +131,9 @@ def backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor
         t = Tables(t.kv, q_direction(t, key.shape[2]), t.q_block, t.kv_block, t.seq_lengths, t.sig)
     need_t = tuple(need)
     key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _meta(grad_out), grad_lse is not None, need_t,
-            None if t is None else t.sig)
-    plan = plans.backward_plan(key_, query, key, value, out, grad_out, score, mask, t, options, need_t, score_bufs)
+            _metas(score_bufs) + _metas(mask_bufs), None if t is None else t.sig)
+    plan = plans.backward_plan(key_, query, key, value, out, grad_out, score, mask, t, options, need_t, score_bufs,
+                               grad_lse is not None)
     dq, dk, dv, grads = bwd.run(plan, query, key, value, out, lse, grad_out, grad_lse, score, score_bufs, mask,
                                 mask_bufs, t, scale)
     buffer_grads = []
@@ -164,7 +165,7 @@ def decode(query: Tensor, key: Tensor, value: Tensor, score_bufs: list[Tensor], 
     """Split-KV decoding: ``(out, lse)``."""
     score, mask, block, enable_gqa, options, _ = _parse(spec)
     t = _tables(block, tables)
-    key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _devices(score_bufs) + _devices(mask_bufs),
+    key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _metas(score_bufs) + _metas(mask_bufs),
             None if t is None else t.sig, None if kv_lengths is None else _meta(kv_lengths))
     plan = plans.decode_plan(key_, query, key, value, score, score_bufs, mask, mask_bufs, t, enable_gqa, options,
                              kv_lengths)

@@ -8,7 +8,6 @@ multiple of what eager attention in the same dtype gets (`testing.assert_close_t
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -98,10 +98,14 @@ def test_compiled_model_on_the_gpu():
         out = model(q, k, v, mask)
         out.float().sum().backward()
         grads.append((out, q.grad, k.grad, v.grad, layer.slopes.grad))
-    for a, b in zip(*grads):
+    eager, comp = grads
+    for a, b in zip(eager[:4], comp[:4]):  # output, dQ, dK, dV: the same kernels, bit for bit
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # The slopes' gradient is summed with float32 atomics, whose order varies run to run.
+    torch.testing.assert_close(eager[4], comp[4], atol=0, rtol=1e-5)
+    with torch.no_grad():
+        layer.slopes.mul_(0.5)  # new parameter values and new activations: the same graph
+    q, k, v = (torch.randn(2, 8, S, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     with torch._dynamo.config.patch(error_on_recompile=True):
-        q, k, v = (torch.randn(2, 8, S, 64, device=DEV, dtype=torch.bfloat16) for _ in range(3))
-        with torch.no_grad():
-            layer.slopes.mul_(0.5)
-            torch.testing.assert_close(compiled(q, k, v, mask), layer(q, k, v, mask), atol=0, rtol=0)
+        out = compiled(q, k, v, mask)
+    torch.testing.assert_close(out, layer(q, k, v, mask), atol=0, rtol=0)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import triton
@@ -58,21 +57,20 @@ def module(score: Mod, mask: Mod, grad_buffers: tuple[int, ...], target: str):
 
 @dataclass(frozen=True)
 class Plan:
-    module: Any
+    preprocess: launch.Launch
+    dkdv: launch.Launch
+    dq: launch.Launch
     grad_buffers: tuple[int, ...]   # captured tensors (by index) that get gradients
     acc: torch.dtype
     dk_dtype: torch.dtype
     kv_batched: bool
-    pre: tuple                      # preprocess grid and constexprs
-    dkdv: tuple                     # (grid, constexprs)
-    dq: tuple
     dense: tuple[Direction, Direction] | None  # (q lists, kv lists) without a block mask
     strides: tuple                  # Q, K, V strides (K/V batch-broadcast)
     sizes: tuple                    # Hq, Hkv, Q_LEN, KV_LEN
 
 
 def make_plan(query, key, value, out, grad_out, score: Mod, mask: Mod, tables: Tables | None,
-              explicit: dict, buffers_need_grad: tuple[bool, ...], score_bufs) -> Plan:
+              explicit: dict, buffers_need_grad: tuple[bool, ...], score_bufs, has_grad_lse: bool) -> Plan:
     B, Hq, Q_LEN, E = query.shape
     Bkv, Hkv, KV_LEN, Ev = value.shape
     device, dtype = query.device, query.dtype
@@ -122,7 +120,8 @@ def make_plan(query, key, value, out, grad_out, score: Mod, mask: Mod, tables: T
         common.update(num_warps=o["bwd_num_warps"], num_stages=o["bwd_num_stages"])
     pre_m = min(64, pow2_at_least(Q_LEN))
     pre = ((triton.cdiv(Q_LEN, pre_m), B * Hq),
-           dict(BLOCK_M=pre_m, V_HEAD_DIM=Ev, V_HEAD_DIM_ROUNDED=ev_round, ACC_DTYPE=launch.ACC_TL_DTYPE[acc]))
+           dict(BLOCK_M=pre_m, V_HEAD_DIM=Ev, V_HEAD_DIM_ROUNDED=ev_round, ACC_DTYPE=launch.ACC_TL_DTYPE[acc],
+                HAS_GRAD_LSE=has_grad_lse))
     dkdv = ((triton.cdiv(KV_LEN, n1), B * Hkv),
             dict(common, BLOCK_M1=m1, BLOCK_N1=n1, SPARSE_Q_BLOCK_SIZE=sq1, SPARSE_KV_BLOCK_SIZE=skv1,
                  HAS_FULL_BLOCKS=has_full_q, IS_DIVISIBLE=divisible1, BLOCKS_ARE_CONTIGUOUS=contiguous_q))
@@ -131,9 +130,10 @@ def make_plan(query, key, value, out, grad_out, score: Mod, mask: Mod, tables: T
                HAS_FULL_BLOCKS=has_full_kv, IS_DIVISIBLE=divisible2, BLOCKS_ARE_CONTIGUOUS=contiguous_kv))
     strides = (*query.stride(), *launch.broadcast_strides(key, not kv_batched),
                *launch.broadcast_strides(value, not kv_batched))
-    return Plan(module(score, mask, grad_buffers, target), grad_buffers, acc,
-                key.dtype if kv_batched else acc, kv_batched, pre, dkdv, dq, dense_lists, strides,
-                (Hq, Hkv, Q_LEN, KV_LEN))
+    mod = module(score, mask, grad_buffers, target)
+    return Plan(launch.Launch(mod.backward_preprocess, *pre, device), launch.Launch(mod.backward_dkdv, *dkdv, device),
+                launch.Launch(mod.backward_dq, *dq, device), grad_buffers, acc,
+                key.dtype if kv_batched else acc, kv_batched, dense_lists, strides, (Hq, Hkv, Q_LEN, KV_LEN))
 
 
 def run(plan: Plan, query, key, value, out, lse, grad_out, grad_lse, score: Mod, score_bufs, mask: Mod,
@@ -152,27 +152,19 @@ def run(plan: Plan, query, key, value, out, lse, grad_out, grad_lse, score: Mod,
         q_lists, kv_lists = plan.dense
     else:
         q_lists, kv_lists = q_direction(tables, KV_LEN), tables.kv
-    mod = plan.module
 
     delta = launch.empty((B, Hq, Q_LEN), plan.acc, device)
     dlse = grad_lse if grad_lse is not None else lse
-    grid, c = plan.pre
-    mod.backward_preprocess[grid](
-        out, grad_out, dlse, delta, *out.stride(), *grad_out.stride(), *dlse.stride(), Hq, Q_LEN,
-        HAS_GRAD_LSE=grad_lse is not None, **c)
+    plan.preprocess(out, grad_out, dlse, delta, *out.stride(), *grad_out.stride(), *dlse.stride(), Hq, Q_LEN)
 
     mod_args = [*launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs)]
-    grid, c = plan.dkdv
-    mod.backward_dkdv[grid](
-        query, key, value, grad_out, lse, delta, dk, dv, *q_lists.args(), *mod_args,
-        *plan.strides, *grad_out.stride(), *lse.stride(), *dk.stride(), *dv.stride(),
-        *q_lists.strides(), *plan.sizes, scale, **c)
-    grid, c = plan.dq
-    mod.backward_dq[grid](
-        query, key, value, grad_out, lse, delta, dq, *kv_lists.args(), *mod_args,
-        *emit.grad_launch_args(None, grad_bufs),
-        *plan.strides, *grad_out.stride(), *lse.stride(), *dq.stride(),
-        *kv_lists.strides(), Hq, Q_LEN, KV_LEN, scale, **c)
+    plan.dkdv(query, key, value, grad_out, lse, delta, dk, dv, *q_lists.args(), *mod_args,
+              *plan.strides, *grad_out.stride(), *lse.stride(), *dk.stride(), *dv.stride(),
+              *q_lists.strides(), *plan.sizes, scale)
+    plan.dq(query, key, value, grad_out, lse, delta, dq, *kv_lists.args(), *mod_args,
+            *emit.grad_launch_args(None, grad_bufs),
+            *plan.strides, *grad_out.stride(), *lse.stride(), *dq.stride(),
+            *kv_lists.strides(), Hq, Q_LEN, KV_LEN, scale)
     if not plan.kv_batched:  # K/V broadcast over the batch: their gradient sums over it
         dk = dk.sum(0, keepdim=True).to(key.dtype)
         dv = dv.sum(0, keepdim=True).to(value.dtype)

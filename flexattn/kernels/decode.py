@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import triton
@@ -50,14 +49,11 @@ def module(score: Mod | None, mask: Mod | None, target: str):
 
 @dataclass(frozen=True)
 class Plan:
-    module: Any
+    split: launch.Launch      # decode_split_kernel
+    combine: launch.Launch    # decode_combine_kernel (used when split_kv > 1)
     split_kv: int
-    grid: tuple
-    combine_grid: tuple
     strides: tuple            # Q, K, V strides
     static_args: tuple        # block-mask strides and sizes after Out's strides
-    constexprs: dict
-    combine_constexprs: dict
     out_shape: tuple
     out_order: tuple
     has_full: bool
@@ -135,13 +131,14 @@ def make_plan(query, key, value, score: Mod | None, mask: Mod | None, tables: Ta
     )
     if device.type == "cuda":
         constexprs.update(num_warps=o["num_warps"], num_stages=o["num_stages"])
+    mod = module(score, mask, launch.target_for(device))
     return Plan(
-        module=module(score, mask, launch.target_for(device)),
+        split=launch.Launch(mod.decode_split_kernel, (split, B * HKV, (G // G_PACK) * NUM_Q_BLOCKS * M_TILES),
+                            constexprs, device),
+        combine=launch.Launch(mod.decode_combine_kernel, (B * HQ * Q_LEN,),
+                              dict(SPLIT_KV=split, SPLIT_PAD=max(2, triton.next_power_of_2(split)), DV=DV), device),
         split_kv=split,
-        grid=(split, B * HKV, (G // G_PACK) * NUM_Q_BLOCKS * M_TILES),
-        combine_grid=(B * HQ * Q_LEN,),
-        strides=strides, static_args=tuple(static), constexprs=constexprs,
-        combine_constexprs=dict(SPLIT_KV=split, SPLIT_PAD=max(2, triton.next_power_of_2(split)), DV=DV),
+        strides=strides, static_args=tuple(static),
         out_shape=(B, HQ, Q_LEN, EV), out_order=launch.stride_order(query), has_full=has_full,
     )
 
@@ -167,15 +164,12 @@ def run(plan: Plan, query, key, value, score: Mod | None, score_bufs, mask: Mod 
         num = idx = full_num = full_idx = lse
     mod_args = (launch.buffer_args(score, score_bufs) if score is not None else []) + (
         launch.buffer_args(mask, mask_bufs) if mask is not None else [])
-    plan.module.decode_split_kernel[plan.grid](
+    plan.split(
         query, key, value, out, lse, acc_part, m_part, l_part,
         num, idx, full_num, full_idx, kv_lengths if kv_lengths is not None else lse,
         *mod_args, *plan.strides, *out.stride(), *plan.static_args, scale,
-        **plan.constexprs,
     )
     if plan.split_kv > 1:
-        plan.module.decode_combine_kernel[plan.combine_grid](
-            out, lse, acc_part, m_part, l_part, *out.stride(), plan.out_shape[1], plan.out_shape[2],
-            plan.out_shape[3], **plan.combine_constexprs,
-        )
+        plan.combine(out, lse, acc_part, m_part, l_part, *out.stride(), plan.out_shape[1], plan.out_shape[2],
+                     plan.out_shape[3])
     return out, lse

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import triton
@@ -18,8 +17,7 @@ from flexattn.mods import Mod
 class Plan:
     """Everything about one forward launch that does not change between calls."""
 
-    kernel: Any
-    grid: tuple[int, int]
+    kernel: launch.Launch
     out_shape: tuple[int, ...]
     stat_shape: tuple[int, int, int]
     out_order: tuple[int, ...]
@@ -27,7 +25,6 @@ class Plan:
     strides: tuple  # Q, K (batch-broadcast), V, Out strides
     dense_rows: Direction | None  # the block lists to read without a block mask
     sizes: tuple  # HQ, Q_LEN, KV_LEN
-    constexprs: dict
     tiles: tuple[int, int]
 
 
@@ -97,11 +94,12 @@ def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
         constexprs.update(num_warps=options["num_warps"], num_stages=options["num_stages"])
     kv_b = Bkv == 1 and B > 1
     strides = (*query.stride(), *launch.broadcast_strides(key, kv_b), *launch.broadcast_strides(value, kv_b))
+    kernel = module(score, mask, launch.target_for(device)).flex_attention_forward
     return Plan(
-        kernel=module(score, mask, launch.target_for(device)).flex_attention_forward,
-        grid=(triton.cdiv(Q_LEN, block_m), B * Hq), out_shape=out_shape, stat_shape=(B, Hq, Q_LEN),
+        kernel=launch.Launch(kernel, (triton.cdiv(Q_LEN, block_m), B * Hq), constexprs, device),
+        out_shape=out_shape, stat_shape=(B, Hq, Q_LEN),
         out_order=launch.stride_order(query), stat_dtype=acc, strides=strides, dense_rows=dense_rows,
-        sizes=(Hq, Q_LEN, KV_LEN), constexprs=constexprs, tiles=(block_m, block_n),
+        sizes=(Hq, Q_LEN, KV_LEN), tiles=(block_m, block_n),
     )
 
 
@@ -112,14 +110,14 @@ def run(plan: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     device = query.device
     out = launch.empty(plan.out_shape, query.dtype, device, plan.out_order)
     lse = launch.empty(plan.stat_shape, plan.stat_dtype, device)
-    mx = launch.empty(plan.stat_shape, plan.stat_dtype, device) if plan.constexprs["OUTPUT_MAX"] else None
+    mx = launch.empty(plan.stat_shape, plan.stat_dtype, device) if plan.kernel.constexprs["OUTPUT_MAX"] else None
     if out.numel() == 0:
         return out, lse, mx
     rows = plan.dense_rows if tables is None else tables.kv
-    plan.kernel[plan.grid](
+    plan.kernel(
         query, key, value, out, lse, lse if mx is None else mx, *rows.args(),
         *launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs),
         *plan.strides, *out.stride(), lse.stride(0), lse.stride(1), *rows.strides(),
-        *plan.sizes, scale, **plan.constexprs,
+        *plan.sizes, scale,
     )
     return out, lse, mx

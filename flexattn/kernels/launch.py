@@ -19,6 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # triton >= 3.4: the launch hooks the direct launch passes on, as Triton does
+    from triton import knobs as _knobs
+except ImportError:  # older triton: every launch goes through kernel[grid](...)
+    _knobs = None
+
 from flexattn.codegen import emit
 from flexattn.codegen.render import load_kernel_module, template_text
 
@@ -148,6 +153,81 @@ class PlanCache:
 
     def __len__(self) -> int:
         return len(self.plans)
+
+
+class Launch:
+    """One kernel launch of a plan: the Triton kernel, its grid and constexprs.
+
+    The first calls go through Triton's ``kernel[grid](...)``, which specialises every argument
+    (about 0.5 µs each) and looks the compiled kernel up. After that, on the GPU, the compiled
+    kernel's launcher is called directly, the way Triton calls it (launch metadata and hooks
+    included): the plan key fixes every integer argument, so only the tensors' 16-byte alignment,
+    which Triton also specialises on, can differ, and it is checked (a misaligned tensor takes
+    Triton's path). If the launcher's calling convention is not the one expected (another Triton
+    version), every launch takes Triton's path.
+    """
+
+    __slots__ = ("kernel", "grid", "constexprs", "device", "calls", "compiled", "launcher", "tail", "pointers",
+                 "grid3")
+
+    def __init__(self, kernel, grid: tuple, constexprs: dict, device: torch.device):
+        self.kernel, self.grid, self.constexprs, self.device = kernel, tuple(grid), constexprs, device
+        self.grid3 = self.grid + (1,) * (3 - len(self.grid))
+        self.calls = 0
+        self.compiled = self.launcher = None
+        self.tail = self.pointers = ()
+
+    def __call__(self, *args) -> None:
+        launcher = self.launcher
+        if launcher is not None:
+            for i in self.pointers:
+                if args[i].data_ptr() & 15:
+                    break
+            else:
+                compiled, (g0, g1, g2) = self.compiled, self.grid3
+                stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+                args = (*args, *self.tail)
+                launcher(g0, g1, g2, stream, compiled.function, compiled.packed_metadata,
+                         compiled.launch_metadata(self.grid, stream, *args),
+                         _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook, *args)
+                return
+        self.calls += 1
+        if self.calls == 2 and self.device.type == "cuda" and _knobs is not None:
+            self._capture(args)
+        else:
+            self.kernel[self.grid](*args, **self.constexprs)
+
+    def _capture(self, args) -> None:
+        """Launch through Triton once more, recording how it calls the compiled kernel's launcher."""
+        compiled = self.kernel.warmup(*args, grid=self.grid, **self.constexprs)
+        compiled._init_handles()
+        attr = "_run" if "_run" in vars(compiled) else "run"
+        launcher = getattr(compiled, attr)
+        seen = []
+
+        def spy(*a):
+            seen.append(a)
+            return launcher(*a)
+
+        setattr(compiled, attr, spy)
+        try:
+            self.kernel[self.grid](*args, **self.constexprs)
+        finally:
+            setattr(compiled, attr, launcher)
+        if len(seen) != 1:
+            return
+        # triton 3.x: (grid x3, stream, function, packed metadata, launch metadata, enter hook,
+        # exit hook, *args, *constexprs)
+        a, n = seen[0], len(args)
+        ok = (len(a) >= 9 + n and tuple(a[:3]) == self.grid3
+              and a[3] == torch._C._cuda_getCurrentRawStream(self.device.index)
+              and a[4] is compiled.function and a[5] is compiled.packed_metadata
+              and all(x is y for x, y in zip(a[9:9 + n], args))
+              and all(t.data_ptr() % 16 == 0 for t in args if isinstance(t, torch.Tensor)))
+        if ok:
+            self.compiled, self.tail = compiled, a[9 + n:]
+            self.pointers = tuple(i for i, t in enumerate(args) if isinstance(t, torch.Tensor))
+            self.launcher = launcher
 
 
 def buffer_args(mod, buffers) -> list:

@@ -92,9 +92,9 @@ def decode_plan(key, query, key_t, value, score: Mod, score_bufs, mask: Mod, mas
 
 
 def backward_plan(key, query, key_t, value, out, grad_out, score: Mod, mask: Mod, tables: Tables | None,
-                  options: dict, need: tuple[bool, ...], score_bufs) -> bwd.Plan:
+                  options: dict, need: tuple[bool, ...], score_bufs, has_grad_lse: bool) -> bwd.Plan:
     return BACKWARD.get(key, lambda: bwd.make_plan(query, key_t, value, out, grad_out, score, mask, tables,
-                                                   options, need, score_bufs))
+                                                   options, need, score_bufs, has_grad_lse))
 
 
 def decode_mods(score: Mod, mask: Mod) -> tuple[Mod | None, Mod | None]:
