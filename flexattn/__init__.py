@@ -3,7 +3,11 @@
 Public API (same names, shapes and meaning as ``torch.nn.attention.flex_attention``):
 ``flex_attention``, ``create_block_mask``, ``BlockMask``, ``and_masks``, ``or_masks``,
 ``noop_mask``, ``create_mask``; plus ``trace`` (Python mod -> `Mod`), and ``score_mod`` /
-``mask_mod`` (DSL text -> `Mod`).
+``mask_mod`` (DSL text -> `Mod`); ``AuxRequest`` / ``AuxOutput`` (``return_aux``).
+
+Submodules, imported on first use: ``flexattn.masks`` and ``flexattn.scores`` (ready-made mods),
+``flexattn.decode`` (decoding helpers), ``flexattn.paged`` (paged KV cache), ``flexattn.viz``
+(pictures), ``flexattn.integrations`` (transformers).
 """
 
 from __future__ import annotations
@@ -27,12 +31,20 @@ _EXPORTS = {
     "and_masks": "flexattn.block_mask",
     "or_masks": "flexattn.block_mask",
     "noop_mask": "flexattn.block_mask",
+    "AuxRequest": "flexattn.auxiliary",
+    "AuxOutput": "flexattn.auxiliary",
 }
+# Submodules reachable as attributes (``flexattn.masks.causal``) without importing them by hand.
+_SUBMODULES = ("masks", "scores", "decode", "paged", "viz", "integrations")
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        value = importlib.import_module(f"flexattn.{name}")
+        globals()[name] = value
+        return value
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'flexattn' has no attribute {name!r}")
@@ -42,4 +54,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return __all__
+    return __all__ + list(_SUBMODULES)

@@ -24,8 +24,6 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
-import struct
-import zlib
 from typing import Any, Callable
 
 import torch
@@ -343,7 +341,9 @@ class BlockMask:
                  q_num_blocks: torch.Tensor | None, q_indices: torch.Tensor | None,
                  full_q_num_blocks: torch.Tensor | None, full_q_indices: torch.Tensor | None,
                  BLOCK_SIZE: int | tuple[int, int] = (_DEFAULT_SPARSE_BLOCK_SIZE, _DEFAULT_SPARSE_BLOCK_SIZE),
-                 mask_mod: Callable = noop_mask):
+                 mask_mod: Callable = noop_mask, *, dq_write_order: torch.Tensor | None = None,
+                 dq_write_order_full: torch.Tensor | None = None, dq_kv_order: torch.Tensor | None = None,
+                 dq_kv_order_spt: bool | None = None):
         if kv_indices.dim() < 2:
             raise ValueError(f"kv_indices must have at least 2 dimensions, got shape {tuple(kv_indices.shape)}")
         if kv_num_blocks.shape != kv_indices.shape[:-1]:
@@ -362,6 +362,15 @@ class BlockMask:
         self.q_indices = q_indices
         self.full_q_num_blocks = full_q_num_blocks
         self.full_q_indices = full_q_indices
+        # torch 2.13's deterministic-dQ metadata for its FLASH backward: carried so that as_tuple()
+        # and torch's flex_attention see torch's fields; flexattn's dQ pass (one program per query
+        # tile, no atomics) is deterministic without it.
+        if dq_write_order_full is not None and dq_write_order is None:
+            raise ValueError("dq_write_order_full requires dq_write_order")
+        self.dq_write_order = dq_write_order
+        self.dq_write_order_full = dq_write_order_full
+        self.dq_kv_order = dq_kv_order
+        self.dq_kv_order_spt = dq_kv_order_spt
         self.BLOCK_SIZE = _pair(BLOCK_SIZE)
         self.mask_mod = mask_mod
         self._mod: Mod | None = mask_mod if isinstance(mask_mod, Mod) else None
@@ -403,13 +412,49 @@ class BlockMask:
     # -- views ----------------------------------------------------------------------------------
 
     def as_tuple(self, flatten: bool = True) -> tuple:
-        """(Q_LEN, KV_LEN, kv_num_blocks, kv_indices, full_kv_*, q_*, full_q_*, Q_BLOCK, KV_BLOCK,
-        mask_mod); with ``flatten=False`` the lengths and block sizes stay pairs."""
+        """torch 2.13's 17 fields, in torch's order (what torch's flex_attention unpacks)::
+
+            Q_LEN, KV_LEN, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+            q_num_blocks, q_indices, full_q_num_blocks, full_q_indices, dq_write_order,
+            dq_write_order_full, dq_kv_order, dq_kv_order_spt, Q_BLOCK, KV_BLOCK, mask_mod
+
+        With ``flatten=False`` the lengths and block sizes stay pairs (15 fields).
+
+        Example::
+
+            >>> bm = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 256, 256, "cpu")
+            >>> len(bm.as_tuple()), bm.as_tuple()[:2], bm.as_tuple()[-3:-1]
+            (17, (256, 256), (128, 128))
+        """
         seq = self.seq_lengths if flatten else (self.seq_lengths,)
         block = self.BLOCK_SIZE if flatten else (self.BLOCK_SIZE,)
         return (*seq, self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices,
                 self.q_num_blocks, self.q_indices, self.full_q_num_blocks, self.full_q_indices,
+                self.dq_write_order, self.dq_write_order_full, self.dq_kv_order, self.dq_kv_order_spt,
                 *block, self.mask_mod)
+
+    @classmethod
+    def from_torch(cls, block_mask) -> "BlockMask":
+        """A flexattn BlockMask with the tables of torch's ``BlockMask`` ``block_mask`` (shared, not copied).
+
+        ``flexattn.flex_attention`` takes torch's BlockMask as it is; this is for flexattn's extras
+        (``to_png``, ``adjust`` on any mask, tile states). Example::
+
+            >>> from torch.nn.attention import flex_attention as tf
+            >>> tbm = tf.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 256, 256, device="cpu")
+            >>> BlockMask.from_torch(tbm).sparsity() == tbm.sparsity()
+            True
+        """
+        if isinstance(block_mask, cls):
+            return block_mask
+        if not (hasattr(block_mask, "kv_num_blocks") and hasattr(block_mask, "as_tuple")):
+            raise TypeError(f"block_mask must be a torch or flexattn BlockMask, got {type(block_mask).__name__}")
+        extra = {name: getattr(block_mask, name, None)
+                 for name in ("dq_write_order", "dq_write_order_full", "dq_kv_order", "dq_kv_order_spt")}
+        return cls(tuple(block_mask.seq_lengths), block_mask.kv_num_blocks, block_mask.kv_indices,
+                   block_mask.full_kv_num_blocks, block_mask.full_kv_indices, block_mask.q_num_blocks,
+                   block_mask.q_indices, block_mask.full_q_num_blocks, block_mask.full_q_indices,
+                   BLOCK_SIZE=tuple(block_mask.BLOCK_SIZE), mask_mod=block_mask.mask_mod, **extra)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -560,7 +605,9 @@ class BlockMask:
             return None if t is None else t.to(device)
 
         out = BlockMask(self.seq_lengths, *(move(t) for t in self.as_tuple()[2:10]),
-                        BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod)
+                        BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod,
+                        dq_write_order=move(self.dq_write_order), dq_write_order_full=move(self.dq_write_order_full),
+                        dq_kv_order=move(self.dq_kv_order), dq_kv_order_spt=self.dq_kv_order_spt)
         if self._mod is not None:
             m = self._mod
             out._mod = Mod(m.kind, m.ir, [t.to(device) for t in m.buffers], m.name, m.source, m.fn)
@@ -585,52 +632,11 @@ class BlockMask:
 
     # -- pictures ---------------------------------------------------------------------------------
 
-    def to_png(self, path: str, batch: int = 0, head: int = 0, engine: str = "auto") -> str:
-        """Write a picture of the tiles of (batch, head) to ``path``: black full, grey partial.
+    def to_png(self, path: str, batch: int = 0, head: int = 0, level: str = "auto") -> str:
+        """Write a picture of (batch, head) to ``path``; see `flexattn.viz.to_png` (needs Pillow)."""
+        from flexattn import viz
 
-        ``engine``: "matplotlib" (needs ``pip install flexattn[plot]``), "plain" (a grayscale PNG
-        written with zlib), or "auto" (matplotlib when installed). Returns ``path``.
-        """
-        st = self.tile_states()
-        st = st[(batch, head)[:st.dim() - 2]] if st.dim() <= 4 else st.reshape(-1, *st.shape[-2:])[0]
-        gray = torch.tensor([255, 150, 0], dtype=torch.uint8)[st.long().cpu()]
-        if engine not in ("auto", "matplotlib", "plain"):
-            raise ValueError(f"engine must be 'auto', 'matplotlib' or 'plain', got {engine!r}")
-        if engine != "plain":
-            try:
-                import matplotlib
-
-                matplotlib.use("Agg")
-                import matplotlib.pyplot as plt
-            except ImportError:
-                if engine == "matplotlib":
-                    raise ImportError("BlockMask.to_png(engine='matplotlib') needs matplotlib: "
-                                      "pip install 'flexattn[plot]'") from None
-            else:
-                fig, ax = plt.subplots(figsize=(6, 6 * st.shape[0] / max(st.shape[1], 1) + 0.5))
-                ax.imshow(gray.numpy(), cmap="gray", vmin=0, vmax=255, interpolation="nearest")
-                ax.set_xlabel(f"KV tile ({self.BLOCK_SIZE[1]} tokens)")
-                ax.set_ylabel(f"query tile ({self.BLOCK_SIZE[0]} tokens)")
-                ax.set_title(f"{getattr(self.mask_mod, '__name__', 'mask')}  sparsity {self.sparsity():.1f}%")
-                fig.savefig(path, dpi=100, bbox_inches="tight")
-                plt.close(fig)
-                return path
-        scale = max(1, 512 // max(gray.shape))
-        _write_gray_png(path, gray.repeat_interleave(scale, 0).repeat_interleave(scale, 1))
-        return path
-
-
-def _write_gray_png(path: str, pixels: torch.Tensor) -> None:
-    """An 8-bit grayscale PNG: signature, IHDR, one zlib IDAT (filter 0 per row), IEND."""
-    h, w = pixels.shape
-    raw = torch.cat([torch.zeros(h, 1, dtype=torch.uint8), pixels.to(torch.uint8)], 1).numpy().tobytes()
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    with open(path, "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0))
-                + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
+        return viz.to_png(self, path, batch=batch, head=head, level=level)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -646,14 +652,18 @@ def _default_device(device) -> torch.device:
 def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
                       device: Any = None, BLOCK_SIZE: int | tuple[int, int] = _DEFAULT_SPARSE_BLOCK_SIZE,
                       _compile: bool = False, separate_full_blocks: bool = True,
+                      compute_dq_write_order: bool = False, dq_kv_order: bool = True,
                       *, backend: str | None = None, use_interval: bool = True) -> BlockMask:
-    """The BlockMask of ``mask_mod`` (torch's signature; ``device=None``: CUDA when available).
+    """The BlockMask of ``mask_mod`` (torch 2.13's signature; ``device=None``: CUDA when available).
 
     ``B`` / ``H`` of None mean 1 (broadcast over batch / heads). A mask that ignores ``b`` or ``h``
     is classified once and repeated. ``backend``: "triton" (generated kernels; the GPU default,
     on CPU tensors it runs in Triton's interpreter) or "torch" (chunked torch ops, the CPU
     default). ``use_interval=False`` evaluates every tile element by element (for testing).
     ``_compile`` is accepted for torch compatibility and ignored: this path is already compiled.
+    ``compute_dq_write_order`` / ``dq_kv_order`` are torch's metadata for its deterministic FLASH
+    backward; flexattn's dQ pass is deterministic without them, so ``compute_dq_write_order=True``
+    is refused (build the mask with torch's ``create_block_mask`` if torch's kernel needs them).
 
     Example::
 
@@ -661,6 +671,13 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         ...     return (q_idx >= kv_idx) & (q_idx - kv_idx < 256)
         >>> bm = create_block_mask(sliding_window, None, None, 1000, 1000, device="cpu")  # doctest: +SKIP
     """
+    if compute_dq_write_order:
+        raise NotImplementedError(
+            "create_block_mask(compute_dq_write_order=True): flexattn does not build torch's dQ write-order "
+            "tables; its own dQ pass (one program per query tile, no atomics) is already deterministic. "
+            "Leave it False, or use torch.nn.attention.flex_attention.create_block_mask for torch's FLASH backward")
+    if not isinstance(dq_kv_order, bool):
+        raise TypeError(f"dq_kv_order must be a bool (torch's create_block_mask takes no tensor), got {dq_kv_order!r}")
     Q_BLOCK, KV_BLOCK = _pair(BLOCK_SIZE)
     _check_block_sizes((Q_BLOCK, KV_BLOCK))
     B = _check_positive("B", B, allow_none=True)

@@ -1,10 +1,14 @@
-"""The ``flexattn`` command: look at what a DSL mod becomes.
+"""The ``flexattn`` command: look at what a mod becomes, draw masks, run the demo and benchmarks.
 
     flexattn show "score + 0.5 * tanh(score / 5.0)"            # IR, node listing, Triton source
     flexattn show "q_idx >= kv_idx" --kind mask --target interpret
+    flexattn show mymods.py:sliding                            # a Python mod from a file
+    flexattn show "-score"                                     # text may start with '-'
     flexattn mask "q_idx >= kv_idx and q_idx - kv_idx < 300" --seq 1000 --block-size 128 --png m.png
-    flexattn mask "q_idx - kv_idx < w" --seq 512 --set w=100 # bind a number
+    flexattn mask "q_idx - kv_idx < w" --seq 64 --set w=10 --png m.png   # small: token-level picture
     flexattn demo                                              # runs flexattn.demo
+    flexattn bench attention decode                            # benchmarks/ (needs a CUDA GPU)
+    flexattn --version
 
 Names used in the text can be bound with ``--set NAME=NUMBER`` and ``--tensor NAME=DTYPE[D0,D1]``
 (a zero-filled tensor: enough to see the generated code, which depends only on dtype and rank).
@@ -13,12 +17,16 @@ Names used in the text can be bound with ``--set NAME=NUMBER`` and ``--tensor NA
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import re
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
-from flexattn import ir
+from flexattn import __version__, ir
 from flexattn.codegen.emit import TARGETS
 from flexattn.dsl import make_mod, parse
 
@@ -69,7 +77,31 @@ def node_listing(root: ir.Node) -> list[str]:
     return lines
 
 
+_FILE_FUNCTION = re.compile(r"(?s)(?P<file>[^\n]+\.py):(?P<name>[A-Za-z_]\w*)")
+
+
+def _load_function(path: str, name: str):
+    """``name`` from the Python file ``path`` (imported as a module: it is the user's own code)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}:{name}: no such file {path!r}")
+    spec = importlib.util.spec_from_file_location(f"_flexattn_cli_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if fn is None:
+        public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise ValueError(f"{path} defines no {name!r}; callables there: {', '.join(public) or 'none'}")
+    return fn
+
+
 def _mod(text: str, kind: str | None, bindings: dict):
+    m = _FILE_FUNCTION.fullmatch(text.strip())
+    if m:  # file.py:function -> a traced Python mod
+        from flexattn.tracer import trace
+
+        if bindings:
+            raise ValueError("--set / --tensor bind names in DSL text; a Python mod from a file uses its own values")
+        return trace(_load_function(m["file"], m["name"]), kind=kind)
     if kind is None:  # a bool result is a mask, anything else a score
         kind = "mask" if parse(text, None, bindings).dtype == torch.bool else "score"
     return make_mod(kind, text, bindings)
@@ -95,17 +127,72 @@ def cmd_show(args) -> int:
     return 0
 
 
+#: Most tiles ``flexattn mask`` builds (its tables are int32 [nQ, nKV]: 64 MiB each at this size).
+MAX_MASK_TILES = 1 << 24
+
+
 def cmd_mask(args) -> int:
     from flexattn.block_mask import create_block_mask
 
-    mod = _mod(args.text, "mask", _bindings(args))
     kv_seq = args.kv_seq or args.seq
+    n_q, n_kv = -(-args.seq // args.block_size), -(-kv_seq // args.block_size)
+    if n_q * n_kv > MAX_MASK_TILES:  # refuse before tracing or allocating anything
+        longest = int((MAX_MASK_TILES ** 0.5)) * args.block_size
+        raise ValueError(f"--seq {args.seq}{f' --kv-seq {kv_seq}' if args.kv_seq else ''} with --block-size "
+                         f"{args.block_size} makes {n_q} x {n_kv} tiles; flexattn mask builds at most "
+                         f"{MAX_MASK_TILES} tiles (e.g. --seq {longest} at this block size): use a larger "
+                         f"--block-size or shorter lengths")
+    if args.png:
+        folder = os.path.dirname(os.path.abspath(args.png))
+        if not os.path.isdir(folder):
+            raise ValueError(f"--png {args.png}: the directory {folder} does not exist")
+    mod = _mod(args.text, "mask", _bindings(args))
     block_mask = create_block_mask(mod, 1, 1, args.seq, kv_seq, device="cpu", BLOCK_SIZE=args.block_size)
     print(str(block_mask))
     if args.png:
-        block_mask.to_png(args.png)
-        print(f"wrote {args.png}")
+        from flexattn import viz
+
+        _, level = viz.picture(block_mask, level=args.level)  # cheap next to create_block_mask
+        viz.to_png(block_mask, args.png, level=level)
+        print(f"wrote {args.png} ({level} level)")
     return 0
+
+
+BENCHMARKS = ("attention", "decode", "block_mask", "host")
+
+
+def _benchmark_dir() -> Path | None:
+    """benchmarks/ of the source checkout this flexattn runs from (an installed wheel has none)."""
+    here = Path(__file__).resolve().parent.parent / "benchmarks"
+    return here if (here / "bench_attention.py").is_file() else None
+
+
+def cmd_bench(args) -> int:
+    unknown = [n for n in args.names if n not in BENCHMARKS]
+    if unknown:
+        raise ValueError(f"unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHMARKS)}")
+    if not torch.cuda.is_available():
+        print("flexattn bench: needs a CUDA GPU, and torch.cuda.is_available() is False here. The benchmarks "
+              "time flexattn's kernels against torch.compile(flex_attention) and cuDNN SDPA on the GPU; on the "
+              "CPU, Triton's interpreter makes timings meaningless (for a CPU check run: python -m flexattn.demo)",
+              file=sys.stderr)
+        return 2
+    folder = _benchmark_dir()
+    if folder is None:
+        print("flexattn bench: the benchmark scripts live in benchmarks/ of a source checkout, which this "
+              "installation does not have; clone the repository and pip install -e . from it", file=sys.stderr)
+        return 2
+    names = args.names or [n for n in BENCHMARKS if (folder / f"bench_{n}.py").is_file()]
+    rc = 0
+    for name in names:
+        script = folder / f"bench_{name}.py"
+        if not script.is_file():
+            print(f"flexattn bench: {script} is missing", file=sys.stderr)
+            rc = 2
+            continue
+        print(f"== {script.name} {' '.join(args.extra)}", flush=True)
+        rc = subprocess.call([sys.executable, str(script), *args.extra], cwd=folder) or rc
+    return rc
 
 
 def _positive(text: str) -> int:
@@ -117,35 +204,76 @@ def _positive(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="flexattn", description="Inspect flexattn mods written in the DSL (see docs/dsl.md).",
+        prog="flexattn", description="Inspect flexattn mods, draw masks, run the demo and the benchmarks.",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1],
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{show,mask,demo}")
+    parser.add_argument("--version", action="version", version=f"flexattn {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{show,mask,demo,bench}")
 
     def bindings(p):
         p.add_argument("--set", action="append", metavar="NAME=NUMBER", help="bind a Python number")
         p.add_argument("--tensor", action="append", metavar="NAME=DTYPE[SIZES]",
                        help="bind a zero-filled tensor, e.g. bias=float32[16]")
 
+    text_help = "DSL text (e.g. \"q_idx >= kv_idx\"; may start with '-') or FILE.py:FUNCTION (a Python mod)"
     show = sub.add_parser("show", help="print a mod's IR and its generated Triton function")
-    show.add_argument("text", help="DSL text, e.g. \"q_idx >= kv_idx\"")
+    show.add_argument("text", help=text_help)
     show.add_argument("--kind", choices=("score", "mask"), help="default: mask if the text gives a bool")
     show.add_argument("--target", choices=TARGETS, default="cuda",
                       help="cuda (GPU, libdevice math) or interpret (Triton's CPU interpreter)")
     bindings(show)
     show.set_defaults(run=cmd_show)
 
-    mask = sub.add_parser("mask", help="build a mask's BlockMask on the CPU and print its tiles")
-    mask.add_argument("text", help="DSL text of a mask mod")
+    mask = sub.add_parser("mask", help="build a mask's BlockMask on the CPU, print its tiles, draw it")
+    mask.add_argument("text", help=text_help)
     mask.add_argument("--seq", type=_positive, required=True, help="query length")
     mask.add_argument("--kv-seq", type=_positive, help="KV length (default: --seq)")
     mask.add_argument("--block-size", type=_positive, default=128, help="tile size (default 128)")
-    mask.add_argument("--png", metavar="PATH", help="also write a picture of the tiles")
+    mask.add_argument("--png", metavar="PATH", help="also write a PNG picture (needs Pillow: flexattn[plot])")
+    mask.add_argument("--level", choices=("auto", "token", "tile"), default="auto",
+                      help="picture of every token pair or of the tiles (auto: tokens up to 1024 x 1024)")
     bindings(mask)
     mask.set_defaults(run=cmd_mask)
 
     sub.add_parser("demo", help="run the demo (python -m flexattn.demo; options after 'demo')", add_help=False)
+
+    bench = sub.add_parser("bench", help="run the GPU benchmarks in benchmarks/ (needs a CUDA GPU)",
+                           description="Run benchmarks/bench_NAME.py from the source checkout, one table each. "
+                                       "Arguments after '--' go to every script.")
+    bench.add_argument("names", nargs="*", metavar="NAME",
+                       help=f"which benchmarks ({', '.join(BENCHMARKS)}; default: all)")
+    bench.set_defaults(run=cmd_bench, extra=[])
     return parser
+
+
+_TEXT = "\0flexattn-text\0"
+
+
+def _protect_text(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], str | None]:
+    """Let mod text start with '-' (``flexattn show "-score"``): argparse would take it for an option.
+
+    The first argument after the subcommand that starts with '-' but is no option of it (nor an
+    option's value) is swapped for a placeholder before parsing and put back after.
+    """
+    if not argv or argv[0] not in ("show", "mask"):
+        return argv, None
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[argv[0]]
+    takes_value = {o: a.nargs != 0 for a in sub._actions for o in a.option_strings}
+    out, skip = list(argv), False
+    for i, a in enumerate(argv[1:], 1):
+        if a == "--":
+            break
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        known = [o for o in takes_value if o == name or (name.startswith("--") and o.startswith(name))]
+        if known:
+            skip = takes_value[known[0]] and "=" not in a
+        elif a.startswith("-") and len(a) > 1 and not re.fullmatch(r"-\d+(\.\d*)?", a):
+            out[i] = _TEXT
+            return out, a
+    return out, None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,11 +281,21 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["demo"]:  # the demo has its own options
         from flexattn import demo
 
-        return demo.main(argv[1:])
-    args = build_parser().parse_args(argv)
+        return demo.main(argv[1:], prog="flexattn demo")
+    extra: list[str] = []
+    if argv[:1] == ["bench"] and "--" in argv:  # arguments for the benchmark scripts
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    parser = build_parser()
+    argv, text = _protect_text(parser, argv)
+    args = parser.parse_args(argv)
+    if text is not None and getattr(args, "text", None) == _TEXT:
+        args.text = text
+    if args.command == "bench":
+        args.extra = extra
     try:
         return args.run(args)
-    except (ValueError, TypeError) as e:  # DSLError is a ValueError; the library's own message
+    except (ValueError, TypeError, OSError, ImportError) as e:  # DSLError is a ValueError; the library's message
         print(f"flexattn {args.command}: {e}", file=sys.stderr)
         return 2
 

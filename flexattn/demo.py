@@ -18,8 +18,8 @@ import flexattn
 from flexattn.reference import attention_reference
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 4096 GPU, 200 CPU)")
     args = parser.parse_args(argv)

@@ -8,11 +8,9 @@ dtypes, seq_lengths, BLOCK_SIZE, to_dense(), sparsity() and the text picture.
 
 import json
 import os
-import struct
 import subprocess
 import sys
 import textwrap
-import zlib
 
 import pytest
 import torch
@@ -215,9 +213,11 @@ def test_from_kv_blocks_and_as_tuple_match_torch():
     rebuilt = BlockMask.from_kv_blocks(*args, BLOCK_SIZE=32, seq_lengths=(300, 300))
     assert_same(rebuilt, TorchBlockMask.from_kv_blocks(*args, BLOCK_SIZE=32, seq_lengths=(300, 300)))
     t = ours.as_tuple()
+    assert len(t) == len(theirs.as_tuple()) == 17
     assert t[:2] == (300, 300) and t[-3:-1] == (32, 32) and t[-1] is document_causal
     assert all(torch.equal(a, getattr(ours, f)) for a, f in zip(t[2:10], FIELDS))
-    assert ours.as_tuple(flatten=False)[0] == (300, 300)
+    assert t[10:14] == theirs.as_tuple()[10:14] == (None, None, None, None)  # torch's dQ write-order fields
+    assert ours.as_tuple(flatten=False)[0] == (300, 300) and len(ours.as_tuple(flatten=False)) == 15
     # Default seq_lengths from the table shapes, default mask_mod.
     bare = BlockMask.from_kv_blocks(ours.kv_num_blocks, ours.kv_indices, BLOCK_SIZE=(32, 64))
     assert bare.seq_lengths == (10 * 32, 10 * 64) and bare.mask_mod is noop_mask and bare.full_q_indices is None
@@ -366,44 +366,7 @@ def test_causal_16k_on_cpu_stays_small():
 # Pictures
 
 
-def _read_gray_png(path):
-    data = open(path, "rb").read()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, {}
-    while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
-        assert struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])[0] == zlib.crc32(kind + body)
-        chunks[kind] = body
-        pos += 12 + n
-    w, h = struct.unpack(">II", chunks[b"IHDR"][:8])
-    raw = zlib.decompress(chunks[b"IDAT"])
-    rows = [raw[r * (w + 1) + 1:(r + 1) * (w + 1)] for r in range(h)]
-    return torch.tensor([list(r) for r in rows], dtype=torch.uint8)
-
-
-def test_png_picture(tmp_path):
-    bm = create_block_mask(prefix_lm, 2, 1, 300, 300, "cpu", 64)  # 5 x 5 tiles
-    path = bm.to_png(str(tmp_path / "mask.png"), batch=1, engine="plain")
-    img = _read_gray_png(path)
-    scale = 512 // 5
-    assert img.shape == (5 * scale, 5 * scale)
-    tiles = img[::scale, ::scale]
-    expected = torch.tensor([255, 150, 0], dtype=torch.uint8)[bm.tile_states()[1, 0].long()]
-    assert torch.equal(tiles, expected)
-    assert (tiles == 0).any() and (tiles == 150).any() and (tiles == 255).any()
-
-
-def test_png_matplotlib_engine(tmp_path):
-    bm = create_block_mask(causal, 1, 1, 256, 256, "cpu", 64)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError, match=r"flexattn\[plot\]"):
-            bm.to_png(str(tmp_path / "m.png"), engine="matplotlib")
-    else:
-        bm.to_png(str(tmp_path / "m.png"), engine="matplotlib")
-        assert open(tmp_path / "m.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+# (PNG pictures: tests/test_viz.py)
 
 
 # ---------------------------------------------------------------------------------------------

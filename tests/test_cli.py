@@ -80,7 +80,7 @@ def test_mask_picture(capsys, tmp_path):
     expected = create_block_mask(window, 1, 1, 300, 200, device="cpu", BLOCK_SIZE=64)
     assert out.startswith(str(expected) + "\n")  # same tiles, same text picture
     assert "██" in out and "sparsity=" in out
-    assert f"wrote {png}" in out
+    assert f"wrote {png} (token level)" in out  # 300 x 200 pairs: drawn token by token
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     with pytest.raises(SystemExit):
@@ -99,3 +99,94 @@ def test_console_script_runs():
     proc = subprocess.run([sys.executable, "-m", "flexattn.cli", "show", "q_idx >=", "--kind", "mask"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unexpected end of text at line 1, column 9" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# --version, bench, help, file.py:function, hardening (huge --seq, missing --png folder, leading '-')
+
+
+def test_version(capsys):
+    import flexattn
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"flexattn {flexattn.__version__}\n"
+
+
+@pytest.mark.parametrize("sub", ["show", "mask", "bench"])
+def test_subcommand_help_names_the_program(capsys, sub):
+    with pytest.raises(SystemExit):
+        main([sub, "--help"])
+    assert capsys.readouterr().out.startswith(f"usage: flexattn {sub} ")
+
+
+def test_demo_help_names_the_program(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert capsys.readouterr().out.startswith("usage: flexattn demo ")
+
+
+def test_bench_without_a_gpu_says_what_it_needs(capsys, monkeypatch):
+    import flexattn.cli as cli
+
+    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: False)
+    rc, out, err = run(capsys, "bench", "attention")
+    assert rc == 2 and out == ""
+    assert "flexattn bench: needs a CUDA GPU, and torch.cuda.is_available() is False here" in err
+    rc, _, err = run(capsys, "bench", "nope")
+    assert rc == 2 and "unknown benchmark 'nope'; choose from attention, decode, block_mask, host" in err
+
+
+def test_bench_finds_the_scripts_of_the_checkout():
+    import flexattn.cli as cli
+
+    folder = cli._benchmark_dir()
+    assert folder is not None and (folder / "bench_attention.py").is_file()
+
+
+def test_mask_refuses_huge_lengths_before_allocating(capsys):
+    rc, out, err = run(capsys, "mask", "q_idx >= kv_idx", "--seq", "1000000000")
+    assert rc == 2 and out == ""
+    assert ("flexattn mask: --seq 1000000000 with --block-size 128 makes 7812500 x 7812500 tiles; flexattn mask "
+            "builds at most 16777216 tiles") in err
+
+
+def test_mask_png_into_a_missing_directory(capsys, tmp_path):
+    target = tmp_path / "no" / "such" / "m.png"
+    rc, out, err = run(capsys, "mask", "q_idx >= kv_idx", "--seq", "64", "--png", str(target))
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert f"flexattn mask: --png {target}: the directory {target.parent} does not exist" in err
+
+
+@pytest.mark.parametrize("argv", [["show", "-score"], ["show", "--", "-score"], ["show", "--kind", "score", "-score"],
+                                  ["show", "-score", "--target", "interpret"]])
+def test_text_may_start_with_a_minus(capsys, argv):
+    rc, out, err = run(capsys, *argv)
+    assert rc == 0 and err == ""
+    assert "source: -score" in out and "IR:     (-score)" in out
+
+
+def test_mask_picture_levels(capsys, tmp_path):
+    from PIL import Image
+
+    png = tmp_path / "big.png"
+    rc, out, _ = run(capsys, "mask", "q_idx >= kv_idx", "--seq", "4096", "--png", str(png))
+    assert rc == 0 and f"wrote {png} (tile level)" in out
+    img = Image.open(png)
+    assert img.size[0] % 32 == 0  # 32 x 32 tiles, scaled up
+    rc, out, _ = run(capsys, "mask", "q_idx >= kv_idx", "--seq", "4096", "--png", str(png), "--level", "token")
+    assert rc == 0 and "(token level)" in out and Image.open(png).size == (4096, 4096)
+
+
+def test_show_python_mod_from_a_file(capsys, tmp_path):
+    f = tmp_path / "mymods.py"
+    f.write_text("def window(b, h, q_idx, kv_idx):\n    return (q_idx >= kv_idx) & (q_idx - kv_idx < 64)\n")
+    rc, out, err = run(capsys, "show", f"{f}:window")
+    assert rc == 0 and err == ""
+    assert "kind:   mask" in out and "IR:     ((q_idx >= kv_idx) & ((q_idx - kv_idx) < 64))" in out
+    rc, out, _ = run(capsys, "mask", f"{f}:window", "--seq", "256", "--block-size", "64")
+    assert rc == 0 and "sparsity=" in out
+    rc, _, err = run(capsys, "show", f"{f}:nope")
+    assert rc == 2 and f"{f} defines no 'nope'; callables there: window" in err
+    rc, _, err = run(capsys, "show", f"{tmp_path}/missing.py:window")
+    assert rc == 2 and "no such file" in err

@@ -1,0 +1,117 @@
+"""Pictures of masks: token level for small lengths, tile level for large ones, as PNG files.
+
+    >>> import flexattn
+    >>> from flexattn import masks, viz
+    >>> bm = flexattn.create_block_mask(masks.sliding_window(32), None, None, 200, 200, device="cpu", BLOCK_SIZE=16)
+    >>> viz.to_png(bm, "/tmp/sliding.png")                    # doctest: +SKIP
+    '/tmp/sliding.png'
+
+Token level (every (q_idx, kv_idx) pair; needs the mask_mod): black kept, white masked out.
+Tile level (one pixel block per BLOCK_SIZE tile): black full, grey partial, white skipped.
+PNG writing uses Pillow (``pip install 'flexattn[plot]'``); matplotlib is never imported, so a
+user's matplotlib backend is left alone. ``BlockMask.to_string()`` gives a text picture without
+any extra.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+#: Largest Q_LEN * KV_LEN drawn token by token with ``level="auto"``.
+TOKEN_LEVEL_MAX_ELEMENTS = 1024 * 1024
+#: Longest side of a written picture, in pixels (small masks are scaled up to about this).
+TARGET_PIXELS = 512
+# Grey levels: tile states 0 empty, 1 partial, 2 full; tokens False, True.
+_TILE_GREY = torch.tensor([255, 150, 0], dtype=torch.uint8)
+_TOKEN_GREY = torch.tensor([255, 0], dtype=torch.uint8)
+
+
+def _select(t: torch.Tensor, batch: int, head: int) -> torch.Tensor:
+    """The [rows, cols] slice of (batch, head) from a [B, H, rows, cols] table (B, H of 1 broadcast)."""
+    if t.dim() != 4:
+        raise ValueError(f"expected a [B, H, rows, cols] table, got shape {tuple(t.shape)}")
+    B, H = t.shape[:2]
+    for name, i, n in (("batch", batch, B), ("head", head, H)):
+        if not (0 <= i < n or n == 1):
+            raise IndexError(f"{name} must be in [0, {n}), got {i}")
+    return t[min(batch, B - 1), min(head, H - 1)]
+
+
+def tile_grid(block_mask, batch: int = 0, head: int = 0) -> torch.Tensor:
+    """uint8 [nQ, nKV] grey levels of the tiles of (batch, head): 0 full, 150 partial, 255 skipped."""
+    from flexattn.block_mask import BlockMask
+
+    bm = BlockMask.from_torch(block_mask)
+    return _TILE_GREY[_select(bm.tile_states(), batch, head).long().cpu()]
+
+
+def token_grid(block_mask, batch: int = 0, head: int = 0) -> torch.Tensor:
+    """uint8 [Q_LEN, KV_LEN] grey levels of every pair of (batch, head): 0 kept, 255 masked out.
+
+    Evaluates the mask_mod on the tiles the block mask visits (a dense Q_LEN x KV_LEN tensor:
+    meant for small lengths).
+    """
+    from flexattn.reference import dense_block_mask
+
+    Q_LEN, KV_LEN = block_mask.seq_lengths
+    B, H = block_mask.kv_num_blocks.shape[:2]
+    b, h = min(batch, B - 1), min(head, H - 1)
+    _select(block_mask.kv_num_blocks.unsqueeze(-1), batch, head)  # range check
+    keep = dense_block_mask(block_mask, B, H, Q_LEN, KV_LEN)[b, h]
+    return _TOKEN_GREY[keep.long().cpu()]
+
+
+def _has_mask_mod(block_mask) -> bool:
+    from flexattn.block_mask import _sliced_mask_mod_error
+
+    return getattr(block_mask, "mask_mod", None) not in (None, _sliced_mask_mod_error)
+
+
+def picture(block_mask, batch: int = 0, head: int = 0, level: str = "auto") -> tuple[torch.Tensor, str]:
+    """(uint8 grey image, level) for ``block_mask``: ``level`` is "token", "tile" or "auto"
+    (token level up to `TOKEN_LEVEL_MAX_ELEMENTS` pairs when the mask_mod is known)."""
+    if level not in ("auto", "token", "tile"):
+        raise ValueError(f"level must be 'auto', 'token' or 'tile', got {level!r}")
+    Q_LEN, KV_LEN = block_mask.seq_lengths
+    if level == "auto":
+        small = Q_LEN * KV_LEN <= TOKEN_LEVEL_MAX_ELEMENTS
+        level = "token" if small and _has_mask_mod(block_mask) else "tile"
+    if level == "token":
+        if not _has_mask_mod(block_mask):
+            raise ValueError("level='token' needs the block mask's mask_mod, and this one has none (a sliced "
+                             "BlockMask); use level='tile'")
+        if Q_LEN * KV_LEN > 64 * TOKEN_LEVEL_MAX_ELEMENTS:
+            raise ValueError(f"level='token' draws every pair: {Q_LEN} x {KV_LEN} is too many "
+                             f"(at most {64 * TOKEN_LEVEL_MAX_ELEMENTS}); use level='tile'")
+        return token_grid(block_mask, batch, head), "token"
+    return tile_grid(block_mask, batch, head), "tile"
+
+
+def to_png(block_mask, path: str | os.PathLike, batch: int = 0, head: int = 0, level: str = "auto") -> str:
+    """Write the picture of (batch, head) of ``block_mask`` (flexattn's or torch's) to ``path``.
+
+    Returns ``path`` as a str. Needs Pillow (``pip install 'flexattn[plot]'``). Example::
+
+        >>> bm = flexattn.create_block_mask(masks.causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
+        >>> viz.to_png(bm, "causal.png")                  # doctest: +SKIP
+        'causal.png'
+    """
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"cannot write {path!r}: the directory {folder!r} does not exist")
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ImportError("writing PNG pictures needs Pillow: pip install 'flexattn[plot]' (or pip install Pillow)") \
+            from None
+    grey, _ = picture(block_mask, batch, head, level)
+    rows, cols = grey.shape
+    scale = max(1, TARGET_PIXELS // max(rows, cols))
+    img = Image.fromarray(grey.contiguous().numpy(), mode="L")
+    if scale > 1:
+        img = img.resize((cols * scale, rows * scale), Image.NEAREST)
+    img.save(path, format="PNG")
+    return path
