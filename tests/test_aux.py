@@ -73,17 +73,17 @@ def test_return_aux_matches_float64_reference(request_):
 
 
 def test_return_aux_matches_torch_flex_attention():
-    """Same numbers as torch's own (eager) flex_attention with return_aux, natural-log units."""
+    """Same numbers as torch's own (eager) flex_attention with return_aux, natural-log units (torch's
+    eager path returns no max_scores on the CPU: those are checked against float64 above)."""
     q, k, v = _inputs(Q=32, KV=32, seed=1)
     tbm = torch_flex.create_block_mask(_mask, None, None, 32, 32, device="cpu", BLOCK_SIZE=16)
     want_out, want = torch_flex.flex_attention(q, k, v, score_mod=_softcap, block_mask=tbm, enable_gqa=True,
-                                               return_aux=torch_flex.AuxRequest(lse=True, max_scores=True))
+                                               return_aux=torch_flex.AuxRequest(lse=True))
     bm = flexattn.create_block_mask(_mask, None, None, 32, 32, device="cpu", BLOCK_SIZE=16)
     out, aux = flexattn.flex_attention(q, k, v, score_mod=_softcap, block_mask=bm, enable_gqa=True,
-                                       return_aux=AuxRequest(lse=True, max_scores=True))
+                                       return_aux=AuxRequest(lse=True))
     torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(aux.lse, want.lse, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(aux.max_scores, want.max_scores, atol=1e-5, rtol=1e-5)
 
 
 def test_torchs_aux_request_is_accepted():
