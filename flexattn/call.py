@@ -153,6 +153,23 @@ def _meta(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device
 
 
+def _kernel_choice(query, key, value, score_bufs, options: dict, want_max: bool,
+                   decoding: bool | None) -> tuple[bool, bool]:
+    """(need_grad, decoding): short queries without gradients take the split-KV decoding kernel
+    (``decoding`` None: choose; True: `decode_attention` asked for it)."""
+    need_grad = torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad or any(t.requires_grad for t in score_bufs))
+    backend = options.get("BACKEND", "AUTO")
+    if decoding is None:
+        decoding = backend == "TRITON_DECODE" or (
+            backend == "AUTO" and not options.get("FORCE_USE_FLEX_ATTENTION", False) and not need_grad
+            and not want_max and query.shape[2] < dec.Q_THRESHOLD and query.dtype in dec.SUPPORTED_DTYPES)
+    if decoding and (need_grad or want_max):
+        raise ValueError("the decoding kernel (kernel_options BACKEND='TRITON_DECODE') computes no gradients "
+                         "and no max_scores; use BACKEND='AUTO'")
+    return need_grad, decoding
+
+
 def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, want_max,
            decoding: bool | None, kv_lengths=None, mask_override=None):
     """The call path shared by `flex_attention` and `flexattn.decode.decode_attention`:
@@ -180,16 +197,7 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
         scale = 1.0 / math.sqrt(q_meta[0][-1]) if q_meta[0][-1] > 0 else 1.0
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {scale!r}")
-    need_grad = torch.is_grad_enabled() and (
-        query.requires_grad or key.requires_grad or value.requires_grad or any(t.requires_grad for t in score_bufs))
-    backend = options.get("BACKEND", "AUTO")
-    if decoding is None:
-        decoding = backend == "TRITON_DECODE" or (
-            backend == "AUTO" and not options.get("FORCE_USE_FLEX_ATTENTION", False) and not need_grad
-            and not want_max and q_meta[0][2] < dec.Q_THRESHOLD and dtype in dec.SUPPORTED_DTYPES)
-    if decoding and (need_grad or want_max):
-        raise ValueError("the decoding kernel (kernel_options BACKEND='TRITON_DECODE') computes no gradients "
-                         "and no max_scores; use BACKEND='AUTO'")
+    need_grad, decoding = _kernel_choice(query, key, value, score_bufs, options, want_max, decoding)
     # The captured tensors' shapes and strides are kernel arguments the compiled kernel is specialised on.
     buf_metas = tuple(_meta(t) for t in score_bufs) + tuple(_meta(t) for t in mask_bufs)
     plan_key = (decoding, q_meta, k_meta, v_meta, score.key(), mask.key(), buf_metas,
@@ -273,13 +281,7 @@ def _attend_compiled(query, key, value, score_mod, block_mask, scale, enable_gqa
     block, tables = _compiled_tables(block_mask)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    need_grad = torch.is_grad_enabled() and (
-        query.requires_grad or key.requires_grad or value.requires_grad or any(t.requires_grad for t in score_bufs))
-    backend = options.get("BACKEND", "AUTO")
-    if decoding is None:
-        decoding = backend == "TRITON_DECODE" or (
-            backend == "AUTO" and not options.get("FORCE_USE_FLEX_ATTENTION", False) and not need_grad
-            and not want_max and query.shape[2] < dec.Q_THRESHOLD and query.dtype in dec.SUPPORTED_DTYPES)
+    _, decoding = _kernel_choice(query, key, value, score_bufs, options, want_max, decoding)
     spec = ops.spec(score_key, mask_key, block, bool(enable_gqa), tuple(sorted(options.items())), bool(want_max))
     if decoding:
         out, lse = torch.ops.flexattn.decode(query, key, value, score_bufs, mask_bufs, tables, kv_lengths, spec,
