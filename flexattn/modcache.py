@@ -174,7 +174,10 @@ def resolve(fn: Any, kind: str, score_dtype: torch.dtype, device: torch.device,
         mod = trace(fn, kind, score_dtype=score_dtype, device=device)
         by_id = {id(t): i for i, t in enumerate(tensors)}
         slots = tuple(by_id.get(id(b), -1) for b in mod.buffers)
-        entry = _Entry(mod, None if -1 in slots else slots)
+        # The cache keeps the IR, not this call's tensors (nor the function and its closure).
+        template = mod.rebind([torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+                               for t in mod.buffers])
+        entry = _Entry(template, None if -1 in slots else slots)
         if len(_CACHE) >= _CACHE_LIMIT:
             _CACHE.clear()
         _CACHE[key] = entry

@@ -324,3 +324,22 @@ def test_block_masks_of_new_lengths_reuse_kernels():
     with open(source) as f:
         text = f.read()
     assert 'do_not_specialize=[' in text and '"Q_LEN", "KV_LEN"' in text
+
+
+def test_the_trace_cache_holds_no_captured_tensor():
+    """A cached template keeps shape-only stand-ins: a captured tensor dies with its last user."""
+    import gc
+    import weakref
+
+    q, k, v = qkv()
+    modcache.clear()
+
+    def call_once():
+        table = torch.randn(37)
+        flexattn.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + table[ki], kernel_options=FORCE)
+        return weakref.ref(table)
+
+    ref = call_once()
+    gc.collect()
+    assert ref() is None
+    assert len(modcache._CACHE) == 1
