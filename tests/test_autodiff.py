@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flexattn import autodiff, ir, testing
+from flexattn import autodiff, ir
+from helpers import testing
 
 F64 = torch.float64
 B, H, Q, KV = 2, 3, 5, 7

@@ -16,7 +16,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import flexattn
-from flexattn import backward, ir, testing
+from flexattn import backward, ir
+from helpers import testing
 from flexattn.mods import Mod
 from flexattn.reference import attention_reference
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexattn import ir
-from flexattn import testing as T
+from helpers import testing as T
 
 q, kv, b, h = (ir.input_(n) for n in ("q_idx", "kv_idx", "b", "h"))
 score = ir.input_("score")

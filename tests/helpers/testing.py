@@ -1,4 +1,4 @@
-"""Shared test helpers: random IR strategies, index grids, float64 references, IR -> Python.
+"""Shared test helpers (tests only, not shipped): random IR strategies, index grids, float64 references, IR -> Python.
 
 Hypothesis strategies build random, well-defined IR trees together with the tensors they capture:
 
@@ -758,7 +758,7 @@ def python_mod(node: Node, buffers: Sequence[torch.Tensor], kind: str | None = N
     """
     src = to_python(node, kind, name)
     _PY_COUNTER[0] += 1
-    filename = f"<flexattn.testing.python_mod {_PY_COUNTER[0]}>"
+    filename = f"<tests.helpers.testing.python_mod {_PY_COUNTER[0]}>"
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
     namespace: dict[str, Any] = {"torch": torch}
     namespace.update({f"B{i}": t for i, t in enumerate(buffers)})
