@@ -321,11 +321,12 @@ def validate_block_tables(kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor,
 
     Checks what a kernel reads: every table is an int32/int64 tensor on one (non-meta) device;
     ``*_num_blocks`` has the shape of ``*_indices`` without its last dimension, the full twins
-    the shape of the partial ones; there is a row for every query tile (KV tile for the ``q_*``
-    tables); every count is in ``[0, min(columns, tiles)]`` and the first ``count`` indices of each
-    row are in ``[0, tiles)`` (entries past the count are never read and may hold anything). The
-    error names the table and the first offending entry. It does not check that a tile is listed
-    once (a repeat is counted twice, as in torch). One host sync: call it once per mask, not per call.
+    the shape of the partial ones; every count is in ``[0, min(columns, tiles)]`` and the first
+    ``count`` indices of each row are in ``[0, tiles)`` (entries past the count are never read and
+    may hold anything). The error names the table and the first offending entry. A row per query
+    tile is checked by `BlockMask.check_shape` when the mask meets its inputs (a sliced mask may
+    have fewer rows). It does not check that a tile is listed once (a repeat is counted twice, as
+    in torch). One host sync: call it once per mask, not per call.
 
     >>> nb = torch.tensor([[[4]]], dtype=torch.int32); idx = torch.tensor([[[[0, 1, 2, 3]]]], dtype=torch.int32)
     >>> validate_block_tables(nb, idx, seq_lengths=(16, 40), BLOCK_SIZE=16)
@@ -380,11 +381,6 @@ def validate_block_tables(kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor,
         if num.shape[:-1] != kv_num_blocks.shape[:-1]:
             raise ValueError(f"{num_name} has batch dimensions {tuple(num.shape[:-1])} but kv_num_blocks has "
                              f"{tuple(kv_num_blocks.shape[:-1])}")
-        if idx.shape[-2] < rows:
-            side = "query" if idx_name.endswith("kv_indices") else "KV"
-            raise ValueError(f"{idx_name} has {idx.shape[-2]} rows but seq_lengths {(q_len, kv_len)} with "
-                             f"BLOCK_SIZE {(q_block, kv_block)} has {rows} {side} blocks: one row per block is "
-                             f"needed, got shape {tuple(idx.shape)}")
         limit = min(idx.shape[-1], tiles)
         bad_num = (num < 0) | (num > limit)
         listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
@@ -692,6 +688,11 @@ class BlockMask:
                     else "create a new block mask for these lengths")
             raise ValueError(f"block_mask was created for (Q_LEN, KV_LEN) = {self.seq_lengths} but the "
                              f"inputs have ({Q_LEN}, {KV_LEN}); {hint}")
+        n_q = -(-Q_LEN // self.BLOCK_SIZE[0])
+        if self.kv_indices.shape[-2] < n_q:
+            raise ValueError(f"block_mask has {self.kv_indices.shape[-2]} query-block rows but Q_LEN {Q_LEN} with "
+                             f"query blocks of {self.BLOCK_SIZE[0]} needs {n_q} (a sliced mask cannot be used "
+                             "for attention)")
         bm_b, bm_h = self.kv_num_blocks.shape[:2]
         if bm_b not in (1, B):
             raise ValueError(f"block_mask has batch size {bm_b}, expected 1 or the inputs' batch size {B}")

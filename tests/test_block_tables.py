@@ -83,9 +83,10 @@ def test_shapes_rows_and_devices():
     with pytest.raises(ValueError, match=r"kv_num_blocks must have shape \(1, 1, 3\) \(kv_indices without its "
                                          r"last dimension\), got \(1, 1, 2\)"):
         BlockMask.from_kv_blocks(num[..., :2], idx, BLOCK_SIZE=BS, seq_lengths=SEQ)
-    with pytest.raises(ValueError, match=r"kv_indices has 2 rows but seq_lengths \(40, 40\) with BLOCK_SIZE "
-                                         r"\(16, 16\) has 3 query blocks"):
-        BlockMask.from_kv_blocks(num[..., :2], idx[..., :2, :], BLOCK_SIZE=BS, seq_lengths=SEQ)
+    sliced = BlockMask.from_kv_blocks(num[..., :2], idx[..., :2, :], BLOCK_SIZE=BS, seq_lengths=SEQ)
+    with pytest.raises(ValueError, match=r"block_mask has 2 query-block rows but Q_LEN 40 with query blocks of 16 "
+                                         r"needs 3"):
+        sliced.check_shape(1, 1, 40, 40)
     with pytest.raises(ValueError, match=r"kv_indices must have at least 2 dimensions"):
         BlockMask.from_kv_blocks(num[0, 0, 0], idx[0, 0, 0], BLOCK_SIZE=BS, seq_lengths=SEQ)
     with pytest.raises(ValueError, match=r"full_kv_num_blocks and full_kv_indices must both be given"):
