@@ -104,19 +104,32 @@ class EagerOps:
 
 
 class Sym:
-    """A staged Triton value: the name of a temporary in the generated function."""
+    """A staged Triton value: the name of a temporary in the generated function.
 
-    __slots__ = ("ops", "name")
+    ``is_bool`` marks comparison results: &, | and ^ between two of them go through the prelude's
+    `_fa_and` / `_fa_or` / `_fa_xor` (Triton's interpreter cannot combine a bool scalar with a bool
+    tile directly).
+    """
 
-    def __init__(self, ops: "TritonOps", name: str):
-        self.ops, self.name = ops, name
+    __slots__ = ("ops", "name", "is_bool")
+
+    def __init__(self, ops: "TritonOps", name: str, is_bool: bool = False):
+        self.ops, self.name, self.is_bool = ops, name, is_bool
 
     def __str__(self):
         return self.name
 
-    def _bin(self, other, fmt, swap=False):
+    def _bin(self, other, fmt, swap=False, is_bool=False):
         a, b = (other, self) if swap else (self, other)
-        return self.ops.emit(fmt.format(_text(a), _text(b)))
+        return self.ops.emit(fmt.format(_text(a), _text(b)), is_bool)
+
+    def _logic(self, other, fn, symbol, swap=False):
+        if self.is_bool and isinstance(other, Sym) and other.is_bool:
+            return self._bin(other, f"{fn}({{}}, {{}})", swap, True)
+        return self._bin(other, f"({{}} {symbol} {{}})", swap)
+
+    def _cmp(self, other, symbol):
+        return self._bin(other, f"({{}} {symbol} {{}})", is_bool=True)
 
     __add__ = lambda s, o: s._bin(o, "({} + {})")
     __radd__ = lambda s, o: s._bin(o, "({} + {})", True)
@@ -125,19 +138,19 @@ class Sym:
     __mul__ = lambda s, o: s._bin(o, "({} * {})")
     __rmul__ = lambda s, o: s._bin(o, "({} * {})", True)
     __rshift__ = lambda s, o: s._bin(o, "({} >> {})")
-    __and__ = lambda s, o: s._bin(o, "({} & {})")
-    __rand__ = lambda s, o: s._bin(o, "({} & {})", True)
-    __or__ = lambda s, o: s._bin(o, "({} | {})")
-    __ror__ = lambda s, o: s._bin(o, "({} | {})", True)
-    __xor__ = lambda s, o: s._bin(o, "({} ^ {})")
-    __lt__ = lambda s, o: s._bin(o, "({} < {})")
-    __le__ = lambda s, o: s._bin(o, "({} <= {})")
-    __gt__ = lambda s, o: s._bin(o, "({} > {})")
-    __ge__ = lambda s, o: s._bin(o, "({} >= {})")
-    __eq__ = lambda s, o: s._bin(o, "({} == {})")  # type: ignore[assignment]
-    __ne__ = lambda s, o: s._bin(o, "({} != {})")  # type: ignore[assignment]
+    __and__ = lambda s, o: s._logic(o, "_fa_and", "&")
+    __rand__ = lambda s, o: s._logic(o, "_fa_and", "&", True)
+    __or__ = lambda s, o: s._logic(o, "_fa_or", "|")
+    __ror__ = lambda s, o: s._logic(o, "_fa_or", "|", True)
+    __xor__ = lambda s, o: s._logic(o, "_fa_xor", "^")
+    __lt__ = lambda s, o: s._cmp(o, "<")
+    __le__ = lambda s, o: s._cmp(o, "<=")
+    __gt__ = lambda s, o: s._cmp(o, ">")
+    __ge__ = lambda s, o: s._cmp(o, ">=")
+    __eq__ = lambda s, o: s._cmp(o, "==")  # type: ignore[assignment]
+    __ne__ = lambda s, o: s._cmp(o, "!=")  # type: ignore[assignment]
     __neg__ = lambda s: s.ops.emit(f"(-{s.name})")
-    __invert__ = lambda s: s.ops.emit(f"(~{s.name})")
+    __invert__ = lambda s: s.ops.emit(f"({s.name} == 0)", True) if s.is_bool else s.ops.emit(f"(~{s.name})")
     __hash__ = None  # type: ignore[assignment]
 
 
@@ -160,11 +173,11 @@ class TritonOps:
         self.lines: list[str] = []
         self.count = 0
 
-    def emit(self, expr: str) -> Sym:
+    def emit(self, expr: str, is_bool: bool = False) -> Sym:
         name = f"v{self.count}"
         self.count += 1
         self.lines.append(f"{name} = {expr}")
-        return Sym(self, name)
+        return Sym(self, name, is_bool)
 
     def i64(self, value: int):
         return self.emit(f"tl.full([], {int(value)}, tl.int64)")

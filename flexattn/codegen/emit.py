@@ -462,6 +462,10 @@ def emit_mod(root: Node, kind: str, name: str | None = None, target: str = "cuda
             result = f"({result} + tl.full(score.shape, 0, {TL_DTYPE[root.dtype]}))"
     elif root.op == "const":
         result = f"tl.full([], {1 if root.arg else 0}, tl.int1)"
+    elif target == "interpret" and axes[id(root)] != frozenset("mn"):
+        # A mask that does not vary along both axes (b == 0, q_idx < 5) is made a full tile: the
+        # interpreter cannot combine a bool scalar or row with the kernel's bool tiles (`& inside`).
+        result = f"(({result}).to(tl.int8) + (q_idx * 0 + kv_idx * 0).to(tl.int8) != 0)"
 
     params = buffer_params(buffers)
     head = ["score"] if kind == "score" else []
