@@ -21,6 +21,7 @@ libdevice: the same functions are composed from core ops there).
 
 from __future__ import annotations
 
+import keyword
 import math
 from dataclasses import dataclass
 
@@ -43,6 +44,10 @@ TL_DTYPE = {
 }
 
 TARGETS = ("cuda", "interpret")
+# Single-use values are inlined into their user, but never more than this many levels deep: a
+# deeper chain (a 1,000-term sum) continues through temporaries, so the source stays readable and
+# far from Python's parser limits (about 200 nested brackets).
+MAX_INLINE_DEPTH = 8
 
 # Helper functions shared by all mods of one module (emitted once, by `prelude`).
 _PRELUDE_COMMON = '''
@@ -448,6 +453,7 @@ def emit_mod(root: Node, kind: str, name: str | None = None, target: str = "cuda
     if kind == "mask" and root.dtype != torch.bool:
         raise TypeError(f"a mask mod must return bool, this one returns {ir.dtype_name(root.dtype)}")
     name = name or f"{kind}_mod"
+    _check_name(name)
     buffers = ir.buffers_of(root)
     lines, expr, _, axes = _emit_values([root], kind)
 
@@ -475,6 +481,12 @@ def emit_mod(root: Node, kind: str, name: str | None = None, target: str = "cuda
     return ModSource(name, kind, src, tuple(params), tuple(buffers))
 
 
+def _check_name(name: str) -> None:
+    # The name becomes a `def` in generated source: only plain identifiers get there.
+    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name) or not name.isascii():
+        raise ValueError(f"a generated function name must be an ASCII Python identifier, got {name!r}")
+
+
 def _emit_values(roots: list[Node], kind: str):
     """Triton lines computing every node of ``roots`` (shared nodes once): (lines, expr, as_name, axes).
 
@@ -490,6 +502,7 @@ def _emit_values(roots: list[Node], kind: str):
 
     lines: list[str] = []
     expr: dict[int, str] = {}
+    depth: dict[int, int] = {}  # how deep each node's inline expression nests other nodes' (names: 0)
     counter = [0]
 
     def fresh(prefix: str = "t") -> str:
@@ -503,6 +516,7 @@ def _emit_values(roots: list[Node], kind: str):
         v = fresh()
         lines.append(f"{v} = {e}")
         expr[id(n)] = v
+        depth[id(n)] = 0
         return v
 
     def bind(e: str) -> str:
@@ -571,8 +585,9 @@ def _emit_values(roots: list[Node], kind: str):
         else:
             raise NotImplementedError(f"no Triton emitter for op {op!r}")
         expr[id(n)] = e
-        # Values used more than once get a name; single-use ones stay inline.
-        if uses.get(id(n), 0) > 1 and op not in ("input", "const"):
+        depth[id(n)] = 1 + max((depth[id(s)] for s in n.src), default=0)
+        # Values used more than once get a name; single-use ones stay inline, to a bounded depth.
+        if op not in ("input", "const") and (uses.get(id(n), 0) > 1 or depth[id(n)] >= MAX_INLINE_DEPTH):
             as_name(n)
 
     return lines, expr, as_name, axes
