@@ -696,6 +696,10 @@ def to_python(node: Node, kind: str | None = None, name: str = "mod") -> str:
     def operand(n: Node, sibling: Node) -> str:
         return lit(n, sibling.dtype) if n.op == "const" else text[id(n)]
 
+    def a_is_bare_literal(n: Node) -> bool:
+        a, b = n.src
+        return a.op == "const" and b.op != "const" and not operand(a, b).startswith("torch.")
+
     for n in order:
         op = n.op
         if op == "const":
@@ -717,6 +721,10 @@ def to_python(node: Node, kind: str | None = None, name: str = "mod") -> str:
         elif op == "where":
             c, a, b = n.src
             t = f"torch.where({text[id(c)]}, {operand(a, b)}, {operand(b, a)})"
+        elif op == "truediv" and a_is_bare_literal(n):
+            # `c / x` is reciprocal(x) * c in torch (Tensor.__rtruediv__), one ulp off c / x.
+            a, b = n.src
+            t = f"torch.div({text[id(b)]}.new_full((), {operand(a, b)}), {text[id(b)]})"
         elif op in _PY_BIN:
             a, b = n.src
             t = f"({operand(a, b)} {_PY_BIN[op]} {operand(b, a)})"
