@@ -434,12 +434,15 @@ def _floordiv_or_mod(ops, op, n, a, b):
     one = ops.i64(1)
     # Divisors that may be 0 are replaced by 1 (their result is discarded) so nothing traps.
     dlo, dhi = ops.where(ok, blo, one), ops.where(ok, bhi, one)
+    # A divisor that is exactly 0: x // 0 == 0 and x % 0 == x (flexattn's meaning everywhere).
+    zero = (blo == 0) & (bhi == 0)
     if op == "floordiv":
         # floor(x / d) is monotone in x and in d on each side of 0: the corners bound it.
         p = [ops.floordiv(x, d) for x in (alo, ahi) for d in (dlo, dhi)]
         lo = ops.minimum(ops.minimum(p[0], p[1]), ops.minimum(p[2], p[3]))
         hi = ops.maximum(ops.maximum(p[0], p[1]), ops.maximum(p[2], p[3]))
-        return _fit(ops, lo, hi, dtype, ok)
+        lo, hi = _fit(ops, lo, hi, dtype, ok)
+        return ops.where(zero, ops.i64(0), lo), ops.where(zero, ops.i64(0), hi)
     # Python-sign modulo: in [0, d-1] for d > 0 and [d+1, 0] for d < 0; exact when the numerator
     # range stays inside one period of a constant divisor.
     lo = ops.where(pos, ops.i64(0), dlo + 1)
@@ -447,7 +450,8 @@ def _floordiv_or_mod(ops, op, n, a, b):
     period = (dlo == dhi) & (ops.floordiv(alo, dlo) == ops.floordiv(ahi, dlo))
     lo = ops.where(period, ops.mod(alo, dlo), lo)
     hi = ops.where(period, ops.mod(ahi, dlo), hi)
-    return _fit(ops, lo, hi, dtype, ok)
+    lo, hi = _fit(ops, lo, hi, dtype, ok)
+    return ops.where(zero, alo, lo), ops.where(zero, ahi, hi)
 
 
 def _bitwise(ops, op, n, a, b):

@@ -569,8 +569,19 @@ class Evaluator:
         if op in BINARY_OPS:
             if op == "pow" and not n.dtype.is_floating_point:
                 return _int_pow(src[0], src[1])
+            if op in ("floordiv", "mod") and is_int(n.dtype):
+                return _int_div_or_mod(op, src[0], src[1]).to(n.dtype)
             return BINARY_OPS[op][0](src[0], src[1]).to(n.dtype)
         raise IRError(f"cannot evaluate op {op!r}")
+
+
+def _int_div_or_mod(op: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Integer ``a // b`` or ``a % b`` with flexattn's meaning for a zero divisor: ``x // 0 == 0``
+    and ``x % 0 == x`` (torch raises on the CPU and gives garbage on the GPU; a kernel cannot raise)."""
+    zero = b == 0
+    d = torch.where(zero, torch.ones_like(b), b)
+    out = BINARY_OPS[op][0](a, d)
+    return torch.where(zero, torch.zeros_like(out) if op == "floordiv" else a.to(out.dtype), out)
 
 
 def _int_pow(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -52,18 +52,41 @@ MAX_INLINE_DEPTH = 8
 # Helper functions shared by all mods of one module (emitted once, by `prelude`).
 _PRELUDE_COMMON = '''
 @triton.jit
-def _fa_floordiv_int(a, b):
-    # Python floor division on integers (Triton's // truncates toward zero).
+def _fa_floordiv_int_nz(a, b):
+    # Python floor division on integers by a divisor known not to be 0 (a constant).
     q = a // b
     r = a - q * b
     return tl.where((r != 0) & ((r < 0) != (b < 0)), q - 1, q)
 
 
 @triton.jit
-def _fa_mod_int(a, b):
-    # Python-sign modulo on integers (the result takes the divisor's sign).
+def _fa_mod_int_nz(a, b):
+    # Python-sign modulo on integers by a divisor known not to be 0 (a constant).
     r = a % b
     return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def _fa_floordiv_int(a, b):
+    # Python floor division on integers (Triton's // truncates toward zero). x // 0 is 0 on every
+    # flexattn path (docs/dsl.md); the divisor 0 is replaced by 1 so nothing traps.
+    zero = b == 0
+    d = b + zero.to(b.dtype)
+    q = a // d
+    r = a - q * d
+    q = tl.where((r != 0) & ((r < 0) != (d < 0)), q - 1, q)
+    return tl.where(zero, q * 0, q)
+
+
+@triton.jit
+def _fa_mod_int(a, b):
+    # Python-sign modulo on integers (the result takes the divisor's sign); x % 0 is x, so that
+    # (x // y) * y + x % y == x holds for every y.
+    zero = b == 0
+    d = b + zero.to(b.dtype)
+    r = a % d
+    r = tl.where((r != 0) & ((r < 0) != (d < 0)), r + d, r)
+    return tl.where(zero, a + r * 0, r)
 
 
 @triton.jit
@@ -285,12 +308,28 @@ def _fconst(value: float, n: Node) -> str:
     return _lit(value, n.dtype)
 
 
+def _int_divisor(n) -> int | None:
+    """The divisor of an integer // or % if it is a constant (the helpers skip the zero guard)."""
+    d = n.src[1] if isinstance(n, Node) else None
+    return d.arg if d is not None and d.op == "const" else None
+
+
 def _floordiv(n, a, b):
-    return f"_fa_floordiv_int({a}, {b})" if ir.is_int(n.dtype) else f"_fa_floordiv_float({a}, {b})"
+    if not ir.is_int(n.dtype):
+        return f"_fa_floordiv_float({a}, {b})"
+    d = _int_divisor(n)
+    if d == 0:
+        return f"({a} * 0)"  # x // 0 == 0 (docs/dsl.md)
+    return f"_fa_floordiv_int_nz({a}, {b})" if d is not None else f"_fa_floordiv_int({a}, {b})"
 
 
 def _mod(n, a, b):
-    return f"_fa_mod_int({a}, {b})" if ir.is_int(n.dtype) else f"_fa_mod_float({a}, {b})"
+    if not ir.is_int(n.dtype):
+        return f"_fa_mod_float({a}, {b})"
+    d = _int_divisor(n)
+    if d == 0:
+        return f"{a}"  # x % 0 == x
+    return f"_fa_mod_int_nz({a}, {b})" if d is not None else f"_fa_mod_int({a}, {b})"
 
 
 def _pow(n, a, b, node: Node):
