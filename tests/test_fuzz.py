@@ -10,7 +10,7 @@ order, full and partial tiles, garbage past the counts). The kernels run in floa
 IR, so they must match `attention_reference` (float64 eager torch) to rounding.
 
 CI runs a few examples (derandomized, see conftest.py). For a long run set
-``FLEXATTN_FUZZ_EXAMPLES`` (e.g. 2000). Every failure prints hypothesis's falsifying example
+``FLEXATTN_FUZZ_EXAMPLES`` (e.g. 2000; ``FLEXATTN_FUZZ_LOG=path`` logs each passed example). Every failure prints hypothesis's falsifying example
 (shapes, the mod as IR text, the data seed) and a ``@reproduce_failure`` blob to replay it.
 """
 
@@ -31,6 +31,7 @@ from flexattn.reference import attention_reference
 
 F64 = torch.float64
 FUZZ_EXAMPLES = int(os.environ.get("FLEXATTN_FUZZ_EXAMPLES", "8"))
+FUZZ_LOG = os.environ.get("FLEXATTN_FUZZ_LOG")  # a long run appends one line per passed example
 TOL = 1e-8  # float64 kernels against float64 eager: rounding only
 
 
@@ -162,3 +163,6 @@ def test_fuzz_attention_forward_and_backward_against_float64(problem, data):
         torch.testing.assert_close(out2, ref.detach(), atol=TOL, rtol=TOL, msg=lambda m: f"no-grad out: {m}")
         torch.testing.assert_close(lse2.double(), ref_lse.detach().double(), atol=TOL, rtol=TOL,
                                    msg=lambda m: f"no-grad lse: {m}")
+    if FUZZ_LOG:
+        with open(FUZZ_LOG, "a") as f:
+            f.write(f"ok seed={seed} shape={s} block={block['kind']} nodes={len(ir.toposort(node))}\n")
