@@ -495,7 +495,10 @@ class BlockMask:
             [[[2, 1]]]
         """
         block = _pair(BLOCK_SIZE)
-        if isinstance(kv_indices, torch.Tensor) and kv_indices.dim() >= 2 and seq_lengths is None:
+        if seq_lengths is None:
+            if not isinstance(kv_indices, torch.Tensor) or kv_indices.dim() < 2:
+                # no lengths to default to: let the table checks say what is wrong with kv_indices
+                validate_block_tables(kv_num_blocks, kv_indices, seq_lengths=(1, 1), BLOCK_SIZE=block)
             seq_lengths = (kv_indices.shape[-2] * block[0], kv_indices.shape[-1] * block[1])
         seq_lengths = _seq_pair(seq_lengths)
         # Before the transpose, which would follow bad indices too.

@@ -89,6 +89,10 @@ def test_shapes_rows_and_devices():
         sliced.check_shape(1, 1, 40, 40)
     with pytest.raises(ValueError, match=r"kv_indices must have at least 2 dimensions"):
         BlockMask.from_kv_blocks(num[0, 0, 0], idx[0, 0, 0], BLOCK_SIZE=BS, seq_lengths=SEQ)
+    with pytest.raises(ValueError, match=r"kv_indices must have at least 2 dimensions"):
+        BlockMask.from_kv_blocks(num[0, 0, 0], idx[0, 0, 0], BLOCK_SIZE=BS)  # no lengths to default to
+    with pytest.raises(ValueError, match=r"kv_indices must be a torch.Tensor, got list"):
+        BlockMask.from_kv_blocks(num, idx.tolist(), BLOCK_SIZE=BS)
     with pytest.raises(ValueError, match=r"full_kv_num_blocks and full_kv_indices must both be given"):
         BlockMask.from_kv_blocks(num, idx, num, None, BLOCK_SIZE=BS, seq_lengths=SEQ)
     with pytest.raises(ValueError, match=r"kv_num_blocks is on the meta device"):
