@@ -298,7 +298,6 @@ def _evaluate_unknown(mod: Mod, st: torch.Tensor, r0: int, Q_LEN: int, KV_LEN: i
         st[bb, hh, rr, cc] = new.to(torch.int8)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Table validation
 
@@ -358,15 +357,13 @@ def validate_block_tables(kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor,
             raise ValueError(f"{name} is on {t.device} but kv_num_blocks is on {device}; all block tables "
                              "must be on one device")
 
-    # (counts, indices, tiles a row may list, rows needed, what the tiles are)
-    groups = [("kv_num_blocks", "kv_indices", n_kv, n_q, f"KV_LEN {kv_len} has {n_kv} KV blocks of {kv_block}"),
-              ("full_kv_num_blocks", "full_kv_indices", n_kv, n_q,
-               f"KV_LEN {kv_len} has {n_kv} KV blocks of {kv_block}"),
-              ("q_num_blocks", "q_indices", n_q, n_kv, f"Q_LEN {q_len} has {n_q} query blocks of {q_block}"),
-              ("full_q_num_blocks", "full_q_indices", n_q, n_kv,
-               f"Q_LEN {q_len} has {n_q} query blocks of {q_block}")]
+    # (counts, indices, tiles a row may list, what the tiles are)
+    kv_what = f"KV_LEN {kv_len} has {n_kv} KV blocks of {kv_block}"
+    q_what = f"Q_LEN {q_len} has {n_q} query blocks of {q_block}"
+    groups = [("kv_num_blocks", "kv_indices", n_kv, kv_what), ("full_kv_num_blocks", "full_kv_indices", n_kv, kv_what),
+              ("q_num_blocks", "q_indices", n_q, q_what), ("full_q_num_blocks", "full_q_indices", n_q, q_what)]
     checks = []
-    for num_name, idx_name, tiles, rows, what in groups:
+    for num_name, idx_name, tiles, what in groups:
         num, idx = tables[num_name], tables[idx_name]
         if (num is None) != (idx is None):
             raise ValueError(f"{num_name} and {idx_name} must both be given or both be None")

@@ -73,9 +73,15 @@ def test_tables_must_be_int32_or_int64(dtype):
         BlockMask.from_kv_blocks(num.to(dtype), idx, BLOCK_SIZE=BS, seq_lengths=SEQ)
     with pytest.raises(ValueError, match=rf"kv_indices must be an int32 \(or int64\) tensor, got {dtype}"):
         BlockMask.from_kv_blocks(num, idx.to(dtype), BLOCK_SIZE=BS, seq_lengths=SEQ)
-    # int64 is accepted and means the same
+    # int64 is accepted (as by torch) and means the same, in the kernels too
     bm = BlockMask.from_kv_blocks(num.long(), idx.long(), BLOCK_SIZE=BS, seq_lengths=SEQ)
     assert bm.q_num_blocks.tolist() == [[[3, 2, 1]]]
+    if dtype == torch.float32:
+        q, k, v = (torch.randn(1, 1, 40, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+                   for i in range(3))
+        int32 = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=BS, seq_lengths=SEQ)
+        assert torch.equal(flexattn.flex_attention(q, k, v, block_mask=bm),
+                           flexattn.flex_attention(q, k, v, block_mask=int32))
 
 
 def test_shapes_rows_and_devices():
