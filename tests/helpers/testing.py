@@ -335,7 +335,10 @@ class _Gen:
         if choice == "cmp":
             a = self.int_leaf()
             op = self.pick(ir.COMPARISONS)
-            return _Val(ir.binary(op, a.node, self.draw(self.st.integers(-2, 40))), 0, 1, True)
+            try:
+                return _Val(ir.binary(op, a.node, self.draw(self.st.integers(-2, 40))), 0, 1, True)
+            except ir.IRError:  # uint8 < -1: the constant does not fit the operand's dtype
+                pass
         return _Val(ir.const(self.pick([True, False])), 0, 1, True)
 
     # -- trees
@@ -543,6 +546,12 @@ class _Gen:
     def bool_val(self, depth: int) -> _Val:
         if self.stop(depth):
             return self.bool_leaf()
+        try:
+            return self._bool_op(depth)
+        except ir.IRError:  # e.g. uint8 == -1: the constant does not fit the operand's dtype
+            return self.bool_leaf()
+
+    def _bool_op(self, depth: int) -> _Val:
         choice = self.pick(["cmp_int", "cmp_int", "cmp_float", "cmp_bool", "logic", "not", "where", "cast_int",
                             "cast_float"])
         if choice == "cmp_int":
