@@ -214,8 +214,10 @@ def _flags(num: torch.Tensor, idx: torch.Tensor, n_cols: int) -> torch.Tensor:
     return flags[..., :n_cols]
 
 
-def _transpose_ordered(num: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _ordered(_flags(num, idx, idx.shape[-1]).transpose(-2, -1))
+def _transpose_ordered(num: torch.Tensor, idx: torch.Tensor, n_cols: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transposed tables; ``n_cols`` is the number of KV tiles (default: idx's columns)."""
+    return _ordered(_flags(num, idx, idx.shape[-1] if n_cols is None else n_cols).transpose(-2, -1))
 
 
 def _tables_from_states(states: torch.Tensor, separate_full: bool):
@@ -295,6 +297,107 @@ def _evaluate_unknown(mod: Mod, st: torch.Tensor, r0: int, Q_LEN: int, KV_LEN: i
 
 
 # ---------------------------------------------------------------------------------------------
+# Table validation
+
+
+_TABLE_DTYPES = (torch.int32, torch.int64)
+
+
+def _entry(index) -> str:
+    return "[" + ", ".join(str(int(i)) for i in index) + "]"
+
+
+def validate_block_tables(kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor,
+                          full_kv_num_blocks: torch.Tensor | None = None,
+                          full_kv_indices: torch.Tensor | None = None,
+                          q_num_blocks: torch.Tensor | None = None, q_indices: torch.Tensor | None = None,
+                          full_q_num_blocks: torch.Tensor | None = None,
+                          full_q_indices: torch.Tensor | None = None, *,
+                          seq_lengths: tuple[int, int], BLOCK_SIZE: int | tuple[int, int]) -> None:
+    """Raise a ValueError unless the tables are safe for the kernels to follow.
+
+    Checks what a kernel reads: every table is an int32/int64 tensor on one (non-meta) device;
+    ``*_num_blocks`` has the shape of ``*_indices`` without its last dimension, the full twins
+    the shape of the partial ones; every count is in ``[0, min(columns, tiles)]`` and the first
+    ``count`` indices of each row are in ``[0, tiles)`` (entries past the count are never read and
+    may hold anything). The error names the table and the first offending entry. A row per query
+    tile is checked by `BlockMask.check_shape` when the mask meets its inputs (a sliced mask may
+    have fewer rows). It does not check that a tile is listed once (a repeat is counted twice, as
+    in torch). One host sync: call it once per mask, not per call.
+
+    >>> nb = torch.tensor([[[4]]], dtype=torch.int32); idx = torch.tensor([[[[0, 1, 2, 3]]]], dtype=torch.int32)
+    >>> validate_block_tables(nb, idx, seq_lengths=(16, 40), BLOCK_SIZE=16)
+    Traceback (most recent call last):
+    ...
+    ValueError: kv_num_blocks[0, 0, 0] = 4 is out of range: expected 0 <= count <= 3 (KV_LEN 40 has 3 KV blocks of 16; kv_indices has 4 columns)
+    """
+    q_block, kv_block = _pair(BLOCK_SIZE)
+    q_len, kv_len = (int(x) for x in seq_lengths)
+    n_q, n_kv = -(-q_len // q_block), -(-kv_len // kv_block)
+    tables = {"kv_num_blocks": kv_num_blocks, "kv_indices": kv_indices,
+              "full_kv_num_blocks": full_kv_num_blocks, "full_kv_indices": full_kv_indices,
+              "q_num_blocks": q_num_blocks, "q_indices": q_indices,
+              "full_q_num_blocks": full_q_num_blocks, "full_q_indices": full_q_indices}
+    device = None
+    for name, t in tables.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _TABLE_DTYPES:
+            raise ValueError(f"{name} must be an int32 (or int64) tensor, got {t.dtype}")
+        if t.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device, which holds no values; block tables must be "
+                             "on the device of the attention inputs (cpu or cuda)")
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise ValueError(f"{name} is on {t.device} but kv_num_blocks is on {device}; all block tables "
+                             "must be on one device")
+
+    # (counts, indices, tiles a row may list, what the tiles are)
+    kv_what = f"KV_LEN {kv_len} has {n_kv} KV blocks of {kv_block}"
+    q_what = f"Q_LEN {q_len} has {n_q} query blocks of {q_block}"
+    groups = [("kv_num_blocks", "kv_indices", n_kv, kv_what), ("full_kv_num_blocks", "full_kv_indices", n_kv, kv_what),
+              ("q_num_blocks", "q_indices", n_q, q_what), ("full_q_num_blocks", "full_q_indices", n_q, q_what)]
+    checks = []
+    for num_name, idx_name, tiles, what in groups:
+        num, idx = tables[num_name], tables[idx_name]
+        if (num is None) != (idx is None):
+            raise ValueError(f"{num_name} and {idx_name} must both be given or both be None")
+        if num is None:
+            continue
+        if idx.dim() < 2:
+            raise ValueError(f"{idx_name} must have at least 2 dimensions ([..., rows, columns]), got shape "
+                             f"{tuple(idx.shape)}")
+        if num.shape != idx.shape[:-1]:
+            raise ValueError(f"{num_name} must have shape {tuple(idx.shape[:-1])} ({idx_name} without its last "
+                             f"dimension), got {tuple(num.shape)}")
+        if num.shape[:-1] != kv_num_blocks.shape[:-1]:
+            raise ValueError(f"{num_name} has batch dimensions {tuple(num.shape[:-1])} but kv_num_blocks has "
+                             f"{tuple(kv_num_blocks.shape[:-1])}")
+        limit = min(idx.shape[-1], tiles)
+        bad_num = (num < 0) | (num > limit)
+        listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
+        bad_idx = listed & ((idx < 0) | (idx >= tiles))
+        checks.append((num_name, idx_name, num, idx, bad_num, bad_idx, limit, tiles, what))
+    if not checks:
+        return
+    # One host sync for every table.
+    flags = torch.stack([torch.stack([c[4].any(), c[5].any()]) for c in checks]).tolist()
+    for (num_name, idx_name, num, idx, bad_num, bad_idx, limit, tiles, what), (nb, ib) in zip(checks, flags):
+        if nb:
+            at = bad_num.nonzero()[0].tolist()
+            raise ValueError(f"{num_name}{_entry(at)} = {int(num[tuple(at)])} is out of range: expected 0 <= count "
+                             f"<= {limit} ({what}; {idx_name} has {idx.shape[-1]} columns)")
+        if ib:
+            at = bad_idx.nonzero()[0].tolist()
+            raise ValueError(f"{idx_name}{_entry(at)} = {int(idx[tuple(at)])} is out of range: expected a block "
+                             f"index in [0, {tiles}) ({what}; the entry is among the first "
+                             f"{num_name}{_entry(at[:-1])} = {int(num[tuple(at[:-1])])} of its row)")
+
+
+# ---------------------------------------------------------------------------------------------
 # BlockMask
 
 
@@ -315,6 +418,13 @@ def _check_block_sizes(pair: tuple[int, int]) -> None:
             raise ValueError(
                 f"BLOCK_SIZE: the {name} block size must be a power of two >= {_MIN_BLOCK_SIZE}, got {v}"
             )
+
+
+def _seq_pair(seq_lengths) -> tuple[int, int]:
+    if (not isinstance(seq_lengths, (tuple, list)) or len(seq_lengths) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in seq_lengths)):
+        raise ValueError(f"seq_lengths must be a (Q_LEN, KV_LEN) pair of positive ints, got {seq_lengths!r}")
+    return int(seq_lengths[0]), int(seq_lengths[1])
 
 
 def _check_positive(name: str, value, allow_none: bool = False) -> int:
@@ -343,16 +453,13 @@ class BlockMask:
                  BLOCK_SIZE: int | tuple[int, int] = (_DEFAULT_SPARSE_BLOCK_SIZE, _DEFAULT_SPARSE_BLOCK_SIZE),
                  mask_mod: Callable = noop_mask, *, dq_write_order: torch.Tensor | None = None,
                  dq_write_order_full: torch.Tensor | None = None, dq_kv_order: torch.Tensor | None = None,
-                 dq_kv_order_spt: bool | None = None):
-        if kv_indices.dim() < 2:
-            raise ValueError(f"kv_indices must have at least 2 dimensions, got shape {tuple(kv_indices.shape)}")
-        if kv_num_blocks.shape != kv_indices.shape[:-1]:
-            raise ValueError(f"kv_num_blocks must have shape {tuple(kv_indices.shape[:-1])} (kv_indices "
-                             f"without its last dimension), got {tuple(kv_num_blocks.shape)}")
-        if (full_kv_num_blocks is None) != (full_kv_indices is None):
-            raise ValueError("full_kv_num_blocks and full_kv_indices must both be given or both be None")
-        if (full_q_num_blocks is None) != (full_q_indices is None):
-            raise ValueError("full_q_num_blocks and full_q_indices must both be given or both be None")
+                 dq_kv_order_spt: bool | None = None, validate: bool = True):
+        # The kernels follow these tables without bounds checks: check them once, here
+        # (``validate=False`` only for tables this module built itself).
+        if validate:
+            validate_block_tables(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                                  q_num_blocks, q_indices, full_q_num_blocks, full_q_indices,
+                                  seq_lengths=_seq_pair(seq_lengths), BLOCK_SIZE=BLOCK_SIZE)
         self.seq_lengths = tuple(seq_lengths)
         self.kv_num_blocks = kv_num_blocks
         self.kv_indices = kv_indices
@@ -393,21 +500,25 @@ class BlockMask:
             >>> BlockMask.from_kv_blocks(nb, idx, BLOCK_SIZE=16).q_num_blocks.tolist()
             [[[2, 1]]]
         """
-        if kv_indices.dim() < 2:
-            raise ValueError(f"kv_indices must have at least 2 dimensions, got shape {tuple(kv_indices.shape)}")
-        if (full_kv_num_blocks is None) != (full_kv_indices is None):
-            raise ValueError("full_kv_num_blocks and full_kv_indices must both be given or both be None")
-        q_num = q_idx = fq_num = fq_idx = None
-        if compute_q_blocks:
-            q_num, q_idx = _transpose_ordered(kv_num_blocks, kv_indices)
-            if full_kv_num_blocks is not None:
-                fq_num, fq_idx = _transpose_ordered(full_kv_num_blocks, full_kv_indices)
         block = _pair(BLOCK_SIZE)
         if seq_lengths is None:
+            if not isinstance(kv_indices, torch.Tensor) or kv_indices.dim() < 2:
+                # no lengths to default to: let the table checks say what is wrong with kv_indices
+                validate_block_tables(kv_num_blocks, kv_indices, seq_lengths=(1, 1), BLOCK_SIZE=block)
             seq_lengths = (kv_indices.shape[-2] * block[0], kv_indices.shape[-1] * block[1])
+        seq_lengths = _seq_pair(seq_lengths)
+        # Before the transpose, which would follow bad indices too.
+        validate_block_tables(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                              seq_lengths=seq_lengths, BLOCK_SIZE=block)
+        n_kv = -(-seq_lengths[1] // block[1])  # the q_* tables have a row per KV block
+        q_num = q_idx = fq_num = fq_idx = None
+        if compute_q_blocks:
+            q_num, q_idx = _transpose_ordered(kv_num_blocks, kv_indices, n_kv)
+            if full_kv_num_blocks is not None:
+                fq_num, fq_idx = _transpose_ordered(full_kv_num_blocks, full_kv_indices, n_kv)
         return cls(seq_lengths, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                    q_num, q_idx, fq_num, fq_idx, BLOCK_SIZE=block,
-                   mask_mod=mask_mod if mask_mod is not None else noop_mask)
+                   mask_mod=mask_mod if mask_mod is not None else noop_mask, validate=False)
 
     # -- views ----------------------------------------------------------------------------------
 
@@ -605,7 +716,7 @@ class BlockMask:
             return None if t is None else t.to(device)
 
         out = BlockMask(self.seq_lengths, *(move(t) for t in self.as_tuple()[2:10]),
-                        BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod,
+                        BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod, validate=False,
                         dq_write_order=move(self.dq_write_order), dq_write_order_full=move(self.dq_write_order_full),
                         dq_kv_order=move(self.dq_kv_order), dq_kv_order_spt=self.dq_kv_order_spt)
         if self._mod is not None:
@@ -624,6 +735,11 @@ class BlockMask:
                     else "create a new block mask for these lengths")
             raise ValueError(f"block_mask was created for (Q_LEN, KV_LEN) = {self.seq_lengths} but the "
                              f"inputs have ({Q_LEN}, {KV_LEN}); {hint}")
+        n_q = -(-Q_LEN // self.BLOCK_SIZE[0])
+        if self.kv_indices.shape[-2] < n_q:
+            raise ValueError(f"block_mask has {self.kv_indices.shape[-2]} query-block rows but Q_LEN {Q_LEN} with "
+                             f"query blocks of {self.BLOCK_SIZE[0]} needs {n_q} (a sliced mask cannot be used "
+                             "for attention)")
         bm_b, bm_h = self.kv_num_blocks.shape[:2]
         if bm_b not in (1, B):
             raise ValueError(f"block_mask has batch size {bm_b}, expected 1 or the inputs' batch size {B}")
@@ -685,6 +801,9 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     Q_LEN = _check_positive("Q_LEN", Q_LEN)
     KV_LEN = _check_positive("KV_LEN", KV_LEN)
     device = _default_device(device)
+    if device.type == "meta":
+        raise ValueError("device='meta' cannot hold a block mask: its tables are computed from the mask's "
+                         "values; pass the device of the attention inputs ('cpu' or 'cuda')")
     if backend is None:
         backend = "triton" if device.type == "cuda" else "torch"
     if backend not in ("triton", "torch"):
@@ -698,14 +817,14 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
                             device, backend, use_interval)
         if not separate_full_blocks:
             tables = [tables[0], tables[1], None, None, tables[2], tables[3], None, None]
-        bm = BlockMask((Q_LEN, KV_LEN), *tables, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod)
+        bm = BlockMask((Q_LEN, KV_LEN), *tables, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod, validate=False)
         bm._flexattn_compiled_mask = (key, bufs)
         return bm
     mod = _resolve_mask(mask_mod, device)
     mod.check_device(device, arg="the block mask's device")
     tables = _build_tables(mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, separate_full_blocks, backend,
                            use_interval)
-    bm = BlockMask((Q_LEN, KV_LEN), *tables, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod)
+    bm = BlockMask((Q_LEN, KV_LEN), *tables, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod, validate=False)
     bm._mod = mod
     return bm
 

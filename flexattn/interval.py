@@ -104,19 +104,32 @@ class EagerOps:
 
 
 class Sym:
-    """A staged Triton value: the name of a temporary in the generated function."""
+    """A staged Triton value: the name of a temporary in the generated function.
 
-    __slots__ = ("ops", "name")
+    ``is_bool`` marks comparison results: &, | and ^ between two of them go through the prelude's
+    `_fa_and` / `_fa_or` / `_fa_xor` (Triton's interpreter cannot combine a bool scalar with a bool
+    tile directly).
+    """
 
-    def __init__(self, ops: "TritonOps", name: str):
-        self.ops, self.name = ops, name
+    __slots__ = ("ops", "name", "is_bool")
+
+    def __init__(self, ops: "TritonOps", name: str, is_bool: bool = False):
+        self.ops, self.name, self.is_bool = ops, name, is_bool
 
     def __str__(self):
         return self.name
 
-    def _bin(self, other, fmt, swap=False):
+    def _bin(self, other, fmt, swap=False, is_bool=False):
         a, b = (other, self) if swap else (self, other)
-        return self.ops.emit(fmt.format(_text(a), _text(b)))
+        return self.ops.emit(fmt.format(_text(a), _text(b)), is_bool)
+
+    def _logic(self, other, fn, symbol, swap=False):
+        if self.is_bool and isinstance(other, Sym) and other.is_bool:
+            return self._bin(other, f"{fn}({{}}, {{}})", swap, True)
+        return self._bin(other, f"({{}} {symbol} {{}})", swap)
+
+    def _cmp(self, other, symbol):
+        return self._bin(other, f"({{}} {symbol} {{}})", is_bool=True)
 
     __add__ = lambda s, o: s._bin(o, "({} + {})")
     __radd__ = lambda s, o: s._bin(o, "({} + {})", True)
@@ -125,19 +138,19 @@ class Sym:
     __mul__ = lambda s, o: s._bin(o, "({} * {})")
     __rmul__ = lambda s, o: s._bin(o, "({} * {})", True)
     __rshift__ = lambda s, o: s._bin(o, "({} >> {})")
-    __and__ = lambda s, o: s._bin(o, "({} & {})")
-    __rand__ = lambda s, o: s._bin(o, "({} & {})", True)
-    __or__ = lambda s, o: s._bin(o, "({} | {})")
-    __ror__ = lambda s, o: s._bin(o, "({} | {})", True)
-    __xor__ = lambda s, o: s._bin(o, "({} ^ {})")
-    __lt__ = lambda s, o: s._bin(o, "({} < {})")
-    __le__ = lambda s, o: s._bin(o, "({} <= {})")
-    __gt__ = lambda s, o: s._bin(o, "({} > {})")
-    __ge__ = lambda s, o: s._bin(o, "({} >= {})")
-    __eq__ = lambda s, o: s._bin(o, "({} == {})")  # type: ignore[assignment]
-    __ne__ = lambda s, o: s._bin(o, "({} != {})")  # type: ignore[assignment]
+    __and__ = lambda s, o: s._logic(o, "_fa_and", "&")
+    __rand__ = lambda s, o: s._logic(o, "_fa_and", "&", True)
+    __or__ = lambda s, o: s._logic(o, "_fa_or", "|")
+    __ror__ = lambda s, o: s._logic(o, "_fa_or", "|", True)
+    __xor__ = lambda s, o: s._logic(o, "_fa_xor", "^")
+    __lt__ = lambda s, o: s._cmp(o, "<")
+    __le__ = lambda s, o: s._cmp(o, "<=")
+    __gt__ = lambda s, o: s._cmp(o, ">")
+    __ge__ = lambda s, o: s._cmp(o, ">=")
+    __eq__ = lambda s, o: s._cmp(o, "==")  # type: ignore[assignment]
+    __ne__ = lambda s, o: s._cmp(o, "!=")  # type: ignore[assignment]
     __neg__ = lambda s: s.ops.emit(f"(-{s.name})")
-    __invert__ = lambda s: s.ops.emit(f"(~{s.name})")
+    __invert__ = lambda s: s.ops.emit(f"({s.name} == 0)", True) if s.is_bool else s.ops.emit(f"(~{s.name})")
     __hash__ = None  # type: ignore[assignment]
 
 
@@ -160,11 +173,11 @@ class TritonOps:
         self.lines: list[str] = []
         self.count = 0
 
-    def emit(self, expr: str) -> Sym:
+    def emit(self, expr: str, is_bool: bool = False) -> Sym:
         name = f"v{self.count}"
         self.count += 1
         self.lines.append(f"{name} = {expr}")
-        return Sym(self, name)
+        return Sym(self, name, is_bool)
 
     def i64(self, value: int):
         return self.emit(f"tl.full([], {int(value)}, tl.int64)")
@@ -421,12 +434,15 @@ def _floordiv_or_mod(ops, op, n, a, b):
     one = ops.i64(1)
     # Divisors that may be 0 are replaced by 1 (their result is discarded) so nothing traps.
     dlo, dhi = ops.where(ok, blo, one), ops.where(ok, bhi, one)
+    # A divisor that is exactly 0: x // 0 == 0 and x % 0 == x (flexattn's meaning everywhere).
+    zero = (blo == 0) & (bhi == 0)
     if op == "floordiv":
         # floor(x / d) is monotone in x and in d on each side of 0: the corners bound it.
         p = [ops.floordiv(x, d) for x in (alo, ahi) for d in (dlo, dhi)]
         lo = ops.minimum(ops.minimum(p[0], p[1]), ops.minimum(p[2], p[3]))
         hi = ops.maximum(ops.maximum(p[0], p[1]), ops.maximum(p[2], p[3]))
-        return _fit(ops, lo, hi, dtype, ok)
+        lo, hi = _fit(ops, lo, hi, dtype, ok)
+        return ops.where(zero, ops.i64(0), lo), ops.where(zero, ops.i64(0), hi)
     # Python-sign modulo: in [0, d-1] for d > 0 and [d+1, 0] for d < 0; exact when the numerator
     # range stays inside one period of a constant divisor.
     lo = ops.where(pos, ops.i64(0), dlo + 1)
@@ -434,7 +450,8 @@ def _floordiv_or_mod(ops, op, n, a, b):
     period = (dlo == dhi) & (ops.floordiv(alo, dlo) == ops.floordiv(ahi, dlo))
     lo = ops.where(period, ops.mod(alo, dlo), lo)
     hi = ops.where(period, ops.mod(ahi, dlo), hi)
-    return _fit(ops, lo, hi, dtype, ok)
+    lo, hi = _fit(ops, lo, hi, dtype, ok)
+    return ops.where(zero, alo, lo), ops.where(zero, ahi, hi)
 
 
 def _bitwise(ops, op, n, a, b):

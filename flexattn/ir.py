@@ -569,8 +569,19 @@ class Evaluator:
         if op in BINARY_OPS:
             if op == "pow" and not n.dtype.is_floating_point:
                 return _int_pow(src[0], src[1])
+            if op in ("floordiv", "mod") and is_int(n.dtype):
+                return _int_div_or_mod(op, src[0], src[1]).to(n.dtype)
             return BINARY_OPS[op][0](src[0], src[1]).to(n.dtype)
         raise IRError(f"cannot evaluate op {op!r}")
+
+
+def _int_div_or_mod(op: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Integer ``a // b`` or ``a % b`` with flexattn's meaning for a zero divisor: ``x // 0 == 0``
+    and ``x % 0 == x`` (torch raises on the CPU and gives garbage on the GPU; a kernel cannot raise)."""
+    zero = b == 0
+    d = torch.where(zero, torch.ones_like(b), b)
+    out = BINARY_OPS[op][0](a, d)
+    return torch.where(zero, torch.zeros_like(out) if op == "floordiv" else a.to(out.dtype), out)
 
 
 def _int_pow(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -619,8 +630,28 @@ def _example_node(dtype: torch.dtype) -> Node:
     return Node("input", dtype, (), "_")
 
 
+# to_text names a shared subexpression with `let` once its text is longer than this, and any
+# expression nested this deep: the text stays linear in the number of distinct nodes (repeating
+# shared subtrees is exponential in depth) and well inside the DSL's nesting limit.
+_LET_SHARED_CHARS = 40
+_LET_DEPTH = 64
+
+
 def to_text(root: Node) -> str:
-    """Render ``root`` as DSL text (fully parenthesised; shared subtrees are repeated)."""
+    """Render ``root`` as DSL text that parses back to ``root`` (fully parenthesised).
+
+    Small trees are one expression. Large shared subexpressions and very deep ones are written
+    once, as ``let _v0 = ...`` lines before the expression, so the text is linear in the number of
+    distinct nodes.
+    """
+    order = toposort(root)
+    uses: dict[int, int] = {}
+    for n in order:
+        for s in n.src:
+            uses[id(s)] = uses.get(id(s), 0) + 1
+    taken = {n.arg.name for n in order if n.op == "load"}
+    lets: list[str] = []
+    depth: dict[int, int] = {}
     memo: dict[int, str] = {}
 
     def lit(c: Node, sibling: torch.dtype | None) -> str:
@@ -661,10 +692,18 @@ def to_text(root: Node) -> str:
         else:
             text = f"{op}({memo[id(n.src[0])]})"
         memo[id(n)] = text
+        depth[id(n)] = 1 + max((depth[id(s)] for s in n.src), default=0)
+        if n is not root and op not in ("const", "input") and (
+                depth[id(n)] >= _LET_DEPTH or (uses[id(n)] > 1 and len(text) > _LET_SHARED_CHARS)):
+            name = f"_v{len(lets)}"
+            while name in taken:
+                name = "_" + name
+            lets.append(f"let {name} = {text}")
+            memo[id(n)], depth[id(n)] = name, 0
     out = memo[id(root)]
     if root.op == "const":
         out = lit(root, None)
-    return out
+    return "\n".join(lets + [out])
 
 
 def _idx_text(c: Node) -> str:

@@ -5,14 +5,14 @@ gives d(sum(grad_out * out)) / d(score and every captured table). `autodiff.diff
 `autodiff.evaluate_grads` must give the same numbers.
 """
 
-import math
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flexattn import autodiff, ir, testing
+from flexattn import autodiff, ir
+from helpers import testing
 
 F64 = torch.float64
 B, H, Q, KV = 2, 3, 5, 7

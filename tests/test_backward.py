@@ -15,7 +15,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import flexattn
-from flexattn import ir, testing
+from flexattn import ir
+from helpers import testing
 from flexattn.mods import Mod
 from flexattn.reference import attention_reference
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flexattn
-from flexattn import testing
+from helpers import testing
 from flexattn.reference import attention_reference
 
 pytestmark = pytest.mark.gpu

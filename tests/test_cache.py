@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 import textwrap
+import warnings
 
+import pytest
 import torch
 
 from flexattn.codegen import cache
@@ -16,7 +19,7 @@ SOURCE = "import triton\nimport triton.language as tl\n\n\n@triton.jit\ndef twic
 def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEXATTN_CACHE_DIR", str(tmp_path / "kernels"))
     path = cache.write_source(SOURCE, "probe", interpret=True)
-    assert path.parent == tmp_path / "kernels" and path.read_text() == SOURCE
+    assert path.parent == tmp_path / "kernels" and path.read_text() == cache.entry_text(SOURCE)
 
 
 def test_key_depends_on_text_and_mode(tmp_path, monkeypatch):
@@ -52,3 +55,96 @@ def test_concurrent_processes_publish_one_complete_file(tmp_path):
     names = {out.strip() for out, _ in results}
     assert len(names) == 1
     assert sorted(f.name for f in tmp_path.iterdir()) == sorted(names)  # no temporary files left
+
+
+# ---------------------------------------------------------------------------------------------
+# Integrity: the cache never trusts the disk
+
+
+def _fresh(tmp_path, monkeypatch, sub="kernels"):
+    monkeypatch.setenv("FLEXATTN_CACHE_DIR", str(tmp_path / sub))
+    monkeypatch.setattr(cache, "_LOADED", {})
+    monkeypatch.setattr(cache, "_WARNED", set())
+    monkeypatch.setattr(cache, "_FALLBACK", {})
+
+
+def _twice(module):
+    x, y = torch.tensor([3.5]), torch.full((1,), float("nan"))
+    module.twice[(1,)](x, y)
+    return y.item()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "other_kernel", "empty", "binary"])
+def test_damaged_entry_is_regenerated_with_one_warning(tmp_path, monkeypatch, damage):
+    _fresh(tmp_path, monkeypatch)
+    source = SOURCE + f"# {damage}\n"
+    path = cache.write_source(source, "probe", interpret=True)
+    text = path.read_text()
+    if damage == "truncate":
+        path.write_text(text[: len(text) // 2])
+    elif damage == "garbage":
+        path.write_text("this is ) not python (\n")
+    elif damage == "other_kernel":  # a valid kernel that computes something else: must not run
+        path.write_text(text.replace("* 2", "* 3"))
+    elif damage == "empty":
+        path.write_text("")
+    else:
+        path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.warns(cache.CacheWarning, match="was truncated, corrupted or modified; it has been regenerated"):
+        module = cache.load_source(source, "probe", interpret=True)
+    assert _twice(module) == 7.0
+    assert path.read_text() == text
+    # reported once: a second damage to the same entry regenerates silently
+    path.write_text("junk")
+    monkeypatch.setattr(cache, "_LOADED", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _twice(cache.load_source(source, "probe", interpret=True)) == 7.0
+
+
+def test_entry_carries_the_hash_of_its_content(tmp_path, monkeypatch):
+    _fresh(tmp_path, monkeypatch)
+    text = cache.write_source(SOURCE, "probe", interpret=True).read_text()
+    first, rest = text.split("\n", 1)
+    assert rest == SOURCE
+    assert first.endswith(hashlib.sha256(SOURCE.encode()).hexdigest())
+
+
+@pytest.mark.parametrize("problem", ["regular_file", "under_a_file"])
+def test_unusable_cache_dir_falls_back_to_a_private_one(tmp_path, monkeypatch, problem):
+    _fresh(tmp_path, monkeypatch, "kernels" if problem == "regular_file" else "kernels/sub")
+    (tmp_path / "kernels").write_text("not a directory")
+    with pytest.warns(cache.CacheWarning, match=r"cannot use the kernel cache directory .*kernels"):
+        first = cache.cache_dir()
+    assert first.is_dir() and not str(first).startswith(str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning per process
+        assert cache.cache_dir() == first
+        assert _twice(cache.load_source(SOURCE + "# fallback\n", "probe", interpret=True)) == 7.0
+    assert (tmp_path / "kernels").read_text() == "not a directory"
+
+
+def test_cache_location_follows_xdg_then_home(tmp_path, monkeypatch):
+    monkeypatch.delenv("FLEXATTN_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache.configured_dir() == tmp_path / "xdg" / "flexattn"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")  # the XDG spec: relative paths are invalid
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache.configured_dir() == tmp_path / "home" / ".cache" / "flexattn"
+    monkeypatch.setenv("FLEXATTN_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache.configured_dir() == tmp_path / "mine"
+
+
+def test_source_python_cannot_compile_is_never_written(tmp_path, monkeypatch):
+    _fresh(tmp_path, monkeypatch)
+    bad = "x = " + "(" * 300 + "1" + ")" * 300 + "\n"
+    with pytest.raises(RuntimeError, match="source that Python cannot compile"):
+        cache.load_source(bad, "probe", interpret=True)
+    assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").glob("probe_*"))
+
+
+def test_entry_whose_import_fails_is_removed(tmp_path, monkeypatch):
+    _fresh(tmp_path, monkeypatch)
+    with pytest.raises(ZeroDivisionError):
+        cache.load_source("x = 1 // 0\n", "probe", interpret=True)
+    assert not list((tmp_path / "kernels").glob("probe_*"))

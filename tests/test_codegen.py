@@ -25,9 +25,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexattn import ir
-from flexattn import testing as T
+from helpers import testing as T
 from flexattn.codegen import emit
-from flexattn.codegen.elementwise import evaluate_grid
+from helpers.grid_kernel import evaluate_grid
 from flexattn.mods import Mod
 
 B, H, Q, KV = 2, 3, 37, 45  # odd sizes: partial tiles on both axes (BLOCK 16)

@@ -8,7 +8,6 @@ must not run is marked with ``<!-- no-run: reason -->`` on the line before its f
 from __future__ import annotations
 
 import doctest
-import os
 import re
 from pathlib import Path
 

@@ -11,7 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 import flexattn
-from flexattn import ir, testing
+from flexattn import ir
+from helpers import testing
 from flexattn.dsl import FUNCTIONS, DSLError, mask_mod, parse, parse_with_buffers, score_mod
 from flexattn.mods import Mod
 
@@ -521,7 +522,7 @@ def test_vmap_like_torch():
 
 
 def test_generated_kernel_matches_eager():
-    from flexattn.codegen.elementwise import evaluate_grid
+    from helpers.grid_kernel import evaluate_grid
 
     doc = torch.tensor([0] * 5 + [1] * 8 + [2] * 6, dtype=torch.int32)
     slope = torch.rand(2) + 0.1

@@ -2,7 +2,7 @@
 
 Every comparison has three parties: the kernel, eager attention in the inputs' dtype (what the
 dtype costs) and float64 eager attention (the truth); the kernel's error must stay within a small
-multiple of eager's (`flexattn.testing.assert_close_to_reference`).
+multiple of eager's (`helpers.testing.assert_close_to_reference`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
-from flexattn import ir, testing
+from flexattn import ir
+from helpers import testing
 from flexattn.attention import flex_attention
 from flexattn.call import FlexAttentionFunction
 from flexattn.block_mask import BlockMask, create_block_mask

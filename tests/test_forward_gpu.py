@@ -2,7 +2,7 @@
 
 bf16/fp16 inputs, S up to 8k, head dims 64 and 128, against the eager reference in float32: the
 kernel's error must stay within a small multiple of eager attention computed in the inputs' dtype
-(`flexattn.testing.assert_close_to_reference`). Skipped without a GPU.
+(`helpers.testing.assert_close_to_reference`). Skipped without a GPU.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from flexattn import testing
+from helpers import testing
 from flexattn.attention import flex_attention
 from flexattn.block_mask import create_block_mask
 from flexattn.reference import attention_reference

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexattn import ir
-from flexattn import testing as T
+from helpers import testing as T
 
 q, kv, b, h = (ir.input_(n) for n in ("q_idx", "kv_idx", "b", "h"))
 score = ir.input_("score")
@@ -135,9 +135,9 @@ def test_constant_folding():
     assert ir.where(ir.const(True), score, 0.0) is score
     assert ir.where(c, score, score) is score
     assert ir.unary("not", ir.unary("not", c)) is c
-    # integer division by zero is left to run time (it would raise in torch)
-    zero_div = ir.binary("floordiv", ir.const(1), 0)
-    assert zero_div.op == "floordiv"
+    # integer division by zero folds to flexattn's defined value (x // 0 == 0, x % 0 == x)
+    assert ir.binary("floordiv", ir.const(1), 0) is ir.const(0)
+    assert ir.binary("mod", ir.const(-5), 0) is ir.const(-5)
 
 
 def test_folded_constants_overflow_like_torch():

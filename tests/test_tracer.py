@@ -22,7 +22,8 @@ from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
 from torch.nn.attention import flex_attention as torch_flex
 
 import flexattn
-from flexattn import ir, testing
+from flexattn import ir
+from helpers import testing
 from flexattn.mods import Mod
 from flexattn.tracer import Proxy, TraceError, inline, is_traced, trace
 

@@ -1,10 +1,19 @@
 """Content-addressed on-disk cache of generated kernel modules.
 
 `triton.jit` needs real source files (it reads them with `inspect`), so every rendered kernel
-module is written to ``$FLEXATTN_CACHE_DIR`` (default ``~/.cache/flexattn``) under a name derived
-from a hash of its text and the flexattn/triton/torch versions, then imported with importlib.
-Writes go to a temporary file first and are published with ``os.replace`` (atomic on POSIX),
-so concurrent processes either see no file or a complete one.
+module is written to the cache directory under a name derived from a hash of its text and the
+flexattn/triton/torch versions, then imported with importlib.
+
+Where: ``$FLEXATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/flexattn``, else ``~/.cache/flexattn``. A
+directory that cannot be used (a regular file in the way, no permission) is replaced by a private
+temporary directory for the rest of the process, with one warning.
+
+Integrity: an entry starts with a line holding the SHA-256 of the rest of the file, and every read
+compares the whole entry with the text flexattn would write. A truncated, corrupted or edited entry
+is discarded and written again, with one warning per entry. Writes go to a temporary file first and
+are published with ``os.replace`` (atomic on POSIX), so concurrent processes either see no file or a
+complete one. Source is compiled before it is written, and an entry whose import fails is removed:
+nothing un-importable stays in the cache.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import os
 import sys
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -26,41 +36,114 @@ from flexattn import __version__
 
 _LOCK = threading.RLock()
 _LOADED: dict[tuple[str, bool], ModuleType] = {}
+_FALLBACK: dict[str, Path] = {}  # configured directory -> the private one used instead
+_WARNED: set[str] = set()
+_HEADER = "# flexattn cache entry, sha256 of the rest: "
+_FORMAT = "entry-v2"  # in the key: entries of an older layout are never looked at
+
+
+class CacheWarning(UserWarning):
+    """The kernel cache had to work around a problem on disk (reported once per problem)."""
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, CacheWarning, stacklevel=3)
+
+
+def configured_dir() -> Path:
+    """The cache directory the environment asks for (it may not exist or be usable)."""
+    root = os.environ.get("FLEXATTN_CACHE_DIR")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        base = xdg if xdg and os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "flexattn")
+    return Path(root)
 
 
 def cache_dir() -> Path:
-    """The directory holding generated modules (``FLEXATTN_CACHE_DIR`` or ``~/.cache/flexattn``)."""
-    root = os.environ.get("FLEXATTN_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "flexattn"
-    )
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """The directory holding generated modules (see the module docstring); created if needed."""
+    path = configured_dir()
+    key = str(path)
+    if key in _FALLBACK:
+        return _FALLBACK[key]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not path.is_dir():
+            raise NotADirectoryError(f"{path} is not a directory")
+        # Can we publish files here? (mkdir succeeds on an existing read-only directory.)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".probe_")
+        os.close(fd)
+        os.unlink(probe)
+        return path
+    except OSError as e:
+        with _LOCK:
+            if key not in _FALLBACK:
+                _FALLBACK[key] = Path(tempfile.mkdtemp(prefix="flexattn-cache-"))
+                _warn_once(f"dir:{key}", f"flexattn: cannot use the kernel cache directory {path} "
+                           f"({type(e).__name__}: {e}); using {_FALLBACK[key]} for this process. Set "
+                           "FLEXATTN_CACHE_DIR to a writable directory to keep compiled kernels.")
+        return _FALLBACK[key]
 
 
 def source_key(source: str, interpret: bool) -> str:
     """Hash of everything that decides what a generated module does."""
     h = hashlib.sha256()
-    for part in (__version__, triton.__version__, torch.__version__, str(interpret), source):
-        h.update(part.encode())
+    for part in (_FORMAT, __version__, triton.__version__, torch.__version__, str(interpret), source):
+        h.update(part.encode("utf-8", "surrogatepass"))
         h.update(b"\0")
     return h.hexdigest()[:24]
 
 
+def entry_text(source: str) -> str:
+    """The exact text of the cache entry for ``source``: a hash line, then the source."""
+    digest = hashlib.sha256(source.encode("utf-8")).hexdigest()
+    return f"{_HEADER}{digest}\n{source}"
+
+
+def _check_importable(source: str, stem: str) -> None:
+    try:
+        compile(source, f"<flexattn generated {stem}>", "exec")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        raise RuntimeError(f"flexattn generated {stem} source that Python cannot compile ({e}); this is a "
+                           "bug in flexattn, please report it with the mod that caused it") from e
+
+
+def _publish(path: Path, text: str, stem: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{stem}_", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError):
+        return ""  # unreadable or not text: treated as corrupted
+
+
 def write_source(source: str, stem: str, interpret: bool) -> Path:
-    """Write ``source`` to the cache (once) and return its path."""
-    key = source_key(source, interpret)
-    path = cache_dir() / f"{stem}_{key}.py"
-    if not path.exists():
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{stem}_", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(source)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+    """Write ``source``'s entry to the cache (once, or again if the file there is not it) and
+    return its path."""
+    _check_importable(source, stem)
+    text = entry_text(source)
+    path = cache_dir() / f"{stem}_{source_key(source, interpret)}.py"
+    found = _read(path)
+    if found == text:
+        return path
+    if found is not None:
+        _warn_once(f"entry:{path}", f"flexattn: the cached kernel {path} was truncated, corrupted or "
+                   "modified; it has been regenerated")
+    _publish(path, text, stem)
     return path
 
 
@@ -98,7 +181,14 @@ def load_source(source: str, stem: str, interpret: bool) -> ModuleType:
         assert spec is not None and spec.loader is not None
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
-        with _interpret_mode(interpret):
-            spec.loader.exec_module(mod)
+        try:
+            with _interpret_mode(interpret):
+                spec.loader.exec_module(mod)
+        except BaseException as e:
+            sys.modules.pop(name, None)
+            if isinstance(e, Exception):  # not for Ctrl-C: the entry itself may be fine
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            raise
         _LOADED[key] = mod
         return mod

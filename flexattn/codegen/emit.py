@@ -21,6 +21,7 @@ libdevice: the same functions are composed from core ops there).
 
 from __future__ import annotations
 
+import keyword
 import math
 from dataclasses import dataclass
 
@@ -43,22 +44,49 @@ TL_DTYPE = {
 }
 
 TARGETS = ("cuda", "interpret")
+# Single-use values are inlined into their user, but never more than this many levels deep: a
+# deeper chain (a 1,000-term sum) continues through temporaries, so the source stays readable and
+# far from Python's parser limits (about 200 nested brackets).
+MAX_INLINE_DEPTH = 8
 
 # Helper functions shared by all mods of one module (emitted once, by `prelude`).
 _PRELUDE_COMMON = '''
 @triton.jit
-def _fa_floordiv_int(a, b):
-    # Python floor division on integers (Triton's // truncates toward zero).
+def _fa_floordiv_int_nz(a, b):
+    # Python floor division on integers by a divisor known not to be 0 (a constant).
     q = a // b
     r = a - q * b
     return tl.where((r != 0) & ((r < 0) != (b < 0)), q - 1, q)
 
 
 @triton.jit
-def _fa_mod_int(a, b):
-    # Python-sign modulo on integers (the result takes the divisor's sign).
+def _fa_mod_int_nz(a, b):
+    # Python-sign modulo on integers by a divisor known not to be 0 (a constant).
     r = a % b
     return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def _fa_floordiv_int(a, b):
+    # Python floor division on integers (Triton's // truncates toward zero). x // 0 is 0 on every
+    # flexattn path (docs/dsl.md); the divisor 0 is replaced by 1 so nothing traps.
+    zero = b == 0
+    d = b + zero.to(b.dtype)
+    q = a // d
+    r = a - q * d
+    q = tl.where((r != 0) & ((r < 0) != (d < 0)), q - 1, q)
+    return tl.where(zero, q * 0, q)
+
+
+@triton.jit
+def _fa_mod_int(a, b):
+    # Python-sign modulo on integers (the result takes the divisor's sign); x % 0 is x, so that
+    # (x // y) * y + x % y == x holds for every y.
+    zero = b == 0
+    d = b + zero.to(b.dtype)
+    r = a % d
+    r = tl.where((r != 0) & ((r < 0) != (d < 0)), r + d, r)
+    return tl.where(zero, a + r * 0, r)
 
 
 @triton.jit
@@ -280,12 +308,28 @@ def _fconst(value: float, n: Node) -> str:
     return _lit(value, n.dtype)
 
 
+def _int_divisor(n) -> int | None:
+    """The divisor of an integer // or % if it is a constant (the helpers skip the zero guard)."""
+    d = n.src[1] if isinstance(n, Node) else None
+    return d.arg if d is not None and d.op == "const" else None
+
+
 def _floordiv(n, a, b):
-    return f"_fa_floordiv_int({a}, {b})" if ir.is_int(n.dtype) else f"_fa_floordiv_float({a}, {b})"
+    if not ir.is_int(n.dtype):
+        return f"_fa_floordiv_float({a}, {b})"
+    d = _int_divisor(n)
+    if d == 0:
+        return f"({a} * 0)"  # x // 0 == 0 (docs/dsl.md)
+    return f"_fa_floordiv_int_nz({a}, {b})" if d is not None else f"_fa_floordiv_int({a}, {b})"
 
 
 def _mod(n, a, b):
-    return f"_fa_mod_int({a}, {b})" if ir.is_int(n.dtype) else f"_fa_mod_float({a}, {b})"
+    if not ir.is_int(n.dtype):
+        return f"_fa_mod_float({a}, {b})"
+    d = _int_divisor(n)
+    if d == 0:
+        return f"{a}"  # x % 0 == x
+    return f"_fa_mod_int_nz({a}, {b})" if d is not None else f"_fa_mod_int({a}, {b})"
 
 
 def _pow(n, a, b, node: Node):
@@ -448,6 +492,7 @@ def emit_mod(root: Node, kind: str, name: str | None = None, target: str = "cuda
     if kind == "mask" and root.dtype != torch.bool:
         raise TypeError(f"a mask mod must return bool, this one returns {ir.dtype_name(root.dtype)}")
     name = name or f"{kind}_mod"
+    _check_name(name)
     buffers = ir.buffers_of(root)
     lines, expr, _, axes = _emit_values([root], kind)
 
@@ -462,6 +507,10 @@ def emit_mod(root: Node, kind: str, name: str | None = None, target: str = "cuda
             result = f"({result} + tl.full(score.shape, 0, {TL_DTYPE[root.dtype]}))"
     elif root.op == "const":
         result = f"tl.full([], {1 if root.arg else 0}, tl.int1)"
+    elif target == "interpret" and axes[id(root)] != frozenset("mn"):
+        # A mask that does not vary along both axes (b == 0, q_idx < 5) is made a full tile: the
+        # interpreter cannot combine a bool scalar or row with the kernel's bool tiles (`& inside`).
+        result = f"(({result}).to(tl.int8) + (q_idx * 0 + kv_idx * 0).to(tl.int8) != 0)"
 
     params = buffer_params(buffers)
     head = ["score"] if kind == "score" else []
@@ -469,6 +518,12 @@ def emit_mod(root: Node, kind: str, name: str | None = None, target: str = "cuda
     body = "\n".join(f"    {line}" for line in lines + [f"return {result}"])
     src = f"@triton.jit\ndef {name}({sig}):\n{body}\n"
     return ModSource(name, kind, src, tuple(params), tuple(buffers))
+
+
+def _check_name(name: str) -> None:
+    # The name becomes a `def` in generated source: only plain identifiers get there.
+    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name) or not name.isascii():
+        raise ValueError(f"a generated function name must be an ASCII Python identifier, got {name!r}")
 
 
 def _emit_values(roots: list[Node], kind: str):
@@ -486,6 +541,7 @@ def _emit_values(roots: list[Node], kind: str):
 
     lines: list[str] = []
     expr: dict[int, str] = {}
+    depth: dict[int, int] = {}  # how deep each node's inline expression nests other nodes' (names: 0)
     counter = [0]
 
     def fresh(prefix: str = "t") -> str:
@@ -499,6 +555,7 @@ def _emit_values(roots: list[Node], kind: str):
         v = fresh()
         lines.append(f"{v} = {e}")
         expr[id(n)] = v
+        depth[id(n)] = 0
         return v
 
     def bind(e: str) -> str:
@@ -567,8 +624,9 @@ def _emit_values(roots: list[Node], kind: str):
         else:
             raise NotImplementedError(f"no Triton emitter for op {op!r}")
         expr[id(n)] = e
-        # Values used more than once get a name; single-use ones stay inline.
-        if uses.get(id(n), 0) > 1 and op not in ("input", "const"):
+        depth[id(n)] = 1 + max((depth[id(s)] for s in n.src), default=0)
+        # Values used more than once get a name; single-use ones stay inline, to a bounded depth.
+        if op not in ("input", "const") and (uses.get(id(n), 0) > 1 or depth[id(n)] >= MAX_INLINE_DEPTH):
             as_name(n)
 
     return lines, expr, as_name, axes

@@ -20,14 +20,21 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from lark import Lark, Transformer, Tree, v_args
+from lark import Lark, Tree, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken, VisitError
 from lark.lark import PostLex
+from lark.visitors import Transformer_NonRecursive
 
 from flexattn import ir
 from flexattn.ir import Node
 
 Value = Any  # an ir.Node or a Python bool/int/float literal
+
+# Limits (docs/limits.md). Deeper texts are refused with a DSLError rather than a RecursionError;
+# nothing in the DSL path recurses, so this bounds work, not the Python stack.
+MAX_NESTING = 2000  # parse-tree depth: operators and calls nested in one another
+MAX_LITERAL_CHARS = 100  # characters in one number literal
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class DSLError(ValueError):
@@ -124,7 +131,7 @@ def _builtin_functions() -> dict[str, Function]:
         fns[op] = Function(op, (2, 2), lambda a, b, op=op: ir.binary(op, a, b), f"{op}(a, b)")
     fns["min"] = Function("min", (2, None), _fold_left("minimum"), "min(a, b, ...)")
     fns["max"] = Function("max", (2, None), _fold_left("maximum"), "max(a, b, ...)")
-    fns["pow"] = Function("pow", (2, 2), lambda a, b: ir.binary("pow", a, b), "pow(a, b)")
+    fns["pow"] = Function("pow", (2, 2), lambda a, b: _binary("pow", a, b), "pow(a, b)")
     fns["clamp"] = Function("clamp", (3, 3), ir.clamp, "clamp(x, lo, hi)")
     fns["where"] = Function("where", (3, 3), ir.where, "where(cond, a, b)")
     for name, dtype in ir.DTYPES.items():
@@ -232,30 +239,65 @@ _PY_BINARY: dict[str, Callable] = {
     "gt": operator.gt, "ge": operator.ge,
 }
 _COMPARE = {"==": "eq", "!=": "ne", "<": "lt", "<=": "le", ">": "gt", ">=": "ge"}
+_SYMBOL = {op: sym for sym, op in _COMPARE.items()} | {
+    "add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%", "pow": "**",
+    "and_": "&", "or_": "|", "xor": "^", "lshift": "<<", "rshift": ">>"}
+
+
+def _fold_literals(op: str, a: Value, b: Value) -> Value:
+    """``a op b`` for two literals, computed by Python as in a Python mod, within int64.
+
+    Integer results must stay in int64 (an intermediate may reach 2**63, the magnitude of the
+    int64 minimum); a power or shift that would leave it is refused before it is computed, so
+    ``9 ** 9 ** 9`` costs nothing. Raises _Error (positioned by the caller) on overflow and on
+    division by zero, which Python raises for the same constant in a Python mod.
+    """
+    ints = isinstance(a, int) and isinstance(b, int)
+    if ints and op == "pow" and b > 0 and abs(a) > 1 and (abs(a).bit_length() - 1) * b > 64:
+        raise _Error(f"integer constant {a} ** {b} overflows int64", None)
+    if ints and op in ("lshift", "rshift") and b < 0:
+        raise _Error(f"negative shift count in the constant {a} {'<<' if op == 'lshift' else '>>'} {b}", None)
+    if ints and op == "lshift" and a != 0 and b > 64:
+        raise _Error(f"integer constant {a} << {b} overflows int64", None)
+    try:
+        out = _PY_BINARY[op](a, b)
+    except ZeroDivisionError:
+        raise _Error(f"division by zero in the constant expression {a!r} {_SYMBOL[op]} {b!r}", None) from None
+    except OverflowError:
+        raise _Error(f"the constant expression {a!r} {_SYMBOL[op]} {b!r} overflows a float", None) from None
+    if isinstance(out, int) and not isinstance(out, bool) and not INT64_MIN <= out <= 2**63:
+        raise _Error(f"integer constant {a} {_SYMBOL[op]} {b} = {_short(out)} overflows int64", None)
+    if isinstance(out, (bool, int, float)):
+        return out
+    return ir.binary(op, a, b)  # e.g. (-8.0) ** 0.5 is complex in Python: torch's NaN
+
+
+def _short(n: int) -> str:
+    text = str(n) if n.bit_length() < 200 else f"an integer of {n.bit_length()} bits"
+    return text if len(text) <= 40 else text[:20] + "..." + text[-8:]
 
 
 def _binary(op: str, a: Value, b: Value) -> Value:
     if _is_literal(a) and _is_literal(b):
         # Python computes constant subexpressions of a Python mod before torch sees them.
-        try:
-            out = _PY_BINARY[op](a, b)
-            if isinstance(out, (bool, int, float)):
-                return out
-        except (ArithmeticError, ValueError):
-            pass  # e.g. 1 // 0: leave it to the IR (it keeps such ops for run time)
+        return _fold_literals(op, a, b)
     return ir.binary(op, a, b)
 
 
 def _binary_rule(op: str):
     def rule(self, meta, a, b):
-        return _binary(op, a, b)
+        try:
+            return _binary(op, a, b)
+        except _Error as e:
+            e.pos = e.pos or meta
+            raise
     rule.__name__ = op
     rule.__doc__ = f"a {op} b"
     return rule
 
 
 @v_args(inline=True, meta=True)
-class _ToIR(Transformer):
+class _ToIR(Transformer_NonRecursive):
     """Builds IR bottom-up; each method is one grammar rule (aliases are IR op names)."""
 
     def __init__(self, scope: _Scope):
@@ -264,13 +306,24 @@ class _ToIR(Transformer):
 
     # -- literals and names
     def int_literal(self, meta, tok):
-        return int(tok)
+        digits = str(tok).lstrip("0") or "0"
+        if len(digits) > 19 or int(digits) > 2**63:  # 2**63: the magnitude of int64's minimum
+            raise _Error(f"integer literal {_clip(tok)} does not fit in int64 (at most {INT64_MAX})", tok)
+        return int(digits)
 
     def hex_literal(self, meta, tok):
-        return int(tok, 16)
+        digits = str(tok)[2:].lstrip("0") or "0"
+        if len(digits) > 16 or int(digits, 16) > 2**63:
+            raise _Error(f"integer literal {_clip(tok)} does not fit in int64 (at most {INT64_MAX:#x})", tok)
+        return int(digits, 16)
 
     def float_literal(self, meta, tok):
+        if len(tok) > MAX_LITERAL_CHARS:
+            raise _Error(f"number literal {_clip(tok)} is longer than {MAX_LITERAL_CHARS} characters", tok)
         return float(tok)
+
+    def __default__(self, data, children, meta):
+        raise _Error(f"unsupported construct '{data}'", meta)
 
     def name(self, meta, tok):
         scope, name = self.scope, str(tok)
@@ -456,6 +509,22 @@ class _ToIR(Transformer):
         return ir.where(cond, a, b)
 
 
+def _clip(tok) -> str:
+    text = str(tok)
+    return text if len(text) <= 30 else f"{text[:12]}...{text[-6:]} ({len(text)} characters)"
+
+
+def _check_nesting(tree: Tree) -> None:
+    """Raise _Error at the first subtree nested deeper than MAX_NESTING (no recursion)."""
+    stack = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise _Error(f"the expression is nested more than {MAX_NESTING} levels deep", node.meta,
+                         "split it with `let` statements (each let starts a new expression)")
+        stack.extend((c, depth + 1) for c in node.children if isinstance(c, Tree))
+
+
 def _remap(root: Node, inputs: dict[str, Value] | None, buffers: dict[int, ir.Buffer]) -> Node:
     """Rebuild ``root`` with inputs replaced by values and loads moved to other buffers."""
     memo: dict[int, Value] = {}
@@ -477,6 +546,9 @@ def _remap(root: Node, inputs: dict[str, Value] | None, buffers: dict[int, ir.Bu
 # Error rendering
 
 
+_CONTEXT_CHARS = 100  # longest context line an error shows
+
+
 def _context(text: str, pos: Any) -> tuple[int, int, str]:
     """(line, column, the line with carets under ``pos``'s span)."""
     line, col = pos.line, pos.column
@@ -484,7 +556,14 @@ def _context(text: str, pos: Any) -> tuple[int, int, str]:
     lines = text.splitlines() or [""]
     src = lines[line - 1] if 0 < line <= len(lines) else ""
     width = (end_col - col) if end_line == line and end_col and end_col > col else 1
-    return line, col, f"    {src}\n    {' ' * (col - 1)}{'^' * width}"
+    start = 0
+    if len(src) > _CONTEXT_CHARS:  # a window around the column, not a megabyte of text
+        start = max(0, col - 1 - _CONTEXT_CHARS // 2)
+        src = ("..." if start else "") + src[start:start + _CONTEXT_CHARS] + \
+            ("..." if start + _CONTEXT_CHARS < len(src) else "")
+        start -= 3 if start else 0
+        width = max(1, min(width, len(src) - (col - 1 - start)))
+    return line, col, f"    {src}\n    {' ' * (col - 1 - start)}{'^' * width}"
 
 
 def _describe_terminal(parser: Lark, name: str) -> str:
@@ -563,6 +642,7 @@ def parse_with_buffers(text: str, kind: str | None = None, bindings: dict[str, A
 
     to_ir = _ToIR(scope)
     try:
+        _check_nesting(tree)
         *lets, body = tree.children
         for let in lets:  # in order: each `let` sees the ones before it
             tok, expr = let.children
@@ -576,10 +656,11 @@ def parse_with_buffers(text: str, kind: str | None = None, bindings: dict[str, A
     except VisitError as e:
         orig = e.orig_exc
         if isinstance(orig, _Error):
-            raise _located(text, orig.message, orig.pos, orig.hint) from None
+            raise _located(text, orig.message, orig.pos or e.obj.meta, orig.hint) from None
         if isinstance(orig, ir.IRError):
             raise _located(text, str(orig), e.obj.meta) from None
-        raise  # a bug, not the user's text
+        # Anything else (a torch error while folding constants, ...) still points at the text.
+        raise _located(text, f"cannot build this expression: {type(orig).__name__}: {orig}", e.obj.meta) from orig
     except _Error as e:  # raised here for a let, not inside the Transformer
         raise _located(text, e.message, e.pos, e.hint) from None
 

@@ -1,4 +1,4 @@
-"""Shared test helpers: random IR strategies, index grids, float64 references, IR -> Python.
+"""Shared test helpers (tests only, not shipped): random IR strategies, index grids, float64 references, IR -> Python.
 
 Hypothesis strategies build random, well-defined IR trees together with the tensors they capture:
 
@@ -335,7 +335,10 @@ class _Gen:
         if choice == "cmp":
             a = self.int_leaf()
             op = self.pick(ir.COMPARISONS)
-            return _Val(ir.binary(op, a.node, self.draw(self.st.integers(-2, 40))), 0, 1, True)
+            try:
+                return _Val(ir.binary(op, a.node, self.draw(self.st.integers(-2, 40))), 0, 1, True)
+            except ir.IRError:  # uint8 < -1: the constant does not fit the operand's dtype
+                pass
         return _Val(ir.const(self.pick([True, False])), 0, 1, True)
 
     # -- trees
@@ -543,6 +546,12 @@ class _Gen:
     def bool_val(self, depth: int) -> _Val:
         if self.stop(depth):
             return self.bool_leaf()
+        try:
+            return self._bool_op(depth)
+        except ir.IRError:  # e.g. uint8 == -1: the constant does not fit the operand's dtype
+            return self.bool_leaf()
+
+    def _bool_op(self, depth: int) -> _Val:
         choice = self.pick(["cmp_int", "cmp_int", "cmp_float", "cmp_bool", "logic", "not", "where", "cast_int",
                             "cast_float"])
         if choice == "cmp_int":
@@ -696,6 +705,10 @@ def to_python(node: Node, kind: str | None = None, name: str = "mod") -> str:
     def operand(n: Node, sibling: Node) -> str:
         return lit(n, sibling.dtype) if n.op == "const" else text[id(n)]
 
+    def a_is_bare_literal(n: Node) -> bool:
+        a, b = n.src
+        return a.op == "const" and b.op != "const" and not operand(a, b).startswith("torch.")
+
     for n in order:
         op = n.op
         if op == "const":
@@ -717,6 +730,10 @@ def to_python(node: Node, kind: str | None = None, name: str = "mod") -> str:
         elif op == "where":
             c, a, b = n.src
             t = f"torch.where({text[id(c)]}, {operand(a, b)}, {operand(b, a)})"
+        elif op == "truediv" and a_is_bare_literal(n):
+            # `c / x` is reciprocal(x) * c in torch (Tensor.__rtruediv__), one ulp off c / x.
+            a, b = n.src
+            t = f"torch.div({text[id(b)]}.new_full((), {operand(a, b)}), {text[id(b)]})"
         elif op in _PY_BIN:
             a, b = n.src
             t = f"({operand(a, b)} {_PY_BIN[op]} {operand(b, a)})"
@@ -758,7 +775,7 @@ def python_mod(node: Node, buffers: Sequence[torch.Tensor], kind: str | None = N
     """
     src = to_python(node, kind, name)
     _PY_COUNTER[0] += 1
-    filename = f"<flexattn.testing.python_mod {_PY_COUNTER[0]}>"
+    filename = f"<tests.helpers.testing.python_mod {_PY_COUNTER[0]}>"
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
     namespace: dict[str, Any] = {"torch": torch}
     namespace.update({f"B{i}": t for i, t in enumerate(buffers)})
