@@ -77,6 +77,19 @@ def _trace_score(fn, kind, **kw) -> Mod:
     return trace(fn, kind, **kw)
 
 
+def _check_foreign_mask(block_mask) -> None:
+    """The kernels follow a BlockMask's tables without bounds checks. flexattn's BlockMask checked
+    them where it was made; another one (torch's) is checked here, once per mask object."""
+    from flexattn.block_mask import BlockMask, validate_block_tables
+
+    if isinstance(block_mask, BlockMask):
+        return
+    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+             "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+    validate_block_tables(*(getattr(block_mask, n, None) for n in names),
+                          seq_lengths=tuple(block_mask.seq_lengths), BLOCK_SIZE=block_mask.BLOCK_SIZE)
+
+
 def resolve_mask_mod(block_mask, device: torch.device) -> tuple[Mod, tuple]:
     """The block mask's mask_mod: flexattn's BlockMask keeps it traced (``.mod``); torch's holds
     the Python function, resolved through the trace cache."""
@@ -186,7 +199,7 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
         raise
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     score, score_bufs = resolve_score_mod(score_mod, stat_dtype, device)
-    tables = None if block_mask is None else tables_of(block_mask)
+    tables = None if block_mask is None else tables_of(block_mask, _check_foreign_mask)
     if mask_override is not None:
         mask, mask_bufs = mask_override
     elif block_mask is not None:

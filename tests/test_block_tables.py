@@ -175,3 +175,19 @@ def test_count_past_the_blocks_is_an_error_not_a_segfault(count):
                          env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert res.returncode == 0, f"exit code {res.returncode} (a negative code is a signal)\n{res.stderr[-2000:]}"
     assert f"ValueError: kv_num_blocks[0, 0, 0] = {count} is out of range" in res.stdout, res.stdout + res.stderr
+
+
+def test_a_torch_block_mask_with_bad_tables_is_refused_by_flex_attention():
+    """torch's BlockMask does not check its tables; flexattn checks a foreign mask once, before
+    any kernel reads it."""
+    import torch
+    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+
+    import flexattn
+
+    q = torch.randn(1, 1, 48, 16)
+    num = torch.tensor([[[1, 1, 5]]], dtype=torch.int32)  # 5 blocks listed, the mask has 3 columns
+    idx = torch.zeros(1, 1, 3, 3, dtype=torch.int32)
+    bad = TorchBlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=16, seq_lengths=(48, 48))
+    with pytest.raises(ValueError, match="kv_num_blocks"):
+        flexattn.flex_attention(q, q, q, block_mask=bad, kernel_options={"FORCE_USE_FLEX_ATTENTION": True})

@@ -101,8 +101,9 @@ def test_compiled_model_on_the_gpu():
     eager, comp = grads
     for a, b in zip(eager[:4], comp[:4]):  # output, dQ, dK, dV: the same kernels, bit for bit
         torch.testing.assert_close(a, b, atol=0, rtol=0)
-    # The slopes' gradient is summed with float32 atomics, whose order varies run to run.
-    torch.testing.assert_close(eager[4], comp[4], atol=0, rtol=1e-5)
+    # The slopes' gradient is a float32 atomic sum of ~S*S/2 = 2M terms per head, in an order that
+    # varies run to run: measured differences reach ~1e-5 relative.
+    torch.testing.assert_close(eager[4], comp[4], atol=0, rtol=1e-4)
     with torch.no_grad():
         layer.slopes.mul_(0.5)  # new parameter values and new activations: the same graph
     q, k, v = (torch.randn(2, 8, S, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))

@@ -121,8 +121,9 @@ def _sources(block_mask) -> tuple:
         "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices", "BLOCK_SIZE"))
 
 
-def tables_of(block_mask) -> Tables:
-    """The launch tables of ``block_mask``, made and checked once per mask object."""
+def tables_of(block_mask, check=None) -> Tables:
+    """The launch tables of ``block_mask``, made and checked once per mask object; ``check(mask)``
+    runs then too (the caller's check of the tables' values)."""
     cached = getattr(block_mask, _CACHE_ATTR, None)
     if cached is not None:
         sources, tables = cached
@@ -131,6 +132,8 @@ def tables_of(block_mask) -> Tables:
     sources = _sources(block_mask)
     if sources[0] is None:
         raise TypeError(f"block_mask must be a BlockMask (flexattn's or torch's), got {type(block_mask).__name__}")
+    if check is not None:
+        check(block_mask)
     q_block, kv_block = _block_sizes(block_mask)
     kv = _direction(block_mask, "kv")
     q = _direction(block_mask, "q")
