@@ -160,7 +160,8 @@ class _Call:
 
 
 # ---------------------------------------------------------------------------------------------
-# Public entry point
+# The call path
+
 
 def _meta(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device
@@ -233,8 +234,6 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     call = _Call(plan, plan_key, score, mask, len(score_bufs), tables, scale, options)
     res = FlexAttentionFunction.apply(query, key, value, call, *score_bufs, *mask_bufs)
     return (res[0], res[1], res[2] if want_max else None)
-
-
 
 
 # ---------------------------------------------------------------------------------------------
