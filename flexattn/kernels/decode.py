@@ -56,7 +56,6 @@ class Plan:
     static_args: tuple        # block-mask strides and sizes after Out's strides
     out_shape: tuple
     out_order: tuple
-    has_full: bool
 
 
 def make_plan(query, key, value, score: Mod | None, mask: Mod | None, tables: Tables | None,
@@ -139,7 +138,7 @@ def make_plan(query, key, value, score: Mod | None, mask: Mod | None, tables: Ta
                               dict(SPLIT_KV=split, SPLIT_PAD=max(2, triton.next_power_of_2(split)), DV=DV), device),
         split_kv=split,
         strides=strides, static_args=tuple(static),
-        out_shape=(B, HQ, Q_LEN, EV), out_order=launch.stride_order(query), has_full=has_full,
+        out_shape=(B, HQ, Q_LEN, EV), out_order=launch.stride_order(query),
     )
 
 

@@ -25,7 +25,6 @@ class Plan:
     strides: tuple  # Q, K (batch-broadcast), V, Out strides
     dense_rows: Direction | None  # the block lists to read without a block mask
     sizes: tuple  # HQ, Q_LEN, KV_LEN
-    tiles: tuple[int, int]
 
 
 def module(score: Mod, mask: Mod, target: str):
@@ -99,7 +98,7 @@ def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
         kernel=launch.Launch(kernel, (triton.cdiv(Q_LEN, block_m), B * Hq), constexprs, device),
         out_shape=out_shape, stat_shape=(B, Hq, Q_LEN),
         out_order=launch.stride_order(query), stat_dtype=acc, strides=strides, dense_rows=dense_rows,
-        sizes=(Hq, Q_LEN, KV_LEN), tiles=(block_m, block_n),
+        sizes=(Hq, Q_LEN, KV_LEN),
     )
 
 

@@ -61,9 +61,6 @@ class Tables:
     seq_lengths: tuple[int, int] | None
     sig: tuple  # everything a launch plan depends on: shapes, strides, block sizes, full blocks
 
-    def args(self) -> list:
-        return self.kv.args()
-
 
 def _index(t: Any, name: str, ndim: int) -> torch.Tensor:
     if not isinstance(t, torch.Tensor) or t.dim() != ndim:
