@@ -137,16 +137,8 @@ class FlexAttentionFunction(torch.autograd.Function):
                                    call.options, need, score_bufs, grad_lse is not None)
         dq, dk, dv, grads = bwd.run(plan, query, key, value, out, lse, grad_out, grad_lse, call.score, score_bufs,
                                     call.mask, mask_bufs, call.tables, call.scale)
-        buffer_grads = []
-        for i, t in enumerate(score_bufs):
-            if not need[i]:
-                buffer_grads.append(None)
-            elif i in grads:
-                buffer_grads.append(grads[i].to(t.dtype))
-            else:
-                buffer_grads.append(torch.zeros_like(t))  # not read in a way that depends on it
         # No gradients for the plan; mask_mod's captures are not differentiable.
-        return (dq, dk, dv, None, *buffer_grads) + (None,) * len(mask_bufs)
+        return (dq, dk, dv, None, *bwd.buffer_grads(grads, score_bufs, need)) + (None,) * len(mask_bufs)
 
 
 class _Call:

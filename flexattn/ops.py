@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, launch, plans
-from flexattn.kernels.tables import Direction, Tables, q_direction
+from flexattn.kernels.tables import Direction, Tables
 from flexattn.mods import template
 
 
@@ -126,9 +126,7 @@ def backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor
     """Gradients of `forward`: ``(dq, dk, dv, [grad of each score-mod tensor])`` (empty where
     ``need`` is False)."""
     score, mask, block, _, options, _ = _parse(spec)
-    t = _tables(block, tables)
-    if t is not None and t.q is None:
-        t = Tables(t.kv, q_direction(t, key.shape[2]), t.q_block, t.kv_block, t.seq_lengths, t.sig)
+    t = _tables(block, tables)  # without q_* tables, the dK/dV lists are made from kv_* (bwd.run)
     need_t = tuple(need)
     key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _meta(grad_out), grad_lse is not None, need_t,
             _metas(score_bufs) + _metas(mask_bufs), None if t is None else t.sig)
@@ -136,14 +134,9 @@ def backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor
                                grad_lse is not None)
     dq, dk, dv, grads = bwd.run(plan, query, key, value, out, lse, grad_out, grad_lse, score, score_bufs, mask,
                                 mask_bufs, t, scale)
-    buffer_grads = []
-    for i, b in enumerate(score_bufs):
-        if not need[i]:
-            buffer_grads.append(b.new_empty(0))
-        elif i in grads:
-            buffer_grads.append(grads[i].to(b.dtype))
-        else:
-            buffer_grads.append(torch.zeros_like(b))
+    # A custom op returns a tensor for each entry: an empty one where no gradient is wanted.
+    buffer_grads = [b.new_empty(0) if g is None else g
+                    for b, g in zip(score_bufs, bwd.buffer_grads(grads, score_bufs, need))]
     return dq, dk, dv, buffer_grads
 
 

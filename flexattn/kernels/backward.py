@@ -169,3 +169,18 @@ def run(plan: Plan, query, key, value, out, lse, grad_out, grad_lse, score: Mod,
         dk = dk.sum(0, keepdim=True).to(key.dtype)
         dv = dv.sum(0, keepdim=True).to(value.dtype)
     return dq, dk, dv, grad_bufs
+
+
+def buffer_grads(grads: dict, score_bufs, need) -> list:
+    """The score mod's captured tensors' gradients as autograd wants them: None where not wanted,
+    zeros where the mod does not read the tensor in a way that depends on it, else the kernels'
+    sum (``grads``, float32/64) in the tensor's dtype."""
+    out = []
+    for i, t in enumerate(score_bufs):
+        if not need[i]:
+            out.append(None)
+        elif i in grads:
+            out.append(grads[i].to(t.dtype))
+        else:
+            out.append(torch.zeros_like(t))
+    return out
