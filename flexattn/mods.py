@@ -107,9 +107,10 @@ class Mod:
         """Kernel arguments for the captured tensors (pointer, strides, sizes each)."""
         return emit.launch_args(self.buffer_specs, self.buffers)
 
-    def check_device(self, device: torch.device, arg: str = "query") -> None:
+    def check_device(self, device: torch.device, arg: str = "query", buffers=None) -> None:
+        """Every captured tensor (``buffers``: a call's own, else the Mod's) is on ``device``."""
         device = _canonical(torch.device(device))
-        for t in self.buffers:
+        for t in self.buffers if buffers is None else buffers:
             if _canonical(t.device) != device:
                 raise ValueError(
                     f"{self.kind}_mod '{self.name}' captured a tensor on {t.device}, but {arg} is on "

@@ -71,12 +71,7 @@ def check_inputs(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
 
 def _check_mod_devices(device: torch.device, mods) -> None:
     for mod, bufs in mods:
-        for t in bufs:
-            if t.device != device and not (t.device.type == device.type == "cuda" and
-                                          (t.device.index is None or device.index is None)):
-                raise ValueError(f"{mod.kind}_mod '{mod.name}' captured a tensor on {t.device}, but query is "
-                                 f"on {device}; move the captured tensor to {device}")
-
+        mod.check_device(device, buffers=bufs)
 
 
 def forward_plan(key, query, key_t, value, score: Mod, score_bufs, mask: Mod, mask_bufs, tables: Tables | None,
