@@ -65,9 +65,54 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
     return names
 
 
+_FLAT = object()  # marks a key made by `_flat_fingerprint`
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_SHALLOW = (types.ModuleType, type, types.BuiltinFunctionType)
+
+
+def _flat_fingerprint(fn: types.FunctionType) -> tuple[tuple | None, list[torch.Tensor]]:
+    """The walk of `fingerprint` for the common model-code mod, a function without defaults whose
+    closure cells and named globals are numbers, strings, plain tensors, modules, classes or
+    builtins: one flat loop. ``(None, [])`` when ``fn`` is not of that shape (the full walk
+    decides). Same coverage as the full walk; its keys are marked apart from the full walk's."""
+    if fn.__defaults__ is not None or fn.__kwdefaults__ is not None:
+        return None, []
+    code = fn.__code__
+    g = fn.__globals__
+    try:
+        values = [c.cell_contents for c in fn.__closure__ or ()]
+    except ValueError:  # an empty cell
+        return None, []
+    n_cells = len(values)
+    values += [g.get(n, _MISSING) for n in _global_names(code)]
+    key: list = [_FLAT, code, n_cells]
+    tensors: list[torch.Tensor] = []
+    for v in values:
+        t = type(v)
+        if t in _ATOMS:
+            key.append((t, v))
+        elif t in _PLAIN_TENSORS:
+            for i, x in enumerate(tensors):
+                if x is v:
+                    key.append(i)
+                    break
+            else:
+                key.append((v.dtype, v.device, v.shape, v.layout))
+                tensors.append(v)
+        elif v is _MISSING or isinstance(v, _SHALLOW):
+            key.append(v)
+        else:
+            return None, []
+    return tuple(key), tensors
+
+
 def fingerprint(fn: Any) -> tuple[tuple | None, list[torch.Tensor]]:
     """``(key, tensors)``: a hashable key of everything that decides ``fn``'s IR (None if it
     cannot be trusted) and the tensors reachable from it, in walk order."""
+    if type(fn) is types.FunctionType:
+        key, tensors = _flat_fingerprint(fn)
+        if key is not None:
+            return key, tensors
     key: list = []
     tensors: list[torch.Tensor] = []
     seen: dict[int, int] = {}  # id(container or tensor) -> its position (cycles and aliasing)
