@@ -53,9 +53,13 @@ class Plan:
     combine: launch.Launch    # decode_combine_kernel (used when split_kv > 1)
     split_kv: int
     strides: tuple            # Q, K, V strides
-    static_args: tuple        # block-mask strides and sizes after Out's strides
+    static_args: tuple        # block-mask strides, sizes and scratch offsets after Out's strides
+    combine_args: tuple       # the combine kernel's arguments after Out's strides
     out_shape: tuple
-    out_order: tuple
+    out_order: tuple | None   # None: contiguous
+    scratch: int              # float32 elements of the LSE + partials buffer
+    is_empty: bool            # no output rows or columns: nothing to launch
+    lse_strides: tuple        # LSE [B, HQ, Q_LEN] at the start of the scratch buffer
 
 
 def make_plan(query, key, value, score: Mod | None, mask: Mod | None, tables: Tables | None,
@@ -115,7 +119,11 @@ def make_plan(query, key, value, score: Mod | None, mask: Mod | None, tables: Ta
         static += ([*table_strides(tables.kv.full_num), *table_strides(tables.kv.full_idx)] if has_full else [0] * 6)
     else:
         static = [0] * 12
-    static += [Q_LEN, KV_LEN, E, EV]
+    # LSE + partials in one float32 buffer: LSE [rows], M and L [rows, split], Acc [rows, split, EV]
+    n = B * HQ * Q_LEN
+    offsets = (n, n + n * split, n + 2 * n * split) if split > 1 else (0, 0, 0)
+    scratch = n + 2 * n * split + n * split * EV if split > 1 else n
+    static += [Q_LEN, KV_LEN, E, EV, *offsets]
     precision = o["INPUT_PRECISION"] if query.dtype == torch.float32 else "tf32"
     constexprs = dict(
         HKV=HKV, G=G, GQA_SHARED_HEADS=G_PACK, Q_ROWS=max(Q_ROWS, 1), NUM_Q_BLOCKS=NUM_Q_BLOCKS,
@@ -134,41 +142,37 @@ def make_plan(query, key, value, score: Mod | None, mask: Mod | None, tables: Ta
     return Plan(
         split=launch.Launch(mod.decode_split_kernel, (split, B * HKV, (G // G_PACK) * NUM_Q_BLOCKS * M_TILES),
                             constexprs, device),
-        combine=launch.Launch(mod.decode_combine_kernel, (B * HQ * Q_LEN,),
+        combine=launch.Launch(mod.decode_combine_kernel, (n,),
                               dict(SPLIT_KV=split, SPLIT_PAD=max(2, triton.next_power_of_2(split)), DV=DV), device),
         split_kv=split,
-        strides=strides, static_args=tuple(static),
-        out_shape=(B, HQ, Q_LEN, EV), out_order=launch.stride_order(query),
+        strides=strides, static_args=tuple(static), combine_args=(HQ, Q_LEN, EV, *offsets),
+        out_shape=(B, HQ, Q_LEN, EV), out_order=launch.contiguous_or_order(query), scratch=scratch,
+        is_empty=B * HQ * Q_LEN * EV == 0, lse_strides=launch.contiguous_strides((B, HQ, Q_LEN)),
     )
 
 
 def run(plan: Plan, query, key, value, score: Mod | None, score_bufs, mask: Mod | None, mask_bufs,
         tables: Tables | None, scale: float, kv_lengths: torch.Tensor | None):
-    """Launch: ``(out, lse)`` with lse in natural log, float32."""
+    """Launch: ``(out, lse)`` with lse in natural log, float32. Two allocations: the output and
+    one float32 buffer holding LSE and the split partials (LSE is a view of its start)."""
     device = query.device
     out = launch.empty(plan.out_shape, query.dtype, device, plan.out_order)
-    lse = launch.empty(plan.out_shape[:3], torch.float32, device)
-    if out.numel() == 0 or lse.numel() == 0:
+    scratch = launch.empty((plan.scratch,), torch.float32, device)
+    lse_shape = plan.out_shape[:3]
+    lse = scratch.view(lse_shape) if plan.split_kv == 1 else scratch.as_strided(lse_shape, plan.lse_strides)
+    if plan.is_empty:
         return out, lse.fill_(float("-inf"))
-    if plan.split_kv > 1:
-        rows = lse.numel()
-        acc_part = launch.empty((rows, plan.split_kv, plan.out_shape[3]), torch.float32, device)
-        m_part = launch.empty((rows, plan.split_kv), torch.float32, device)
-        l_part = launch.empty((rows, plan.split_kv), torch.float32, device)
-    else:
-        acc_part = m_part = l_part = lse  # unused: the split kernel writes Out and LSE itself
     if tables is not None:
         num, idx, full_num, full_idx = tables.kv.args()
     else:
-        num = idx = full_num = full_idx = lse
-    mod_args = (launch.buffer_args(score, score_bufs) if score is not None else []) + (
-        launch.buffer_args(mask, mask_bufs) if mask is not None else [])
+        num = idx = full_num = full_idx = launch.UNUSED
     plan.split(
-        query, key, value, out, lse, acc_part, m_part, l_part,
-        num, idx, full_num, full_idx, kv_lengths if kv_lengths is not None else lse,
-        *mod_args, *plan.strides, *out.stride(), *plan.static_args, scale,
+        query, key, value, out, scratch,
+        num, idx, full_num, full_idx, kv_lengths if kv_lengths is not None else launch.UNUSED,
+        *(launch.buffer_args(score, score_bufs) if score is not None else ()),
+        *(launch.buffer_args(mask, mask_bufs) if mask is not None else ()),
+        *plan.strides, *out.stride(), *plan.static_args, scale,
     )
     if plan.split_kv > 1:
-        plan.combine(out, lse, acc_part, m_part, l_part, *out.stride(), plan.out_shape[1], plan.out_shape[2],
-                     plan.out_shape[3])
+        plan.combine(out, scratch, *out.stride(), *plan.combine_args)
     return out, lse

@@ -5,6 +5,9 @@
 # the same row tile, so each K/V tile is read from memory once for all of them and multiplied with
 # one tl.dot. Each program writes its unnormalised partial (acc, m, l); `decode_combine_kernel`
 # merges the SPLIT_KV partials of a row with a log-sum-exp reduction (skipped when SPLIT_KV == 1).
+# LSE and the partials share one float32 scratch buffer (one allocation per call): LSE's ROWS
+# values first, then M_part and L_part [ROWS, SPLIT_KV] and Acc_part [ROWS, SPLIT_KV, EV], at
+# element offsets OFF_M, OFF_L and OFF_ACC from LSE.
 #
 # sub notation:
 #   G                 query heads per KV head (Hq // Hkv), GQA_SHARED_HEADS in the forward
@@ -144,7 +147,7 @@ def _decode_walk(
 
 @triton.jit
 def decode_split_kernel(
-    Q, K, V, Out, LSE, Acc_part, M_part, L_part,
+    Q, K, V, Out, LSE,
     KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX, KV_LENGTHS,
     $score_params$mask_params
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -155,7 +158,7 @@ def decode_split_kernel(
     stride_ib, stride_ih, stride_iq,
     stride_fnb, stride_fnh, stride_fnq,
     stride_fib, stride_fih, stride_fiq,
-    Q_LEN, KV_LEN, E, EV, SM_SCALE,
+    Q_LEN, KV_LEN, E, EV, OFF_M, OFF_L, OFF_ACC, SM_SCALE,
     HKV: tl.constexpr, G: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr,
     Q_ROWS: tl.constexpr, NUM_Q_BLOCKS: tl.constexpr, M_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
@@ -265,17 +268,17 @@ def decode_split_kernel(
     else:
         # -- partials: Acc_part [rows, SPLIT_KV, EV], M_part / L_part [rows, SPLIT_KV]
         part = row.to(tl.int64) * SPLIT_KV + split
-        tl.store(M_part + part, m_i, mask=row_ok)
-        tl.store(L_part + part, l_i, mask=row_ok)
-        tl.store(Acc_part + part[:, None] * EV + offs_dv[None, :], acc,
+        tl.store(LSE + OFF_M + part, m_i, mask=row_ok)
+        tl.store(LSE + OFF_L + part, l_i, mask=row_ok)
+        tl.store(LSE + OFF_ACC + part[:, None] * EV + offs_dv[None, :], acc,
                  mask=row_ok[:, None] & (offs_dv[None, :] < EV))
 
 
 @triton.jit
 def decode_combine_kernel(
-    Out, LSE, Acc_part, M_part, L_part,
+    Out, LSE,
     stride_ob, stride_oh, stride_om, stride_od,
-    HQ, Q_LEN, EV,
+    HQ, Q_LEN, EV, OFF_M, OFF_L, OFF_ACC,
     SPLIT_KV: tl.constexpr, SPLIT_PAD: tl.constexpr, DV: tl.constexpr,
 ):
     # One program per (b, h, q) row: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
@@ -287,9 +290,9 @@ def decode_combine_kernel(
     offs_dv = tl.arange(0, DV)
     s_ok = offs_s < SPLIT_KV
     part = row.to(tl.int64) * SPLIT_KV + offs_s
-    m = tl.load(M_part + part, mask=s_ok, other=float("-inf"))
-    l = tl.load(L_part + part, mask=s_ok, other=0.0)
-    acc = tl.load(Acc_part + part[:, None] * EV + offs_dv[None, :],
+    m = tl.load(LSE + OFF_M + part, mask=s_ok, other=float("-inf"))
+    l = tl.load(LSE + OFF_L + part, mask=s_ok, other=0.0)
+    acc = tl.load(LSE + OFF_ACC + part[:, None] * EV + offs_dv[None, :],
                   mask=s_ok[:, None] & (offs_dv[None, :] < EV), other=0.0)
     m_max = tl.reduce(m, 0, _max_op)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
