@@ -205,11 +205,11 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
         raise TypeError(f"scale must be a float or None, got {scale!r}")
     need_grad, decoding = _kernel_choice(query, key, value, score_bufs, options, want_max, decoding)
     # The captured tensors' shapes and strides are kernel arguments the compiled kernel is specialised on.
-    buf_metas = tuple(_meta(t) for t in score_bufs) + tuple(_meta(t) for t in mask_bufs)
+    buf_metas = tuple([_meta(t) for t in (*score_bufs, *mask_bufs)]) if score_bufs or mask_bufs else ()
     plan_key = (decoding, q_meta, k_meta, v_meta, score.key(), mask.key(), buf_metas,
-                None if tables is None else tables.sig, enable_gqa, tuple(options.items()), want_max,
+                None if tables is None else tables.sig, enable_gqa, tuple(options.items()) if options else (), want_max,
                 None if kv_lengths is None else _meta(kv_lengths),
-                device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
+                dtype == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
     scale = float(scale)
     if decoding:
         plan = plans.decode_plan(plan_key, query, key, value, score, score_bufs, mask, mask_bufs, tables,

@@ -110,3 +110,73 @@ def test_compiled_model_on_the_gpu():
     with torch._dynamo.config.patch(error_on_recompile=True):
         out = compiled(q, k, v, mask)
     torch.testing.assert_close(out, layer(q, k, v, mask), atol=0, rtol=0)
+
+
+def _launch_sites(run):
+    """The `Launch` objects one call of ``run`` goes through."""
+    from flexattn.kernels import launch
+
+    sites, real = [], launch.Launch.__call__
+
+    def spy(self, *args):
+        sites.append(self)
+        return real(self, *args)
+
+    launch.Launch.__call__ = spy
+    try:
+        run()
+    finally:
+        launch.Launch.__call__ = real
+    return sites
+
+
+@pytest.mark.parametrize("case", ["forward", "backward", "decode_split", "decode_one_split"])
+def test_direct_launches_match_the_reference(case, nan_outputs):
+    """After its first calls a launch site calls the compiled kernel directly (torch's static
+    launcher where it can): every call, through each path, must still give the right result."""
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    bias = torch.randn(8, device=DEV)
+    mask = flexattn.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 300, 300, device=DEV)
+    if case.startswith("decode"):
+        q = torch.randn(2, 8, 3, 64, device=DEV, dtype=dt)
+        k, v = (torch.randn(2, 2, 700, 64, device=DEV, dtype=dt) for _ in range(2))
+        opts = {"SPLIT_KV": 1} if case == "decode_one_split" else None
+
+        def run():
+            out, lse = flexattn.flex_attention(q, k, v, enable_gqa=True, return_lse=True, kernel_options=opts,
+                                               score_mod=lambda s, b, h, qi, ki: s + bias[h])
+            return (out, lse)
+
+        def ref():
+            out, lse = attention_reference(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[h], enable_gqa=True,
+                                           return_lse=True)
+            return (out, lse)
+    else:
+        q, k, v = (torch.randn(2, 8, 300, 64, device=DEV, dtype=dt, requires_grad=case == "backward")
+                   for _ in range(3))
+        g = torch.randn(2, 8, 300, 64, device=DEV, dtype=dt)
+
+        def run():
+            out = flexattn.flex_attention(q, k, v, block_mask=mask, score_mod=lambda s, b, h, qi, ki: s + bias[h])
+            if case == "forward":
+                return (out,)
+            return torch.autograd.grad(out, (q, k, v), g)
+
+        def ref():
+            qq, kk, vv = (t.detach().double().requires_grad_(case == "backward") for t in (q, k, v))
+            out = attention_reference(qq, kk, vv, block_mask=mask, score_mod=lambda s, b, h, qi, ki: s + bias[h])
+            if case == "forward":
+                return (out,)
+            return torch.autograd.grad(out, (qq, kk, vv), g.double())
+
+    expected = ref()
+    for call in range(4):
+        if call == 3:
+            sites = _launch_sites(run)
+            assert sites and all(s.launcher is not None for s in sites), "the direct launch was not taken"
+            if getattr(torch._C, "_StaticCudaLauncher", None) is not None:
+                assert all(s.static is not None for s in sites), "torch's static launcher was not used"
+        for got, want in zip(run(), expected):
+            assert not got.isnan().any()
+            torch.testing.assert_close(got.double(), want.double(), atol=3e-2, rtol=3e-2)

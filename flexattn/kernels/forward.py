@@ -20,11 +20,13 @@ class Plan:
     kernel: launch.Launch
     out_shape: tuple[int, ...]
     stat_shape: tuple[int, int, int]
-    out_order: tuple[int, ...]
+    out_order: tuple[int, ...] | None  # None: contiguous
     stat_dtype: torch.dtype
-    strides: tuple  # Q, K (batch-broadcast), V, Out strides
+    strides: tuple  # Q, K (batch-broadcast), V, Out, LSE [b, h] strides
     dense_rows: Direction | None  # the block lists to read without a block mask
     sizes: tuple  # HQ, Q_LEN, KV_LEN
+    want_max: bool  # the kernel writes the row max too
+    is_empty: bool  # no output elements: nothing to launch
 
 
 def module(score: Mod, mask: Mod, target: str):
@@ -94,11 +96,13 @@ def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     kv_b = Bkv == 1 and B > 1
     strides = (*query.stride(), *launch.broadcast_strides(key, kv_b), *launch.broadcast_strides(value, kv_b))
     kernel = module(score, mask, launch.target_for(device)).flex_attention_forward
+    out_order = launch.contiguous_or_order(query)
+    strides += (*launch.output_strides(out_shape, out_order), Q_LEN * Hq, Q_LEN)
     return Plan(
         kernel=launch.Launch(kernel, (triton.cdiv(Q_LEN, block_m), B * Hq), constexprs, device),
         out_shape=out_shape, stat_shape=(B, Hq, Q_LEN),
-        out_order=launch.stride_order(query), stat_dtype=acc, strides=strides, dense_rows=dense_rows,
-        sizes=(Hq, Q_LEN, KV_LEN),
+        out_order=out_order, stat_dtype=acc, strides=strides, dense_rows=dense_rows,
+        sizes=(Hq, Q_LEN, KV_LEN), want_max=want_max, is_empty=B * Hq * Q_LEN * Ev == 0,
     )
 
 
@@ -109,14 +113,14 @@ def run(plan: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     device = query.device
     out = launch.empty(plan.out_shape, query.dtype, device, plan.out_order)
     lse = launch.empty(plan.stat_shape, plan.stat_dtype, device)
-    mx = launch.empty(plan.stat_shape, plan.stat_dtype, device) if plan.kernel.constexprs["OUTPUT_MAX"] else None
-    if out.numel() == 0:
+    mx = launch.empty(plan.stat_shape, plan.stat_dtype, device) if plan.want_max else None
+    if plan.is_empty:
         return out, lse, mx
     rows = plan.dense_rows if tables is None else tables.kv
     plan.kernel(
-        query, key, value, out, lse, lse if mx is None else mx, *rows.args(),
+        query, key, value, out, lse, launch.UNUSED if mx is None else mx, *rows.args(),
         *launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs),
-        *plan.strides, *out.stride(), lse.stride(0), lse.stride(1), *rows.strides(),
+        *plan.strides, *rows.strides(),
         *plan.sizes, scale,
     )
     return out, lse, mx

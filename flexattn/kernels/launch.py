@@ -13,6 +13,7 @@ can be captured in CUDA graphs.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any, Callable, Hashable
 
 import torch
@@ -89,6 +90,27 @@ def stride_order(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), t.shape[d] == 1, d)))
 
 
+def contiguous_or_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """`stride_order` of ``t``, or None when that is the contiguous order (`empty` then takes the
+    cheaper ``torch.empty``)."""
+    order = stride_order(t)
+    return None if order == tuple(range(t.dim())) else order
+
+
+def output_strides(shape: tuple[int, ...], order: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The strides `empty` gives a tensor of ``shape`` and ``order`` (plans precompute them)."""
+    t = torch.empty(shape, device="meta") if order is None else torch.empty_permuted(shape, order, device="meta")
+    return t.stride()
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
           order: tuple[int, ...] | None = None) -> torch.Tensor:
     """Every output and scratch buffer the kernels write in full comes from here (tests fill it
@@ -155,47 +177,109 @@ class PlanCache:
         return len(self.plans)
 
 
+# Triton argument types -> the type codes of torch's static CUDA launcher (the launcher
+# torch.compile uses for Triton kernels: one C++ call, no Python per argument).
+_STATIC_TYPES = {"i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "I", "u8": "B", "u16": "H",
+                 "u32": "I", "u64": "K", "fp16": "f", "bf16": "f", "fp32": "f", "f32": "f", "fp64": "d"}
+
+
+def _static_launcher():
+    """torch's C++ launcher of compiled Triton kernels, or None (no CUDA build, older torch)."""
+    launcher = getattr(torch._C, "_StaticCudaLauncher", None)
+    return None if torch.version.hip else getattr(launcher, "_launch_kernel", None)
+
+
+def _no_launch_hooks() -> bool:
+    """No Triton launch hook is set (a hook is None, or an empty ``HookChain`` in newer Triton)."""
+    runtime = _knobs.runtime
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return False
+    return True
+
+
+class _Unused:
+    """A pointer argument the kernel does not read in this plan (its constexprs switch the read
+    off): `UNUSED`. Cheaper than a tensor on the hot path (no ``data_ptr`` call)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "UNUSED"
+
+
+UNUSED = _Unused()
+
+
+@functools.lru_cache(maxsize=None)
+def _placeholder(device: torch.device) -> torch.Tensor:
+    return torch.zeros(4, dtype=torch.int32, device=device)
+
+
 class Launch:
     """One kernel launch of a plan: the Triton kernel, its grid and constexprs.
 
     The first calls go through Triton's ``kernel[grid](...)``, which specialises every argument
     (about 0.5 µs each) and looks the compiled kernel up. After that, on the GPU, the compiled
-    kernel's launcher is called directly, the way Triton calls it (launch metadata and hooks
-    included): the plan key fixes every integer argument, so only the tensors' 16-byte alignment,
-    which Triton also specialises on, can differ, and it is checked (a misaligned tensor takes
-    Triton's path). If the launcher's calling convention is not the one expected (another Triton
-    version), every launch takes Triton's path.
+    kernel is launched directly: the plan key fixes every integer argument, so only the tensors'
+    16-byte alignment, which Triton also specialises on, can differ, and it is checked (a
+    misaligned tensor takes Triton's path). The direct launch is torch's static C++ launcher
+    (what torch.compile's kernels use) when it can launch the kernel and no Triton launch hook is
+    set, else the compiled kernel's own launcher called the way Triton calls it. If the launcher's
+    calling convention is not the one expected (another Triton version), every launch takes
+    Triton's path.
     """
 
     __slots__ = ("kernel", "grid", "constexprs", "device", "calls", "compiled", "launcher", "tail", "pointers",
-                 "grid3")
+                 "grid3", "static")
 
     def __init__(self, kernel, grid: tuple, constexprs: dict, device: torch.device):
         self.kernel, self.grid, self.constexprs, self.device = kernel, tuple(grid), constexprs, device
         self.grid3 = self.grid + (1,) * (3 - len(self.grid))
         self.calls = 0
-        self.compiled = self.launcher = None
+        self.compiled = self.launcher = self.static = None
         self.tail = self.pointers = ()
 
     def __call__(self, *args) -> None:
         launcher = self.launcher
         if launcher is not None:
+            flat = list(args)
             for i in self.pointers:
-                if args[i].data_ptr() & 15:
+                a = args[i]
+                if a is UNUSED:
+                    flat[i] = 0
+                    continue
+                ptr = flat[i] = a.data_ptr()
+                if ptr & 15:
                     break
             else:
-                compiled, (g0, g1, g2) = self.compiled, self.grid3
                 stream = torch._C._cuda_getCurrentRawStream(self.device.index)
-                args = (*args, *self.tail)
+                static = self.static
+                if static is not None and _no_launch_hooks():
+                    # Pointers go as integers: torch's launcher then skips its per-pointer driver query.
+                    run, function, (g0, g1, g2), warps, shared, types, pick, extra = static
+                    run(function, g0, g1, g2, warps, shared, types, pick(flat) + extra, stream)
+                    return
+                compiled, (g0, g1, g2) = self.compiled, self.grid3
+                args = (*self._fill(args), *self.tail)
                 launcher(g0, g1, g2, stream, compiled.function, compiled.packed_metadata,
                          compiled.launch_metadata(self.grid, stream, *args),
                          _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook, *args)
                 return
+        args = self._fill(args)
         self.calls += 1
         if self.calls == 2 and self.device.type == "cuda" and _knobs is not None:
             self._capture(args)
         else:
             self.kernel[self.grid](*args, **self.constexprs)
+
+    def _fill(self, args) -> tuple:
+        """``args`` with `UNUSED` replaced by a placeholder tensor (Triton types pointers by tensor)."""
+        for a in args:
+            if a is UNUSED:
+                dummy = _placeholder(self.device)
+                return tuple([dummy if a is UNUSED else a for a in args])
+        return args
 
     def _capture(self, args) -> None:
         """Launch through Triton once more, recording how it calls the compiled kernel's launcher."""
@@ -227,7 +311,57 @@ class Launch:
         if ok:
             self.compiled, self.tail = compiled, a[9 + n:]
             self.pointers = tuple(i for i, t in enumerate(args) if isinstance(t, torch.Tensor))
+            # Where the caller passed UNUSED, the kernel reads nothing: the direct launch passes 0.
+            unused = set(i for i, t in enumerate(args) if t is _placeholder(self.device))
+            self.pointers = tuple(i for i in self.pointers if i not in unused) + tuple(sorted(unused))
             self.launcher = launcher
+            self.static = _static_plan(compiled, args, self.grid3)
+
+
+def _static_plan(compiled, args, grid3) -> tuple | None:
+    """How torch's static launcher launches ``compiled`` with call arguments like ``args``:
+    ``(launch, function, grid, num_warps, shared, type codes, the kept arguments as a tuple from
+    the list of all, trailing scratch arguments)``, or None where it cannot (TMA descriptors, clusters,
+    cooperative or PDL launches, global scratch, an argument type it has no code for)."""
+    run = _static_launcher()
+    meta = compiled.metadata
+    if run is None or getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_cooperative_grid", False) \
+            or getattr(meta, "launch_pdl", False) or getattr(meta, "tensordesc_meta", None):
+        return None
+    src = compiled.src
+    names = src.fn.arg_names
+    constants = {names.index(k) if isinstance(k, str) else k[0] for k in getattr(src, "constants", {})}
+    signature = {names.index(k) if isinstance(k, str) else (k[0] if isinstance(k, tuple) else k): v
+                 for k, v in src.signature.items()}
+    keep, types = [], []
+    for i in range(len(args)):
+        ty = signature.get(i)
+        if ty is None or ty == "constexpr" or i in constants:
+            continue
+        if not isinstance(ty, str):
+            return None
+        code = "O" if ty.startswith("*") else _STATIC_TYPES.get(ty)
+        if code is None:
+            return None
+        keep.append(i)
+        types.append(code)
+    # Parameters past the call's arguments must all be declared constexprs.
+    if any(v != "constexpr" and i not in constants for i, v in signature.items() if i >= len(args)):
+        return None
+    extra = []
+    for size in ("global_scratch_size", "profile_scratch_size"):
+        if hasattr(meta, size):
+            if getattr(meta, size):
+                return None
+            extra.append(None)
+            types.append("O")
+    if len(keep) == len(args):
+        pick = tuple
+    elif len(keep) > 1:
+        pick = operator.itemgetter(*keep)  # a tuple of the kept ones
+    else:
+        pick = lambda flat: tuple(flat[i] for i in keep)  # noqa: E731
+    return (run, compiled.function, grid3, meta.num_warps, meta.shared, "".join(types), pick, tuple(extra))
 
 
 def buffer_args(mod, buffers) -> list:
