@@ -432,3 +432,22 @@ def test_emission_is_deterministic():
                                ir.unary("tanh", ir.binary("mul", score, 0.5)), -math.inf), "score",
                       target="interpret").source
     assert a == b
+
+
+def test_fast_tanh_only_for_16_bit_cuda_inputs():
+    from flexattn.kernels import options as opts
+
+    assert "tanh.approx.f32" in emit.prelude("cuda", fast_math=True)
+    assert "tanh.approx.f32" not in emit.prelude("cuda")
+    assert "tanh.approx.f32" not in emit.prelude("interpret", fast_math=True)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert opts.fast_math({}, cuda, torch.bfloat16) and opts.fast_math({}, cuda, torch.float16)
+    assert not opts.fast_math({"FAST_TANH": False}, cuda, torch.bfloat16)
+    assert not opts.fast_math({}, cuda, torch.float32)
+    assert not opts.fast_math({}, cpu, torch.bfloat16)
+    # float32 tanh goes through the helper the fast prelude replaces; float64 keeps libdevice's.
+    x = ir.input_("score", torch.float32)
+    assert "_fa_tanh_f32(" in emit.emit_mod(ir.unary("tanh", x), "score", target="cuda").source
+    x64 = ir.input_("score", torch.float64)
+    src = emit.emit_mod(ir.unary("tanh", x64), "score", target="cuda").source
+    assert "_fa_tanh(" in src and "_fa_tanh_f32(" not in src

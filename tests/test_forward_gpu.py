@@ -131,3 +131,23 @@ def test_permuted_layout_and_head_dim_80():
     ref = attention_reference(q, k, v, dtype=torch.float32)
     eager = attention_reference(q, k, v, dtype=torch.bfloat16)
     testing.assert_close_to_reference(out, eager, ref, factor=2.0, name="out")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fast_tanh_error_is_level_with_libdevice(dtype):
+    """Soft-capping with the hardware's tanh.approx.f32 (the default for 16-bit inputs): the
+    output's error against float64 is at most 1.1x that with libdevice's tanh, and dQ's 1.25x."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 2048, 128, device="cuda", dtype=dtype) * 2 for _ in range(3))
+    g = torch.randn_like(q)
+    q64 = q.double().requires_grad_()
+    ref = attention_reference(q64, k, v, score_mod=softcap)
+    (ref_dq,) = torch.autograd.grad(ref, q64, g.double())
+    err = {}
+    for fast in (True, False):
+        qq = q.clone().requires_grad_()
+        out = flex_attention(qq, k, v, score_mod=softcap, kernel_options={"FAST_TANH": fast})
+        (dq,) = torch.autograd.grad(out, qq, g)
+        err[fast] = ((out.double() - ref).abs().max().item(), (dq.double() - ref_dq).abs().max().item())
+    assert err[True][0] <= 1.1 * err[False][0], err
+    assert err[True][1] <= 1.25 * err[False][1], err

@@ -31,7 +31,7 @@ def score_mod_grad(score_mod: Mod) -> autodiff.ScoreModGrad:
     return autodiff.differentiate(score_mod.ir)
 
 
-def module(score: Mod, mask: Mod, grad_buffers: tuple[int, ...], target: str):
+def module(score: Mod, mask: Mod, grad_buffers: tuple[int, ...], target: str, fast_math: bool = False):
     def hooks():
         d = score_mod_grad(score)
         scatters = [(g.load, g.grad) for g in d.loads if g.buffer.index in grad_buffers]
@@ -52,7 +52,7 @@ def module(score: Mod, mask: Mod, grad_buffers: tuple[int, ...], target: str):
 
     return launch.kernel_module(
         "backward", (score.key(), mask.key(), grad_buffers), target, hooks,
-        lambda: {f"score_mod {score.name}": score.source, f"mask_mod {mask.name}": mask.source})
+        lambda: {f"score_mod {score.name}": score.source, f"mask_mod {mask.name}": mask.source}, fast_math)
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ def make_plan(query, key, value, out, grad_out, score: Mod, mask: Mod, tables: T
                HAS_FULL_BLOCKS=has_full_kv, IS_DIVISIBLE=divisible2, BLOCKS_ARE_CONTIGUOUS=contiguous_kv))
     strides = (*query.stride(), *launch.broadcast_strides(key, not kv_batched),
                *launch.broadcast_strides(value, not kv_batched))
-    mod = module(score, mask, grad_buffers, target)
+    mod = module(score, mask, grad_buffers, target, opts.fast_math(explicit, device, dtype))
     return Plan(launch.Launch(mod.backward_preprocess, *pre, device), launch.Launch(mod.backward_dkdv, *dkdv, device),
                 launch.Launch(mod.backward_dq, *dq, device), grad_buffers, acc,
                 key.dtype if kv_batched else acc, kv_batched, dense_lists, strides, (Hq, Hkv, Q_LEN, KV_LEN))

@@ -25,7 +25,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
-def module(score: Mod | None, mask: Mod | None, target: str):
+def module(score: Mod | None, mask: Mod | None, target: str, fast_math: bool = False):
     def hooks():
         h = {}
         for kind, mod, default_call in (("score", score, "score"), ("mask", mask, "tl.full([], 1, tl.int1)")):
@@ -44,7 +44,7 @@ def module(score: Mod | None, mask: Mod | None, target: str):
         return {f"{m.kind}_mod {m.name}": m.source for m in (score, mask) if m is not None}
 
     return launch.kernel_module("decode", (score.key() if score else None, mask.key() if mask else None),
-                                target, hooks, provenance)
+                                target, hooks, provenance, fast_math)
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ def make_plan(query, key, value, score: Mod | None, mask: Mod | None, tables: Ta
     )
     if device.type == "cuda":
         constexprs.update(num_warps=o["num_warps"], num_stages=o["num_stages"])
-    mod = module(score, mask, launch.target_for(device))
+    mod = module(score, mask, launch.target_for(device), opts.fast_math(explicit, device, query.dtype))
     return Plan(
         split=launch.Launch(mod.decode_split_kernel, (split, B * HKV, (G // G_PACK) * NUM_Q_BLOCKS * M_TILES),
                             constexprs, device),

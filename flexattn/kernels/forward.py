@@ -29,7 +29,7 @@ class Plan:
     is_empty: bool  # no output elements: nothing to launch
 
 
-def module(score: Mod, mask: Mod, target: str):
+def module(score: Mod, mask: Mod, target: str, fast_math: bool = False):
     def hooks():
         score_def, score_params = launch.mod_hooks(score, target, "score_mod", "score_")
         mask_def, mask_params = launch.mod_hooks(mask, target, "mask_mod", "mask_")
@@ -38,7 +38,7 @@ def module(score: Mod, mask: Mod, target: str):
 
     return launch.kernel_module(
         "forward", (score.key(), mask.key()), target, hooks,
-        lambda: {f"score_mod {score.name}": score.source, f"mask_mod {mask.name}": mask.source})
+        lambda: {f"score_mod {score.name}": score.source, f"mask_mod {mask.name}": mask.source}, fast_math)
 
 
 def _tile(option: str, options: dict, explicit: dict, sparse: int | None, length: int) -> int:
@@ -95,7 +95,8 @@ def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
         constexprs.update(num_warps=options["num_warps"], num_stages=options["num_stages"])
     kv_b = Bkv == 1 and B > 1
     strides = (*query.stride(), *launch.broadcast_strides(key, kv_b), *launch.broadcast_strides(value, kv_b))
-    kernel = module(score, mask, launch.target_for(device)).flex_attention_forward
+    kernel = module(score, mask, launch.target_for(device),
+                    opts.fast_math(explicit, device, dtype)).flex_attention_forward
     out_order = launch.contiguous_or_order(query)
     strides += (*launch.output_strides(out_shape, out_order), Q_LEN * Hq, Q_LEN)
     return Plan(

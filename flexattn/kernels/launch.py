@@ -141,15 +141,16 @@ def mod_hooks(mod, target: str, name: str, prefix: str) -> tuple[str, str]:
 
 
 def kernel_module(template: str, key: Hashable, target: str, hooks: Callable[[], dict[str, str]],
-                  provenance: Callable[[], dict[str, str]]) -> Any:
+                  provenance: Callable[[], dict[str, str]], fast_math: bool = False) -> Any:
     """The generated module of ``template`` for ``key`` (mod keys plus anything else that changes
-    the source), rendered once per process and target and cached on disk."""
-    full_key = (template, key, target)
+    the source), rendered once per process and target and cached on disk. ``fast_math``: see
+    `flexattn.codegen.emit.prelude`."""
+    full_key = (template, key, target, fast_math)
     module = _MODULES.get(full_key)
     if module is None:
         h = hooks()
         if "prelude" not in h:
-            h["prelude"] = emit.prelude(target)
+            h["prelude"] = emit.prelude(target, fast_math)
         if "tile_helpers" not in h and "$tile_helpers" in template_text(template):
             h["tile_helpers"] = template_text("tiles")
         module = load_kernel_module(template, h, provenance(), interpret=target == "interpret")

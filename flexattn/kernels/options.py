@@ -33,6 +33,8 @@ OPTIONS: dict[str, tuple[str, str, str]] = {
     "ROWS_GUARANTEED_SAFE": ("forward", "bool", "promise that no query row is fully masked (skips the -inf guard)"),
     "BLOCKS_ARE_CONTIGUOUS": ("forward", "bool", "promise that each query block's KV blocks are consecutive"),
     "FORCE_USE_FLEX_ATTENTION": ("forward", "bool", "always use the block-sparse kernel, never the decoding kernel"),
+    "FAST_TANH": ("forward", "bool", "float16/bfloat16 inputs on CUDA: tanh in mods is the hardware's tanh.approx.f32 "
+                                     "(default True; False: libdevice's tanh)"),
     # backward
     "BLOCK_M1": ("backward", "tile", "dK/dV pass: query rows per step"),
     "BLOCK_N1": ("backward", "tile", "dK/dV pass: KV rows per program"),
@@ -69,6 +71,11 @@ _REFUSED = {
 }
 
 _CHECKED: dict[tuple, dict[str, Any]] = {}
+
+
+def fast_math(options: dict, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether kernels for these inputs use the hardware's approximate tanh (`FAST_TANH`)."""
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and options.get("FAST_TANH", True)
 
 
 def _value_error(key: str, value: Any, kind: str) -> str | None:
