@@ -33,6 +33,9 @@ OPTIONS: dict[str, tuple[str, str, str]] = {
     "ROWS_GUARANTEED_SAFE": ("forward", "bool", "promise that no query row is fully masked (skips the -inf guard)"),
     "BLOCKS_ARE_CONTIGUOUS": ("forward", "bool", "promise that each query block's KV blocks are consecutive"),
     "FORCE_USE_FLEX_ATTENTION": ("forward", "bool", "always use the block-sparse kernel, never the decoding kernel"),
+    "AUTOTUNE": ("forward", "bool", "time a few forward tile configs once per GPU / dtype / head dims / length "
+                                    "bucket / mod features and keep the fastest on disk (default: on for CUDA, "
+                                    "off on the CPU; also FLEXATTN_AUTOTUNE=0)"),
     "FAST_TANH": ("forward", "bool", "float16/bfloat16 inputs on CUDA: tanh in mods is the hardware's tanh.approx.f32 "
                                      "(default True; False: libdevice's tanh)"),
     # backward

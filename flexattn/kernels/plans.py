@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
-from flexattn.kernels import backward as bwd, decode as dec, forward as fwd
+import math
+
+from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, tuning
 from flexattn.kernels.launch import PlanCache
 from flexattn.kernels.tables import Tables, check_against
 from flexattn.mods import Mod
@@ -105,7 +107,31 @@ def _make_forward_plan(query, key, value, score, score_bufs, mask, mask_bufs, ta
     if tables is not None:
         check_against(tables, B, Hq, Q_LEN, key.shape[2], query.device)
     _check_mod_devices(query.device, ((score, score_bufs), (mask, mask_bufs)))
-    return fwd.make_plan(query, key, value, score, mask, tables, options, want_max)
+
+    def make(config: dict):
+        return fwd.make_plan(query, key, value, score, mask, tables, {**options, **config}, want_max)
+
+    E, Ev, KV_LEN = query.shape[3], value.shape[3], key.shape[2]
+    device = query.device
+    # Tuning pays where a call is long enough for tiles to matter (B*H*S*S >= 2**27: S=4k at 8 heads).
+    if B * Hq * Q_LEN * KV_LEN >= TUNE_MIN_WORK and tuning.enabled(options, device, tuning.FORWARD_KNOBS):
+        candidates = tuning.forward_candidates(device, query.dtype, max(E, Ev))
+        if len(candidates) > 1:
+            features = (str(query.dtype).removeprefix("torch."), f"E={E}", f"Ev={Ev}",
+                        f"Q<={tuning.length_bucket(Q_LEN)}", f"KV<={tuning.length_bucket(KV_LEN)}",
+                        f"G={Hq // key.shape[1]}", "score_mod" if score.ir.op != "input" else "no score_mod",
+                        "no block mask" if tables is None else f"blocks {tables.q_block}x{tables.kv_block}",
+                        "max" if want_max else "")
+            scale = 1.0 / math.sqrt(E)
+            plan, _ = tuning.choose(
+                tuning.tuning_key("forward", device, *features), candidates, make,
+                lambda p: fwd.run(p, query, key, value, score, score_bufs, mask, mask_bufs, tables, scale), device)
+            if plan is not None:
+                return plan
+    return make({})
+
+
+TUNE_MIN_WORK = 1 << 27
 
 
 def _make_decode_plan(query, key, value, score, score_bufs, mask, mask_bufs, tables, enable_gqa, options,

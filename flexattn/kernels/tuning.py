@@ -1,0 +1,177 @@
+"""Autotuning: a few tile configs per kernel family, timed once, the winner kept on disk.
+
+A plan (`flexattn.kernels.plans`) is made once per plan key. When tuning is on, making a forward
+plan times a small candidate set (`forward_candidates`: tiles, warps and pipelining stages for
+the GPU, dtype and head dims) on the call's own inputs and keeps the fastest. Winners are keyed by
+*tuning key*: GPU name, Triton version, dtype, head dims, the query and KV lengths rounded up to
+powers of two, and the mod features that change the kernel's cost (score mod or not, block mask
+or not, its block sizes, max-score output, GQA group size). They are stored in
+``<cache dir>/tuning-v1.json``, so another process with the same key reuses the winner without
+timing anything.
+
+Tuning is on by default on CUDA and off on the CPU (Triton's interpreter). It is skipped when
+``kernel_options`` sets any of the tuned knobs (the caller's choice wins), when
+``kernel_options={"AUTOTUNE": False}`` or ``FLEXATTN_AUTOTUNE=0``, and while a CUDA graph is being
+captured (defaults then, nothing stored). While it runs, one line on stderr says what is tuned
+and how far it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Hashable, Iterable
+
+import torch
+import triton
+
+FORWARD_KNOBS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+_FILE = "tuning-v1.json"
+_LOCK = threading.Lock()
+_WINNERS: dict[str, dict[str, Any]] | None = None  # the disk file's content, read once per process
+
+
+def enabled(options: dict, device: torch.device, knobs: Iterable[str]) -> bool:
+    """Whether to tune: the caller did not pick any of ``knobs`` nor switch tuning off."""
+    if any(k in options for k in knobs):
+        return False
+    wanted = options.get("AUTOTUNE")
+    if wanted is None:
+        wanted = device.type == "cuda" and os.environ.get("FLEXATTN_AUTOTUNE", "1") != "0"
+    if not wanted:
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def forward_candidates(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[dict[str, int]]:
+    """The forward configs worth timing (the default comes first, see options.forward_defaults)."""
+    if device.type != "cuda":
+        return [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1),
+                dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)]
+    if dtype in (torch.float32, torch.float64):
+        return []  # one default per dtype (see options.forward_defaults)
+    if head_dim <= 64:
+        return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+                dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+                dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+                dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)]
+    if head_dim <= 128:
+        return [dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+                dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+                dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+                dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)]
+    return [dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+            dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+            dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)]
+
+
+def tuning_key(family: str, device: torch.device, *features: Hashable) -> str:
+    """The disk key of one tuning problem: family, GPU, Triton version and the given features."""
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return "|".join([family, gpu, f"triton {triton.__version__}", *map(str, features)])
+
+
+def length_bucket(n: int) -> int:
+    return triton.next_power_of_2(max(n, 1))
+
+
+def bench(run: Callable[[], Any], device: torch.device) -> float:
+    """Milliseconds per call of ``run`` (median of Triton's timing on the GPU; wall clock on CPU)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(run, warmup=10, rep=40)
+    run()
+    t = time.perf_counter()
+    run()
+    return (time.perf_counter() - t) * 1e3
+
+
+def choose(key: str, candidates: list[dict[str, Any]], make: Callable[[dict], Any], run: Callable[[Any], Any],
+           device: torch.device) -> tuple[Any, dict[str, Any] | None]:
+    """``(plan, config)``: the plan of the stored winner for ``key``, or else of the fastest of
+    ``candidates`` (``make(config)`` builds a plan, ``run(plan)`` launches it once), stored.
+    Candidates that fail to build or run (too much shared memory, a tile the block mask does not
+    allow) are skipped; if all fail, ``(None, None)``."""
+    winner = _stored().get(key)
+    if winner is not None:
+        try:
+            return make(winner), winner
+        except Exception:  # noqa: BLE001 - a stale entry (other kernel version): tune again
+            pass
+    best = (float("inf"), None, None)
+    start = time.perf_counter()
+    tty = sys.stderr.isatty()
+    for i, config in enumerate(candidates):
+        if tty:
+            print(f"\rflexattn: tuning {key} [{i + 1}/{len(candidates)}]", end="", file=sys.stderr, flush=True)
+        try:
+            plan = make(config)
+            ms = bench(lambda: run(plan), device)
+        except Exception:  # noqa: BLE001 - e.g. triton.runtime.errors.OutOfResources
+            continue
+        if ms < best[0]:
+            best = (ms, plan, config)
+    ms, plan, config = best
+    took = time.perf_counter() - start
+    if config is None:
+        print(f"\rflexattn: tuning {key}: no candidate ran ({took:.1f} s)", file=sys.stderr)
+        return None, None
+    print(f"\rflexattn: tuned {key} in {took:.1f} s: {config} ({ms:.3f} ms)", file=sys.stderr)
+    _store(key, config)
+    return plan, config
+
+
+# ---------------------------------------------------------------------------------------------
+# The disk file
+
+
+def _path():
+    from flexattn.codegen.cache import cache_dir
+
+    return cache_dir() / _FILE
+
+
+def _stored() -> dict[str, dict[str, Any]]:
+    global _WINNERS
+    if _WINNERS is None:
+        with _LOCK:
+            if _WINNERS is None:
+                try:
+                    data = json.loads(_path().read_text())
+                    _WINNERS = {k: v for k, v in data.items() if isinstance(v, dict)} if isinstance(data, dict) else {}
+                except (OSError, ValueError):
+                    _WINNERS = {}
+    return _WINNERS
+
+
+def _store(key: str, config: dict[str, Any]) -> None:
+    """Add a winner to the file (merged with what other processes wrote meanwhile; atomic)."""
+    winners = _stored()
+    with _LOCK:
+        winners[key] = dict(config)
+        path = _path()
+        try:
+            on_disk = json.loads(path.read_text())
+            if isinstance(on_disk, dict):
+                winners.update({k: v for k, v in on_disk.items() if k not in winners and isinstance(v, dict)})
+        except (OSError, ValueError):
+            pass
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(winners, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only cache: the winner still holds for this process
+
+
+def forget() -> None:
+    """Drop the in-memory copy of the disk file (tests: act as a new process)."""
+    global _WINNERS
+    with _LOCK:
+        _WINNERS = None

@@ -1,0 +1,146 @@
+"""Autotuning (flexattn.kernels.tuning) on the CPU with a fake clock: the first process times
+every candidate and stores the winner on disk, a second process reuses it without timing, and
+the caller's kernel_options or AUTOTUNE=False switch tuning off."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import flexattn
+from flexattn.kernels import plans, tuning
+from flexattn.reference import attention_reference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def fresh(tmp_path, monkeypatch):
+    """A new kernel cache directory, tuning for every size, no plans or winners in memory."""
+    monkeypatch.setenv("FLEXATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(plans, "TUNE_MIN_WORK", 0)
+    tuning.forget()
+    plans.FORWARD.plans.clear()
+    yield tmp_path
+    tuning.forget()
+    plans.FORWARD.plans.clear()
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A fake clock: a candidate's time is set by its BLOCK_M (32 fastest); returns the BLOCK_M of
+    each candidate timed, in order."""
+    timed, current = [], []
+
+    def fake_bench(run, device):
+        run()  # the candidate must launch (a broken one is skipped)
+        block_m = current[-1].kernel.constexprs["BLOCK_M"]
+        timed.append(block_m)
+        return {32: 1.0, 64: 2.0}.get(block_m, 3.0)
+
+    real_choose = tuning.choose
+
+    def choose(key, candidates, make, run, device):
+        def make_and_remember(config):
+            current.append(make(config))
+            return current[-1]
+        return real_choose(key, candidates, make_and_remember, run, device)
+
+    monkeypatch.setattr(tuning, "bench", fake_bench)
+    monkeypatch.setattr(tuning, "choose", choose)
+    return timed
+
+
+def _inputs():
+    # 150 query rows: past the decoding kernel's threshold, so the forward kernel (the tuned one) runs.
+    torch.manual_seed(0)
+    return tuple(torch.randn(1, 2, 150, 32) for _ in range(3))
+
+
+def _only_plan():
+    assert len(plans.FORWARD) == 1
+    return next(iter(plans.FORWARD.plans.values()))
+
+
+def bias(score, b, h, q_idx, kv_idx):
+    return score + (q_idx - kv_idx) * 0.01
+
+
+def test_tunes_once_and_another_process_reuses_the_winner(fresh, clock, capsys):
+    q, k, v = _inputs()
+    out = flexattn.flex_attention(q, k, v, score_mod=bias, kernel_options={"AUTOTUNE": True})
+    torch.testing.assert_close(out.double(), attention_reference(q, k, v, score_mod=bias), atol=1e-5, rtol=1e-5)
+    candidates = tuning.forward_candidates(q.device, q.dtype, 32)
+    assert sorted(clock) == sorted(c["BLOCK_M"] for c in candidates)  # each timed once
+    assert _only_plan().kernel.constexprs["BLOCK_M"] == 32  # the fake clock's winner
+    assert "flexattn: tuned forward|cpu" in capsys.readouterr().err
+    stored = json.loads((fresh / "tuning-v1.json").read_text())
+    (key, config), = stored.items()
+    assert config["BLOCK_M"] == 32 and "E=32" in key and "score_mod" in key
+
+    # The same call again in this process: a plan lookup, no timing.
+    flexattn.flex_attention(q, k, v, score_mod=bias, kernel_options={"AUTOTUNE": True})
+    assert len(clock) == len(candidates)
+
+    # A second process: timing anything fails it; it must use the stored winner.
+    script = textwrap.dedent("""
+        import torch, flexattn
+        from flexattn.kernels import plans, tuning
+        plans.TUNE_MIN_WORK = 0
+        def no_timing(*a, **k):
+            raise AssertionError("the second process timed a candidate")
+        tuning.bench = no_timing
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(1, 2, 150, 32) for _ in range(3))
+        score = lambda s, b, h, qi, ki: s + (qi - ki) * 0.01
+        flexattn.flex_attention(q, k, v, score_mod=score, kernel_options={"AUTOTUNE": True})
+        (plan,) = plans.FORWARD.plans.values()
+        print("BLOCK_M", plan.kernel.constexprs["BLOCK_M"])
+    """)
+    env = {**os.environ, "FLEXATTN_CACHE_DIR": str(fresh), "PYTHONPATH": ROOT}
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "BLOCK_M 32" in res.stdout
+    assert "tuning" not in res.stderr
+
+
+@pytest.mark.parametrize("options", [{"AUTOTUNE": True, "BLOCK_M": 64}, {"AUTOTUNE": True, "num_warps": 4},
+                                     {"AUTOTUNE": False}, {}])
+def test_explicit_options_or_switch_skip_tuning(fresh, clock, options):
+    q, k, v = _inputs()
+    flexattn.flex_attention(q, k, v, score_mod=bias, kernel_options=options)
+    assert clock == []
+    assert not (fresh / "tuning-v1.json").exists()
+
+
+def test_environment_switch(fresh, clock, monkeypatch):
+    monkeypatch.setenv("FLEXATTN_AUTOTUNE", "0")
+    assert not tuning.enabled({}, torch.device("cuda", 0), tuning.FORWARD_KNOBS)
+    assert tuning.enabled({"AUTOTUNE": True}, torch.device("cpu"), tuning.FORWARD_KNOBS)
+    assert not tuning.enabled({}, torch.device("cpu"), tuning.FORWARD_KNOBS)
+
+
+def test_a_failing_candidate_is_skipped(fresh, monkeypatch, capsys):
+    """A candidate that cannot run (e.g. out of shared memory) is skipped, not fatal."""
+    calls = []
+
+    def bench(run, device):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of resource: shared memory")
+        run()
+        return 1.0
+
+    monkeypatch.setattr(tuning, "bench", bench)
+    q, k, v = _inputs()
+    out = flexattn.flex_attention(q, k, v, kernel_options={"AUTOTUNE": True})
+    torch.testing.assert_close(out.double(), attention_reference(q, k, v), atol=1e-5, rtol=1e-5)
+    assert len(calls) == len(tuning.forward_candidates(q.device, q.dtype, 32))
+    stored = json.loads((fresh / "tuning-v1.json").read_text())
+    assert [c["BLOCK_M"] for c in stored.values()] == [tuning.forward_candidates(q.device, q.dtype, 32)[1]["BLOCK_M"]]
