@@ -23,7 +23,9 @@ from flexattn.mods import Mod
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    score_mod: Callable | Mod | None = None, block_mask=None, scale: float | None = None,
                    enable_gqa: bool = False, return_lse: bool = False,
-                   kernel_options: dict | None = None, *, return_aux: AuxRequest | None = None):
+                   kernel_options: dict | None = None, *, return_aux: AuxRequest | None = None,
+                   descale_q: torch.Tensor | None = None, descale_k: torch.Tensor | None = None,
+                   descale_v: torch.Tensor | None = None):
     """Attention with a score modification and a block-sparse mask, fused into one kernel.
 
     ``query`` is [B, Hq, Q_LEN, E], ``key`` [B or 1, Hkv, KV_LEN, E], ``value`` [B or 1, Hkv,
@@ -40,6 +42,11 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     A query row that sees no key gets output 0, LSE -inf and max score -inf. CPU tensors run the
     same kernel through Triton's interpreter (slow; for tests and small demos).
 
+    float8 (``float8_e4m3fn``) query/key/value run a forward-only kernel: ``descale_q``,
+    ``descale_k``, ``descale_v`` (one-element float32 tensors, default 1) are the per-tensor factors
+    that dequantise them (FlashAttention-3's convention: attention of ``query * descale_q`` etc.);
+    Q K^T and P V run in float8 (P rounded to float8) and the output is bfloat16.
+
     >>> q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
     >>> soft = lambda score, b, h, q_idx, kv_idx: 20 * torch.tanh(score / 20)
     >>> flex_attention(q, k, v, score_mod=soft).shape
@@ -51,8 +58,10 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         if return_lse:
             raise ValueError("pass either return_lse=True or return_aux=AuxRequest(lse=True), not both")
     want_max = return_aux is not None and return_aux.max_scores
+    descale = None if descale_q is None and descale_k is None and descale_v is None else \
+        (descale_q, descale_k, descale_v)
     out, lse, mx = attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
-                          want_max, None)
+                          want_max, None, descale=descale)
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=mx)
     return (out, lse) if return_lse else out

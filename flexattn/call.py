@@ -176,12 +176,44 @@ def _kernel_choice(query, key, value, score_bufs, options: dict, want_max: bool,
     return need_grad, decoding
 
 
+def _check_descale(query, descale) -> tuple[torch.Tensor, ...]:
+    """float8 inputs' descale factors (q, k, v): one-element float32 tensors on query's device;
+    a missing one is 1."""
+    if query.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"descale_q, descale_k and descale_v apply to float8_e4m3fn inputs; query is {query.dtype}")
+    out = []
+    for name, t in zip(("descale_q", "descale_k", "descale_v"), descale or (None,) * 3):
+        if t is None:
+            t = _ones(query.device)
+        elif not isinstance(t, torch.Tensor) or t.numel() != 1 or t.dtype != torch.float32 \
+                or t.device != query.device:
+            got = f"a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) \
+                else type(t).__name__
+            raise TypeError(f"{name} must be a float32 tensor with one element on {query.device}, got {got}")
+        out.append(t)
+    return tuple(out)
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _ones(device: torch.device) -> torch.Tensor:
+    t = _ONES.get(device)
+    if t is None:
+        t = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return t
+
+
 def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, want_max,
-           decoding: bool | None, kv_lengths=None, mask_override=None):
+           decoding: bool | None, kv_lengths=None, mask_override=None, descale=None):
     """The call path shared by `flex_attention` and `flexattn.decode.decode_attention`:
-    ``(out, lse, max_scores or None)``. ``decoding``: None picks by the query length."""
+    ``(out, lse, max_scores or None)``. ``decoding``: None picks by the query length.
+    ``descale``: (q, k, v) descale factors of float8 inputs, or None."""
     options = opts.check(kernel_options)
     if torch.compiler.is_compiling():
+        if descale is not None or getattr(query, "dtype", None) == torch.float8_e4m3fn:
+            raise NotImplementedError("float8 flex_attention runs eagerly only; call it outside torch.compile "
+                                      "(torch.compiler.disable) or pass bfloat16/float16 inputs")
         return _attend_compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, options, want_max,
                                 decoding, kv_lengths, mask_override)
     try:
@@ -204,6 +236,11 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {scale!r}")
     need_grad, decoding = _kernel_choice(query, key, value, score_bufs, options, want_max, decoding)
+    if descale is not None or dtype == torch.float8_e4m3fn:
+        if need_grad:
+            raise ValueError("float8 flex_attention is forward-only: no gradients (run it under torch.no_grad(), "
+                             "or use bfloat16 inputs for training)")
+        descale = _check_descale(query, descale)
     # The captured tensors' shapes and strides are kernel arguments the compiled kernel is specialised on.
     buf_metas = tuple([_meta(t) for t in (*score_bufs, *mask_bufs)]) if score_bufs or mask_bufs else ()
     plan_key = (decoding, q_meta, k_meta, v_meta, score.key(), mask.key(), buf_metas,
@@ -220,7 +257,7 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     plan = plans.forward_plan(plan_key, query, key, value, score, score_bufs, mask, mask_bufs, tables, enable_gqa,
                               options, want_max)
     if not need_grad:
-        return fwd.run(plan, query, key, value, score, score_bufs, mask, mask_bufs, tables, scale)
+        return fwd.run(plan, query, key, value, score, score_bufs, mask, mask_bufs, tables, scale, descale)
     # A score mod the backward cannot differentiate fails here, before any work, not later.
     bwd.score_mod_grad(score)
     call = _Call(plan, plan_key, score, mask, len(score_bufs), tables, scale, options)

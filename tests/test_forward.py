@@ -472,7 +472,8 @@ def test_dtype_and_device_mismatch():
         flex_attention(q, k.half(), v)
     with pytest.raises(ValueError, match=r"value must be on query's device cpu, got meta"):
         flex_attention(q, k, v.to("meta"))
-    with pytest.raises(TypeError, match=r"query must be float16, bfloat16, float32 or float64, got torch.int64"):
+    with pytest.raises(TypeError, match=r"query must be float16, bfloat16, float32, float64 or float8_e4m3fn "
+                                        r"\(forward only\), got torch.int64"):
         flex_attention(q.long(), k.long(), v.long())
 
 

@@ -22,6 +22,7 @@ class Plan:
     stat_shape: tuple[int, int, int]
     out_order: tuple[int, ...] | None  # None: contiguous
     stat_dtype: torch.dtype
+    out_dtype: torch.dtype  # the inputs' dtype; bfloat16 for float8 inputs
     strides: tuple  # Q, K (batch-broadcast), V, Out, LSE [b, h] strides
     dense_rows: Direction | None  # the block lists to read without a block mask
     sizes: tuple  # HQ, Q_LEN, KV_LEN
@@ -57,6 +58,7 @@ def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     Bkv, Hkv, KV_LEN, Ev = value.shape
     device, dtype = query.device, query.dtype
     options = {**opts.forward_defaults(device, dtype, E, Ev), **explicit}
+    fp8 = dtype == torch.float8_e4m3fn
     if tables is not None:  # the forward's query tiles are >= 16 rows too (decoding packs rows instead)
         check_block_size("Q", tables.q_block, (tables.q_block, tables.kv_block))
     sparse_q = tables.q_block if tables is not None else None
@@ -79,7 +81,8 @@ def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
         IS_DIVISIBLE=Q_LEN % block_m == 0 and KV_LEN % sparse_kv == 0,
         GQA_SHARED_HEADS=Hq // Hkv,
         HAS_FULL_BLOCKS=tables is None or tables.kv.has_full,
-        PRESCALE_QK=options["PRESCALE_QK"],
+        PRESCALE_QK=options["PRESCALE_QK"] and not fp8,  # Q * scale would round to float8
+        IS_FP8=fp8,
         ROWS_GUARANTEED_SAFE=options["ROWS_GUARANTEED_SAFE"],
         # Without a block mask the full blocks are consecutive by construction.
         BLOCKS_ARE_CONTIGUOUS=options["BLOCKS_ARE_CONTIGUOUS"] or tables is None,
@@ -89,7 +92,7 @@ def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
         ACC_DTYPE=launch.ACC_TL_DTYPE[acc],
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[acc]),
         DOT_PRECISION=launch.dot_precision(device, dtype),
-        DOT_IN_FP32=device.type == "cpu" and dtype == torch.bfloat16,
+        DOT_IN_FP32=device.type == "cpu" and dtype in (torch.bfloat16, torch.float8_e4m3fn),
     )
     if device.type == "cuda":
         constexprs.update(num_warps=options["num_warps"], num_stages=options["num_stages"])
@@ -102,24 +105,30 @@ def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     return Plan(
         kernel=launch.Launch(kernel, (triton.cdiv(Q_LEN, block_m), B * Hq), constexprs, device),
         out_shape=out_shape, stat_shape=(B, Hq, Q_LEN),
-        out_order=out_order, stat_dtype=acc, strides=strides, dense_rows=dense_rows,
+        out_order=out_order, stat_dtype=acc, out_dtype=torch.bfloat16 if fp8 else dtype,
+        strides=strides, dense_rows=dense_rows,
         sizes=(Hq, Q_LEN, KV_LEN), want_max=want_max, is_empty=B * Hq * Q_LEN * Ev == 0,
     )
 
 
+_NO_DESCALE = (launch.UNUSED,) * 3
+
+
 def run(plan: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score: Mod, score_bufs,
-        mask: Mod, mask_bufs, tables: Tables | None, scale: float):
+        mask: Mod, mask_bufs, tables: Tables | None, scale: float, descale: tuple | None = None):
     """Launch: returns (out, lse, max_scores) with lse and max_scores in natural-log units
-    (max_scores is None unless the plan writes it)."""
+    (max_scores is None unless the plan writes it). ``descale``: float8 inputs' (q, k, v) descale
+    factors, one-element float32 tensors."""
     device = query.device
-    out = launch.empty(plan.out_shape, query.dtype, device, plan.out_order)
+    out = launch.empty(plan.out_shape, plan.out_dtype, device, plan.out_order)
     lse = launch.empty(plan.stat_shape, plan.stat_dtype, device)
     mx = launch.empty(plan.stat_shape, plan.stat_dtype, device) if plan.want_max else None
     if plan.is_empty:
         return out, lse, mx
     rows = plan.dense_rows if tables is None else tables.kv
     plan.kernel(
-        query, key, value, out, lse, launch.UNUSED if mx is None else mx, *rows.args(),
+        query, key, value, out, lse, launch.UNUSED if mx is None else mx, *(descale or _NO_DESCALE),
+        *rows.args(),
         *launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs),
         *plan.strides, *rows.strides(),
         *plan.sizes, scale,

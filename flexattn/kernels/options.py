@@ -78,7 +78,8 @@ _CHECKED: dict[tuple, dict[str, Any]] = {}
 
 def fast_math(options: dict, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether kernels for these inputs use the hardware's approximate tanh (`FAST_TANH`)."""
-    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and options.get("FAST_TANH", True)
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16, torch.float8_e4m3fn) \
+        and options.get("FAST_TANH", True)
 
 
 def _value_error(key: str, value: Any, kind: str) -> str | None:

@@ -8,11 +8,10 @@ eager call path (`flexattn.call`) and the custom ops that torch.compile sees (`f
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
-
-import math
 
 from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, tuning
 from flexattn.kernels.launch import PlanCache
@@ -24,7 +23,7 @@ DECODE = PlanCache()
 BACKWARD = PlanCache()
 
 MAX_HEAD_DIM = 256  # larger tiles do not fit in registers / shared memory (every kernel family)
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -42,7 +41,8 @@ def check_inputs(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions [B, H, L, E], got shape {tuple(t.shape)}")
         if t.dtype not in _DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+            raise TypeError(f"{name} must be float16, bfloat16, float32, float64 or float8_e4m3fn (forward "
+                            f"only), got {t.dtype}")
     for name, t in (("key", key), ("value", value)):
         if t.dtype != query.dtype:
             raise TypeError(f"{name} must have query's dtype {query.dtype}, got {t.dtype}")

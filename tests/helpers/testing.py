@@ -137,6 +137,17 @@ def reference_fp64(node: Node, buffers: Sequence[torch.Tensor], B: int, H: int, 
     return eval_grid(to_float64(node), buffers_float64(buffers), B, H, Q_LEN, KV_LEN, s64)
 
 
+def quantise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor float8_e4m3fn quantisation: ``(x / s as float8, s)``, s mapping max|x| to 448."""
+    s = (x.abs().max() / 448).reshape(1).float()
+    return (x / s).to(torch.float8_e4m3fn), s
+
+
+def dequantised(x8: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The float64 values a float8 tensor and its descale factor stand for."""
+    return x8.double() * s.double()
+
+
 def assert_close_to_reference(out: torch.Tensor, eager: torch.Tensor, ref: torch.Tensor,
                               factor: float = 2.0, atol: float | None = None,
                               elementwise: bool = False, name: str = "kernel") -> None:

@@ -18,6 +18,8 @@
 #   MaxScores       [B, HQ, Q_LEN] like LSE: each row's largest modified score (natural units, -inf
 #                   for rows that see nothing); written only when OUTPUT_MAX
 #   SM_SCALE        runtime float: 1/sqrt(QK_HEAD_DIM) unless the caller gave a scale
+#   DESCALE_Q, DESCALE_K, DESCALE_V  float8 inputs (IS_FP8): one float32 each, the factors that
+#                   dequantise Q, K and V (FlashAttention-3's per-tensor descale); unused otherwise
 #
 # constexprs:
 #   BLOCK_M, BLOCK_N       query rows / KV columns of one tile (powers of two >= 16)
@@ -38,11 +40,16 @@
 #                          KV_IDX after the first entry
 #   OFFS_INT64             some tensor spans more than 2^31 elements: compute tile offsets in int64
 #   OUTPUT_MAX             also write MaxScores (torch's AuxRequest(max_scores=True))
+#   IS_FP8                 Q, K, V are float8_e4m3fn: Q K^T runs in float8 with the descales folded
+#                          into SM_SCALE, P is rounded to float8 for P V, and the accumulator is
+#                          multiplied by DESCALE_V; Out is bfloat16
 #   ACC_DTYPE              float32 (float64 for float64 inputs): scores, softmax state, accumulator
 #   SCORE_DTYPE            the dtype score_mod was traced with (its `score` input)
 #   DOT_PRECISION          tl.dot input_precision ("ieee", or "tf32" for float32 when torch allows it)
 #   DOT_IN_FP32            feed tl.dot float32 copies of the tiles (Triton's interpreter gets bfloat16
-#                          arithmetic wrong; the copies are exact, so results do not change)
+#                          arithmetic wrong; the copies are exact, so results do not change); with
+#                          float8 inputs P is not rounded to float8 there (the interpreter's rounding
+#                          is wrong)
 #
 # Mods (see flexattn/codegen/emit.py): score_mod(score, b, h, q_idx, kv_idx, <buffers>) and
 # mask_mod(b, h, q_idx, kv_idx, <buffers>), with b, h int32 scalars (h is the *query* head),
@@ -127,7 +134,11 @@ def forward_inner(
         l_i = l_i * alpha + row_sum(p)
         v = load_tile(V + rows[:, None] * stride_vn + offs_v[None, :] * stride_vk, offs_n, offs_v,
                       KV_LEN, V_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
-        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, DOT_IN_FP32)
+        if DOT_IN_FP32 and v.dtype == tl.float8e4nv:
+            pv = p  # Triton's interpreter rounds float32 to float8 wrongly: P stays float32 on the CPU
+        else:
+            pv = p.to(v.dtype)
+        acc = mma(pv, v, acc * alpha[:, None], DOT_PRECISION, DOT_IN_FP32)
         m_i = m_ij
 
         # -- next tile: the next BLOCK_N columns of this sparse block, or the start of the next block
@@ -144,7 +155,7 @@ def forward_inner(
 
 @triton.jit
 def flex_attention_forward(
-    Q, K, V, Out, LSE, MaxScores,
+    Q, K, V, Out, LSE, MaxScores, DESCALE_Q, DESCALE_K, DESCALE_V,
     KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX,
     $score_mod_params $mask_mod_params
     stride_qz, stride_qh, stride_qm, stride_qk,
@@ -162,10 +173,12 @@ def flex_attention_forward(
     IS_DIVISIBLE: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, HAS_FULL_BLOCKS: tl.constexpr,
     PRESCALE_QK: tl.constexpr, ROWS_GUARANTEED_SAFE: tl.constexpr,
     BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr, OUTPUT_MAX: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
+    IS_FP8: tl.constexpr, ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     tl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M == 0)
+    if IS_FP8:  # scores of the dequantised inputs: (q dq)(k dk)^T scale = q k^T (scale dq dk)
+        SM_SCALE = SM_SCALE * tl.load(DESCALE_Q) * tl.load(DESCALE_K)
     LN2: tl.constexpr = 0.6931471805599453
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -226,6 +239,8 @@ def flex_attention_forward(
             ACC_DTYPE, SCORE_DTYPE, DOT_PRECISION, DOT_IN_FP32,
         )
 
+    if IS_FP8:
+        acc = acc * tl.load(DESCALE_V)
     # -- epilogue. A fully masked row has l_i = 0 and acc = 0: divide by 1 so that it writes 0, and
     # give it LSE -inf directly (m_i + log2(0) would be -inf too, but log2(0) is not worth computing).
     if ROWS_GUARANTEED_SAFE:
