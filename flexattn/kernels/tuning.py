@@ -51,8 +51,10 @@ def forward_candidates(device: torch.device, dtype: torch.dtype, head_dim: int) 
     if device.type != "cuda":
         return [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1),
                 dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)]
-    if dtype in (torch.float32, torch.float64):
-        return []  # one default per dtype (see options.forward_defaults)
+    if dtype in (torch.float32, torch.float64, torch.float8_e4m3fn):
+        # one default per dtype (see options.forward_defaults); float8: only the default config is
+        # validated on the GPU so far (another candidate crashed a tuning run: never time it)
+        return []
     if head_dim <= 64:
         return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
                 dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
@@ -84,7 +86,7 @@ def bench(run: Callable[[], Any], device: torch.device) -> float:
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        return do_bench(run, warmup=10, rep=40)
+        return do_bench(run, warmup=25, rep=100)
     run()
     t = time.perf_counter()
     run()
