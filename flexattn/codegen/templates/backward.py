@@ -87,21 +87,6 @@ def lse_base2(lse):
     return tl.where(lse == float("-inf"), float("inf"), lse * RCP_LN2)
 
 
-@triton.jit
-def next_start(start, i, BLOCK_IDX, num_blocks, STEP: tl.constexpr, SPARSE_MULTIPLE: tl.constexpr,
-               SPARSE_BLOCK_SIZE: tl.constexpr, BLOCKS_ARE_CONTIGUOUS: tl.constexpr):
-    # The next tile: STEP further inside this sparse block, or the start of the next listed block.
-    if BLOCKS_ARE_CONTIGUOUS:
-        start += STEP
-    else:
-        nxt = i + 1
-        jump = nxt % SPARSE_MULTIPLE == 0
-        nxt_block = tl.load(BLOCK_IDX + nxt // SPARSE_MULTIPLE,
-                            mask=jump & (nxt < num_blocks * SPARSE_MULTIPLE), other=0)
-        start = tl.where(jump, nxt_block * SPARSE_BLOCK_SIZE, start + STEP)
-    return start
-
-
 # ---------------------------------------------------------------------------------------------
 # Preprocess
 
