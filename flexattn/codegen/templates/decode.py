@@ -6,10 +6,11 @@
 # one tl.dot. Each program writes its unnormalised partial (acc, m, l); `decode_combine_kernel`
 # merges the SPLIT_KV partials of a row with a log-sum-exp reduction (skipped when SPLIT_KV == 1).
 # LSE and the partials share one float32 scratch buffer (one allocation per call): LSE's ROWS
-# values first, then M_part and L_part [ROWS, SPLIT_KV] and Acc_part [ROWS, SPLIT_KV, V_HEAD_DIM], at
-# element offsets OFF_M, OFF_L and OFF_ACC from LSE.
+# values first, then M_part and L_part [ROWS, SPLIT_KV] and Acc_part [ROWS, SPLIT_KV, V_HEAD_DIM],
+# at element offsets OFF_M, OFF_L and OFF_ACC from LSE.
 #
-# Names follow the forward template (forward.py); what only decoding has is marked (decode).
+# Names follow the forward template (forward.py); what only decoding has is marked (decode). The
+# tile helpers (load_tile, store_tile, mma, online_softmax) are tiles.py's (the tile_helpers hook).
 #
 # sub notation:
 #   Q               [B, HQ, Q_LEN, QK_HEAD_DIM]
@@ -61,50 +62,35 @@ $score_mod_def
 $mask_mod_def
 
 
-# Reductions and cdiv written with core ops only: triton.language's own helpers (tl.max, tl.sum,
-# tl.cdiv, tl.zeros) are jit functions that Triton's CPU interpreter cannot call from here.
-@triton.jit
-def _max_op(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _sum_op(a, b):
-    return a + b
+$tile_helpers
 
 
 @triton.jit
 def decode_tile(
-    acc, l_i, m_i, q, K, V, start_n, b, h, q_idx, kv_len,
+    acc, l_i, m_i, q, K, V, start_n, b, h, q_idx, kv_len, SM_SCALE,
     stride_kn, stride_kk, stride_vn, stride_vk,
     $score_params$mask_params
-    offs_k, offs_v, QK_HEAD_DIM, V_HEAD_DIM,
-    APPLY_MASK: tl.constexpr, SM_SCALE, BLOCK_N: tl.constexpr,
-    IS_DIVISIBLE_N: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,
+    QK_HEAD_DIM, V_HEAD_DIM, APPLY_MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QK_HEAD_DIM_ROUNDED: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
+    IS_DIVISIBLE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
-    # K/V tile pointers advance in int64 (start_n * stride can pass 2**31 on long caches);
-    # offsets inside the tile stay int32.
-    offs_n = tl.arange(0, BLOCK_N)
+    # One BLOCK_N step of the walk. K/V tile pointers advance in int64 (start_n * stride can pass
+    # 2**31 on long caches); offsets inside the tile (offs_t) stay int32.
+    offs_t = tl.arange(0, BLOCK_N)
+    offs_n = start_n + offs_t
+    offs_k = tl.arange(0, QK_HEAD_DIM_ROUNDED)
+    offs_v = tl.arange(0, V_HEAD_DIM_ROUNDED)
     K_tile = K + start_n.to(tl.int64) * stride_kn
     V_tile = V + start_n.to(tl.int64) * stride_vn
-    kv_idx = (start_n + offs_n)[None, :]
-    # -- load K^T [QK_HEAD_DIM_ROUNDED, BLOCK_N] and V [BLOCK_N, V_HEAD_DIM_ROUNDED]
-    if IS_DIVISIBLE_N and SAFE_HEAD_DIM:
-        kT = tl.load(K_tile + offs_n[None, :] * stride_kn + offs_k[:, None] * stride_kk)
-        v = tl.load(V_tile + offs_n[:, None] * stride_vn + offs_v[None, :] * stride_vk)
-    else:
-        n_ok = (start_n + offs_n) < kv_len
-        kT = tl.load(K_tile + offs_n[None, :] * stride_kn + offs_k[:, None] * stride_kk,
-                     mask=n_ok[None, :] & (offs_k[:, None] < QK_HEAD_DIM), other=0.0)
-        v = tl.load(V_tile + offs_n[:, None] * stride_vn + offs_v[None, :] * stride_vk,
-                    mask=n_ok[:, None] & (offs_v[None, :] < V_HEAD_DIM), other=0.0)
+    kv_idx = offs_n[None, :]
+    # -- K^T [QK_HEAD_DIM_ROUNDED, BLOCK_N] (loaded transposed) and V [BLOCK_N, V_HEAD_DIM_ROUNDED]
+    kT = load_tile(K_tile + offs_t[None, :] * stride_kn + offs_k[:, None] * stride_kk, offs_k, offs_n,
+                   QK_HEAD_DIM, kv_len, not SAFE_HEAD_DIM, not IS_DIVISIBLE_N)
+    v = load_tile(V_tile + offs_t[:, None] * stride_vn + offs_v[None, :] * stride_vk, offs_n, offs_v,
+                  kv_len, V_HEAD_DIM, not IS_DIVISIBLE_N, not SAFE_HEAD_DIM)
     # -- scores, score_mod, mask_mod (flex_attention's order: mods see the scaled score)
-    p_dtype = v.dtype
-    if DOT_IN_FP32:
-        kT = kT.to(tl.float32)
-        v = v.to(tl.float32)
-    score = tl.dot(q, kT, input_precision=DOT_PRECISION) * SM_SCALE
+    score = mma(q, kT, tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32), DOT_PRECISION, DOT_IN_FP32) * SM_SCALE
     score = ($score_call).to(tl.float32)
     if APPLY_MASK:
         keep = $mask_call
@@ -113,32 +99,28 @@ def decode_tile(
         score = tl.where(keep, score, float("-inf"))
     elif not IS_DIVISIBLE_N:
         score = tl.where(kv_idx < kv_len, score, float("-inf"))
-    # -- online softmax in base 2; a row that has seen only -inf keeps m_i = -inf, and
-    # m_safe = 0 keeps exp2(-inf - m_safe) = 0 instead of NaN.
-    s = score * 1.4426950408889634
-    m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_op))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.reduce(p, 1, _sum_op)
+    # -- online softmax in base 2 (rows that have seen only -inf keep l_i = 0, never NaN)
+    p, alpha, l_i, m_i = online_softmax(score, m_i, l_i, False)
     # P is rounded to V's storage dtype, as the tensor-core product needs (also under DOT_IN_FP32).
-    acc = acc * alpha[:, None] + tl.dot(p.to(p_dtype).to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
+    pv = mma(p.to(v.dtype), v, tl.full([BLOCK_M, V_HEAD_DIM_ROUNDED], 0.0, tl.float32), DOT_PRECISION, DOT_IN_FP32)
+    acc = acc * alpha[:, None] + pv
+    return acc, l_i, m_i
 
 
 @triton.jit
 def decode_inner(
-    acc, l_i, m_i, q, K, V, b, h, q_idx, kv_len,
+    acc, l_i, m_i, q, K, V, b, h, q_idx, kv_len, SM_SCALE,
     TILE_LIST, split, num_tiles,
     stride_kn, stride_kk, stride_vn, stride_vk,
     $score_params$mask_params
-    offs_k, offs_v, QK_HEAD_DIM, V_HEAD_DIM,
+    QK_HEAD_DIM, V_HEAD_DIM,
     IS_DENSE: tl.constexpr, APPLY_MASK: tl.constexpr, TILE: tl.constexpr, SPLIT_KV: tl.constexpr,
-    SM_SCALE, BLOCK_N: tl.constexpr,
-    IS_DIVISIBLE_N: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QK_HEAD_DIM_ROUNDED: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
+    IS_DIVISIBLE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
-    # This program's slice of the tile list: entries [lo, hi) of num_tiles, split evenly.
+    # This program's slice of the tile list: entries [lo, hi) of num_tiles, split evenly (cdiv
+    # spelled out: the interpreter cannot call tl.cdiv from here).
     per_split = (num_tiles + SPLIT_KV - 1) // SPLIT_KV
     lo = split * per_split
     hi = tl.minimum(lo + per_split, num_tiles)
@@ -151,11 +133,12 @@ def decode_inner(
             start_n = tile * TILE + j * BLOCK_N
             # Positions past kv_len (per-batch lengths) are masked loads: they cost no K/V reads.
             acc, l_i, m_i = decode_tile(
-                acc, l_i, m_i, q, K, V, start_n, b, h, q_idx, kv_len,
+                acc, l_i, m_i, q, K, V, start_n, b, h, q_idx, kv_len, SM_SCALE,
                 stride_kn, stride_kk, stride_vn, stride_vk,
                 $score_params$mask_params
-                offs_k, offs_v, QK_HEAD_DIM, V_HEAD_DIM,
-                APPLY_MASK, SM_SCALE, BLOCK_N, IS_DIVISIBLE_N, SAFE_HEAD_DIM, DOT_PRECISION, DOT_IN_FP32,
+                QK_HEAD_DIM, V_HEAD_DIM, APPLY_MASK, BLOCK_M, BLOCK_N,
+                QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
+                IS_DIVISIBLE_N, DOT_PRECISION, DOT_IN_FP32,
             )
     return acc, l_i, m_i
 
@@ -203,18 +186,15 @@ def decode_split_kernel(
     # mods see h and q_idx as [BLOCK_M, 1] tiles (packed rows differ in head), kv_idx as [1, BLOCK_N]
     h = h_row[:, None]
     q_idx = q_row[:, None]
-    row_ok = (offs_r < PACKED_HEADS * Q_ROWS) & (q_row < Q_LEN)
+    # Packed row r is real iff r < PACKED_HEADS * Q_ROWS and its query row q_row < Q_LEN; both say
+    # r < n_rows (q_row < Q_LEN <=> r // PACKED_HEADS < Q_LEN - q_block * SPARSE_Q_BLOCK_SIZE).
+    n_rows = PACKED_HEADS * tl.minimum(Q_ROWS, Q_LEN - q_block * SPARSE_Q_BLOCK_SIZE)
+    row_ok = offs_r < n_rows
 
     offs_k = tl.arange(0, QK_HEAD_DIM_ROUNDED)
     offs_v = tl.arange(0, V_HEAD_DIM_ROUNDED)
-    Q_rows = Q + b.to(tl.int64) * stride_qz + h * stride_qh + q_idx * stride_qm
-    if IS_DIVISIBLE_M and SAFE_HEAD_DIM:
-        q = tl.load(Q_rows + offs_k[None, :] * stride_qk)
-    else:
-        q = tl.load(Q_rows + offs_k[None, :] * stride_qk,
-                    mask=row_ok[:, None] & (offs_k[None, :] < QK_HEAD_DIM), other=0.0)
-    if DOT_IN_FP32:
-        q = q.to(tl.float32)
+    q = load_tile(Q + b.to(tl.int64) * stride_qz + h * stride_qh + q_idx * stride_qm + offs_k[None, :] * stride_qk,
+                  offs_r, offs_k, n_rows, QK_HEAD_DIM, not IS_DIVISIBLE_M, not SAFE_HEAD_DIM)
     K_head = K + b.to(tl.int64) * stride_kz + h_kv.to(tl.int64) * stride_kh
     V_head = V + b.to(tl.int64) * stride_vz + h_kv.to(tl.int64) * stride_vh
 
@@ -234,36 +214,33 @@ def decode_split_kernel(
         ib = b.to(tl.int64) * stride_iz + h_mask * stride_ih + q_block * stride_im
         # -- partial tiles: score_mod and mask_mod
         acc, l_i, m_i = decode_inner(
-            acc, l_i, m_i, q, K_head, V_head, b, h, q_idx, kv_len,
+            acc, l_i, m_i, q, K_head, V_head, b, h, q_idx, kv_len, SM_SCALE,
             KV_IDX + ib, split, tl.load(KV_NUM_BLKS + nb),
             stride_kn, stride_kk, stride_vn, stride_vk,
             $score_params$mask_params
-            offs_k, offs_v, QK_HEAD_DIM, V_HEAD_DIM,
-            False, True, SPARSE_KV_BLOCK_SIZE, SPLIT_KV,
-            SM_SCALE, BLOCK_N, IS_DIVISIBLE_N, SAFE_HEAD_DIM, DOT_PRECISION, DOT_IN_FP32,
+            QK_HEAD_DIM, V_HEAD_DIM, False, True, SPARSE_KV_BLOCK_SIZE, SPLIT_KV, BLOCK_M, BLOCK_N,
+            QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM, IS_DIVISIBLE_N, DOT_PRECISION, DOT_IN_FP32,
         )
         # -- full tiles: score_mod only
         if HAS_FULL_BLOCKS:
             fnb = b * stride_fnz + h_mask * stride_fnh + q_block * stride_fnm
             fib = b.to(tl.int64) * stride_fiz + h_mask * stride_fih + q_block * stride_fim
             acc, l_i, m_i = decode_inner(
-                acc, l_i, m_i, q, K_head, V_head, b, h, q_idx, kv_len,
+                acc, l_i, m_i, q, K_head, V_head, b, h, q_idx, kv_len, SM_SCALE,
                 FULL_KV_IDX + fib, split, tl.load(FULL_KV_NUM_BLKS + fnb),
                 stride_kn, stride_kk, stride_vn, stride_vk,
                 $score_params$mask_params
-                offs_k, offs_v, QK_HEAD_DIM, V_HEAD_DIM,
-                False, False, SPARSE_KV_BLOCK_SIZE, SPLIT_KV,
-                SM_SCALE, BLOCK_N, IS_DIVISIBLE_N, SAFE_HEAD_DIM, DOT_PRECISION, DOT_IN_FP32,
+                QK_HEAD_DIM, V_HEAD_DIM, False, False, SPARSE_KV_BLOCK_SIZE, SPLIT_KV, BLOCK_M, BLOCK_N,
+                QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM, IS_DIVISIBLE_N, DOT_PRECISION, DOT_IN_FP32,
             )
     else:
         acc, l_i, m_i = decode_inner(
-            acc, l_i, m_i, q, K_head, V_head, b, h, q_idx, kv_len,
+            acc, l_i, m_i, q, K_head, V_head, b, h, q_idx, kv_len, SM_SCALE,
             KV_IDX, split, (kv_len + TILE_KV - 1) // TILE_KV,
             stride_kn, stride_kk, stride_vn, stride_vk,
             $score_params$mask_params
-            offs_k, offs_v, QK_HEAD_DIM, V_HEAD_DIM,
-            True, APPLY_MASK_DENSE, TILE_KV, SPLIT_KV,
-            SM_SCALE, BLOCK_N, IS_DIVISIBLE_N, SAFE_HEAD_DIM, DOT_PRECISION, DOT_IN_FP32,
+            QK_HEAD_DIM, V_HEAD_DIM, True, APPLY_MASK_DENSE, TILE_KV, SPLIT_KV, BLOCK_M, BLOCK_N,
+            QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM, IS_DIVISIBLE_N, DOT_PRECISION, DOT_IN_FP32,
         )
 
     # Row (b, h, q) of the [B, HQ, Q_LEN] row space.
@@ -274,13 +251,9 @@ def decode_split_kernel(
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-        O_rows = Out + b.to(tl.int64) * stride_oz + h * stride_oh + q_idx * stride_om
-        O_ptrs = O_rows + offs_v[None, :] * stride_ok
-        if IS_DIVISIBLE_M and SAFE_HEAD_DIM:
-            tl.store(O_ptrs, out.to(Out.dtype.element_ty))
-        else:
-            tl.store(O_ptrs, out.to(Out.dtype.element_ty),
-                     mask=row_ok[:, None] & (offs_v[None, :] < V_HEAD_DIM))
+        store_tile(Out + b.to(tl.int64) * stride_oz + h * stride_oh + q_idx * stride_om + offs_v[None, :] * stride_ok,
+                   out.to(Out.dtype.element_ty), offs_r, offs_v, n_rows, V_HEAD_DIM,
+                   not IS_DIVISIBLE_M, not SAFE_HEAD_DIM)
         tl.store(LSE + row, lse, mask=row_ok)
     else:
         # -- partials: Acc_part [rows, SPLIT_KV, V_HEAD_DIM], M_part / L_part [rows, SPLIT_KV]
@@ -311,12 +284,12 @@ def decode_combine_kernel(
     l = tl.load(LSE + OFF_L + part, mask=s_ok, other=0.0)
     acc = tl.load(LSE + OFF_ACC + part[:, None] * V_HEAD_DIM + offs_v[None, :],
                   mask=s_ok[:, None] & (offs_v[None, :] < V_HEAD_DIM), other=0.0)
-    m_max = tl.reduce(m, 0, _max_op)
+    m_max = tl.reduce(m, 0, tl.standard._elementwise_max)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_safe)
-    l_sum = tl.reduce(w * l, 0, _sum_op)
+    l_sum = tl.reduce(w * l, 0, tl.standard._sum_combine)
     l_safe = tl.where(l_sum == 0.0, 1.0, l_sum)
-    out = tl.reduce(w[:, None] * acc, 0, _sum_op) / l_safe
+    out = tl.reduce(w[:, None] * acc, 0, tl.standard._sum_combine) / l_safe
     lse = tl.where(l_sum == 0.0, float("-inf"), (m_safe + tl.log2(l_safe)) * 0.6931471805599453)
     O_row = Out + b.to(tl.int64) * stride_oz + h * stride_oh + q * stride_om
     tl.store(O_row + offs_v * stride_ok, out.to(Out.dtype.element_ty), mask=offs_v < V_HEAD_DIM)
