@@ -126,15 +126,15 @@ def make_plan(query, key, value, score: Mod | None, mask: Mod | None, tables: Ta
     static += [Q_LEN, KV_LEN, E, EV, *offsets]
     precision = o["INPUT_PRECISION"] if query.dtype == torch.float32 else "tf32"
     constexprs = dict(
-        HKV=HKV, G=G, GQA_SHARED_HEADS=G_PACK, Q_ROWS=max(Q_ROWS, 1), NUM_Q_BLOCKS=NUM_Q_BLOCKS,
-        M_TILES=M_TILES, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=D, DV=DV, SPLIT_KV=split,
-        TILE_KV=BLOCK_N, SPARSE_Q_BLOCK_SIZE=q_bs, SPARSE_KV_BLOCK_SIZE=kv_bs,
+        HKV=HKV, GQA_SHARED_HEADS=G, PACKED_HEADS=G_PACK, Q_ROWS=max(Q_ROWS, 1), NUM_Q_BLOCKS=NUM_Q_BLOCKS,
+        M_TILES=M_TILES, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, QK_HEAD_DIM_ROUNDED=D, V_HEAD_DIM_ROUNDED=DV,
+        SPLIT_KV=split, TILE_KV=BLOCK_N, SPARSE_Q_BLOCK_SIZE=q_bs, SPARSE_KV_BLOCK_SIZE=kv_bs,
         HAS_BLOCK_MASK=has_block_mask, HAS_FULL_BLOCKS=has_full,
         APPLY_MASK_DENSE=mask is not None and not has_block_mask,
         HAS_KV_LENGTHS=kv_lengths is not None,
-        SAFE_M_BOUNDARY=rows % BLOCK_M == 0 and Q_LEN == NUM_Q_BLOCKS * Q_ROWS,
-        SAFE_N_BOUNDARY=safe_n, SAFE_HEAD_DIM=D == E and DV == EV, INPUT_PRECISION=precision,
-        DOT_F32=device.type != "cuda" and query.dtype == torch.bfloat16,
+        IS_DIVISIBLE_M=rows % BLOCK_M == 0 and Q_LEN == NUM_Q_BLOCKS * Q_ROWS,
+        IS_DIVISIBLE_N=safe_n, SAFE_HEAD_DIM=D == E and DV == EV, DOT_PRECISION=precision,
+        DOT_IN_FP32=device.type != "cuda" and query.dtype == torch.bfloat16,
     )
     if device.type == "cuda":
         constexprs.update(num_warps=o["num_warps"], num_stages=o["num_stages"])
@@ -143,7 +143,8 @@ def make_plan(query, key, value, score: Mod | None, mask: Mod | None, tables: Ta
         split=launch.Launch(mod.decode_split_kernel, (split, B * HKV, (G // G_PACK) * NUM_Q_BLOCKS * M_TILES),
                             constexprs, device),
         combine=launch.Launch(mod.decode_combine_kernel, (n,),
-                              dict(SPLIT_KV=split, SPLIT_PAD=max(2, triton.next_power_of_2(split)), DV=DV), device),
+                              dict(SPLIT_KV=split, SPLIT_PAD=max(2, triton.next_power_of_2(split)),
+                                   V_HEAD_DIM_ROUNDED=DV), device),
         split_kv=split,
         strides=strides, static_args=tuple(static), combine_args=(HQ, Q_LEN, EV, *offsets),
         out_shape=(B, HQ, Q_LEN, EV), out_order=launch.contiguous_or_order(query), scratch=scratch,

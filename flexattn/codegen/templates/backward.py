@@ -80,26 +80,61 @@ def load_rows(ptrs, offs, N, other, IS_DIVISIBLE: tl.constexpr):
 
 
 @triton.jit
-def lse_base2(lse):
-    # LSE in base 2 for exp2. [Note] fully masked rows have LSE -inf; +inf makes their P exactly 0
-    # (every score of such a row is masked too, so no +inf - +inf can reach a visible element).
+def load_lse_base2(ptrs, offs, N, IS_DIVISIBLE: tl.constexpr):
+    # The saved LSE in base 2 for exp2. [Note] fully masked rows have LSE -inf; +inf makes their P
+    # exactly 0 (every score of such a row is masked too, so no +inf - +inf can reach a visible
+    # element). Rows past N read +inf as well.
     RCP_LN2: tl.constexpr = 1.4426950408889634
+    lse = load_rows(ptrs, offs, N, float("inf"), IS_DIVISIBLE)
     return tl.where(lse == float("-inf"), float("inf"), lse * RCP_LN2)
 
 
+# -- The tile work both passes share. The dQ pass lays tiles out as [query rows, KV columns] (x = q,
+# y = k, q_idx [BLOCK_M2, 1], kv_idx [1, BLOCK_N2]); the dK/dV pass transposed (x = k, y = q,
+# kv_idx [BLOCK_N1, 1], q_idx [1, BLOCK_M1]). Mods are elementwise, so either layout works.
+
+
 @triton.jit
-def next_start(start, i, BLOCK_IDX, num_blocks, STEP: tl.constexpr, SPARSE_MULTIPLE: tl.constexpr,
-               SPARSE_BLOCK_SIZE: tl.constexpr, BLOCKS_ARE_CONTIGUOUS: tl.constexpr):
-    # The next tile: STEP further inside this sparse block, or the start of the next listed block.
-    if BLOCKS_ARE_CONTIGUOUS:
-        start += STEP
+def score_tile(
+    x, y, b, h, q_idx, kv_idx, SM_SCALE,
+    $score_mod_params
+    ROWS: tl.constexpr, COLS: tl.constexpr, ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):
+    # The scaled score tile x @ y^T * SM_SCALE in SCORE_DTYPE (score_mod's derivative reads it
+    # again) and the modified score s in ACC_DTYPE.
+    qk = mma(x, tl.trans(y), tl.full([ROWS, COLS], 0.0, ACC_DTYPE), DOT_PRECISION, DOT_IN_FP32)
+    qk = (qk * SM_SCALE).to(SCORE_DTYPE)
+    s = score_mod(qk, b, h, q_idx, kv_idx, $score_mod_params).to(ACC_DTYPE)
+    return qk, s
+
+
+@triton.jit
+def visible(
+    b, h, q_idx, kv_idx, Q_LEN, KV_LEN,
+    $mask_mod_params
+    IS_FULL_BLOCKS: tl.constexpr, IS_DIVISIBLE: tl.constexpr,
+):
+    # Where P may be nonzero: mask_mod on partial blocks, and the sequence bounds unless
+    # IS_DIVISIBLE says every tile is inside them.
+    if IS_FULL_BLOCKS:
+        if IS_DIVISIBLE:
+            valid = tl.full([1, 1], 1, tl.int1)
+        else:
+            valid = (q_idx < Q_LEN) & (kv_idx < KV_LEN)
     else:
-        nxt = i + 1
-        jump = nxt % SPARSE_MULTIPLE == 0
-        nxt_block = tl.load(BLOCK_IDX + nxt // SPARSE_MULTIPLE,
-                            mask=jump & (nxt < num_blocks * SPARSE_MULTIPLE), other=0)
-        start = tl.where(jump, nxt_block * SPARSE_BLOCK_SIZE, start + STEP)
-    return start
+        valid = mask_mod(b, h, q_idx, kv_idx, $mask_mod_params)
+        if not IS_DIVISIBLE:
+            valid = valid & (q_idx < Q_LEN) & (kv_idx < KV_LEN)
+    return valid
+
+
+@triton.jit
+def p_from_lse(s, lse, valid):
+    # P = exp(s - LSE) recomputed as exp2(s / ln 2 - lse), lse the saved LSE in base 2 broadcast
+    # to the tile's layout; 0 where not valid.
+    RCP_LN2: tl.constexpr = 1.4426950408889634
+    return tl.where(valid, tl.exp2(s * RCP_LN2 - lse), 0.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,7 +189,6 @@ def dkdv_inner(
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     # Transposed tiles: rows are this program's KV positions, columns the query positions.
-    RCP_LN2: tl.constexpr = 1.4426950408889634
     SPARSE_Q_MULTIPLE: tl.constexpr = SPARSE_Q_BLOCK_SIZE // BLOCK_M1
     tl.static_assert(SPARSE_Q_MULTIPLE * BLOCK_M1 == SPARSE_Q_BLOCK_SIZE)
     offs_k = tl.arange(0, QK_HEAD_DIM_ROUNDED)
@@ -164,28 +198,16 @@ def dkdv_inner(
     start_m = tl.load(BLOCK_IDX) * SPARSE_Q_BLOCK_SIZE
     for i in range(0, num_blocks * SPARSE_Q_MULTIPLE):
         offs_m = start_m + tl.arange(0, BLOCK_M1)
-        if OFFS_INT64:
-            rows = offs_m.to(tl.int64)
-        else:
-            rows = offs_m
+        rows = ptr_offsets(offs_m, OFFS_INT64)
         q_idx = offs_m[None, :]
         # -- recompute P^T from the scores and the saved LSE
         q = load_tile(Q + rows[:, None] * stride_qm + offs_k[None, :] * stride_qk, offs_m, offs_k,
                       Q_LEN, QK_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
-        qkT = mma(k, tl.trans(q), tl.full([BLOCK_N1, BLOCK_M1], 0.0, ACC_DTYPE), DOT_PRECISION, DOT_IN_FP32)
-        qkT = (qkT * SM_SCALE).to(SCORE_DTYPE)
-        sT = score_mod(qkT, b, h, q_idx, kv_idx, $score_mod_params).to(ACC_DTYPE)
-        if IS_FULL_BLOCKS:
-            if IS_DIVISIBLE:
-                valid = tl.full([1, 1], 1, tl.int1)
-            else:
-                valid = (q_idx < Q_LEN) & (kv_idx < KV_LEN)
-        else:
-            valid = mask_mod(b, h, q_idx, kv_idx, $mask_mod_params)
-            if not IS_DIVISIBLE:
-                valid = valid & (q_idx < Q_LEN) & (kv_idx < KV_LEN)
-        lse = lse_base2(load_rows(LSE + rows * stride_lm, offs_m, Q_LEN, float("inf"), IS_DIVISIBLE))
-        pT = tl.where(valid, tl.exp2(sT * RCP_LN2 - lse[None, :]), 0.0)
+        qkT, sT = score_tile(k, q, b, h, q_idx, kv_idx, SM_SCALE, $score_mod_params
+                             BLOCK_N1, BLOCK_M1, ACC_DTYPE, SCORE_DTYPE, DOT_PRECISION, DOT_IN_FP32)
+        valid = visible(b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_mod_params IS_FULL_BLOCKS, IS_DIVISIBLE)
+        lse = load_lse_base2(LSE + rows * stride_lm, offs_m, Q_LEN, IS_DIVISIBLE)
+        pT = p_from_lse(sT, lse[None, :], valid)
         # -- dV += P^T dO
         do = load_tile(DO + rows[:, None] * stride_dom + offs_v[None, :] * stride_dok, offs_m, offs_v,
                        Q_LEN, V_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
@@ -236,10 +258,7 @@ def backward_dkdv(
     offs_n = pid_n * BLOCK_N1 + tl.arange(0, BLOCK_N1)
     offs_k = tl.arange(0, QK_HEAD_DIM_ROUNDED)
     offs_v = tl.arange(0, V_HEAD_DIM_ROUNDED)
-    if OFFS_INT64:
-        rows = offs_n.to(tl.int64)
-    else:
-        rows = offs_n
+    rows = ptr_offsets(offs_n, OFFS_INT64)
     K += b64 * stride_kz + h_kv.to(tl.int64) * stride_kh
     V += b64 * stride_vz + h_kv.to(tl.int64) * stride_vh
     k = load_tile(K + rows[:, None] * stride_kn + offs_k[None, :] * stride_kk, offs_n, offs_k,
@@ -312,7 +331,6 @@ def dq_inner(
     ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
-    RCP_LN2: tl.constexpr = 1.4426950408889634
     SPARSE_KV_MULTIPLE: tl.constexpr = SPARSE_KV_BLOCK_SIZE // BLOCK_N2
     tl.static_assert(SPARSE_KV_MULTIPLE * BLOCK_N2 == SPARSE_KV_BLOCK_SIZE)
     offs_k = tl.arange(0, QK_HEAD_DIM_ROUNDED)
@@ -322,27 +340,15 @@ def dq_inner(
     start_n = tl.load(BLOCK_IDX) * SPARSE_KV_BLOCK_SIZE
     for i in range(0, num_blocks * SPARSE_KV_MULTIPLE):
         offs_n = start_n + tl.arange(0, BLOCK_N2)
-        if OFFS_INT64:
-            rows = offs_n.to(tl.int64)
-        else:
-            rows = offs_n
+        rows = ptr_offsets(offs_n, OFFS_INT64)
         kv_idx = offs_n[None, :]
-        # -- recompute P
+        # -- recompute P from the scores and the saved LSE (lse: base 2, loaded once per program)
         k = load_tile(K + rows[:, None] * stride_kn + offs_k[None, :] * stride_kk, offs_n, offs_k,
                       KV_LEN, QK_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
-        qk = mma(q, tl.trans(k), tl.full([BLOCK_M2, BLOCK_N2], 0.0, ACC_DTYPE), DOT_PRECISION, DOT_IN_FP32)
-        qk = (qk * SM_SCALE).to(SCORE_DTYPE)
-        s = score_mod(qk, b, h, q_idx, kv_idx, $score_mod_params).to(ACC_DTYPE)
-        if IS_FULL_BLOCKS:
-            if IS_DIVISIBLE:
-                valid = tl.full([1, 1], 1, tl.int1)
-            else:
-                valid = (q_idx < Q_LEN) & (kv_idx < KV_LEN)
-        else:
-            valid = mask_mod(b, h, q_idx, kv_idx, $mask_mod_params)
-            if not IS_DIVISIBLE:
-                valid = valid & (q_idx < Q_LEN) & (kv_idx < KV_LEN)
-        p = tl.where(valid, tl.exp2(s * RCP_LN2 - lse[:, None]), 0.0)
+        qk, s = score_tile(q, k, b, h, q_idx, kv_idx, SM_SCALE, $score_mod_params
+                           BLOCK_M2, BLOCK_N2, ACC_DTYPE, SCORE_DTYPE, DOT_PRECISION, DOT_IN_FP32)
+        valid = visible(b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_mod_params IS_FULL_BLOCKS, IS_DIVISIBLE)
+        p = p_from_lse(s, lse[:, None], valid)
         # -- dS = P * (dP - Delta) through score_mod's derivative (scatters captured grads); dQ += dS K
         v = load_tile(V + rows[:, None] * stride_vn + offs_v[None, :] * stride_vk, offs_n, offs_v,
                       KV_LEN, V_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
@@ -399,15 +405,12 @@ def backward_dq(
     offs_m = pid_m * BLOCK_M2 + tl.arange(0, BLOCK_M2)
     offs_k = tl.arange(0, QK_HEAD_DIM_ROUNDED)
     offs_v = tl.arange(0, V_HEAD_DIM_ROUNDED)
-    if OFFS_INT64:
-        rows = offs_m.to(tl.int64)
-    else:
-        rows = offs_m
+    rows = ptr_offsets(offs_m, OFFS_INT64)
     q = load_tile(Q + rows[:, None] * stride_qm + offs_k[None, :] * stride_qk, offs_m, offs_k,
                   Q_LEN, QK_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
     do = load_tile(DO + rows[:, None] * stride_dom + offs_v[None, :] * stride_dok, offs_m, offs_v,
                    Q_LEN, V_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
-    lse = lse_base2(load_rows(LSE + rows * stride_lm, offs_m, Q_LEN, float("inf"), IS_DIVISIBLE))
+    lse = load_lse_base2(LSE + rows * stride_lm, offs_m, Q_LEN, IS_DIVISIBLE)
     delta = load_rows(DELTA + offs_m, offs_m, Q_LEN, 0.0, IS_DIVISIBLE)
     dq = tl.full([BLOCK_M2, QK_HEAD_DIM_ROUNDED], 0.0, ACC_DTYPE)
 

@@ -6,39 +6,55 @@
 # one tl.dot. Each program writes its unnormalised partial (acc, m, l); `decode_combine_kernel`
 # merges the SPLIT_KV partials of a row with a log-sum-exp reduction (skipped when SPLIT_KV == 1).
 # LSE and the partials share one float32 scratch buffer (one allocation per call): LSE's ROWS
-# values first, then M_part and L_part [ROWS, SPLIT_KV] and Acc_part [ROWS, SPLIT_KV, EV], at
-# element offsets OFF_M, OFF_L and OFF_ACC from LSE.
+# values first, then M_part and L_part [ROWS, SPLIT_KV] and Acc_part [ROWS, SPLIT_KV, V_HEAD_DIM],
+# at element offsets OFF_M, OFF_L and OFF_ACC from LSE.
+#
+# Names follow the forward template (forward.py); what only decoding has is marked (decode). The
+# tile helpers (load_tile, store_tile, mma, online_softmax) are tiles.py's (the tile_helpers hook).
 #
 # sub notation:
-#   G                 query heads per KV head (Hq // Hkv), GQA_SHARED_HEADS in the forward
-#   GQA_SHARED_HEADS  query heads packed into one row tile: G when every head sees the same
-#                     BlockMask row (mask H == 1 or no mask), else 1 (per-head masks)
-#   Q_ROWS            query rows per row group: min(Q_LEN, SPARSE_Q_BLOCK_SIZE); one row group is
-#                     (a set of GQA_SHARED_HEADS heads) x (one query block of the BlockMask)
-#   NUM_Q_BLOCKS      query blocks of the BlockMask that Q_LEN spans (1 in ordinary decoding)
-#   M_TILES           row tiles per row group: cdiv(GQA_SHARED_HEADS * Q_ROWS, BLOCK_M)
-#   BLOCK_M           packed rows per tile (>= 16 so tl.dot can run); row r is head r % GQA_SHARED_HEADS,
-#                     query row r // GQA_SHARED_HEADS of the group
-#   BLOCK_N           KV positions per inner step (one tl.dot)
-#   SPLIT_KV          programs that share one row tile's KV range; each takes a contiguous slice
-#                     of its tile list (the sparse block list, or all tiles when dense)
-#   TILE_KV           KV positions one dense tile-list entry covers (== BLOCK_N)
+#   Q               [B, HQ, Q_LEN, QK_HEAD_DIM]
+#   K, V            [B or 1, HKV, KV_LEN, QK_HEAD_DIM / V_HEAD_DIM]   (batch 1: the host passes stride 0)
+#   Out             [B, HQ, Q_LEN, V_HEAD_DIM]           (any strides)
+#   LSE             float32 scratch: LSE [B, HQ, Q_LEN] (natural log, -inf for rows that see
+#                   nothing), then the partials at OFF_M, OFF_L, OFF_ACC (see above)
+#   KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX   the BlockMask's lists, as in the forward
+#   KV_LENGTHS      [B] (decode) per-batch valid KV length, read when HAS_KV_LENGTHS
+#   QK_HEAD_DIM, V_HEAD_DIM   real head dims (runtime ints here, constexprs in the forward)
+#   SM_SCALE        runtime float: softmax scale applied to q.k before score_mod
+#
+# constexprs:
+#   HKV                 KV heads
+#   GQA_SHARED_HEADS    query heads per KV head (HQ // HKV); query head h reads KV head
+#                       h // GQA_SHARED_HEADS, as in the forward
+#   PACKED_HEADS        (decode) query heads packed into one row tile: GQA_SHARED_HEADS when every
+#                       head sees the same BlockMask row (mask H == 1 or no mask), else 1 (per-head masks)
+#   Q_ROWS              (decode) query rows per row group: min(Q_LEN, SPARSE_Q_BLOCK_SIZE); one row
+#                       group is (a set of PACKED_HEADS heads) x (one query block of the BlockMask)
+#   NUM_Q_BLOCKS        (decode) query blocks of the BlockMask that Q_LEN spans (1 in ordinary decoding)
+#   M_TILES             (decode) row tiles per row group: cdiv(PACKED_HEADS * Q_ROWS, BLOCK_M)
+#   BLOCK_M             packed rows per tile (>= 16 so tl.dot can run); row r is head r % PACKED_HEADS,
+#                       query row r // PACKED_HEADS of the group
+#   BLOCK_N             KV positions per inner step (one tl.dot)
+#   QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED  next powers of two (>= 16): tl.arange/tl.dot shapes
+#   SPLIT_KV            (decode) programs that share one row tile's KV range; each takes a contiguous
+#                       slice of its tile list (the sparse block list, or all tiles when dense)
+#   TILE_KV             (decode) KV positions one dense tile-list entry covers (== BLOCK_N)
 #   SPARSE_Q_BLOCK_SIZE, SPARSE_KV_BLOCK_SIZE  the BlockMask's block sizes (a multiple of BLOCK_N)
-#   HAS_BLOCK_MASK    walk kv_indices / full_kv_indices; otherwise all of [0, KV_LEN) is visited
-#   HAS_FULL_BLOCKS   the BlockMask has full_kv_* lists (tiles where the mask is all true)
-#   APPLY_MASK_DENSE  run mask_mod on every tile of the dense walk (mask_mod without BlockMask)
-#   HAS_KV_LENGTHS    a per-batch valid length caps the KV range (KV_LENGTHS[b], read in-kernel;
-#                     positions past it are masked loads, so they cost no memory traffic)
-#   SAFE_M_BOUNDARY   every packed row of every tile is a real (head, query) row: no row masks
-#   SAFE_N_BOUNDARY   KV_LEN is a multiple of the walked tile and there are no per-batch lengths:
-#                     no column masks on loads and scores
-#   SAFE_HEAD_DIM     E == D and EV == DV (head dims are already powers of two >= 16)
-#   D, DV             E and EV rounded up to powers of two (>= 16)
-#   SM_SCALE          runtime float: softmax scale applied to q.k before score_mod
-#   INPUT_PRECISION   tl.dot precision ("ieee" for float32 inputs, "tf32" if asked)
-#   DOT_F32           run the dots in float32 (Triton's CPU interpreter multiplies bfloat16 bit
-#                     patterns as integers); products still round P to V's dtype first
-#   SPLIT_PAD         SPLIT_KV rounded up to a power of two (combine kernel)
+#   HAS_BLOCK_MASK      (decode) walk KV_IDX / FULL_KV_IDX; otherwise all of [0, KV_LEN) is visited
+#   HAS_FULL_BLOCKS     the BlockMask has full_kv_* lists (tiles where the mask is all true)
+#   APPLY_MASK_DENSE    (decode) run mask_mod on every tile of the dense walk (mask_mod without BlockMask)
+#   HAS_KV_LENGTHS      (decode) a per-batch valid length caps the KV range (KV_LENGTHS[b], read
+#                       in-kernel; positions past it are masked loads, so they cost no memory traffic)
+#   IS_DIVISIBLE_M      the row half of the forward's IS_DIVISIBLE: every packed row of every tile
+#                       is a real (head, query) row, so no row masks
+#   IS_DIVISIBLE_N      the KV half: KV_LEN is a multiple of the walked tile and there are no
+#                       per-batch lengths, so no KV masks on loads and scores
+#   SAFE_HEAD_DIM       both head dims are already their rounded sizes: no column masks
+#   DOT_PRECISION       tl.dot input_precision ("ieee" for float32 inputs, "tf32" if asked)
+#   DOT_IN_FP32         feed tl.dot float32 copies of the tiles (Triton's CPU interpreter multiplies
+#                       bfloat16 bit patterns as integers); P is still rounded to V's dtype first
+#   SPLIT_PAD           (decode) SPLIT_KV rounded up to a power of two (combine kernel)
 $prelude
 
 $score_mod_def
@@ -46,84 +62,65 @@ $score_mod_def
 $mask_mod_def
 
 
-# Reductions and cdiv written with core ops only: triton.language's own helpers (tl.max, tl.sum,
-# tl.cdiv, tl.zeros) are jit functions that Triton's CPU interpreter cannot call from here.
-@triton.jit
-def _max_op(a, b):
-    return tl.maximum(a, b)
+$tile_helpers
 
 
 @triton.jit
-def _sum_op(a, b):
-    return a + b
-
-
-@triton.jit
-def _decode_tile(
-    acc, l_i, m_i, q, K, V, start_n, b, h, q_idx, kv_len,
-    stride_kn, stride_kd, stride_vn, stride_vd,
+def decode_tile(
+    acc, l_i, m_i, q, K, V, start_n, b, h, q_idx, kv_len, SM_SCALE,
+    stride_kn, stride_kk, stride_vn, stride_vk,
     $score_params$mask_params
-    offs_d, offs_dv, E, EV,
-    APPLY_MASK: tl.constexpr, SM_SCALE, BLOCK_N: tl.constexpr,
-    SAFE_N_BOUNDARY: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    QK_HEAD_DIM, V_HEAD_DIM, APPLY_MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QK_HEAD_DIM_ROUNDED: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
+    IS_DIVISIBLE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
-    # K/V tile pointers advance in int64 (start_n * stride can pass 2**31 on long caches);
-    # offsets inside the tile stay int32.
-    offs_n = tl.arange(0, BLOCK_N)
+    # One BLOCK_N step of the walk. K/V tile pointers advance in int64 (start_n * stride can pass
+    # 2**31 on long caches); offsets inside the tile (offs_t) stay int32.
+    offs_t = tl.arange(0, BLOCK_N)
+    offs_n = start_n + offs_t
+    offs_k = tl.arange(0, QK_HEAD_DIM_ROUNDED)
+    offs_v = tl.arange(0, V_HEAD_DIM_ROUNDED)
     K_tile = K + start_n.to(tl.int64) * stride_kn
     V_tile = V + start_n.to(tl.int64) * stride_vn
-    kv_idx = (start_n + offs_n)[None, :]
-    # -- load K^T [D, BLOCK_N] and V [BLOCK_N, DV]
-    if SAFE_N_BOUNDARY and SAFE_HEAD_DIM:
-        kT = tl.load(K_tile + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd)
-        v = tl.load(V_tile + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd)
-    else:
-        n_ok = (start_n + offs_n) < kv_len
-        kT = tl.load(K_tile + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-                     mask=n_ok[None, :] & (offs_d[:, None] < E), other=0.0)
-        v = tl.load(V_tile + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                    mask=n_ok[:, None] & (offs_dv[None, :] < EV), other=0.0)
+    kv_idx = offs_n[None, :]
+    # -- K^T [QK_HEAD_DIM_ROUNDED, BLOCK_N] (loaded transposed) and V [BLOCK_N, V_HEAD_DIM_ROUNDED]
+    kT = load_tile(K_tile + offs_t[None, :] * stride_kn + offs_k[:, None] * stride_kk, offs_k, offs_n,
+                   QK_HEAD_DIM, kv_len, not SAFE_HEAD_DIM, not IS_DIVISIBLE_N)
+    v = load_tile(V_tile + offs_t[:, None] * stride_vn + offs_v[None, :] * stride_vk, offs_n, offs_v,
+                  kv_len, V_HEAD_DIM, not IS_DIVISIBLE_N, not SAFE_HEAD_DIM)
     # -- scores, score_mod, mask_mod (flex_attention's order: mods see the scaled score)
-    p_dtype = v.dtype
-    if DOT_F32:
-        kT = kT.to(tl.float32)
-        v = v.to(tl.float32)
-    score = tl.dot(q, kT, input_precision=INPUT_PRECISION) * SM_SCALE
+    score = mma(q, kT, tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32), DOT_PRECISION, DOT_IN_FP32) * SM_SCALE
     score = ($score_call).to(tl.float32)
     if APPLY_MASK:
         keep = $mask_call
-        if not SAFE_N_BOUNDARY:
+        if not IS_DIVISIBLE_N:
             keep = keep & (kv_idx < kv_len)
         score = tl.where(keep, score, float("-inf"))
-    elif not SAFE_N_BOUNDARY:
+    elif not IS_DIVISIBLE_N:
         score = tl.where(kv_idx < kv_len, score, float("-inf"))
-    # -- online softmax in base 2; a row that has seen only -inf keeps m_i = -inf, and
-    # m_safe = 0 keeps exp2(-inf - m_safe) = 0 instead of NaN.
-    s = score * 1.4426950408889634
-    m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_op))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.reduce(p, 1, _sum_op)
-    # P is rounded to V's storage dtype, as the tensor-core product needs (also under DOT_F32).
-    acc = acc * alpha[:, None] + tl.dot(p.to(p_dtype).to(v.dtype), v, input_precision=INPUT_PRECISION)
-    return acc, l_i, m_new
+    # -- online softmax in base 2 (rows that have seen only -inf keep l_i = 0, never NaN)
+    p, alpha, l_i, m_i = online_softmax(score, m_i, l_i, False)
+    # P is rounded to V's storage dtype, as the tensor-core product needs (also under DOT_IN_FP32).
+    pv = mma(p.to(v.dtype), v, tl.full([BLOCK_M, V_HEAD_DIM_ROUNDED], 0.0, tl.float32), DOT_PRECISION, DOT_IN_FP32)
+    acc = acc * alpha[:, None] + pv
+    return acc, l_i, m_i
 
 
 @triton.jit
-def _decode_walk(
-    acc, l_i, m_i, q, K, V, b, h, q_idx, kv_len,
+def decode_inner(
+    acc, l_i, m_i, q, K, V, b, h, q_idx, kv_len, SM_SCALE,
     TILE_LIST, split, num_tiles,
-    stride_kn, stride_kd, stride_vn, stride_vd,
+    stride_kn, stride_kk, stride_vn, stride_vk,
     $score_params$mask_params
-    offs_d, offs_dv, E, EV,
+    QK_HEAD_DIM, V_HEAD_DIM,
     IS_DENSE: tl.constexpr, APPLY_MASK: tl.constexpr, TILE: tl.constexpr, SPLIT_KV: tl.constexpr,
-    SM_SCALE, BLOCK_N: tl.constexpr,
-    SAFE_N_BOUNDARY: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QK_HEAD_DIM_ROUNDED: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
+    IS_DIVISIBLE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
-    # This program's slice of the tile list: entries [lo, hi) of num_tiles, split evenly.
+    # This program's slice of the tile list: entries [lo, hi) of num_tiles, split evenly (cdiv
+    # spelled out: the interpreter cannot call tl.cdiv from here).
     per_split = (num_tiles + SPLIT_KV - 1) // SPLIT_KV
     lo = split * per_split
     hi = tl.minimum(lo + per_split, num_tiles)
@@ -135,12 +132,13 @@ def _decode_walk(
         for j in tl.static_range(TILE // BLOCK_N):
             start_n = tile * TILE + j * BLOCK_N
             # Positions past kv_len (per-batch lengths) are masked loads: they cost no K/V reads.
-            acc, l_i, m_i = _decode_tile(
-                acc, l_i, m_i, q, K, V, start_n, b, h, q_idx, kv_len,
-                stride_kn, stride_kd, stride_vn, stride_vd,
+            acc, l_i, m_i = decode_tile(
+                acc, l_i, m_i, q, K, V, start_n, b, h, q_idx, kv_len, SM_SCALE,
+                stride_kn, stride_kk, stride_vn, stride_vk,
                 $score_params$mask_params
-                offs_d, offs_dv, E, EV,
-                APPLY_MASK, SM_SCALE, BLOCK_N, SAFE_N_BOUNDARY, SAFE_HEAD_DIM, INPUT_PRECISION, DOT_F32,
+                QK_HEAD_DIM, V_HEAD_DIM, APPLY_MASK, BLOCK_M, BLOCK_N,
+                QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
+                IS_DIVISIBLE_N, DOT_PRECISION, DOT_IN_FP32,
             )
     return acc, l_i, m_i
 
@@ -150,24 +148,25 @@ def decode_split_kernel(
     Q, K, V, Out, LSE,
     KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX, KV_LENGTHS,
     $score_params$mask_params
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_nb, stride_nh, stride_nq,
-    stride_ib, stride_ih, stride_iq,
-    stride_fnb, stride_fnh, stride_fnq,
-    stride_fib, stride_fih, stride_fiq,
-    Q_LEN, KV_LEN, E, EV, OFF_M, OFF_L, OFF_ACC, SM_SCALE,
-    HKV: tl.constexpr, G: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr,
+    stride_qz, stride_qh, stride_qm, stride_qk,
+    stride_kz, stride_kh, stride_kn, stride_kk,
+    stride_vz, stride_vh, stride_vn, stride_vk,
+    stride_oz, stride_oh, stride_om, stride_ok,
+    stride_nz, stride_nh, stride_nm,
+    stride_iz, stride_ih, stride_im,
+    stride_fnz, stride_fnh, stride_fnm,
+    stride_fiz, stride_fih, stride_fim,
+    Q_LEN, KV_LEN, QK_HEAD_DIM, V_HEAD_DIM, OFF_M, OFF_L, OFF_ACC, SM_SCALE,
+    HKV: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, PACKED_HEADS: tl.constexpr,
     Q_ROWS: tl.constexpr, NUM_Q_BLOCKS: tl.constexpr, M_TILES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QK_HEAD_DIM_ROUNDED: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr,
     SPLIT_KV: tl.constexpr, TILE_KV: tl.constexpr,
     SPARSE_Q_BLOCK_SIZE: tl.constexpr, SPARSE_KV_BLOCK_SIZE: tl.constexpr,
     HAS_BLOCK_MASK: tl.constexpr, HAS_FULL_BLOCKS: tl.constexpr, APPLY_MASK_DENSE: tl.constexpr,
-    HAS_KV_LENGTHS: tl.constexpr, SAFE_M_BOUNDARY: tl.constexpr, SAFE_N_BOUNDARY: tl.constexpr,
-    SAFE_HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    HAS_KV_LENGTHS: tl.constexpr, IS_DIVISIBLE_M: tl.constexpr, IS_DIVISIBLE_N: tl.constexpr,
+    SAFE_HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
     tl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N == 0)
@@ -175,111 +174,102 @@ def decode_split_kernel(
     pid_bh = tl.program_id(1)
     pid_r = tl.program_id(2)
     b = pid_bh // HKV
-    hkv = pid_bh % HKV
+    h_kv = pid_bh % HKV
     # -- which row group (heads x query block) and which row tile of it
     group = pid_r // M_TILES
     m_tile = pid_r % M_TILES
     head_group = group // NUM_Q_BLOCKS
     q_block = group % NUM_Q_BLOCKS
     offs_r = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    h_row = hkv * G + head_group * GQA_SHARED_HEADS + offs_r % GQA_SHARED_HEADS
-    q_row = q_block * SPARSE_Q_BLOCK_SIZE + offs_r // GQA_SHARED_HEADS
+    h_row = h_kv * GQA_SHARED_HEADS + head_group * PACKED_HEADS + offs_r % PACKED_HEADS
+    q_row = q_block * SPARSE_Q_BLOCK_SIZE + offs_r // PACKED_HEADS
     # mods see h and q_idx as [BLOCK_M, 1] tiles (packed rows differ in head), kv_idx as [1, BLOCK_N]
     h = h_row[:, None]
     q_idx = q_row[:, None]
-    row_ok = (offs_r < GQA_SHARED_HEADS * Q_ROWS) & (q_row < Q_LEN)
+    # Packed row r is real iff r < PACKED_HEADS * Q_ROWS and its query row q_row < Q_LEN; both say
+    # r < n_rows (q_row < Q_LEN <=> r // PACKED_HEADS < Q_LEN - q_block * SPARSE_Q_BLOCK_SIZE).
+    n_rows = PACKED_HEADS * tl.minimum(Q_ROWS, Q_LEN - q_block * SPARSE_Q_BLOCK_SIZE)
+    row_ok = offs_r < n_rows
 
-    offs_d = tl.arange(0, D)
-    offs_dv = tl.arange(0, DV)
-    Q_rows = Q + b.to(tl.int64) * stride_qb + h * stride_qh + q_idx * stride_qm
-    if SAFE_M_BOUNDARY and SAFE_HEAD_DIM:
-        q = tl.load(Q_rows + offs_d[None, :] * stride_qd)
-    else:
-        q = tl.load(Q_rows + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & (offs_d[None, :] < E),
-                    other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
-    K_head = K + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
-    V_head = V + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
+    offs_k = tl.arange(0, QK_HEAD_DIM_ROUNDED)
+    offs_v = tl.arange(0, V_HEAD_DIM_ROUNDED)
+    q = load_tile(Q + b.to(tl.int64) * stride_qz + h * stride_qh + q_idx * stride_qm + offs_k[None, :] * stride_qk,
+                  offs_r, offs_k, n_rows, QK_HEAD_DIM, not IS_DIVISIBLE_M, not SAFE_HEAD_DIM)
+    K_head = K + b.to(tl.int64) * stride_kz + h_kv.to(tl.int64) * stride_kh
+    V_head = V + b.to(tl.int64) * stride_vz + h_kv.to(tl.int64) * stride_vh
 
     kv_len = KV_LEN
     if HAS_KV_LENGTHS:
         kv_len = tl.minimum(tl.load(KV_LENGTHS + b).to(tl.int32), KV_LEN)
 
-    acc = tl.full([BLOCK_M, DV], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, V_HEAD_DIM_ROUNDED], 0.0, dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
 
     if HAS_BLOCK_MASK:
         # All packed heads read mask row (b, first head of the group, q_block): with
-        # GQA_SHARED_HEADS > 1 the mask has H == 1 (stride 0), otherwise the group is one head.
-        h_mask = hkv * G + head_group * GQA_SHARED_HEADS
-        nb = b * stride_nb + h_mask * stride_nh + q_block * stride_nq
-        ib = b.to(tl.int64) * stride_ib + h_mask * stride_ih + q_block * stride_iq
+        # PACKED_HEADS > 1 the mask has H == 1 (stride 0), otherwise the group is one head.
+        h_mask = h_kv * GQA_SHARED_HEADS + head_group * PACKED_HEADS
+        nb = b * stride_nz + h_mask * stride_nh + q_block * stride_nm
+        ib = b.to(tl.int64) * stride_iz + h_mask * stride_ih + q_block * stride_im
         # -- partial tiles: score_mod and mask_mod
-        acc, l_i, m_i = _decode_walk(
-            acc, l_i, m_i, q, K_head, V_head, b, h, q_idx, kv_len,
+        acc, l_i, m_i = decode_inner(
+            acc, l_i, m_i, q, K_head, V_head, b, h, q_idx, kv_len, SM_SCALE,
             KV_IDX + ib, split, tl.load(KV_NUM_BLKS + nb),
-            stride_kn, stride_kd, stride_vn, stride_vd,
+            stride_kn, stride_kk, stride_vn, stride_vk,
             $score_params$mask_params
-            offs_d, offs_dv, E, EV,
-            False, True, SPARSE_KV_BLOCK_SIZE, SPLIT_KV,
-            SM_SCALE, BLOCK_N, SAFE_N_BOUNDARY, SAFE_HEAD_DIM, INPUT_PRECISION, DOT_F32,
+            QK_HEAD_DIM, V_HEAD_DIM, False, True, SPARSE_KV_BLOCK_SIZE, SPLIT_KV, BLOCK_M, BLOCK_N,
+            QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM, IS_DIVISIBLE_N, DOT_PRECISION, DOT_IN_FP32,
         )
         # -- full tiles: score_mod only
         if HAS_FULL_BLOCKS:
-            fnb = b * stride_fnb + h_mask * stride_fnh + q_block * stride_fnq
-            fib = b.to(tl.int64) * stride_fib + h_mask * stride_fih + q_block * stride_fiq
-            acc, l_i, m_i = _decode_walk(
-                acc, l_i, m_i, q, K_head, V_head, b, h, q_idx, kv_len,
+            fnb = b * stride_fnz + h_mask * stride_fnh + q_block * stride_fnm
+            fib = b.to(tl.int64) * stride_fiz + h_mask * stride_fih + q_block * stride_fim
+            acc, l_i, m_i = decode_inner(
+                acc, l_i, m_i, q, K_head, V_head, b, h, q_idx, kv_len, SM_SCALE,
                 FULL_KV_IDX + fib, split, tl.load(FULL_KV_NUM_BLKS + fnb),
-                stride_kn, stride_kd, stride_vn, stride_vd,
+                stride_kn, stride_kk, stride_vn, stride_vk,
                 $score_params$mask_params
-                offs_d, offs_dv, E, EV,
-                False, False, SPARSE_KV_BLOCK_SIZE, SPLIT_KV,
-                SM_SCALE, BLOCK_N, SAFE_N_BOUNDARY, SAFE_HEAD_DIM, INPUT_PRECISION, DOT_F32,
+                QK_HEAD_DIM, V_HEAD_DIM, False, False, SPARSE_KV_BLOCK_SIZE, SPLIT_KV, BLOCK_M, BLOCK_N,
+                QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM, IS_DIVISIBLE_N, DOT_PRECISION, DOT_IN_FP32,
             )
     else:
-        acc, l_i, m_i = _decode_walk(
-            acc, l_i, m_i, q, K_head, V_head, b, h, q_idx, kv_len,
+        acc, l_i, m_i = decode_inner(
+            acc, l_i, m_i, q, K_head, V_head, b, h, q_idx, kv_len, SM_SCALE,
             KV_IDX, split, (kv_len + TILE_KV - 1) // TILE_KV,
-            stride_kn, stride_kd, stride_vn, stride_vd,
+            stride_kn, stride_kk, stride_vn, stride_vk,
             $score_params$mask_params
-            offs_d, offs_dv, E, EV,
-            True, APPLY_MASK_DENSE, TILE_KV, SPLIT_KV,
-            SM_SCALE, BLOCK_N, SAFE_N_BOUNDARY, SAFE_HEAD_DIM, INPUT_PRECISION, DOT_F32,
+            QK_HEAD_DIM, V_HEAD_DIM, True, APPLY_MASK_DENSE, TILE_KV, SPLIT_KV, BLOCK_M, BLOCK_N,
+            QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM, IS_DIVISIBLE_N, DOT_PRECISION, DOT_IN_FP32,
         )
 
     # Row (b, h, q) of the [B, HQ, Q_LEN] row space.
-    row = (b * (HKV * G) + h_row) * Q_LEN + q_row
+    row = (b * (HKV * GQA_SHARED_HEADS) + h_row) * Q_LEN + q_row
     if SPLIT_KV == 1:
         # -- one split: normalise here, no combine pass. [Note] a fully masked row has l_i == 0
         # and acc == 0: it writes 0 and LSE = -inf, never NaN.
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-        O_rows = Out + b.to(tl.int64) * stride_ob + h * stride_oh + q_idx * stride_om
-        O_ptrs = O_rows + offs_dv[None, :] * stride_od
-        if SAFE_M_BOUNDARY and SAFE_HEAD_DIM:
-            tl.store(O_ptrs, out.to(Out.dtype.element_ty))
-        else:
-            tl.store(O_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < EV))
+        store_tile(Out + b.to(tl.int64) * stride_oz + h * stride_oh + q_idx * stride_om + offs_v[None, :] * stride_ok,
+                   out.to(Out.dtype.element_ty), offs_r, offs_v, n_rows, V_HEAD_DIM,
+                   not IS_DIVISIBLE_M, not SAFE_HEAD_DIM)
         tl.store(LSE + row, lse, mask=row_ok)
     else:
-        # -- partials: Acc_part [rows, SPLIT_KV, EV], M_part / L_part [rows, SPLIT_KV]
+        # -- partials: Acc_part [rows, SPLIT_KV, V_HEAD_DIM], M_part / L_part [rows, SPLIT_KV]
         part = row.to(tl.int64) * SPLIT_KV + split
         tl.store(LSE + OFF_M + part, m_i, mask=row_ok)
         tl.store(LSE + OFF_L + part, l_i, mask=row_ok)
-        tl.store(LSE + OFF_ACC + part[:, None] * EV + offs_dv[None, :], acc,
-                 mask=row_ok[:, None] & (offs_dv[None, :] < EV))
+        tl.store(LSE + OFF_ACC + part[:, None] * V_HEAD_DIM + offs_v[None, :], acc,
+                 mask=row_ok[:, None] & (offs_v[None, :] < V_HEAD_DIM))
 
 
 @triton.jit
 def decode_combine_kernel(
     Out, LSE,
-    stride_ob, stride_oh, stride_om, stride_od,
-    HQ, Q_LEN, EV, OFF_M, OFF_L, OFF_ACC,
-    SPLIT_KV: tl.constexpr, SPLIT_PAD: tl.constexpr, DV: tl.constexpr,
+    stride_oz, stride_oh, stride_om, stride_ok,
+    HQ, Q_LEN, V_HEAD_DIM, OFF_M, OFF_L, OFF_ACC,
+    SPLIT_KV: tl.constexpr, SPLIT_PAD: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr,
 ):
     # One program per (b, h, q) row: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
     row = tl.program_id(0)
@@ -287,20 +277,20 @@ def decode_combine_kernel(
     h = (row // Q_LEN) % HQ
     b = row // (Q_LEN * HQ)
     offs_s = tl.arange(0, SPLIT_PAD)
-    offs_dv = tl.arange(0, DV)
+    offs_v = tl.arange(0, V_HEAD_DIM_ROUNDED)
     s_ok = offs_s < SPLIT_KV
     part = row.to(tl.int64) * SPLIT_KV + offs_s
     m = tl.load(LSE + OFF_M + part, mask=s_ok, other=float("-inf"))
     l = tl.load(LSE + OFF_L + part, mask=s_ok, other=0.0)
-    acc = tl.load(LSE + OFF_ACC + part[:, None] * EV + offs_dv[None, :],
-                  mask=s_ok[:, None] & (offs_dv[None, :] < EV), other=0.0)
-    m_max = tl.reduce(m, 0, _max_op)
+    acc = tl.load(LSE + OFF_ACC + part[:, None] * V_HEAD_DIM + offs_v[None, :],
+                  mask=s_ok[:, None] & (offs_v[None, :] < V_HEAD_DIM), other=0.0)
+    m_max = tl.reduce(m, 0, tl.standard._elementwise_max)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_safe)
-    l_sum = tl.reduce(w * l, 0, _sum_op)
+    l_sum = tl.reduce(w * l, 0, tl.standard._sum_combine)
     l_safe = tl.where(l_sum == 0.0, 1.0, l_sum)
-    out = tl.reduce(w[:, None] * acc, 0, _sum_op) / l_safe
+    out = tl.reduce(w[:, None] * acc, 0, tl.standard._sum_combine) / l_safe
     lse = tl.where(l_sum == 0.0, float("-inf"), (m_safe + tl.log2(l_safe)) * 0.6931471805599453)
-    O_row = Out + b.to(tl.int64) * stride_ob + h * stride_oh + q * stride_om
-    tl.store(O_row + offs_dv * stride_od, out.to(Out.dtype.element_ty), mask=offs_dv < EV)
+    O_row = Out + b.to(tl.int64) * stride_oz + h * stride_oh + q * stride_om
+    tl.store(O_row + offs_v * stride_ok, out.to(Out.dtype.element_ty), mask=offs_v < V_HEAD_DIM)
     tl.store(LSE + row, lse)

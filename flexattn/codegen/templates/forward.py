@@ -65,19 +65,6 @@ $tile_helpers
 
 
 @triton.jit
-def row_max(x):
-    # tl.max(x, 1) spelled as the reduction it is. Triton's interpreter cannot call standard-library
-    # jit functions (tl.max, tl.sum, tl.zeros) unless triton itself was imported in interpreter
-    # mode, but it runs tl.reduce with these combine functions natively (numpy).
-    return tl.reduce(x, 1, tl.standard._elementwise_max)
-
-
-@triton.jit
-def row_sum(x):
-    return tl.reduce(x, 1, tl.standard._sum_combine)
-
-
-@triton.jit
 def forward_inner(
     acc, l_i, m_i, q, K, V, BLOCK_IDX, num_blocks,
     b, h, offs_m, KV_LEN, SM_SCALE,
@@ -93,7 +80,6 @@ def forward_inner(
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     # One shared loop for partial blocks (IS_FULL_BLOCKS=False: mask_mod applied) and full blocks.
-    RCP_LN2: tl.constexpr = 1.4426950408889634
     SPARSE_KV_MULTIPLE: tl.constexpr = SPARSE_KV_BLOCK_SIZE // BLOCK_N
     tl.static_assert(SPARSE_KV_MULTIPLE * BLOCK_N == SPARSE_KV_BLOCK_SIZE)
     offs_k = tl.arange(0, QK_HEAD_DIM_ROUNDED)
@@ -103,10 +89,7 @@ def forward_inner(
     start_n = tl.load(BLOCK_IDX) * SPARSE_KV_BLOCK_SIZE
     for i in range(0, num_blocks * SPARSE_KV_MULTIPLE):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if OFFS_INT64:
-            rows = offs_n.to(tl.int64)
-        else:
-            rows = offs_n
+        rows = ptr_offsets(offs_n, OFFS_INT64)
         # -- scores: qk = q @ k^T in ACC_DTYPE
         k = load_tile(K + rows[:, None] * stride_kn + offs_k[None, :] * stride_kk, offs_n, offs_k,
                       KV_LEN, QK_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
@@ -121,17 +104,7 @@ def forward_inner(
             s = tl.where(kv_idx < KV_LEN, s, float("-inf"))
 
         # -- online softmax in base 2: m_i is the running row max, l_i the running row sum
-        s = s * RCP_LN2
-        m_ij = tl.maximum(m_i, row_max(s))
-        if ROWS_GUARANTEED_SAFE:
-            m_ref = m_ij
-        else:
-            # [Note] fully masked rows: while a row has seen only -inf, m_ij is -inf and s - m_ij
-            # would be NaN. Measure from 0 instead: p and alpha come out 0, l_i stays 0.
-            m_ref = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-        p = tl.exp2(s - m_ref[:, None])
-        alpha = tl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + row_sum(p)
+        p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, ROWS_GUARANTEED_SAFE)
         v = load_tile(V + rows[:, None] * stride_vn + offs_v[None, :] * stride_vk, offs_n, offs_v,
                       KV_LEN, V_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
         if DOT_IN_FP32 and v.dtype == tl.float8e4nv:
@@ -139,17 +112,10 @@ def forward_inner(
         else:
             pv = p.to(v.dtype)
         acc = mma(pv, v, acc * alpha[:, None], DOT_PRECISION, DOT_IN_FP32)
-        m_i = m_ij
 
         # -- next tile: the next BLOCK_N columns of this sparse block, or the start of the next block
-        if BLOCKS_ARE_CONTIGUOUS:
-            start_n += BLOCK_N
-        else:
-            nxt = i + 1
-            jump = nxt % SPARSE_KV_MULTIPLE == 0
-            nxt_block = tl.load(BLOCK_IDX + nxt // SPARSE_KV_MULTIPLE,
-                                mask=jump & (nxt < num_blocks * SPARSE_KV_MULTIPLE), other=0)
-            start_n = tl.where(jump, nxt_block * SPARSE_KV_BLOCK_SIZE, start_n + BLOCK_N)
+        start_n = next_start(start_n, i, BLOCK_IDX, num_blocks, BLOCK_N, SPARSE_KV_MULTIPLE,
+                             SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS)
     return acc, l_i, m_i
 
 
@@ -198,10 +164,7 @@ def flex_attention_forward(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, QK_HEAD_DIM_ROUNDED)
     offs_v = tl.arange(0, V_HEAD_DIM_ROUNDED)
-    if OFFS_INT64:
-        rows = offs_m.to(tl.int64)
-    else:
-        rows = offs_m
+    rows = ptr_offsets(offs_m, OFFS_INT64)
     q = load_tile(Q + rows[:, None] * stride_qm + offs_k[None, :] * stride_qk, offs_m, offs_k,
                   Q_LEN, QK_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
     if PRESCALE_QK:

@@ -1,5 +1,20 @@
-# Tile helpers shared by the forward and backward templates (inserted at their $tile_helpers hook).
-# Not a module of its own: it relies on the `triton` / `tl` imports of the template around it.
+# Tile helpers shared by the forward, backward and decode templates (inserted at their $tile_helpers
+# hook). Not a module of its own: it relies on the `triton` / `tl` imports of the template around it,
+# and it never calls the mods (their hooks differ between templates).
+#
+# Vocabulary, the same in every template: `offs_m` query rows, `offs_n` KV positions, `offs_k` /
+# `offs_v` columns of the QK / V head dims; CHECK_ROWS / CHECK_COLS say which bounds a load or store
+# may cross (callers pass `not IS_DIVISIBLE` and `not SAFE_HEAD_DIM`). All of these are inlined.
+
+
+@triton.jit
+def ptr_offsets(offs, OFFS_INT64: tl.constexpr):
+    # `offs` as pointer offsets: int64 when some tensor spans more than 2^31 elements.
+    if OFFS_INT64:
+        out = offs.to(tl.int64)
+    else:
+        out = offs
+    return out
 
 
 @triton.jit
@@ -30,8 +45,59 @@ def store_tile(ptrs, x, rows, cols, N_ROWS, N_COLS, CHECK_ROWS: tl.constexpr, CH
 
 @triton.jit
 def mma(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    # acc + a @ b in acc's dtype. DOT_IN_FP32 (CPU only): float32 copies of the operands, exact.
     if DOT_IN_FP32:
         out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc.to(tl.float32), input_precision=DOT_PRECISION)
     else:
         out = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return out.to(acc.dtype)
+
+
+@triton.jit
+def row_max(x):
+    # tl.max(x, 1) spelled as the reduction it is. Triton's interpreter cannot call standard-library
+    # jit functions (tl.max, tl.sum, tl.zeros) unless triton itself was imported in interpreter
+    # mode, but it runs tl.reduce with these combine functions natively (numpy).
+    return tl.reduce(x, 1, tl.standard._elementwise_max)
+
+
+@triton.jit
+def row_sum(x):
+    return tl.reduce(x, 1, tl.standard._sum_combine)
+
+
+@triton.jit
+def online_softmax(s, m_i, l_i, ROWS_GUARANTEED_SAFE: tl.constexpr):
+    # One step of the online softmax in base 2. s: this tile's masked scores (natural units, -inf
+    # where masked); m_i, l_i: the running row max (base 2) and row sum. Returns p = 2^(s' - m),
+    # alpha (the factor that rescales what was accumulated so far) and the new l_i, m_i. The caller
+    # accumulates acc * alpha + p @ v in its own way.
+    RCP_LN2: tl.constexpr = 1.4426950408889634
+    s = s * RCP_LN2
+    m_ij = tl.maximum(m_i, row_max(s))
+    if ROWS_GUARANTEED_SAFE:
+        m_ref = m_ij
+    else:
+        # [Note] fully masked rows: while a row has seen only -inf, m_ij is -inf and s - m_ij
+        # would be NaN. Measure from 0 instead: p and alpha come out 0, l_i stays 0.
+        m_ref = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+    p = tl.exp2(s - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + row_sum(p)
+    return p, alpha, l_i, m_ij
+
+
+@triton.jit
+def next_start(start, i, BLOCK_IDX, num_blocks, STEP: tl.constexpr, SPARSE_MULTIPLE: tl.constexpr,
+               SPARSE_BLOCK_SIZE: tl.constexpr, BLOCKS_ARE_CONTIGUOUS: tl.constexpr):
+    # The block-sparse walk's next tile after tile i: STEP further inside this sparse block, or the
+    # start of the next block listed at BLOCK_IDX (num_blocks entries, SPARSE_MULTIPLE tiles each).
+    if BLOCKS_ARE_CONTIGUOUS:
+        start += STEP
+    else:
+        nxt = i + 1
+        jump = nxt % SPARSE_MULTIPLE == 0
+        nxt_block = tl.load(BLOCK_IDX + nxt // SPARSE_MULTIPLE,
+                            mask=jump & (nxt < num_blocks * SPARSE_MULTIPLE), other=0)
+        start = tl.where(jump, nxt_block * SPARSE_BLOCK_SIZE, start + STEP)
+    return start
