@@ -10,7 +10,7 @@
 # at element offsets OFF_M, OFF_L and OFF_ACC from LSE.
 #
 # Names follow the forward template (forward.py); what only decoding has is marked (decode). The
-# tile helpers (load_tile, store_tile, mma, online_softmax) are tiles.py's (the tile_helpers hook).
+# tile helpers (load_tile, mma, online_softmax) are tiles.py's (the tile_helpers hook).
 #
 # sub notation:
 #   Q               [B, HQ, Q_LEN, QK_HEAD_DIM]
@@ -186,15 +186,17 @@ def decode_split_kernel(
     # mods see h and q_idx as [BLOCK_M, 1] tiles (packed rows differ in head), kv_idx as [1, BLOCK_N]
     h = h_row[:, None]
     q_idx = q_row[:, None]
-    # Packed row r is real iff r < PACKED_HEADS * Q_ROWS and its query row q_row < Q_LEN; both say
-    # r < n_rows (q_row < Q_LEN <=> r // PACKED_HEADS < Q_LEN - q_block * SPARSE_Q_BLOCK_SIZE).
-    n_rows = PACKED_HEADS * tl.minimum(Q_ROWS, Q_LEN - q_block * SPARSE_Q_BLOCK_SIZE)
-    row_ok = offs_r < n_rows
+    row_ok = (offs_r < PACKED_HEADS * Q_ROWS) & (q_row < Q_LEN)
 
     offs_k = tl.arange(0, QK_HEAD_DIM_ROUNDED)
     offs_v = tl.arange(0, V_HEAD_DIM_ROUNDED)
-    q = load_tile(Q + b.to(tl.int64) * stride_qz + h * stride_qh + q_idx * stride_qm + offs_k[None, :] * stride_qk,
-                  offs_r, offs_k, n_rows, QK_HEAD_DIM, not IS_DIVISIBLE_M, not SAFE_HEAD_DIM)
+    # (not load_tile: the packed rows' mask is row_ok, which the LSE / partial stores reuse)
+    Q_rows = Q + b.to(tl.int64) * stride_qz + h * stride_qh + q_idx * stride_qm
+    if IS_DIVISIBLE_M and SAFE_HEAD_DIM:
+        q = tl.load(Q_rows + offs_k[None, :] * stride_qk)
+    else:
+        q = tl.load(Q_rows + offs_k[None, :] * stride_qk,
+                    mask=row_ok[:, None] & (offs_k[None, :] < QK_HEAD_DIM), other=0.0)
     K_head = K + b.to(tl.int64) * stride_kz + h_kv.to(tl.int64) * stride_kh
     V_head = V + b.to(tl.int64) * stride_vz + h_kv.to(tl.int64) * stride_vh
 
@@ -251,9 +253,11 @@ def decode_split_kernel(
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-        store_tile(Out + b.to(tl.int64) * stride_oz + h * stride_oh + q_idx * stride_om + offs_v[None, :] * stride_ok,
-                   out.to(Out.dtype.element_ty), offs_r, offs_v, n_rows, V_HEAD_DIM,
-                   not IS_DIVISIBLE_M, not SAFE_HEAD_DIM)
+        O_ptrs = Out + b.to(tl.int64) * stride_oz + h * stride_oh + q_idx * stride_om + offs_v[None, :] * stride_ok
+        if IS_DIVISIBLE_M and SAFE_HEAD_DIM:
+            tl.store(O_ptrs, out.to(Out.dtype.element_ty))
+        else:
+            tl.store(O_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_v[None, :] < V_HEAD_DIM))
         tl.store(LSE + row, lse, mask=row_ok)
     else:
         # -- partials: Acc_part [rows, SPLIT_KV, V_HEAD_DIM], M_part / L_part [rows, SPLIT_KV]
