@@ -56,6 +56,10 @@
 # d score, 0) and, in the dQ pass, atomically adds grad * d mod / d value into G{i} for every
 # gather from a captured floating tensor that needs a gradient. The dK/dV pass uses transposed
 # tiles: kv_idx is [BLOCK_N1, 1] and q_idx [1, BLOCK_M1] (mods are elementwise, so any layout works).
+#
+# Both passes recompute P with the same helpers (score_tile, visible, p_from_lse, load_lse_base2,
+# below) and differ only in their dots and accumulators; the tile helpers (ptr_offsets, load_tile /
+# store_tile, mma, next_start) are tiles.py's, shared with the forward and decoding templates.
 $prelude
 
 $score_mod_def

@@ -54,6 +54,9 @@
 # Mods (see flexattn/codegen/emit.py): score_mod(score, b, h, q_idx, kv_idx, <buffers>) and
 # mask_mod(b, h, q_idx, kv_idx, <buffers>), with b, h int32 scalars (h is the *query* head),
 # q_idx [BLOCK_M, 1] and kv_idx [1, BLOCK_N] int32.
+#
+# Tile helpers (tiles.py, the tile_helpers hook; shared with the backward and decoding templates):
+# ptr_offsets, load_tile / store_tile, mma, online_softmax, next_start.
 $prelude
 
 $score_mod_def
