@@ -27,7 +27,7 @@ def test_show_score(capsys):
     assert "B0: bias  float32, 1-d" in out
     assert "Triton (interpret):" in out
     assert "def score_mod(score, b, h, q_idx, kv_idx, B0, B0_s0, B0_n0):" in out
-    assert "_fa_tanh(" in out
+    assert "_fa_tanh_f32(" in out  # float32 tanh: the helper the CUDA fast-math prelude replaces
 
 
 def test_show_infers_mask_and_binds_numbers(capsys):
