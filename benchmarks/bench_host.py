@@ -45,19 +45,7 @@ def bare_launch_us(run_call, calls: int, device: str) -> float:
     """Per-call time of Triton's own ``kernel[grid](*args, **constexprs)`` for the first kernel
     ``run_call`` launches, with the same arguments: the floor flexattn's host work is measured
     against (flexattn itself launches the compiled kernel directly after the first calls)."""
-    captured = []
-    real = launch.Launch.__call__
-
-    def spy(self, *args):
-        captured.append((self, args))
-        return real(self, *args)
-
-    launch.Launch.__call__ = spy
-    try:
-        run_call()
-    finally:
-        launch.Launch.__call__ = real
-    site, args = captured[0]
+    site, args = launch.recorded_launches(run_call)[0]
     args = site._fill(args)  # launch.UNUSED -> the placeholder tensor Triton's path takes
     return per_call(lambda: site.kernel[site.grid](*args, **site.constexprs), calls, device)
 

@@ -112,24 +112,6 @@ def test_compiled_model_on_the_gpu():
     torch.testing.assert_close(out, layer(q, k, v, mask), atol=0, rtol=0)
 
 
-def _launch_sites(run):
-    """The `Launch` objects one call of ``run`` goes through."""
-    from flexattn.kernels import launch
-
-    sites, real = [], launch.Launch.__call__
-
-    def spy(self, *args):
-        sites.append(self)
-        return real(self, *args)
-
-    launch.Launch.__call__ = spy
-    try:
-        run()
-    finally:
-        launch.Launch.__call__ = real
-    return sites
-
-
 @pytest.mark.parametrize("case", ["forward", "backward", "decode_split", "decode_one_split"])
 def test_direct_launches_match_the_reference(case, nan_outputs):
     """After its first calls a launch site calls the compiled kernel directly (torch's static
@@ -173,7 +155,9 @@ def test_direct_launches_match_the_reference(case, nan_outputs):
     expected = ref()
     for call in range(4):
         if call == 3:
-            sites = _launch_sites(run)
+            from flexattn.kernels.launch import recorded_launches
+
+            sites = [site for site, _ in recorded_launches(run)]
             assert sites and all(s.launcher is not None for s in sites), "the direct launch was not taken"
             if getattr(torch._C, "_StaticCudaLauncher", None) is not None:
                 assert all(s.static is not None for s in sites), "torch's static launcher was not used"

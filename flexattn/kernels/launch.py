@@ -365,6 +365,23 @@ def _static_plan(compiled, args, grid3) -> tuple | None:
     return (run, compiled.function, grid3, meta.num_warps, meta.shared, "".join(types), pick, tuple(extra))
 
 
+def recorded_launches(run: Callable[[], Any]) -> list[tuple[Launch, tuple]]:
+    """``[(launch site, its arguments)]`` for every launch one call of ``run`` makes, in order
+    (benchmarks and tests look at what a call launches)."""
+    seen, real = [], Launch.__call__
+
+    def spy(self, *args):
+        seen.append((self, args))
+        return real(self, *args)
+
+    Launch.__call__ = spy
+    try:
+        run()
+    finally:
+        Launch.__call__ = real
+    return seen
+
+
 def buffer_args(mod, buffers) -> list:
     """Kernel arguments (pointer, strides, sizes) for the tensors ``mod`` captured in this call."""
     return emit.launch_args(mod.buffer_specs, buffers) if buffers else []
