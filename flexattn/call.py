@@ -244,7 +244,8 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     # The captured tensors' shapes and strides are kernel arguments the compiled kernel is specialised on.
     buf_metas = tuple([_meta(t) for t in (*score_bufs, *mask_bufs)]) if score_bufs or mask_bufs else ()
     plan_key = (decoding, q_meta, k_meta, v_meta, score.key(), mask.key(), buf_metas,
-                None if tables is None else tables.sig, enable_gqa, tuple(options.items()) if options else (), want_max,
+                None if tables is None else tables.sig, enable_gqa,
+                tuple(options.items()) if options else (), want_max,
                 None if kv_lengths is None else _meta(kv_lengths),
                 dtype == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
     scale = float(scale)

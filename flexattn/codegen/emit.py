@@ -326,6 +326,11 @@ def _fconst(value: float, n: Node) -> str:
     return _lit(value, n.dtype)
 
 
+def _tanh_name(n: Node) -> str:
+    """float32 tanh has its own helper: the fast-math prelude makes it the hardware's tanh.approx."""
+    return "_fa_tanh_f32" if n.dtype == torch.float32 else "_fa_tanh"
+
+
 def _int_divisor(n) -> int | None:
     """The divisor of an integer // or % if it is a constant (the helpers skip the zero guard)."""
     d = n.src[1] if isinstance(n, Node) else None
@@ -417,15 +422,15 @@ _UNARY = {
     "sin": lambda n, a: f"tl.sin({a})",
     "cos": lambda n, a: f"tl.cos({a})",
     "tan": lambda n, a: f"_fa_tan({a})",
-    # float32 tanh has its own helper: the fast-math prelude makes it the hardware's tanh.approx.
-    "tanh": lambda n, a: f"_fa_tanh_f32({a})" if n.dtype == torch.float32 else f"_fa_tanh({a})",
+    "tanh": lambda n, a: f"{_tanh_name(n)}({a})",
     # 1 / (1 + exp(-x)) is what tl.sigmoid computes; tl.sigmoid itself is a standard-library jit
     # function, which Triton's interpreter cannot call from generated modules.
     "sigmoid": lambda n, a: f"(1.0 / (1.0 + tl.exp(-{a})))",
     "erf": lambda n, a: f"tl.erf({a})",
     "silu": lambda n, a: f"({a} / (1.0 + tl.exp(-{a})))",
     "gelu": lambda n, a: f"(0.5 * {a} * (1.0 + tl.erf({a} * 0.7071067811865476)))",
-    "gelu_tanh": lambda n, a: f"(0.5 * {a} * (1.0 + {'_fa_tanh_f32' if n.dtype == torch.float32 else '_fa_tanh'}(0.7978845608028654 * ({a} + 0.044715 * {a} * {a} * {a}))))",
+    "gelu_tanh": lambda n, a: (f"(0.5 * {a} * (1.0 + {_tanh_name(n)}(0.7978845608028654 * "
+                               f"({a} + 0.044715 * {a} * {a} * {a}))))"),
     # torch's softplus (beta=1, threshold=20)
     "softplus": lambda n, a: f"tl.where({a} > 20.0, {a}, _fa_log1p(tl.exp({a})))",
 }

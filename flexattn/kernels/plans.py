@@ -100,6 +100,9 @@ def decode_mods(score: Mod, mask: Mod) -> tuple[Mod | None, Mod | None]:
             None if (mask.ir.op == "const" and mask.ir.arg) else mask)
 
 
+TUNE_MIN_WORK = 1 << 27  # B*H*Q_LEN*KV_LEN from which forward plans are autotuned (S=4k at 8 heads)
+
+
 def _make_forward_plan(query, key, value, score, score_bufs, mask, mask_bufs, tables, enable_gqa, options,
                        want_max):
     check_inputs(query, key, value, enable_gqa)
@@ -113,7 +116,7 @@ def _make_forward_plan(query, key, value, score, score_bufs, mask, mask_bufs, ta
 
     E, Ev, KV_LEN = query.shape[3], value.shape[3], key.shape[2]
     device = query.device
-    # Tuning pays where a call is long enough for tiles to matter (B*H*S*S >= 2**27: S=4k at 8 heads).
+    # Tuning pays where a call is long enough for tiles to matter.
     if B * Hq * Q_LEN * KV_LEN >= TUNE_MIN_WORK and tuning.enabled(options, device, tuning.FORWARD_KNOBS):
         candidates = tuning.forward_candidates(device, query.dtype, max(E, Ev))
         if len(candidates) > 1:
@@ -129,9 +132,6 @@ def _make_forward_plan(query, key, value, score, score_bufs, mask, mask_bufs, ta
             if plan is not None:
                 return plan
     return make({})
-
-
-TUNE_MIN_WORK = 1 << 27
 
 
 def _make_decode_plan(query, key, value, score, score_bufs, mask, mask_bufs, tables, enable_gqa, options,
