@@ -67,7 +67,6 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
 
 _FLAT = object()  # marks a key made by `_flat_fingerprint`
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-_SHALLOW = (types.ModuleType, type, types.BuiltinFunctionType)
 
 
 def _flat_fingerprint(fn: types.FunctionType) -> tuple[tuple | None, list[torch.Tensor]]:
@@ -99,7 +98,7 @@ def _flat_fingerprint(fn: types.FunctionType) -> tuple[tuple | None, list[torch.
             else:
                 key.append((v.dtype, v.device, v.shape, v.layout))
                 tensors.append(v)
-        elif v is _MISSING or isinstance(v, _SHALLOW):
+        elif v is _MISSING or isinstance(v, _BY_IDENTITY):
             key.append(v)
         else:
             return None, []

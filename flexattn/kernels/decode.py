@@ -148,7 +148,7 @@ def make_plan(query, key, value, score: Mod | None, mask: Mod | None, tables: Ta
         split_kv=split,
         strides=strides, static_args=tuple(static), combine_args=(HQ, Q_LEN, EV, *offsets),
         out_shape=(B, HQ, Q_LEN, EV), out_order=launch.contiguous_or_order(query), scratch=scratch,
-        is_empty=B * HQ * Q_LEN * EV == 0, lse_strides=launch.contiguous_strides((B, HQ, Q_LEN)),
+        is_empty=B * HQ * Q_LEN * EV == 0, lse_strides=launch.output_strides((B, HQ, Q_LEN), None),
     )
 
 
@@ -160,7 +160,7 @@ def run(plan: Plan, query, key, value, score: Mod | None, score_bufs, mask: Mod 
     out = launch.empty(plan.out_shape, query.dtype, device, plan.out_order)
     scratch = launch.empty((plan.scratch,), torch.float32, device)
     lse_shape = plan.out_shape[:3]
-    lse = scratch.view(lse_shape) if plan.split_kv == 1 else scratch.as_strided(lse_shape, plan.lse_strides)
+    lse = scratch.as_strided(lse_shape, plan.lse_strides)
     if plan.is_empty:
         return out, lse.fill_(float("-inf"))
     if tables is not None:

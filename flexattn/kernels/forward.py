@@ -101,7 +101,7 @@ def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     kernel = module(score, mask, launch.target_for(device),
                     opts.fast_math(explicit, device, dtype)).flex_attention_forward
     out_order = launch.contiguous_or_order(query)
-    strides += (*launch.output_strides(out_shape, out_order), Q_LEN * Hq, Q_LEN)
+    strides += (*launch.output_strides(out_shape, out_order), *launch.output_strides((B, Hq, Q_LEN), None)[:2])
     return Plan(
         kernel=launch.Launch(kernel, (triton.cdiv(Q_LEN, block_m), B * Hq), constexprs, device),
         out_shape=out_shape, stat_shape=(B, Hq, Q_LEN),

@@ -103,14 +103,6 @@ def output_strides(shape: tuple[int, ...], order: tuple[int, ...] | None) -> tup
     return t.stride()
 
 
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
           order: tuple[int, ...] | None = None) -> torch.Tensor:
     """Every output and scratch buffer the kernels write in full comes from here (tests fill it

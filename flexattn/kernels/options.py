@@ -36,8 +36,8 @@ OPTIONS: dict[str, tuple[str, str, str]] = {
     "AUTOTUNE": ("forward", "bool", "time a few forward tile configs once per GPU / dtype / head dims / length "
                                     "bucket / mod features and keep the fastest on disk (default: on for CUDA, "
                                     "off on the CPU; also FLEXATTN_AUTOTUNE=0)"),
-    "FAST_TANH": ("forward", "bool", "float16/bfloat16 inputs on CUDA: tanh in mods is the hardware's tanh.approx.f32 "
-                                     "(default True; False: libdevice's tanh)"),
+    "FAST_TANH": ("forward", "bool", "float16/bfloat16/float8 inputs on CUDA: tanh in mods is the hardware's "
+                                     "tanh.approx.f32 (default True; False: libdevice's tanh)"),
     # backward
     "BLOCK_M1": ("backward", "tile", "dK/dV pass: query rows per step"),
     "BLOCK_N1": ("backward", "tile", "dK/dV pass: KV rows per program"),
