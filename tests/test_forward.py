@@ -364,6 +364,7 @@ def test_block_mask_without_full_blocks_and_shuffled_indices():
     {"BLOCK_M": 16, "BLOCK_N": 16},
     {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
     {"FORCE_USE_FLEX_ATTENTION": True},
+    {"LONGEST_FIRST": False},
 ])
 def test_kernel_options(options):
     # Causal block masks list each row's blocks contiguously, so BLOCKS_ARE_CONTIGUOUS holds.

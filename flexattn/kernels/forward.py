@@ -89,6 +89,12 @@ def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
         OFFS_INT64=launch.needs_int64_offsets(query, key, value) or
         (B * Hq * Q_LEN * Ev >= launch.INT32_OFFSET_LIMIT),
         OUTPUT_MAX=want_max,
+        # Without a score_mod the scale takes the softmax's 1 / ln 2 with it (float32 only: the
+        # kernel's scalar arithmetic is float32, which float64's exactness cannot afford; not with
+        # PRESCALE_QK, whose rounding of Q * scale would change).
+        SCORES_IN_BASE2=(score.ir.op == "input" and acc == torch.float32 and score.score_dtype in (None, acc)
+                         and not options["PRESCALE_QK"]),
+        LONGEST_FIRST=options["LONGEST_FIRST"],
         ACC_DTYPE=launch.ACC_TL_DTYPE[acc],
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[acc]),
         DOT_PRECISION=launch.dot_precision(device, dtype),

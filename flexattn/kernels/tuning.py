@@ -65,10 +65,10 @@ def forward_candidates(device: torch.device, dtype: torch.dtype, head_dim: int) 
                 dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
                 dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)]
-    return [dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+    return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+            dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
             dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-            dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
-            dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)]
+            dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)]
 
 
 def tuning_key(family: str, device: torch.device, *features: Hashable) -> str:

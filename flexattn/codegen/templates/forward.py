@@ -40,6 +40,11 @@
 #                          KV_IDX after the first entry
 #   OFFS_INT64             some tensor spans more than 2^31 elements: compute tile offsets in int64
 #   OUTPUT_MAX             also write MaxScores (torch's AuxRequest(max_scores=True))
+#   SCORES_IN_BASE2        there is no score_mod: SM_SCALE is multiplied by 1 / ln 2 once, so the
+#                          scaled scores are already the base-2 softmax's input (one multiply less
+#                          per score)
+#   LONGEST_FIRST          launch query tiles last to first (under a causal mask the last see the
+#                          most KV blocks; starting them first shortens the tail of the launch)
 #   IS_FP8                 Q, K, V are float8_e4m3fn: Q K^T runs in float8 with the descales folded
 #                          into SM_SCALE, P is rounded to float8 for P V, and the accumulator is
 #                          multiplied by DESCALE_V; Out is bfloat16
@@ -56,7 +61,7 @@
 # q_idx [BLOCK_M, 1] and kv_idx [1, BLOCK_N] int32.
 #
 # Tile helpers (tiles.py, the tile_helpers hook; shared with the backward and decoding templates):
-# ptr_offsets, load_tile / store_tile, mma, online_softmax, next_start.
+# ptr_offsets, load_tile / store_tile, mma, online_softmax(_base2), next_start.
 $prelude
 
 $score_mod_def
@@ -78,7 +83,7 @@ def forward_inner(
     QK_HEAD_DIM: tl.constexpr, QK_HEAD_DIM_ROUNDED: tl.constexpr,
     V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
     IS_DIVISIBLE: tl.constexpr, PRESCALE_QK: tl.constexpr, ROWS_GUARANTEED_SAFE: tl.constexpr,
-    BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr,
+    BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr, SCORES_IN_BASE2: tl.constexpr,
     ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
@@ -100,14 +105,20 @@ def forward_inner(
         if not PRESCALE_QK:
             qk = qk * SM_SCALE
         kv_idx = offs_n[None, :]
-        s = score_mod(qk.to(SCORE_DTYPE), b, h, q_idx, kv_idx, $score_mod_params).to(ACC_DTYPE)
+        if SCORES_IN_BASE2:
+            s = qk  # no score_mod, and SM_SCALE holds the 1 / ln 2 of the base-2 softmax
+        else:
+            s = score_mod(qk.to(SCORE_DTYPE), b, h, q_idx, kv_idx, $score_mod_params).to(ACC_DTYPE)
         if not IS_FULL_BLOCKS:
             s = tl.where(mask_mod(b, h, q_idx, kv_idx, $mask_mod_params), s, float("-inf"))
         if not IS_DIVISIBLE:
             s = tl.where(kv_idx < KV_LEN, s, float("-inf"))
 
         # -- online softmax in base 2: m_i is the running row max, l_i the running row sum
-        p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, ROWS_GUARANTEED_SAFE)
+        if SCORES_IN_BASE2:
+            p, alpha, l_i, m_i = online_softmax_base2(s, m_i, l_i, ROWS_GUARANTEED_SAFE)
+        else:
+            p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, ROWS_GUARANTEED_SAFE)
         v = load_tile(V + rows[:, None] * stride_vn + offs_v[None, :] * stride_vk, offs_n, offs_v,
                       KV_LEN, V_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
         if DOT_IN_FP32 and v.dtype == tl.float8e4nv:
@@ -142,14 +153,20 @@ def flex_attention_forward(
     IS_DIVISIBLE: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, HAS_FULL_BLOCKS: tl.constexpr,
     PRESCALE_QK: tl.constexpr, ROWS_GUARANTEED_SAFE: tl.constexpr,
     BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr, OUTPUT_MAX: tl.constexpr,
-    IS_FP8: tl.constexpr, ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
+    IS_FP8: tl.constexpr, SCORES_IN_BASE2: tl.constexpr, LONGEST_FIRST: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     tl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M == 0)
     if IS_FP8:  # scores of the dequantised inputs: (q dq)(k dk)^T scale = q k^T (scale dq dk)
         SM_SCALE = SM_SCALE * tl.load(DESCALE_Q) * tl.load(DESCALE_K)
     LN2: tl.constexpr = 0.6931471805599453
-    pid_m = tl.program_id(0)
+    if SCORES_IN_BASE2:
+        SM_SCALE = SM_SCALE * (1.0 / LN2)
+    if LONGEST_FIRST:  # the last query tiles see the most KV blocks (causal): start them first
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // HQ
     h = pid_bh % HQ
@@ -189,7 +206,7 @@ def flex_attention_forward(
         False, BLOCK_M, BLOCK_N, SPARSE_KV_BLOCK_SIZE,
         QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
         IS_DIVISIBLE, PRESCALE_QK, ROWS_GUARANTEED_SAFE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64,
-        ACC_DTYPE, SCORE_DTYPE, DOT_PRECISION, DOT_IN_FP32,
+        SCORES_IN_BASE2, ACC_DTYPE, SCORE_DTYPE, DOT_PRECISION, DOT_IN_FP32,
     )
     if HAS_FULL_BLOCKS:
         num_blocks = tl.load(FULL_KV_NUM_BLKS + b64 * stride_fnz + h * stride_fnh + q_blk * stride_fnm)
@@ -202,7 +219,7 @@ def flex_attention_forward(
             True, BLOCK_M, BLOCK_N, SPARSE_KV_BLOCK_SIZE,
             QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
             IS_DIVISIBLE, PRESCALE_QK, ROWS_GUARANTEED_SAFE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64,
-            ACC_DTYPE, SCORE_DTYPE, DOT_PRECISION, DOT_IN_FP32,
+            SCORES_IN_BASE2, ACC_DTYPE, SCORE_DTYPE, DOT_PRECISION, DOT_IN_FP32,
         )
 
     if IS_FP8:

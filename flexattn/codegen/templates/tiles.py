@@ -68,12 +68,17 @@ def row_sum(x):
 
 @triton.jit
 def online_softmax(s, m_i, l_i, ROWS_GUARANTEED_SAFE: tl.constexpr):
-    # One step of the online softmax in base 2. s: this tile's masked scores (natural units, -inf
-    # where masked); m_i, l_i: the running row max (base-2 units) and row sum. Returns p (this
-    # tile's unnormalised probabilities), alpha (rescales what was accumulated so far) and the new
-    # l_i, m_i; the caller accumulates acc * alpha + p @ v in its own way.
+    # One step of the online softmax for scores s in natural units (see online_softmax_base2).
     RCP_LN2: tl.constexpr = 1.4426950408889634
-    s = s * RCP_LN2
+    return online_softmax_base2(s * RCP_LN2, m_i, l_i, ROWS_GUARANTEED_SAFE)
+
+
+@triton.jit
+def online_softmax_base2(s, m_i, l_i, ROWS_GUARANTEED_SAFE: tl.constexpr):
+    # One step of the online softmax in base 2. s: this tile's masked scores in base-2 units (natural
+    # units / ln 2; -inf where masked); m_i, l_i: the running row max (base-2 units) and row sum.
+    # Returns p (this tile's unnormalised probabilities), alpha (rescales what was accumulated so
+    # far) and the new l_i, m_i; the caller accumulates acc * alpha + p @ v in its own way.
     m_ij = tl.maximum(m_i, row_max(s))
     if ROWS_GUARANTEED_SAFE:
         m_ref = m_ij
