@@ -4,7 +4,8 @@
     python benchmarks/bench_attention.py --seq 2048 --batch 1    # smaller
     python benchmarks/bench_attention.py --device cpu            # tiny shape, flexattn only (interpreter)
 
-Cases: no mask, causal, sliding window 1024 (causal), alibi + causal, tanh softcap. All
+Cases: no mask, causal, sliding window 1024 (causal), alibi + causal, tanh softcap, 16 documents
+(packed sequences of uneven lengths, causal inside each document). All
 competitors run in one process on the same tensors and print one table. TFLOP/s counts
 4·B·H·S·S·D for the forward and 2.5x that for the backward, times the fraction of tiles the block
 mask visits (so a causal run is credited about half the work of a dense one). SDPA runs where it
@@ -22,9 +23,18 @@ import flexattn
 from timing import timer  # benchmarks/timing.py (scripts run from any directory)
 
 
-def cases(H: int, window: int, device: str):
+def document_ids(S: int, docs: int, device: str) -> torch.Tensor:
+    """[S] int32 document id of each position: `docs` documents of uneven, seeded lengths."""
+    g = torch.Generator().manual_seed(docs)
+    weights = torch.rand(docs, generator=g) + 0.25
+    bounds = (weights.cumsum(0) / weights.sum() * S).round().long()
+    return torch.bucketize(torch.arange(S), bounds, right=True).clamp_max(docs - 1).to(torch.int32).to(device)
+
+
+def cases(H: int, S: int, window: int, docs: int, device: str):
     """name -> (score_mod or None, mask_mod or None, SDPA is_causal or None when SDPA cannot)."""
     slopes = torch.exp2(-8.0 * (torch.arange(H, dtype=torch.float32, device=device) + 1) / H)
+    doc = document_ids(S, docs, device)
 
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
@@ -38,12 +48,16 @@ def cases(H: int, window: int, device: str):
     def softcap(score, b, h, q_idx, kv_idx):
         return 30.0 * torch.tanh(score / 30.0)
 
+    def documents(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
     return {
         "no mask": (None, None, False),
         "causal": (None, causal, True),
         f"sliding window {window}": (None, sliding_window, None),
         "alibi + causal": (alibi, causal, None),
         "tanh softcap": (softcap, None, None),
+        f"{docs} documents": (None, documents, None),
     }
 
 
@@ -70,6 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=None, help="S = Q_LEN = KV_LEN (GPU default 8192, CPU 96)")
     p.add_argument("--head-dim", type=int, default=None, help="D (GPU default 128, CPU 32)")
     p.add_argument("--window", type=int, default=None, help="sliding window (GPU default 1024, CPU 32)")
+    p.add_argument("--docs", type=int, default=None, help="documents of the document case (GPU 16, CPU 3)")
     p.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--rep", type=int, default=None)
@@ -85,6 +100,7 @@ def main(argv=None) -> int:
     S = args.seq or (8192 if on_gpu else 96)
     D = args.head_dim or (128 if on_gpu else 32)
     window = args.window or (1024 if on_gpu else 32)
+    docs = args.docs or (16 if on_gpu else 3)
     warmup = args.warmup if args.warmup is not None else (5 if on_gpu else 0)
     rep = args.rep if args.rep is not None else (20 if on_gpu else 1)
     run_torch = on_gpu and not args.no_torch
@@ -109,7 +125,7 @@ def main(argv=None) -> int:
     q, k, v = (torch.randn(B, H, S, D, device=device, generator=g).to(dtype).requires_grad_() for _ in range(3))
     d_out = torch.randn(B, H, S, D, device=device, generator=g).to(dtype)
 
-    selected = cases(H, window, device)
+    selected = cases(H, S, window, docs, device)
     if args.cases:
         wanted = {c.strip() for c in args.cases.split(",")}
         selected = {k_: v_ for k_, v_ in selected.items() if k_ in wanted}
