@@ -144,3 +144,24 @@ def test_a_failing_candidate_is_skipped(fresh, monkeypatch, capsys):
     assert len(calls) == len(tuning.forward_candidates(q.device, q.dtype, 32))
     stored = json.loads((fresh / "tuning-v1.json").read_text())
     assert [c["BLOCK_M"] for c in stored.values()] == [tuning.forward_candidates(q.device, q.dtype, 32)[1]["BLOCK_M"]]
+
+
+def test_masks_with_more_mask_work_are_tuned_apart(fresh, clock):
+    """Causal and sliding-window masks with the same block sizes differ in the share of blocks that
+    need mask work, so each gets its own tuning key (and the same mask again reuses its winner)."""
+    q, k, v = _inputs()
+    n = len(tuning.forward_candidates(q.device, q.dtype, 32))
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 40)
+
+    masks = [flexattn.create_block_mask(m, None, None, 150, 150, BLOCK_SIZE=64) for m in (causal, window)]
+    for i, bm in enumerate(masks + masks[:1]):
+        flexattn.flex_attention(q, k, v, block_mask=bm, kernel_options={"AUTOTUNE": True})
+        assert len(clock) == n * min(i + 1, 2)
+    keys = list(json.loads((fresh / "tuning-v1.json").read_text()))
+    shares = sorted(float(k_.split("|")[-2].removeprefix("partial ")) for k_ in keys)
+    assert len(keys) == 2 and shares[0] < shares[1] <= 1.0, keys

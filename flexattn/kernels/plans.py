@@ -124,7 +124,7 @@ def _make_forward_plan(query, key, value, score, score_bufs, mask, mask_bufs, ta
                         f"Q<={tuning.length_bucket(Q_LEN)}", f"KV<={tuning.length_bucket(KV_LEN)}",
                         f"G={Hq // key.shape[1]}", "score_mod" if score.ir.op != "input" else "no score_mod",
                         "no block mask" if tables is None else f"blocks {tables.q_block}x{tables.kv_block}",
-                        "max" if want_max else "")
+                        _partial_share(tables), "max" if want_max else "")
             scale = 1.0 / math.sqrt(E)
             plan, _ = tuning.choose(
                 tuning.tuning_key("forward", device, *features), candidates, make,
@@ -132,6 +132,16 @@ def _make_forward_plan(query, key, value, score, score_bufs, mask, mask_bufs, ta
             if plan is not None:
                 return plan
     return make({})
+
+
+def _partial_share(tables: Tables | None) -> str:
+    """A tuning feature: the share of visited KV blocks that need mask work, in tenths (a causal
+    mask's is about 0, a sliding window's 0.2, documents' more). Reads the tables once per plan."""
+    if tables is None:
+        return ""
+    partial = int(tables.kv.num.sum())
+    full = int(tables.kv.full_num.sum()) if tables.kv.has_full else 0
+    return f"partial {partial / max(partial + full, 1):.1f}"
 
 
 def _make_decode_plan(query, key, value, score, score_bufs, mask, mask_bufs, tables, enable_gqa, options,

@@ -5,7 +5,8 @@ plan times a small candidate set (`forward_candidates`: tiles, warps and pipelin
 the GPU, dtype and head dims) on the call's own inputs and keeps the fastest. Winners are keyed by
 *tuning key*: GPU name, Triton version, dtype, head dims, the query and KV lengths rounded up to
 powers of two, and the mod features that change the kernel's cost (score mod or not, block mask
-or not, its block sizes, max-score output, GQA group size). They are stored in
+or not, its block sizes and the share of its visited blocks that need mask work, max-score
+output, GQA group size). They are stored in
 ``<cache dir>/tuning-v1.json``, so another process with the same key reuses the winner without
 timing anything.
 
@@ -59,6 +60,7 @@ def forward_candidates(device: torch.device, dtype: torch.dtype, head_dim: int) 
         return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
                 dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
                 dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+                dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3),
                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)]
     if head_dim <= 128:
         return [dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
