@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
 import flexattn
-from flexattn.kernels import options, plans
+from flexattn.kernels import launch, options, plans
 from flexattn.decode import causal_at, causal_at_with_length, decode_attention, valid_length
 from flexattn.reference import attention_reference
 
@@ -240,3 +240,27 @@ def test_output_follows_query_stride_order(Q_LEN):
         assert out.stride() == fwd.stride() == q.stride(), (out.stride(), fwd.stride(), q.stride())
         torch.testing.assert_close(out, fwd, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out.double(), attention_reference(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# launch.Counters: zero between launches, one buffer per stream
+
+
+def test_counters_per_stream_and_under_capture(monkeypatch):
+    """One buffer per stream, grown when a plan needs more, the old one kept; a capture adopts
+    the zeroed spare, or takes a buffer of its own (not kept) when there is none."""
+    c = launch.Counters(torch.device("cpu"))
+    a = c._grow(11, 10)
+    assert a.numel() == launch.COUNTERS_MIN and (a == 0).all()
+    assert c._grow(22, 10) is not a and c.buffers[11][0] is a
+    big = c._grow(11, launch.COUNTERS_MIN + 1)
+    assert big.numel() == 2 * launch.COUNTERS_MIN and c.retired == [a] and c.buffers[11][0] is big
+    c.reserve(100)
+    spare = c.spare
+    assert spare is not None and (spare == 0).all()
+    monkeypatch.setattr(launch.Counters, "_capturing", lambda self: True)
+    c.reserve(10**6)
+    assert c.spare is spare  # nothing is zeroed during a capture
+    assert c._grow(33, 100) is spare and c.spare is None and c.buffers[33][0] is spare
+    own = c._grow(44, 100)
+    assert (own == 0).all() and 44 not in c.buffers
