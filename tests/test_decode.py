@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
 import flexattn
-from flexattn.kernels import options, plans
+from flexattn.kernels import decode as dec, launch, options, plans
 from flexattn.decode import causal_at, causal_at_with_length, decode_attention, valid_length
 from flexattn.reference import attention_reference
 
@@ -234,9 +234,127 @@ def test_output_follows_query_stride_order(Q_LEN):
     q = torch.randn(2, Q_LEN, 2, 16, generator=g).transpose(1, 2)    # [B, H, L, E] view of [B, L, H, E]
     k = torch.randn(2, 2, 70, 16, generator=g)
     v = torch.randn(2, 70, 2, 16, generator=g).transpose(1, 2)
-    for split in (1, 3):  # the split kernel writes Out itself / the combine kernel writes it
+    for split in (1, 3):  # one split writes Out itself / the row tile's last split merges and writes it
         out = decode_attention(q, k, v, kernel_options={"SPLIT_KV": split})
         fwd = flexattn.flex_attention(q, k, v, kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
         assert out.stride() == fwd.stride() == q.stride(), (out.stride(), fwd.stride(), q.stride())
         torch.testing.assert_close(out, fwd, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out.double(), attention_reference(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# One launch: the row tile's last split merges the partials, on counters that return to zero
+
+
+def _cpu_counters():
+    return launch.counters_of(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("split", [2, 3, 7])
+@pytest.mark.parametrize("Hq,Hkv,Q_LEN,KV_LEN,Ev", [(8, 2, 2, 141, 24), (3, 3, 1, 125, 16), (10, 2, 3, 203, 40),
+                                                   (16, 2, 9, 130, 16)])
+def test_forced_split_merges_in_one_launch(split, Hq, Hkv, Q_LEN, KV_LEN, Ev):
+    """GQA and MHA, KV lengths and V head dims that are no multiple of the tiles, one row per tile
+    (MHA, Q_LEN 1) to two row tiles per KV head (72 rows): one launch."""
+    q, k, v = qkv(2, Hq, Hkv, Q_LEN, KV_LEN, 32, Ev, seed=split)
+    sites = [site for site, _ in launch.recorded_launches(lambda: check(q, k, v, opts={"SPLIT_KV": split}))]
+    assert len(sites) == 1 and sites[0].constexprs["SPLIT_KV"] == split
+
+
+@pytest.mark.parametrize("split", [2, 3, 7])
+def test_forced_split_fully_masked_rows(split):
+    """Rows that see nothing come out 0 / -inf from the merge: a dead row inside live tiles, a
+    query block with no KV block at all (every split empty), and a batch with no valid keys."""
+    pos = torch.tensor(90, dtype=torch.int32)
+    mask = flexattn.mask_mod("(q_idx < 16) & (q_idx % 5 != 2) & (kv_idx <= q_idx + pos)", pos=pos)
+    q, k, v = qkv(2, 6, 2, 20, 131, 16, seed=split)
+    bm = _block_mask(mask, None, None, 20, 131, 16)
+    assert (bm.kv_num_blocks[0, 0, 1] == 0).all() and (bm.full_kv_num_blocks[0, 0, 1] == 0).all()
+    out, lse = check(q, k, v, mask_mod=mask, block_mask=bm, opts={"SPLIT_KV": split})
+    assert (lse[:, :, 16:] == -math.inf).all() and (lse[:, :, 2] == -math.inf).all()
+    lengths = torch.tensor([0, 57], dtype=torch.int32)
+    out, lse = check(q, k, v, mask_mod=flexattn.mask_mod("kv_idx < n[b]", n=lengths), kv_lengths=lengths,
+                     ref_mask=flexattn.mask_mod("kv_idx < n[b]", n=lengths), opts={"SPLIT_KV": split})
+    assert (lse[0] == -math.inf).all() and (out[0] == 0).all() and (lse[1] > -math.inf).all()
+
+
+def test_counters_return_to_zero_after_every_call(monkeypatch):
+    """The same plan twice: both calls count on one buffer (no new one, no memset), it is all
+    zeros after each call, and the second call's results are right."""
+    seen = []
+    call = launch.Counters.__call__
+
+    def spy(self, n):
+        stream, buf = call(self, n)
+        seen.append(buf)
+        return stream, buf
+
+    monkeypatch.setattr(launch.Counters, "__call__", spy)
+    q, k, v = qkv(3, 8, 2, 3, 150, 32, seed=1)
+    n_plans = len(plans.DECODE)
+    for seed in (2, 3):
+        q = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed))  # new query each call
+        check(q, k, v, opts={"SPLIT_KV": 5})
+        assert (seen[-1] == 0).all()
+    assert len(plans.DECODE) <= n_plans + 1 and len(seen) == 2 and seen[0] is seen[1]
+    assert seen[0].numel() >= 3 * 2 and seen[0] is _cpu_counters().buffers[0][0]
+
+
+def test_counts_are_modular():
+    """A count that is already a multiple of SPLIT_KV (what concurrent misuse can leave for a
+    moment) still merges once per call and comes back to where it was."""
+    q, k, v = qkv(1, 4, 4, 1, 100, 16, seed=4)
+    check(q, k, v, opts={"SPLIT_KV": 3})
+    buf = _cpu_counters().buffers[0][0]
+    buf[:4] = 6
+    try:
+        check(q, k, v, opts={"SPLIT_KV": 3})
+        assert (buf[:4] == 6).all() and (buf[4:] == 0).all()
+    finally:
+        buf.zero_()
+
+
+def test_merge_in_several_steps(monkeypatch):
+    """Few registers for the merge: it reads the partials one or two at a time and rescales."""
+    monkeypatch.setattr(dec, "MERGE_ELEMENTS_PER_WARP", 64)
+    monkeypatch.setattr(plans, "DECODE", launch.PlanCache())
+    q, k, v = qkv(2, 6, 2, 3, 111, 32, seed=5)
+    sites = [s for s, _ in launch.recorded_launches(lambda: check(q, k, v, opts={"SPLIT_KV": 7}))]
+    assert sites[0].constexprs["MERGE_CHUNK"] == 1 and sites[0].constexprs["MERGE_M"] == 16
+
+
+def test_a_failed_launch_leaves_the_counters_at_zero(monkeypatch):
+    def half_run(self, *args, stream=None):
+        args[5][:3] += 1  # some splits counted themselves in, then the launch stopped
+        raise RuntimeError("stopped")
+
+    q, k, v = qkv(1, 4, 2, 1, 60, 16)
+    decode_attention(q, k, v, enable_gqa=True, kernel_options={"SPLIT_KV": 2})
+    monkeypatch.setattr(launch.Launch, "__call__", half_run)
+    with pytest.raises(RuntimeError, match="stopped"):
+        decode_attention(q, k, v, enable_gqa=True, kernel_options={"SPLIT_KV": 2})
+    assert (_cpu_counters().buffers[0][0] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# launch.Counters: zero between launches, one buffer per stream
+
+
+def test_counters_per_stream_and_under_capture(monkeypatch):
+    """One buffer per stream, grown when a plan needs more, the old one kept; a capture adopts
+    the zeroed spare, or takes a buffer of its own (not kept) when there is none."""
+    c = launch.Counters(torch.device("cpu"))
+    a = c._grow(11, 10)
+    assert a.numel() == launch.COUNTERS_MIN and (a == 0).all()
+    assert c._grow(22, 10) is not a and c.buffers[11][0] is a
+    big = c._grow(11, launch.COUNTERS_MIN + 1)
+    assert big.numel() == 2 * launch.COUNTERS_MIN and c.retired == [a] and c.buffers[11][0] is big
+    c.reserve(100)
+    spare = c.spare
+    assert spare is not None and (spare == 0).all()
+    monkeypatch.setattr(launch.Counters, "_capturing", lambda self: True)
+    c.reserve(10**6)
+    assert c.spare is spare  # nothing is zeroed during a capture
+    assert c._grow(33, 100) is spare and c.spare is None and c.buffers[33][0] is spare
+    own = c._grow(44, 100)
+    assert (own == 0).all() and 44 not in c.buffers

@@ -1,8 +1,11 @@
 """The split-KV decoding kernel (templates/decode.py): plan once, launch per call.
 
-Every query head that shares a KV head is packed into one row tile, the KV range is split over
-SPLIT_KV programs so the GPU is full, and the partial results are merged with a log-sum-exp
-reduction (`decode_combine_kernel`, skipped when SPLIT_KV == 1).
+Every query head that shares a KV head is packed into one row tile, and the KV range is split
+over SPLIT_KV programs so the GPU is full. One launch does it all: each program stores its partial
+result, and the last of a row tile's programs to finish (it counts itself in on the row tile's
+counter, `launch.Counters`) merges the partials with a log-sum-exp reduction and writes the rows;
+with SPLIT_KV == 1 each program writes its rows directly. A call allocates the output and one
+float32 scratch buffer (LSE, then the partials) and launches once.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from flexattn.mods import Mod
 Q_THRESHOLD = 128
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+# The merge reads partials in [MERGE_M, MERGE_CHUNK, V_HEAD_DIM_ROUNDED] tiles of at most this
+# many floats per warp (32 registers a thread).
+MERGE_ELEMENTS_PER_WARP = 32 * 32
 
 
 def module(score: Mod | None, mask: Mod | None, target: str, fast_math: bool = False):
@@ -49,12 +55,12 @@ def module(score: Mod | None, mask: Mod | None, target: str, fast_math: bool = F
 
 @dataclass(frozen=True)
 class Plan:
-    split: launch.Launch      # decode_split_kernel
-    combine: launch.Launch    # decode_combine_kernel (used when split_kv > 1)
+    split: launch.Launch      # decode_split_kernel: the one launch of a call
     split_kv: int
+    row_tiles: int            # counters the launch counts on (when split_kv > 1)
+    counters: launch.Counters
     strides: tuple            # Q, K, V strides
-    static_args: tuple        # block-mask strides, sizes and scratch offsets after Out's strides
-    combine_args: tuple       # the combine kernel's arguments after Out's strides
+    static_args: tuple        # block-mask strides, sizes and N_ROWS after Out's strides
     out_shape: tuple
     out_order: tuple | None   # None: contiguous
     scratch: int              # float32 elements of the LSE + partials buffer
@@ -119,11 +125,14 @@ def make_plan(query, key, value, score: Mod | None, mask: Mod | None, tables: Ta
         static += ([*table_strides(tables.kv.full_num), *table_strides(tables.kv.full_idx)] if has_full else [0] * 6)
     else:
         static = [0] * 12
-    # LSE + partials in one float32 buffer: LSE [rows], M and L [rows, split], Acc [rows, split, EV]
+    # LSE + partials in one float32 buffer: LSE [n], M and L [split, n], Acc [split, n, EV]
     n = B * HQ * Q_LEN
-    offsets = (n, n + n * split, n + 2 * n * split) if split > 1 else (0, 0, 0)
     scratch = n + 2 * n * split + n * split * EV if split > 1 else n
-    static += [Q_LEN, KV_LEN, E, EV, *offsets]
+    static += [Q_LEN, KV_LEN, E, EV, n]
+    # The merge: every real row of a row tile at once, as many partials a step as registers allow.
+    merge_m = min(BLOCK_M, triton.next_power_of_2(max(rows, 1)))
+    per_step = MERGE_ELEMENTS_PER_WARP * o["num_warps"] // (merge_m * DV)
+    merge_chunk = min(triton.next_power_of_2(split), 1 << (max(per_step, 1).bit_length() - 1))
     precision = o["INPUT_PRECISION"] if query.dtype == torch.float32 else "tf32"
     constexprs = dict(
         HKV=HKV, GQA_SHARED_HEADS=G, PACKED_HEADS=G_PACK, Q_ROWS=max(Q_ROWS, 1), NUM_Q_BLOCKS=NUM_Q_BLOCKS,
@@ -135,18 +144,19 @@ def make_plan(query, key, value, score: Mod | None, mask: Mod | None, tables: Ta
         IS_DIVISIBLE_M=rows % BLOCK_M == 0 and Q_LEN == NUM_Q_BLOCKS * Q_ROWS,
         IS_DIVISIBLE_N=safe_n, SAFE_HEAD_DIM=D == E and DV == EV, DOT_PRECISION=precision,
         DOT_IN_FP32=device.type != "cuda" and query.dtype == torch.bfloat16,
+        MERGE_M=merge_m, MERGE_CHUNK=merge_chunk,
     )
     if device.type == "cuda":
         constexprs.update(num_warps=o["num_warps"], num_stages=o["num_stages"])
     mod = module(score, mask, launch.target_for(device), opts.fast_math(explicit, device, query.dtype))
+    counters = launch.counters_of(device)
+    if split > 1:
+        counters.reserve(programs)
     return Plan(
         split=launch.Launch(mod.decode_split_kernel, (split, B * HKV, (G // G_PACK) * NUM_Q_BLOCKS * M_TILES),
                             constexprs, device),
-        combine=launch.Launch(mod.decode_combine_kernel, (n,),
-                              dict(SPLIT_KV=split, SPLIT_PAD=max(2, triton.next_power_of_2(split)),
-                                   V_HEAD_DIM_ROUNDED=DV), device),
-        split_kv=split,
-        strides=strides, static_args=tuple(static), combine_args=(HQ, Q_LEN, EV, *offsets),
+        split_kv=split, row_tiles=programs, counters=counters,
+        strides=strides, static_args=tuple(static),
         out_shape=(B, HQ, Q_LEN, EV), out_order=launch.contiguous_or_order(query), scratch=scratch,
         is_empty=B * HQ * Q_LEN * EV == 0, lse_strides=launch.output_strides((B, HQ, Q_LEN), None),
     )
@@ -154,26 +164,34 @@ def make_plan(query, key, value, score: Mod | None, mask: Mod | None, tables: Ta
 
 def run(plan: Plan, query, key, value, score: Mod | None, score_bufs, mask: Mod | None, mask_bufs,
         tables: Tables | None, scale: float, kv_lengths: torch.Tensor | None):
-    """Launch: ``(out, lse)`` with lse in natural log, float32. Two allocations: the output and
-    one float32 buffer holding LSE and the split partials (LSE is a view of its start)."""
+    """Launch: ``(out, lse)`` with lse in natural log, float32. Two allocations (the output, and
+    one float32 buffer holding LSE and the split partials, LSE a view of its start) and one launch;
+    with SPLIT_KV > 1 the launch also counts on the current stream's counters."""
     device = query.device
     out = launch.empty(plan.out_shape, query.dtype, device, plan.out_order)
     scratch = launch.empty((plan.scratch,), torch.float32, device)
-    lse_shape = plan.out_shape[:3]
-    lse = scratch.as_strided(lse_shape, plan.lse_strides)
+    lse = scratch.as_strided(plan.out_shape[:3], plan.lse_strides)
     if plan.is_empty:
         return out, lse.fill_(float("-inf"))
+    if plan.split_kv > 1:
+        stream, done = plan.counters(plan.row_tiles)
+    else:
+        stream, done = None, launch.UNUSED
     if tables is not None:
         num, idx, full_num, full_idx = tables.kv.args()
     else:
         num = idx = full_num = full_idx = launch.UNUSED
-    plan.split(
-        query, key, value, out, scratch,
-        num, idx, full_num, full_idx, kv_lengths if kv_lengths is not None else launch.UNUSED,
-        *(launch.buffer_args(score, score_bufs) if score is not None else ()),
-        *(launch.buffer_args(mask, mask_bufs) if mask is not None else ()),
-        *plan.strides, *out.stride(), *plan.static_args, scale,
-    )
-    if plan.split_kv > 1:
-        plan.combine(out, scratch, *out.stride(), *plan.combine_args)
+    try:
+        plan.split(
+            query, key, value, out, scratch, done,
+            num, idx, full_num, full_idx, kv_lengths if kv_lengths is not None else launch.UNUSED,
+            *(launch.buffer_args(score, score_bufs) if score is not None else ()),
+            *(launch.buffer_args(mask, mask_bufs) if mask is not None else ()),
+            *plan.strides, *out.stride(), *plan.static_args, scale, stream=stream,
+        )
+    except BaseException:
+        # A launch that stopped part-way (an error in Triton's interpreter) leaves counts behind.
+        if done is not launch.UNUSED:
+            done.zero_()
+        raise
     return out, lse

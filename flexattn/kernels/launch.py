@@ -233,7 +233,9 @@ class Launch:
         self.compiled = self.launcher = self.static = None
         self.tail = self.pointers = ()
 
-    def __call__(self, *args) -> None:
+    def __call__(self, *args, stream: int | None = None) -> None:
+        """Launch with ``args`` on the current stream; ``stream``: its raw handle, where the caller
+        already has it (`Counters` returns it), so that it is not asked for twice."""
         launcher = self.launcher
         if launcher is not None:
             flat = list(args)
@@ -246,7 +248,8 @@ class Launch:
                 if ptr & 15:
                     break
             else:
-                stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+                if stream is None:
+                    stream = torch._C._cuda_getCurrentRawStream(self.device.index)
                 static = self.static
                 if static is not None and _no_launch_hooks():
                     # Pointers go as integers: torch's launcher then skips its per-pointer driver query.
@@ -362,9 +365,9 @@ def recorded_launches(run: Callable[[], Any]) -> list[tuple[Launch, tuple]]:
     (benchmarks and tests look at what a call launches)."""
     seen, real = [], Launch.__call__
 
-    def spy(self, *args):
+    def spy(self, *args, **kwargs):
         seen.append((self, args))
-        return real(self, *args)
+        return real(self, *args, **kwargs)
 
     Launch.__call__ = spy
     try:
@@ -372,6 +375,85 @@ def recorded_launches(run: Callable[[], Any]) -> list[tuple[Launch, tuple]]:
     finally:
         Launch.__call__ = real
     return seen
+
+
+# ---------------------------------------------------------------------------------------------
+# Self-resetting counters
+
+
+COUNTERS_MIN = 4096  # int32 counters a buffer holds at least (16 KiB): one buffer serves most plans
+
+
+class Counters:
+    """int32 counters of one device that are zero between launches, so a kernel can count on them
+    (the decoding kernel's splits count themselves in per row tile) with no memset per call; the
+    kernel must leave them at zero when it ends. `counters_of` gives a device's.
+
+    One buffer per stream: launches on one stream run one after another and share it, launches on
+    two streams never do. A CUDA graph keeps the buffer of the stream it was captured on, and every
+    replay uses it, wherever it is launched. If that stream had none yet (the usual recipe warms
+    up on another stream), the capture adopts the spare that `reserve` zeroed when the plan was
+    made; with no spare large enough, the call takes a buffer of its own that the graph zeroes on
+    every replay (one memset more, still right). So two things must not overlap in time: a replay
+    launched on another stream and decode calls issued on the capture stream, or replays of two
+    graphs captured on one stream (say torch's default capture stream) on two streams. Their
+    splits would count on the same counters and could merge early: wrong rows (the counters still
+    end at zero, so later calls are right). Graphs meant to run concurrently are captured on
+    streams of their own, ``torch.cuda.graph(g, stream=s)``. On the CPU, the interpreter runs one
+    launch at a time: one buffer.
+    """
+
+    __slots__ = ("device", "index", "buffers", "spare", "retired")
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.index = device.index if device.type == "cuda" else None  # None: no streams (CPU)
+        self.buffers: dict[int, tuple[torch.Tensor, int]] = {}  # raw stream -> (buffer, its size)
+        self.spare: torch.Tensor | None = None    # zeroed, for a capture to adopt
+        self.retired: list[torch.Tensor] = []     # outgrown buffers: captured graphs may still use them
+
+    def __call__(self, n: int) -> tuple[int, torch.Tensor]:
+        """``(stream, buffer)``: the raw current stream (0 on the CPU), for the launch, and at least
+        ``n`` counters for it."""
+        index = self.index
+        stream = 0 if index is None else torch._C._cuda_getCurrentRawStream(index)
+        entry = self.buffers.get(stream)
+        if entry is None or entry[1] < n:
+            return stream, self._grow(stream, n)
+        return stream, entry[0]
+
+    def reserve(self, n: int) -> None:
+        """At plan time: a zeroed spare of ``n`` counters or more, ready for a capture to adopt;
+        zeroed outside any capture and synchronised, so no graph sees it unzeroed."""
+        if (self.spare is None or self.spare.numel() < n) and not self._capturing():
+            self.spare = torch.zeros(max(n, COUNTERS_MIN), dtype=torch.int32, device=self.device)
+            if self.index is not None:
+                torch.cuda.current_stream(self.device).synchronize()
+
+    def _capturing(self) -> bool:
+        # Asked only where a buffer is made: too slow for every call.
+        return self.index is not None and torch.cuda.is_current_stream_capturing()
+
+    def _grow(self, stream: int, n: int) -> torch.Tensor:
+        """The stream's first buffer, or a larger one (the old one is kept: a graph captured on the
+        stream may still count on it)."""
+        old = self.buffers.get(stream)
+        if self._capturing():
+            # Nothing runs during a capture: a buffer made now is not zero before the first replay.
+            if self.spare is None or self.spare.numel() < n:
+                return torch.zeros(n, dtype=torch.int32, device=self.device)  # zeroed by each replay
+            buf, self.spare = self.spare, None
+        else:
+            buf = torch.zeros(max(n, COUNTERS_MIN, 2 * old[1] if old else 0), dtype=torch.int32, device=self.device)
+        if old is not None:
+            self.retired.append(old[0])
+        self.buffers[stream] = (buf, buf.numel())
+        return buf
+
+
+@functools.lru_cache(maxsize=None)
+def counters_of(device: torch.device) -> Counters:
+    return Counters(device)
 
 
 def buffer_args(mod, buffers) -> list:

@@ -202,6 +202,21 @@ def assert_close_to_reference(out: torch.Tensor, eager: torch.Tensor, ref: torch
             raise AssertionError(f"{name} max error {eo:.3g} > {factor} x eager max error {ee:.3g} + {atol:.3g}")
 
 
+def capture_after_warmup(step: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``(graph, static outputs)``: ``step`` warmed up on a side stream (trace, plan, compile), as
+    torch's recipe does, then one call captured (on torch's default capture stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    return graph, static
+
+
 # ---------------------------------------------------------------------------------------------
 # Random IR
 

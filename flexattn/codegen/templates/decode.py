@@ -1,13 +1,15 @@
-# Split-KV decoding forward: a few query rows against a long KV cache.
+# Split-KV decoding forward: a few query rows against a long KV cache, in one launch.
 #
 # One program owns one KV head of one batch element, one tile of packed query rows and one of
 # SPLIT_KV slices of the KV tiles. Every query head that shares the KV head (GQA) is packed into
 # the same row tile, so each K/V tile is read from memory once for all of them and multiplied with
-# one tl.dot. Each program writes its unnormalised partial (acc, m, l); `decode_combine_kernel`
-# merges the SPLIT_KV partials of a row with a log-sum-exp reduction (skipped when SPLIT_KV == 1).
-# LSE and the partials share one float32 scratch buffer (one allocation per call): LSE's ROWS
-# values first, then M_part and L_part [ROWS, SPLIT_KV] and Acc_part [ROWS, SPLIT_KV, V_HEAD_DIM],
-# at element offsets OFF_M, OFF_L and OFF_ACC from LSE.
+# one tl.dot. With SPLIT_KV == 1 the program normalises and writes Out and LSE itself. Otherwise
+# each program stores its unnormalised partial (acc, m, l) and counts itself in on its row tile's
+# counter (SPLITS_DONE); the program that completes the count, the row tile's last, merges the
+# SPLIT_KV partials with a log-sum-exp reduction, writes Out and LSE, and takes the count back to
+# zero, so the counters are zero again when the kernel ends (no memset per call).
+# LSE and the partials share one float32 scratch buffer (one allocation per call): LSE's N_ROWS
+# values first, then M_part and L_part [SPLIT_KV, N_ROWS] and Acc_part [SPLIT_KV, N_ROWS, V_HEAD_DIM].
 #
 # Names follow the forward template (forward.py); what only decoding has is marked (decode). The
 # tile helpers (load_tile, mma, online_softmax) are tiles.py's (the tile_helpers hook).
@@ -17,10 +19,14 @@
 #   K, V            [B or 1, HKV, KV_LEN, QK_HEAD_DIM / V_HEAD_DIM]   (batch 1: the host passes stride 0)
 #   Out             [B, HQ, Q_LEN, V_HEAD_DIM]           (any strides)
 #   LSE             float32 scratch: LSE [B, HQ, Q_LEN] (natural log, -inf for rows that see
-#                   nothing), then the partials at OFF_M, OFF_L, OFF_ACC (see above)
+#                   nothing), then the partials (see above)
+#   SPLITS_DONE     (decode) int32 [row tiles], zero between calls: how many of a row tile's splits
+#                   have stored their partial (read when SPLIT_KV > 1); row tile = pid_bh * (grid
+#                   axis 2) + pid_r, the programs of one row tile differing only in `split`
 #   KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX   the BlockMask's lists, as in the forward
 #   KV_LENGTHS      [B] (decode) per-batch valid KV length, read when HAS_KV_LENGTHS
 #   QK_HEAD_DIM, V_HEAD_DIM   real head dims (runtime ints here, constexprs in the forward)
+#   N_ROWS          (decode) B * HQ * Q_LEN: rows of LSE, and of each split's partials
 #   SM_SCALE        runtime float: softmax scale applied to q.k before score_mod
 #
 # constexprs:
@@ -54,7 +60,10 @@
 #   DOT_PRECISION       tl.dot input_precision ("ieee" for float32 inputs, "tf32" if asked)
 #   DOT_IN_FP32         feed tl.dot float32 copies of the tiles (Triton's CPU interpreter multiplies
 #                       bfloat16 bit patterns as integers); P is still rounded to V's dtype first
-#   SPLIT_PAD           (decode) SPLIT_KV rounded up to a power of two (combine kernel)
+#   MERGE_M             (decode) rows the merging program handles: every real row of a row tile
+#                       (a power of two <= BLOCK_M; fewer than BLOCK_M when the tile is padded)
+#   MERGE_CHUNK         (decode) partials the merge reads per step: a [MERGE_M, MERGE_CHUNK,
+#                       V_HEAD_DIM_ROUNDED] tile (a power of two)
 $prelude
 
 $score_mod_def
@@ -144,8 +153,91 @@ def decode_inner(
 
 
 @triton.jit
+def packed_rows(offs_r, h_kv, head_group, q_block, Q_LEN, GQA_SHARED_HEADS: tl.constexpr,
+                PACKED_HEADS: tl.constexpr, Q_ROWS: tl.constexpr, SPARSE_Q_BLOCK_SIZE: tl.constexpr):
+    # Packed row r of a row group is head r % PACKED_HEADS, query row r // PACKED_HEADS; row_ok:
+    # it is a real (head, query) row. Real rows are a prefix of every row tile.
+    h_row = h_kv * GQA_SHARED_HEADS + head_group * PACKED_HEADS + offs_r % PACKED_HEADS
+    q_row = q_block * SPARSE_Q_BLOCK_SIZE + offs_r // PACKED_HEADS
+    row_ok = (offs_r < PACKED_HEADS * Q_ROWS) & (q_row < Q_LEN)
+    return h_row, q_row, row_ok
+
+
+@triton.jit
+def store_rows(
+    Out, LSE, acc, l_i, m_i, b, h_row, q_row, row, row_ok, offs_v,
+    stride_oz, stride_oh, stride_om, stride_ok, V_HEAD_DIM, CHECK: tl.constexpr,
+):
+    # Normalise and write Out and LSE (natural log). [Note] a fully masked row has l_i == 0 and
+    # acc == 0: it writes 0 and LSE = -inf, never NaN.
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    O_ptrs = Out + b.to(tl.int64) * stride_oz + h_row[:, None] * stride_oh + q_row[:, None] * stride_om \
+        + offs_v[None, :] * stride_ok
+    if CHECK:
+        tl.store(O_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_v[None, :] < V_HEAD_DIM))
+    else:
+        tl.store(O_ptrs, out.to(Out.dtype.element_ty))
+    tl.store(LSE + row, lse, mask=row_ok)
+
+
+@triton.jit
+def merge_partials(
+    M_part, L_part, Acc_part, row, row_ok, N_ROWS, V_HEAD_DIM,
+    SPLIT_KV: tl.constexpr, MERGE_M: tl.constexpr, MERGE_CHUNK: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr,
+):
+    # The log-sum-exp merge of the rows' SPLIT_KV partials (m in base-2 units, as online_softmax
+    # keeps it): with M = max_s m_s, out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s. Read
+    # MERGE_CHUNK partials at a time, rescaling what is summed so far when M grows (one chunk:
+    # exactly that formula). Splits that saw nothing have m = -inf and weigh 0; loads are .cg
+    # (see the ordering note in decode_split_kernel).
+    offs_v = tl.arange(0, V_HEAD_DIM_ROUNDED)
+    acc = tl.full([MERGE_M, V_HEAD_DIM_ROUNDED], 0.0, dtype=tl.float32)
+    l_i = tl.full([MERGE_M], 0.0, dtype=tl.float32)
+    m_i = tl.full([MERGE_M], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, SPLIT_KV, MERGE_CHUNK):
+        offs_s = s0 + tl.arange(0, MERGE_CHUNK)
+        part = offs_s[None, :].to(tl.int64) * N_ROWS + row[:, None]          # [MERGE_M, MERGE_CHUNK]
+        ok = row_ok[:, None] & (offs_s[None, :] < SPLIT_KV)
+        m_s = tl.load(M_part + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(L_part + part, mask=ok, other=0.0, cache_modifier=".cg")
+        acc_s = tl.load(Acc_part + part[:, :, None] * V_HEAD_DIM + offs_v[None, None, :],
+                        mask=ok[:, :, None] & (offs_v[None, None, :] < V_HEAD_DIM), other=0.0,
+                        cache_modifier=".cg")
+        m_new = tl.maximum(m_i, row_max(m_s))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no partial yet: weights 0
+        alpha = tl.exp2(m_i - m_ref)
+        w = tl.exp2(m_s - m_ref[:, None])
+        l_i = l_i * alpha + row_sum(w * l_s)
+        acc = acc * alpha[:, None] + tl.reduce(w[:, :, None] * acc_s, 1, tl.standard._sum_combine)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def merge_rows(
+    Out, LSE, M_part, L_part, Acc_part, b, h_kv, head_group, q_block, m_tile,
+    stride_oz, stride_oh, stride_om, stride_ok, Q_LEN, V_HEAD_DIM, N_ROWS,
+    HKV: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, PACKED_HEADS: tl.constexpr, Q_ROWS: tl.constexpr,
+    SPARSE_Q_BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr,
+    SPLIT_KV: tl.constexpr, MERGE_M: tl.constexpr, MERGE_CHUNK: tl.constexpr, CHECK: tl.constexpr,
+):
+    # The last split's epilogue: merge the real rows of row tile m_tile (the first MERGE_M of its
+    # BLOCK_M) and write them.
+    offs_r = m_tile * BLOCK_M + tl.arange(0, MERGE_M)
+    h_row, q_row, row_ok = packed_rows(offs_r, h_kv, head_group, q_block, Q_LEN, GQA_SHARED_HEADS, PACKED_HEADS,
+                                       Q_ROWS, SPARSE_Q_BLOCK_SIZE)
+    row = (b * (HKV * GQA_SHARED_HEADS) + h_row) * Q_LEN + q_row
+    acc, l_i, m_i = merge_partials(M_part, L_part, Acc_part, row, row_ok, N_ROWS, V_HEAD_DIM,
+                                   SPLIT_KV, MERGE_M, MERGE_CHUNK, V_HEAD_DIM_ROUNDED)
+    store_rows(Out, LSE, acc, l_i, m_i, b, h_row, q_row, row, row_ok, tl.arange(0, V_HEAD_DIM_ROUNDED),
+               stride_oz, stride_oh, stride_om, stride_ok, V_HEAD_DIM, CHECK)
+
+
+@triton.jit
 def decode_split_kernel(
-    Q, K, V, Out, LSE,
+    Q, K, V, Out, LSE, SPLITS_DONE,
     KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX, KV_LENGTHS,
     $score_params$mask_params
     stride_qz, stride_qh, stride_qm, stride_qk,
@@ -156,7 +248,7 @@ def decode_split_kernel(
     stride_iz, stride_ih, stride_im,
     stride_fnz, stride_fnh, stride_fnm,
     stride_fiz, stride_fih, stride_fim,
-    Q_LEN, KV_LEN, QK_HEAD_DIM, V_HEAD_DIM, OFF_M, OFF_L, OFF_ACC, SM_SCALE,
+    Q_LEN, KV_LEN, QK_HEAD_DIM, V_HEAD_DIM, N_ROWS, SM_SCALE,
     HKV: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, PACKED_HEADS: tl.constexpr,
     Q_ROWS: tl.constexpr, NUM_Q_BLOCKS: tl.constexpr, M_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -166,10 +258,11 @@ def decode_split_kernel(
     HAS_BLOCK_MASK: tl.constexpr, HAS_FULL_BLOCKS: tl.constexpr, APPLY_MASK_DENSE: tl.constexpr,
     HAS_KV_LENGTHS: tl.constexpr, IS_DIVISIBLE_M: tl.constexpr, IS_DIVISIBLE_N: tl.constexpr,
     SAFE_HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, MERGE_M: tl.constexpr, MERGE_CHUNK: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
     tl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N == 0)
+    tl.static_assert(MERGE_M <= BLOCK_M)
     split = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_r = tl.program_id(2)
@@ -181,12 +274,11 @@ def decode_split_kernel(
     head_group = group // NUM_Q_BLOCKS
     q_block = group % NUM_Q_BLOCKS
     offs_r = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    h_row = h_kv * GQA_SHARED_HEADS + head_group * PACKED_HEADS + offs_r % PACKED_HEADS
-    q_row = q_block * SPARSE_Q_BLOCK_SIZE + offs_r // PACKED_HEADS
+    h_row, q_row, row_ok = packed_rows(offs_r, h_kv, head_group, q_block, Q_LEN, GQA_SHARED_HEADS, PACKED_HEADS,
+                                       Q_ROWS, SPARSE_Q_BLOCK_SIZE)
     # mods see h and q_idx as [BLOCK_M, 1] tiles (packed rows differ in head), kv_idx as [1, BLOCK_N]
     h = h_row[:, None]
     q_idx = q_row[:, None]
-    row_ok = (offs_r < PACKED_HEADS * Q_ROWS) & (q_row < Q_LEN)
 
     offs_k = tl.arange(0, QK_HEAD_DIM_ROUNDED)
     offs_v = tl.arange(0, V_HEAD_DIM_ROUNDED)
@@ -247,54 +339,34 @@ def decode_split_kernel(
 
     # Row (b, h, q) of the [B, HQ, Q_LEN] row space.
     row = (b * (HKV * GQA_SHARED_HEADS) + h_row) * Q_LEN + q_row
+    CHECK_OUT: tl.constexpr = not (IS_DIVISIBLE_M and SAFE_HEAD_DIM)
     if SPLIT_KV == 1:
-        # -- one split: normalise here, no combine pass. [Note] a fully masked row has l_i == 0
-        # and acc == 0: it writes 0 and LSE = -inf, never NaN.
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / l_safe[:, None]
-        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-        O_ptrs = Out + b.to(tl.int64) * stride_oz + h * stride_oh + q_idx * stride_om + offs_v[None, :] * stride_ok
-        if IS_DIVISIBLE_M and SAFE_HEAD_DIM:
-            tl.store(O_ptrs, out.to(Out.dtype.element_ty))
-        else:
-            tl.store(O_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_v[None, :] < V_HEAD_DIM))
-        tl.store(LSE + row, lse, mask=row_ok)
+        # -- one split: normalise here, nothing to merge
+        store_rows(Out, LSE, acc, l_i, m_i, b, h_row, q_row, row, row_ok, offs_v,
+                   stride_oz, stride_oh, stride_om, stride_ok, V_HEAD_DIM, CHECK_OUT)
     else:
-        # -- partials: Acc_part [rows, SPLIT_KV, V_HEAD_DIM], M_part / L_part [rows, SPLIT_KV]
-        part = row.to(tl.int64) * SPLIT_KV + split
-        tl.store(LSE + OFF_M + part, m_i, mask=row_ok)
-        tl.store(LSE + OFF_L + part, l_i, mask=row_ok)
-        tl.store(LSE + OFF_ACC + part[:, None] * V_HEAD_DIM + offs_v[None, :], acc,
+        # -- this split's partial: M_part / L_part [SPLIT_KV, N_ROWS], Acc_part [SPLIT_KV, N_ROWS, V_HEAD_DIM]
+        M_part = LSE + N_ROWS
+        L_part = M_part + SPLIT_KV * N_ROWS
+        Acc_part = L_part + SPLIT_KV * N_ROWS
+        part = split.to(tl.int64) * N_ROWS + row
+        tl.store(M_part + part, m_i, mask=row_ok)
+        tl.store(L_part + part, l_i, mask=row_ok)
+        tl.store(Acc_part + part[:, None] * V_HEAD_DIM + offs_v[None, :], acc,
                  mask=row_ok[:, None] & (offs_v[None, :] < V_HEAD_DIM))
-
-
-@triton.jit
-def decode_combine_kernel(
-    Out, LSE,
-    stride_oz, stride_oh, stride_om, stride_ok,
-    HQ, Q_LEN, V_HEAD_DIM, OFF_M, OFF_L, OFF_ACC,
-    SPLIT_KV: tl.constexpr, SPLIT_PAD: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr,
-):
-    # One program per (b, h, q) row: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
-    row = tl.program_id(0)
-    q = row % Q_LEN
-    h = (row // Q_LEN) % HQ
-    b = row // (Q_LEN * HQ)
-    offs_s = tl.arange(0, SPLIT_PAD)
-    offs_v = tl.arange(0, V_HEAD_DIM_ROUNDED)
-    s_ok = offs_s < SPLIT_KV
-    part = row.to(tl.int64) * SPLIT_KV + offs_s
-    m = tl.load(LSE + OFF_M + part, mask=s_ok, other=float("-inf"))
-    l = tl.load(LSE + OFF_L + part, mask=s_ok, other=0.0)
-    acc = tl.load(LSE + OFF_ACC + part[:, None] * V_HEAD_DIM + offs_v[None, :],
-                  mask=s_ok[:, None] & (offs_v[None, :] < V_HEAD_DIM), other=0.0)
-    m_max = tl.reduce(m, 0, tl.standard._elementwise_max)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_safe)
-    l_sum = tl.reduce(w * l, 0, tl.standard._sum_combine)
-    l_safe = tl.where(l_sum == 0.0, 1.0, l_sum)
-    out = tl.reduce(w[:, None] * acc, 0, tl.standard._sum_combine) / l_safe
-    lse = tl.where(l_sum == 0.0, float("-inf"), (m_safe + tl.log2(l_safe)) * 0.6931471805599453)
-    O_row = Out + b.to(tl.int64) * stride_oz + h * stride_oh + q * stride_om
-    tl.store(O_row + offs_v * stride_ok, out.to(Out.dtype.element_ty), mask=offs_v < V_HEAD_DIM)
-    tl.store(LSE + row, lse)
+        # -- count this split in; the row tile's last split merges. [Note] ordering: the barrier
+        # puts every thread's partial stores before the counter's release (acq_rel at gpu scope is
+        # cumulative over what the block stored); the last split's acquire sees every other split's
+        # release, and its loads go to L2 (.cg), past an L1 that may hold stale lines.
+        tl.debug_barrier()
+        counter = SPLITS_DONE + pid_bh * ((GQA_SHARED_HEADS // PACKED_HEADS) * NUM_Q_BLOCKS * M_TILES) + pid_r
+        done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        # Last = the count completes a multiple of SPLIT_KV; the merge then takes SPLIT_KV off
+        # rather than storing 0: should two launches ever share the counters at once (a misuse, see
+        # flexattn.kernels.launch.Counters), their rows may be wrong but the count still ends at 0.
+        if done % SPLIT_KV == SPLIT_KV - 1:
+            merge_rows(Out, LSE, M_part, L_part, Acc_part, b, h_kv, head_group, q_block, m_tile,
+                       stride_oz, stride_oh, stride_om, stride_ok, Q_LEN, V_HEAD_DIM, N_ROWS,
+                       HKV, GQA_SHARED_HEADS, PACKED_HEADS, Q_ROWS, SPARSE_Q_BLOCK_SIZE, BLOCK_M,
+                       V_HEAD_DIM_ROUNDED, SPLIT_KV, MERGE_M, MERGE_CHUNK, CHECK_OUT)
+            tl.atomic_add(counter, -SPLIT_KV, sem="relaxed", scope="gpu")
