@@ -27,8 +27,10 @@ Q_THRESHOLD = 128
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 # The merge reads partials in [MERGE_M, MERGE_CHUNK, V_HEAD_DIM_ROUNDED] tiles of at most this
-# many floats per warp (32 registers a thread).
-MERGE_ELEMENTS_PER_WARP = 32 * 32
+# many floats per warp (128 registers a thread; the main loop's registers are free by then). On
+# the H100, 4x the first choice of 32 took gqa B1 128k from 89.4% to 93.0% of copy bandwidth
+# (fewer dependent L2 round trips in the merge), the other shapes level.
+MERGE_ELEMENTS_PER_WARP = 128 * 32
 
 
 def module(score: Mod | None, mask: Mod | None, target: str, fast_math: bool = False):
