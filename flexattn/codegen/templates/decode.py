@@ -153,14 +153,16 @@ def decode_inner(
 
 
 @triton.jit
-def packed_rows(offs_r, h_kv, head_group, q_block, Q_LEN, GQA_SHARED_HEADS: tl.constexpr,
+def packed_rows(offs_r, b, h_kv, head_group, q_block, Q_LEN, HKV: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr,
                 PACKED_HEADS: tl.constexpr, Q_ROWS: tl.constexpr, SPARSE_Q_BLOCK_SIZE: tl.constexpr):
     # Packed row r of a row group is head r % PACKED_HEADS, query row r // PACKED_HEADS; row_ok:
-    # it is a real (head, query) row. Real rows are a prefix of every row tile.
+    # it is a real (head, query) row (real rows are a prefix of every row tile); row: its index in
+    # the [B, HQ, Q_LEN] row space of LSE and the partials.
     h_row = h_kv * GQA_SHARED_HEADS + head_group * PACKED_HEADS + offs_r % PACKED_HEADS
     q_row = q_block * SPARSE_Q_BLOCK_SIZE + offs_r // PACKED_HEADS
     row_ok = (offs_r < PACKED_HEADS * Q_ROWS) & (q_row < Q_LEN)
-    return h_row, q_row, row_ok
+    row = (b * (HKV * GQA_SHARED_HEADS) + h_row) * Q_LEN + q_row
+    return h_row, q_row, row_ok, row
 
 
 @triton.jit
@@ -210,7 +212,7 @@ def merge_partials(
         alpha = tl.exp2(m_i - m_ref)
         w = tl.exp2(m_s - m_ref[:, None])
         l_i = l_i * alpha + row_sum(w * l_s)
-        acc = acc * alpha[:, None] + tl.reduce(w[:, :, None] * acc_s, 1, tl.standard._sum_combine)
+        acc = acc * alpha[:, None] + row_sum(w[:, :, None] * acc_s)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -226,9 +228,8 @@ def merge_rows(
     # The last split's epilogue: merge the real rows of row tile m_tile (the first MERGE_M of its
     # BLOCK_M) and write them.
     offs_r = m_tile * BLOCK_M + tl.arange(0, MERGE_M)
-    h_row, q_row, row_ok = packed_rows(offs_r, h_kv, head_group, q_block, Q_LEN, GQA_SHARED_HEADS, PACKED_HEADS,
-                                       Q_ROWS, SPARSE_Q_BLOCK_SIZE)
-    row = (b * (HKV * GQA_SHARED_HEADS) + h_row) * Q_LEN + q_row
+    h_row, q_row, row_ok, row = packed_rows(offs_r, b, h_kv, head_group, q_block, Q_LEN, HKV, GQA_SHARED_HEADS,
+                                            PACKED_HEADS, Q_ROWS, SPARSE_Q_BLOCK_SIZE)
     acc, l_i, m_i = merge_partials(M_part, L_part, Acc_part, row, row_ok, N_ROWS, V_HEAD_DIM,
                                    SPLIT_KV, MERGE_M, MERGE_CHUNK, V_HEAD_DIM_ROUNDED)
     store_rows(Out, LSE, acc, l_i, m_i, b, h_row, q_row, row, row_ok, tl.arange(0, V_HEAD_DIM_ROUNDED),
@@ -274,8 +275,8 @@ def decode_split_kernel(
     head_group = group // NUM_Q_BLOCKS
     q_block = group % NUM_Q_BLOCKS
     offs_r = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    h_row, q_row, row_ok = packed_rows(offs_r, h_kv, head_group, q_block, Q_LEN, GQA_SHARED_HEADS, PACKED_HEADS,
-                                       Q_ROWS, SPARSE_Q_BLOCK_SIZE)
+    h_row, q_row, row_ok, row = packed_rows(offs_r, b, h_kv, head_group, q_block, Q_LEN, HKV, GQA_SHARED_HEADS,
+                                            PACKED_HEADS, Q_ROWS, SPARSE_Q_BLOCK_SIZE)
     # mods see h and q_idx as [BLOCK_M, 1] tiles (packed rows differ in head), kv_idx as [1, BLOCK_N]
     h = h_row[:, None]
     q_idx = q_row[:, None]
@@ -337,8 +338,6 @@ def decode_split_kernel(
             QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM, IS_DIVISIBLE_N, DOT_PRECISION, DOT_IN_FP32,
         )
 
-    # Row (b, h, q) of the [B, HQ, Q_LEN] row space.
-    row = (b * (HKV * GQA_SHARED_HEADS) + h_row) * Q_LEN + q_row
     CHECK_OUT: tl.constexpr = not (IS_DIVISIBLE_M and SAFE_HEAD_DIM)
     if SPLIT_KV == 1:
         # -- one split: normalise here, nothing to merge
