@@ -32,6 +32,8 @@ A DSL mod or any other `Mod` needs no tracing: it is its own template.
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 import types
 from typing import Any
 
@@ -66,7 +68,10 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
 
 
 _FLAT = object()  # marks a key made by `_flat_fingerprint`
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_ATOM, _TENSOR, _IDENTITY = range(3)
+# What `_flat_fingerprint` does with a value, by its exact type (one dict lookup per value).
+_FLAT_KINDS = {**dict.fromkeys(_ATOMS, _ATOM), torch.Tensor: _TENSOR, torch.nn.Parameter: _TENSOR,
+               **dict.fromkeys(_BY_IDENTITY, _IDENTITY)}
 
 
 def _flat_fingerprint(fn: types.FunctionType) -> tuple[tuple | None, list[torch.Tensor]]:
@@ -77,20 +82,20 @@ def _flat_fingerprint(fn: types.FunctionType) -> tuple[tuple | None, list[torch.
     if fn.__defaults__ is not None or fn.__kwdefaults__ is not None:
         return None, []
     code = fn.__code__
-    g = fn.__globals__
     try:
         values = [c.cell_contents for c in fn.__closure__ or ()]
     except ValueError:  # an empty cell
         return None, []
     n_cells = len(values)
-    values += [g.get(n, _MISSING) for n in _global_names(code)]
+    values += map(fn.__globals__.get, _global_names(code), _MISSING_EACH)
     key: list = [_FLAT, code, n_cells]
     tensors: list[torch.Tensor] = []
     for v in values:
         t = type(v)
-        if t in _ATOMS:
+        kind = _FLAT_KINDS.get(t)
+        if kind is _ATOM:
             key.append((t, v))
-        elif t in _PLAIN_TENSORS:
+        elif kind is _TENSOR:
             for i, x in enumerate(tensors):
                 if x is v:
                     key.append(i)
@@ -98,7 +103,7 @@ def _flat_fingerprint(fn: types.FunctionType) -> tuple[tuple | None, list[torch.
             else:
                 key.append((v.dtype, v.device, v.shape, v.layout))
                 tensors.append(v)
-        elif v is _MISSING or isinstance(v, _BY_IDENTITY):
+        elif kind is _IDENTITY or v is _MISSING or isinstance(v, _BY_IDENTITY):
             key.append(v)
         else:
             return None, []
@@ -188,14 +193,19 @@ def fingerprint(fn: Any) -> tuple[tuple | None, list[torch.Tensor]]:
 
 
 _MISSING = type("_Missing", (), {"__repr__": lambda self: "<missing>"})()
+_MISSING_EACH = itertools.repeat(_MISSING)  # dict.get's default for every name
 
 
 class _Entry:
-    __slots__ = ("template", "slots")
+    __slots__ = ("template", "slots", "pick")
 
     def __init__(self, template: Mod, slots: tuple[int, ...] | None):
         self.template = template
         self.slots = slots  # walk position of each template buffer; None: trace every call
+        # this call's buffers from the walk's tensors
+        self.pick = None if slots is None else (
+            (lambda tensors: ()) if not slots else
+            (lambda tensors, i=slots[0]: (tensors[i],)) if len(slots) == 1 else operator.itemgetter(*slots))
 
 
 _CACHE: dict[tuple, _Entry] = {}
@@ -229,7 +239,7 @@ def resolve(fn: Any, kind: str, score_dtype: torch.dtype, device: torch.device,
     if entry.slots is None:  # captures a tensor the walk cannot reach: trace again
         mod = trace(fn, kind, score_dtype=score_dtype, device=device)
         return mod, mod.buffers
-    return entry.template, tuple(tensors[i] for i in entry.slots)
+    return entry.template, entry.pick(tensors)
 
 
 def clear() -> None:
