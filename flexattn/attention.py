@@ -60,8 +60,9 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     want_max = return_aux is not None and return_aux.max_scores
     descale = None if descale_q is None and descale_k is None and descale_v is None else \
         (descale_q, descale_k, descale_v)
+    want_lse = return_lse or (return_aux is not None and bool(return_aux.lse))
     out, lse, mx = attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
-                          want_max, None, descale=descale)
+                          want_max, None, descale=descale, want_lse=want_lse)
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=mx)
     return (out, lse) if return_lse else out

@@ -164,7 +164,8 @@ def _kernel_choice(query, key, value, score_bufs, options: dict, want_max: bool,
     """(need_grad, decoding): short queries without gradients take the split-KV decoding kernel
     (``decoding`` None: choose; True: `decode_attention` asked for it)."""
     need_grad = torch.is_grad_enabled() and (
-        query.requires_grad or key.requires_grad or value.requires_grad or any(t.requires_grad for t in score_bufs))
+        query.requires_grad or key.requires_grad or value.requires_grad
+        or (bool(score_bufs) and any(t.requires_grad for t in score_bufs)))
     backend = options.get("BACKEND", "AUTO")
     if decoding is None:
         decoding = backend == "TRITON_DECODE" or (
@@ -205,10 +206,11 @@ def _ones(device: torch.device) -> torch.Tensor:
 
 
 def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, want_max,
-           decoding: bool | None, kv_lengths=None, mask_override=None, descale=None):
+           decoding: bool | None, kv_lengths=None, mask_override=None, descale=None, want_lse: bool = True):
     """The call path shared by `flex_attention` and `flexattn.decode.decode_attention`:
     ``(out, lse, max_scores or None)``. ``decoding``: None picks by the query length.
-    ``descale``: (q, k, v) descale factors of float8 inputs, or None."""
+    ``descale``: (q, k, v) descale factors of float8 inputs, or None. ``want_lse=False``: the
+    caller drops the LSE, so the decoding kernel may leave it in scratch (lse is then None)."""
     options = opts.check(kernel_options)
     if torch.compiler.is_compiling():
         if descale is not None or getattr(query, "dtype", None) == torch.float8_e4m3fn:
@@ -252,8 +254,7 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     if decoding:
         plan = plans.decode_plan(plan_key, query, key, value, score, score_bufs, mask, mask_bufs, tables,
                                  enable_gqa, options, kv_lengths)
-        score_k, mask_k = plans.decode_mods(score, mask)
-        out, lse = dec.run(plan, query, key, value, score_k, score_bufs, mask_k, mask_bufs, tables, scale, kv_lengths)
+        out, lse = dec.run(plan, query, key, value, score_bufs, mask_bufs, tables, scale, kv_lengths, want_lse)
         return out, lse, None
     plan = plans.forward_plan(plan_key, query, key, value, score, score_bufs, mask, mask_bufs, tables, enable_gqa,
                               options, want_max)

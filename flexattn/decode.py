@@ -122,5 +122,5 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             override = modcache.resolve(mask_mod, MASK, torch.float32, getattr(query, "device", None),
                                         lambda f, kind, **kw: as_mod(f, MASK, "mask_mod"))
     out, lse, _ = call.attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
-                                   False, True, kv_lengths=kv_lengths, mask_override=override)
+                                   False, True, kv_lengths=kv_lengths, mask_override=override, want_lse=return_lse)
     return (out, lse) if return_lse else out

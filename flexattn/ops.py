@@ -162,12 +162,7 @@ def decode(query: Tensor, key: Tensor, value: Tensor, score_bufs: list[Tensor], 
             None if t is None else t.sig, None if kv_lengths is None else _meta(kv_lengths))
     plan = plans.decode_plan(key_, query, key, value, score, score_bufs, mask, mask_bufs, t, enable_gqa, options,
                              kv_lengths)
-    return dec.run(plan, query, key, value, *_interleave(plans.decode_mods(score, mask), score_bufs, mask_bufs),
-                   t, scale, kv_lengths)
-
-
-def _interleave(mods, score_bufs, mask_bufs):
-    return mods[0], score_bufs, mods[1], mask_bufs
+    return dec.run(plan, query, key, value, score_bufs, mask_bufs, t, scale, kv_lengths)
 
 
 @decode.register_fake

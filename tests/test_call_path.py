@@ -343,3 +343,44 @@ def test_the_trace_cache_holds_no_captured_tensor():
     gc.collect()
     assert ref() is None
     assert len(modcache._CACHE) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The direct launch's argument lists (the static launcher is GPU-only; its lists are not)
+
+
+def test_static_launch_arguments_from_fixed_and_per_call_ones():
+    """With fixed arguments a call fills only its slots: pointers as integers, UNUSED as 0, a
+    tensor off 16-byte alignment refuses (Triton's path then specialises on it)."""
+    from flexattn.kernels import launch
+
+    t, other = torch.zeros(8), torch.zeros(8)
+    off = torch.zeros(8)[1:]  # 4 bytes past an aligned start
+    fill = launch._fill_slots([0, 5, 0, 7, None], ((0, True), (2, True), (3, False)))
+    assert fill((t, launch.UNUSED, 2.5)) == (t.data_ptr(), 5, 0, 2.5, None)
+    assert fill((other, t, -1.0)) == (other.data_ptr(), 5, t.data_ptr(), -1.0, None)
+    assert fill((off, t, 1.0)) is None and fill((t, off, 1.0)) is None
+    every = launch._fill_all([0, 2, 3], {0, 2}, (None,))  # argument 1 was specialised away
+    assert every((t, 99, launch.UNUSED, 4)) == (t.data_ptr(), 0, 4, None)
+    assert every((off, 99, t, 4)) is None
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "heads inside", "Ev differs", "other dtype"])
+def test_outputs_from_empty_like_only_where_it_gives_the_same_tensor(layout):
+    from flexattn.kernels import launch
+
+    q = torch.randn(2, 3, 5, 8)
+    shape, dtype = (2, 3, 5, 8), q.dtype
+    if layout == "heads inside":
+        q = torch.randn(2, 5, 3, 8).transpose(1, 2)
+    elif layout == "Ev differs":
+        shape = (2, 3, 5, 16)
+    elif layout == "other dtype":
+        dtype = torch.bfloat16
+    order = launch.contiguous_or_order(q)
+    expected = launch.empty(shape, dtype, q.device, order)
+    same = launch.empty_like_gives(q, shape, dtype, order)
+    assert same == (layout in ("contiguous", "heads inside"))
+    if same:
+        made = launch.empty(shape, dtype, q.device, order, like=q)
+        assert made.shape == expected.shape and made.stride() == expected.stride() and made.dtype == dtype

@@ -261,6 +261,21 @@ def test_forced_split_merges_in_one_launch(split, Hq, Hkv, Q_LEN, KV_LEN, Ev):
     assert len(sites) == 1 and sites[0].constexprs["SPLIT_KV"] == split
 
 
+def test_a_growing_cache_meets_few_split_counts():
+    """SPLIT_KV is a constexpr (a compiled kernel each): as a KV cache grows a token per step, the
+    chosen split is a power of two until the GPU is full, so a long generation meets a handful."""
+    q = torch.randn(1, 8, 1, 32)
+    want = math.ceil(16 * launch.num_sms(q.device) / 2)  # 2 row tiles: one per KV head
+    seen = set()
+    for n in range(40, 3000, 7):
+        k = torch.randn(1, 2, n, 32)
+        plan = dec.make_plan(q, k, k, None, (), None, (), None, {"PROGRAMS_PER_SM": 16, "MIN_TILES_PER_SPLIT": 2},
+                             None)
+        seen.add(plan.split_kv)
+        assert plan.split_kv == want or plan.split_kv & (plan.split_kv - 1) == 0, (n, plan.split_kv)
+    assert want in seen and len(seen) <= 2 + want.bit_length(), sorted(seen)
+
+
 @pytest.mark.parametrize("split", [2, 3, 7])
 def test_forced_split_fully_masked_rows(split):
     """Rows that see nothing come out 0 / -inf from the merge: a dead row inside live tiles, a
@@ -334,6 +349,52 @@ def test_a_failed_launch_leaves_the_counters_at_zero(monkeypatch):
     with pytest.raises(RuntimeError, match="stopped"):
         decode_attention(q, k, v, enable_gqa=True, kernel_options={"SPLIT_KV": 2})
     assert (_cpu_counters().buffers[0][0] == 0).all()
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_without_the_lse_only_the_output_is_allocated(split, monkeypatch):
+    """flex_attention without return_lse: the LSE and the partials go to the stream's scratch
+    (NaN before every call, so a partial read before it is written shows), the call allocates
+    only its output, and the rows are those of the call that returns the LSE."""
+    q, k, v = qkv(2, 8, 2, 3, 141, 32, seed=7)
+    opts = {"SPLIT_KV": split}
+    ref, lse = flexattn.flex_attention(q, k, v, enable_gqa=True, kernel_options=opts, return_lse=True)
+    check(q, k, v, opts=opts)  # the call with the LSE is right
+    made = []
+    empty = launch.empty
+
+    def counted(*args, **kwargs):
+        made.append(args[0])
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "empty", counted)
+    scratch = launch.scratch_of(torch.device("cpu"))
+    for _ in range(2):
+        made.clear()
+        for buf, _ in scratch.buffers.values():
+            buf.fill_(math.nan)
+        out = flexattn.flex_attention(q, k, v, enable_gqa=True, kernel_options=opts)
+        assert torch.equal(out, ref)
+    assert made == [(2, 8, 3, 32)]
+    out, aux = flexattn.flex_attention(q, k, v, enable_gqa=True, kernel_options=opts,
+                                       return_aux=flexattn.AuxRequest(lse=True))
+    assert torch.equal(out, ref) and torch.equal(aux.lse, lse)
+
+
+def test_scratch_per_stream_and_under_capture(monkeypatch):
+    """One scratch buffer per stream, reused while large enough, grown (doubling) when not, the
+    old one kept; a call under capture on a stream with none gets a buffer of its own."""
+    s = launch.Scratch(torch.device("cpu"))
+    stream, a = s(10, 11)
+    assert stream == 11 and a.numel() == 10 and a.dtype == torch.float32
+    assert s(5, 11) == (11, a) and s(0)[0] == 0
+    _, b = s(15, 11)
+    assert b.numel() == 20 and s.retired == [a] and s(20, 11)[1] is b
+    assert s(3, 22)[1] is not b
+    monkeypatch.setattr(launch.Scratch, "_capturing", lambda self: True)
+    _, own = s(10, 33)
+    assert own.numel() == 10 and 33 not in s.buffers
+    assert s(20, 11)[1] is b  # a stream that has one keeps using it
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ Every query head that shares a KV head is packed into one row tile, and the KV r
 over SPLIT_KV programs so the GPU is full. One launch does it all: each program stores its partial
 result, and the last of a row tile's programs to finish (it counts itself in on the row tile's
 counter, `launch.Counters`) merges the partials with a log-sum-exp reduction and writes the rows;
-with SPLIT_KV == 1 each program writes its rows directly. A call allocates the output and one
-float32 scratch buffer (LSE, then the partials) and launches once.
+with SPLIT_KV == 1 each program writes its rows directly. A call allocates the output (and the
+LSE, where the caller wants it) and launches once; the partials, and an LSE nobody reads, go to
+the stream's scratch buffer (`launch.Scratch`).
 """
 
 from __future__ import annotations
@@ -57,21 +58,37 @@ def module(score: Mod | None, mask: Mod | None, target: str, fast_math: bool = F
 
 @dataclass(frozen=True)
 class Plan:
-    split: launch.Launch      # decode_split_kernel: the one launch of a call
+    split: launch.Launch      # decode_split_kernel: the one launch of a call (fixed arguments in place)
     split_kv: int
     row_tiles: int            # counters the launch counts on (when split_kv > 1)
     counters: launch.Counters
-    strides: tuple            # Q, K, V strides
-    static_args: tuple        # block-mask strides, sizes and N_ROWS after Out's strides
+    scratch_of: launch.Scratch
     out_shape: tuple
     out_order: tuple | None   # None: contiguous
+    out_like_query: bool      # torch.empty_like(query) makes the output (a cheaper call)
     scratch: int              # float32 elements of the LSE + partials buffer
     is_empty: bool            # no output rows or columns: nothing to launch
     lse_strides: tuple        # LSE [B, HQ, Q_LEN] at the start of the scratch buffer
+    score_slots: tuple | None  # the score mod's captured tensors the kernel reads, in argument order
+    mask_slots: tuple | None   # (None: all of them, in order)
 
 
-def make_plan(query, key, value, score: Mod | None, mask: Mod | None, tables: Tables | None,
-              explicit: dict, kv_lengths: torch.Tensor | None) -> Plan:
+def _buffer_template(mod: Mod | None, buffers) -> tuple[list, tuple[int, ...] | None]:
+    """(fixed arguments, which captured tensors a call passes) of a mod's captured tensors: each
+    one's pointer comes with the call, its strides and sizes are part of the plan key. None:
+    all of them, in order."""
+    if mod is None:
+        return [], ()
+    fixed = []
+    for spec in mod.buffer_specs:
+        t = buffers[spec.index]
+        fixed += [launch.PER_CALL, *t.stride(), *t.shape]
+    slots = tuple(spec.index for spec in mod.buffer_specs)
+    return fixed, None if slots == tuple(range(len(buffers))) else slots
+
+
+def make_plan(query, key, value, score: Mod | None, score_bufs, mask: Mod | None, mask_bufs,
+              tables: Tables | None, explicit: dict, kv_lengths: torch.Tensor | None) -> Plan:
     """Inputs were validated by the caller (shapes, dtypes, devices, GQA)."""
     B, HQ, Q_LEN, E = query.shape
     BK, HKV, KV_LEN, _ = key.shape
@@ -116,6 +133,9 @@ def make_plan(query, key, value, score: Mod | None, mask: Mod | None, tables: Ta
         want = math.ceil(o["PROGRAMS_PER_SM"] * launch.num_sms(device) / max(programs, 1))
         sub = kv_bs // BLOCK_N if has_block_mask else 1
         cap = max(1, (walk_tiles * sub) // max(o["MIN_TILES_PER_SPLIT"], 1) // sub)
+        # A power of two: a KV cache that grows a token per step then meets a handful of SPLIT_KV
+        # values (each a kernel to compile), not a new one every MIN_TILES_PER_SPLIT tiles.
+        cap = 1 << (cap.bit_length() - 1)
         split = max(1, min(want, cap, 256))
     # More splits than KV tiles only adds programs with nothing to do.
     split = min(split, max(1, walk_tiles * (kv_bs // BLOCK_N if has_block_mask else 1)))
@@ -154,46 +174,62 @@ def make_plan(query, key, value, score: Mod | None, mask: Mod | None, tables: Ta
     counters = launch.counters_of(device)
     if split > 1:
         counters.reserve(programs)
+    # The kernel's arguments as `run` passes them: its tensors and the scale come with each call.
+    out_order = launch.contiguous_or_order(query)
+    out_shape = (B, HQ, Q_LEN, EV)
+    call, unused = launch.PER_CALL, launch.UNUSED
+    score_fixed, score_slots = _buffer_template(score, score_bufs)
+    mask_fixed, mask_slots = _buffer_template(mask, mask_bufs)
+    fixed = (call, call, call, call, call, call if split > 1 else unused,   # Q, K, V, Out, scratch, counters
+             *(call if has_block_mask else unused for _ in range(4)),       # block-mask tables
+             call if kv_lengths is not None else unused,
+             *score_fixed, *mask_fixed, *strides, *launch.output_strides(out_shape, out_order), *static, call)
     return Plan(
         split=launch.Launch(mod.decode_split_kernel, (split, B * HKV, (G // G_PACK) * NUM_Q_BLOCKS * M_TILES),
-                            constexprs, device),
-        split_kv=split, row_tiles=programs, counters=counters,
-        strides=strides, static_args=tuple(static),
-        out_shape=(B, HQ, Q_LEN, EV), out_order=launch.contiguous_or_order(query), scratch=scratch,
+                            constexprs, device, fixed),
+        split_kv=split, row_tiles=programs, counters=counters, scratch_of=launch.scratch_of(device),
+        out_shape=out_shape, out_order=out_order, scratch=scratch,
+        out_like_query=launch.empty_like_gives(query, out_shape, query.dtype, out_order),
         is_empty=B * HQ * Q_LEN * EV == 0, lse_strides=launch.output_strides((B, HQ, Q_LEN), None),
+        score_slots=score_slots, mask_slots=mask_slots,
     )
 
 
-def run(plan: Plan, query, key, value, score: Mod | None, score_bufs, mask: Mod | None, mask_bufs,
-        tables: Tables | None, scale: float, kv_lengths: torch.Tensor | None):
-    """Launch: ``(out, lse)`` with lse in natural log, float32. Two allocations (the output, and
-    one float32 buffer holding LSE and the split partials, LSE a view of its start) and one launch;
-    with SPLIT_KV > 1 the launch also counts on the current stream's counters."""
+def run(plan: Plan, query, key, value, score_bufs, mask_bufs, tables: Tables | None, scale: float,
+        kv_lengths: torch.Tensor | None, want_lse: bool = True):
+    """Launch: ``(out, lse)``, lse in natural log, float32 (None unless ``want_lse``). One
+    allocation (the output) and one launch; with ``want_lse`` one float32 buffer more, holding
+    the LSE and the split partials (LSE a view of its start); with SPLIT_KV > 1 the launch also
+    counts on the current stream's counters."""
     device = query.device
-    out = launch.empty(plan.out_shape, query.dtype, device, plan.out_order)
-    scratch = launch.empty((plan.scratch,), torch.float32, device)
-    lse = scratch.as_strided(plan.out_shape[:3], plan.lse_strides)
-    if plan.is_empty:
-        return out, lse.fill_(float("-inf"))
+    out = launch.empty(plan.out_shape, query.dtype, device, plan.out_order, query if plan.out_like_query else None)
     if plan.split_kv > 1:
         stream, done = plan.counters(plan.row_tiles)
     else:
-        stream, done = None, launch.UNUSED
-    if tables is not None:
-        num, idx, full_num, full_idx = tables.kv.args()
+        stream, done = None, None
+    if want_lse:
+        scratch = launch.empty((plan.scratch,), torch.float32, device)
+        lse = scratch.as_strided(plan.out_shape[:3], plan.lse_strides)
     else:
-        num = idx = full_num = full_idx = launch.UNUSED
+        stream, scratch = plan.scratch_of(plan.scratch, stream)
+        lse = None
+    if plan.is_empty:
+        return out, None if lse is None else lse.fill_(float("-inf"))
+    args = [query, key, value, out, scratch]
+    if done is not None:
+        args.append(done)
+    if tables is not None:
+        args += tables.kv.args()
+    if kv_lengths is not None:
+        args.append(kv_lengths)
+    for bufs, slots in ((score_bufs, plan.score_slots), (mask_bufs, plan.mask_slots)):
+        args += bufs if slots is None else [bufs[i] for i in slots]
+    args.append(scale)
     try:
-        plan.split(
-            query, key, value, out, scratch, done,
-            num, idx, full_num, full_idx, kv_lengths if kv_lengths is not None else launch.UNUSED,
-            *(launch.buffer_args(score, score_bufs) if score is not None else ()),
-            *(launch.buffer_args(mask, mask_bufs) if mask is not None else ()),
-            *plan.strides, *out.stride(), *plan.static_args, scale, stream=stream,
-        )
+        plan.split(*args, stream=stream)
     except BaseException:
         # A launch that stopped part-way (an error in Triton's interpreter) leaves counts behind.
-        if done is not launch.UNUSED:
+        if done is not None:
             done.zero_()
         raise
     return out, lse

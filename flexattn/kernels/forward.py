@@ -21,6 +21,7 @@ class Plan:
     out_shape: tuple[int, ...]
     stat_shape: tuple[int, int, int]
     out_order: tuple[int, ...] | None  # None: contiguous
+    out_like_query: bool               # torch.empty_like(query) makes the output (a cheaper call)
     stat_dtype: torch.dtype
     out_dtype: torch.dtype  # the inputs' dtype; bfloat16 for float8 inputs
     strides: tuple  # Q, K (batch-broadcast), V, Out, LSE [b, h] strides
@@ -112,6 +113,7 @@ def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
         kernel=launch.Launch(kernel, (triton.cdiv(Q_LEN, block_m), B * Hq), constexprs, device),
         out_shape=out_shape, stat_shape=(B, Hq, Q_LEN),
         out_order=out_order, stat_dtype=acc, out_dtype=torch.bfloat16 if fp8 else dtype,
+        out_like_query=launch.empty_like_gives(query, out_shape, torch.bfloat16 if fp8 else dtype, out_order),
         strides=strides, dense_rows=dense_rows,
         sizes=(Hq, Q_LEN, KV_LEN), want_max=want_max, is_empty=B * Hq * Q_LEN * Ev == 0,
     )
@@ -126,7 +128,7 @@ def run(plan: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     (max_scores is None unless the plan writes it). ``descale``: float8 inputs' (q, k, v) descale
     factors, one-element float32 tensors."""
     device = query.device
-    out = launch.empty(plan.out_shape, plan.out_dtype, device, plan.out_order)
+    out = launch.empty(plan.out_shape, plan.out_dtype, device, plan.out_order, query if plan.out_like_query else None)
     lse = launch.empty(plan.stat_shape, plan.stat_dtype, device)
     mx = launch.empty(plan.stat_shape, plan.stat_dtype, device) if plan.want_max else None
     if plan.is_empty:

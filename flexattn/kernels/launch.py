@@ -97,6 +97,13 @@ def contiguous_or_order(t: torch.Tensor) -> tuple[int, ...] | None:
     return None if order == tuple(range(t.dim())) else order
 
 
+def empty_like_gives(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+                     order: tuple[int, ...] | None) -> bool:
+    """Whether ``torch.empty_like(t)`` is what `empty` makes of ``shape``, ``dtype``, ``order``."""
+    probe = torch.empty_like(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
+    return t.dtype == dtype and tuple(probe.shape) == tuple(shape) and probe.stride() == output_strides(shape, order)
+
+
 def output_strides(shape: tuple[int, ...], order: tuple[int, ...] | None) -> tuple[int, ...]:
     """The strides `empty` gives a tensor of ``shape`` and ``order`` (plans precompute them)."""
     t = torch.empty(shape, device="meta") if order is None else torch.empty_permuted(shape, order, device="meta")
@@ -104,9 +111,13 @@ def output_strides(shape: tuple[int, ...], order: tuple[int, ...] | None) -> tup
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-          order: tuple[int, ...] | None = None) -> torch.Tensor:
+          order: tuple[int, ...] | None = None, like: torch.Tensor | None = None) -> torch.Tensor:
     """Every output and scratch buffer the kernels write in full comes from here (tests fill it
-    with NaN to prove that nothing is left unwritten). ``order``: dims outermost first."""
+    with NaN to prove that nothing is left unwritten). ``order``: dims outermost first. ``like``:
+    a tensor that ``torch.empty_like`` turns into exactly this (the plan checked it): the
+    cheaper call."""
+    if like is not None:
+        return torch.empty_like(like)
     if order is None:
         return torch.empty(shape, dtype=dtype, device=device)
     return torch.empty_permuted(shape, order, dtype=dtype, device=device)
@@ -204,13 +215,31 @@ class _Unused:
 UNUSED = _Unused()
 
 
+class _PerCall:
+    """In a launch's fixed arguments: a slot each call fills (`PER_CALL`)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "PER_CALL"
+
+
+PER_CALL = _PerCall()
+
+
 @functools.lru_cache(maxsize=None)
 def _placeholder(device: torch.device) -> torch.Tensor:
     return torch.zeros(4, dtype=torch.int32, device=device)
 
 
 class Launch:
-    """One kernel launch of a plan: the Triton kernel, its grid and constexprs.
+    """One kernel launch of a plan: the Triton kernel, its grid and constexprs, and optionally
+    its *fixed* arguments.
+
+    ``fixed``, where given, is the kernel's whole argument list as the plan knows it: what every
+    call of the plan passes alike (strides, sizes, `UNUSED` pointers) in place, and `PER_CALL`
+    where a call supplies its own value (its tensors, a scale); a call then passes just those,
+    in order. Without ``fixed`` a call passes every argument.
 
     The first calls go through Triton's ``kernel[grid](...)``, which specialises every argument
     (about 0.5 µs each) and looks the compiled kernel up. After that, on the GPU, the compiled
@@ -218,56 +247,69 @@ class Launch:
     16-byte alignment, which Triton also specialises on, can differ, and it is checked (a
     misaligned tensor takes Triton's path). The direct launch is torch's static C++ launcher
     (what torch.compile's kernels use) when it can launch the kernel and no Triton launch hook is
-    set, else the compiled kernel's own launcher called the way Triton calls it. If the launcher's
-    calling convention is not the one expected (another Triton version), every launch takes
-    Triton's path.
+    set, else the compiled kernel's own launcher called the way Triton calls it. With fixed
+    arguments the static launcher's argument list is built once, with the fixed pointers and
+    numbers in place, and a call writes its own values into a copy. If the launcher's calling
+    convention is not the one expected (another Triton version), every launch takes Triton's path.
     """
 
     __slots__ = ("kernel", "grid", "constexprs", "device", "calls", "compiled", "launcher", "tail", "pointers",
-                 "grid3", "static")
+                 "grid3", "static", "fixed", "slots")
 
-    def __init__(self, kernel, grid: tuple, constexprs: dict, device: torch.device):
+    def __init__(self, kernel, grid: tuple, constexprs: dict, device: torch.device, fixed: tuple | None = None):
         self.kernel, self.grid, self.constexprs, self.device = kernel, tuple(grid), constexprs, device
         self.grid3 = self.grid + (1,) * (3 - len(self.grid))
         self.calls = 0
         self.compiled = self.launcher = self.static = None
         self.tail = self.pointers = ()
+        self.fixed = None if fixed is None else tuple(fixed)
+        # positions of the per-call arguments; None: all of them
+        self.slots = None if fixed is None else tuple(i for i, a in enumerate(self.fixed) if a is PER_CALL)
 
     def __call__(self, *args, stream: int | None = None) -> None:
-        """Launch with ``args`` on the current stream; ``stream``: its raw handle, where the caller
-        already has it (`Counters` returns it), so that it is not asked for twice."""
+        """Launch on the current stream with ``args`` (the per-call arguments where the launch has
+        fixed ones, else all); ``stream``: its raw handle, where the caller already has it
+        (`Counters` returns it), so that it is not asked for twice."""
         launcher = self.launcher
         if launcher is not None:
-            flat = list(args)
+            static = self.static
+            if static is not None and _no_launch_hooks():
+                run, function, (g0, g1, g2), warps, shared, types, fill = static
+                flat = fill(args)
+                if flat is not None:
+                    if stream is None:
+                        stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+                    run(function, g0, g1, g2, warps, shared, types, flat, stream)
+                    return
+            args = self._fill(self._full(args))
             for i in self.pointers:
-                a = args[i]
-                if a is UNUSED:
-                    flat[i] = 0
-                    continue
-                ptr = flat[i] = a.data_ptr()
-                if ptr & 15:
+                if args[i].data_ptr() & 15:
                     break
             else:
                 if stream is None:
                     stream = torch._C._cuda_getCurrentRawStream(self.device.index)
-                static = self.static
-                if static is not None and _no_launch_hooks():
-                    # Pointers go as integers: torch's launcher then skips its per-pointer driver query.
-                    run, function, (g0, g1, g2), warps, shared, types, pick, extra = static
-                    run(function, g0, g1, g2, warps, shared, types, pick(flat) + extra, stream)
-                    return
                 compiled, (g0, g1, g2) = self.compiled, self.grid3
-                args = (*self._fill(args), *self.tail)
+                args = (*args, *self.tail)
                 launcher(g0, g1, g2, stream, compiled.function, compiled.packed_metadata,
                          compiled.launch_metadata(self.grid, stream, *args),
                          _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook, *args)
                 return
-        args = self._fill(args)
+        else:
+            args = self._fill(self._full(args))
         self.calls += 1
         if self.calls == 2 and self.device.type == "cuda" and _knobs is not None:
             self._capture(args)
         else:
             self.kernel[self.grid](*args, **self.constexprs)
+
+    def _full(self, args) -> tuple:
+        """Every argument of the kernel: the per-call ``args`` in the fixed ones' `PER_CALL` slots."""
+        if self.slots is None:
+            return args
+        full = list(self.fixed)
+        for i, a in zip(self.slots, args):
+            full[i] = a
+        return tuple(full)
 
     def _fill(self, args) -> tuple:
         """``args`` with `UNUSED` replaced by a placeholder tensor (Triton types pointers by tensor)."""
@@ -307,18 +349,17 @@ class Launch:
         if ok:
             self.compiled, self.tail = compiled, a[9 + n:]
             self.pointers = tuple(i for i, t in enumerate(args) if isinstance(t, torch.Tensor))
-            # Where the caller passed UNUSED, the kernel reads nothing: the direct launch passes 0.
-            unused = set(i for i, t in enumerate(args) if t is _placeholder(self.device))
-            self.pointers = tuple(i for i in self.pointers if i not in unused) + tuple(sorted(unused))
             self.launcher = launcher
-            self.static = _static_plan(compiled, args, self.grid3)
+            self.static = _static_plan(compiled, args, self.grid3, self.slots, _placeholder(self.device))
 
 
-def _static_plan(compiled, args, grid3) -> tuple | None:
-    """How torch's static launcher launches ``compiled`` with call arguments like ``args``:
-    ``(launch, function, grid, num_warps, shared, type codes, the kept arguments as a tuple from
-    the list of all, trailing scratch arguments)``, or None where it cannot (TMA descriptors, clusters,
-    cooperative or PDL launches, global scratch, an argument type it has no code for)."""
+def _static_plan(compiled, args, grid3, slots, placeholder) -> tuple | None:
+    """How torch's static launcher launches ``compiled`` with call arguments like ``args`` (all
+    of them; ``slots``: the positions a call supplies, None for all): ``(launch, function, grid,
+    num_warps, shared, type codes, fill)``, where ``fill(call args)`` is the launcher's argument
+    tuple, or None where a tensor is not 16-byte aligned. None where the static launcher cannot
+    launch the kernel (TMA descriptors, clusters, cooperative or PDL launches, global scratch, an
+    argument type it has no code for)."""
     run = _static_launcher()
     meta = compiled.metadata
     if run is None or getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_cooperative_grid", False) \
@@ -351,13 +392,62 @@ def _static_plan(compiled, args, grid3) -> tuple | None:
                 return None
             extra.append(None)
             types.append("O")
-    if len(keep) == len(args):
-        pick = tuple
-    elif len(keep) > 1:
-        pick = operator.itemgetter(*keep)  # a tuple of the kept ones
+    # Pointers go as integers: torch's launcher then skips its per-pointer driver query; where the
+    # kernel reads nothing (the placeholder of an UNUSED pointer), 0.
+    pointer = {i for i in keep if isinstance(args[i], torch.Tensor)}
+    if slots is None:
+        fill = _fill_all(keep, pointer, tuple(extra))
     else:
+        where = {i: k for k, i in enumerate(keep)}
+        if any(i not in where for i in slots):
+            return None  # a per-call argument Triton specialised away: only the general paths
+        template = [0 if args[i] is placeholder else args[i].data_ptr() if i in pointer else args[i]
+                    for i in keep] + extra
+        fill = _fill_slots(template, tuple((where[i], i in pointer) for i in slots))
+    return (run, compiled.function, grid3, meta.num_warps, meta.shared, "".join(types), fill)
+
+
+def _fill_all(keep: list[int], pointer: set[int], extra: tuple) -> Callable:
+    """The static launcher's arguments from all of a call's: the kept ones, pointers as integers."""
+    pointers = tuple(sorted(pointer))
+    if len(keep) < 2:
         pick = lambda flat: tuple(flat[i] for i in keep)  # noqa: E731
-    return (run, compiled.function, grid3, meta.num_warps, meta.shared, "".join(types), pick, tuple(extra))
+    else:
+        pick = operator.itemgetter(*keep)  # a tuple of the kept ones
+
+    def fill(args):
+        flat = list(args)
+        for i in pointers:
+            a = args[i]
+            if a is UNUSED:
+                flat[i] = 0
+                continue
+            ptr = flat[i] = a.data_ptr()
+            if ptr & 15:
+                return None
+        return pick(flat) + extra
+
+    return fill
+
+
+def _fill_slots(template: list, slots: tuple[tuple[int, bool], ...]) -> Callable:
+    """The static launcher's arguments: ``template`` with a call's own values in ``slots``
+    ((position, is a pointer) of each per-call argument)."""
+
+    def fill(args):
+        out = template.copy()
+        for (k, is_pointer), a in zip(slots, args):
+            if is_pointer:
+                if a is UNUSED:
+                    a = 0
+                else:
+                    a = a.data_ptr()
+                    if a & 15:
+                        return None
+            out[k] = a
+        return tuple(out)
+
+    return fill
 
 
 def recorded_launches(run: Callable[[], Any]) -> list[tuple[Launch, tuple]]:
@@ -454,6 +544,49 @@ class Counters:
 @functools.lru_cache(maxsize=None)
 def counters_of(device: torch.device) -> Counters:
     return Counters(device)
+
+
+class Scratch:
+    """float32 scratch of one device for what a launch writes and reads back before it ends (the
+    decoding kernel's split partials, and its LSE where the caller does not want it), so that a
+    call allocates only what it returns. One buffer per stream, grown as needed: launches on one
+    stream run one after another and can share it. The rules for CUDA graphs are the counters'
+    (`Counters`): a graph keeps the buffer of the stream it was captured on, so a replay must not
+    overlap calls issued on that stream, nor a replay of another graph captured on it. A call
+    captured on a stream that has no buffer yet allocates its own (the graph's pool keeps it)."""
+
+    __slots__ = ("device", "index", "buffers", "retired")
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.index = device.index if device.type == "cuda" else None  # None: no streams (CPU)
+        self.buffers: dict[int, tuple[torch.Tensor, int]] = {}  # raw stream -> (buffer, its size)
+        self.retired: list[torch.Tensor] = []  # outgrown buffers: captured graphs may still use them
+
+    def __call__(self, n: int, stream: int | None = None) -> tuple[int, torch.Tensor]:
+        """``(stream, buffer)``: the raw current stream (0 on the CPU; ``stream`` where the caller
+        has it already) and at least ``n`` elements of scratch for launches on it."""
+        if stream is None:
+            stream = 0 if self.index is None else torch._C._cuda_getCurrentRawStream(self.index)
+        entry = self.buffers.get(stream)
+        if entry is not None and entry[1] >= n:
+            return stream, entry[0]
+        if self._capturing():
+            return stream, empty((n,), torch.float32, self.device)
+        old = self.buffers.get(stream)
+        buf = empty((max(n, 2 * old[1] if old else 0),), torch.float32, self.device)
+        if old is not None:
+            self.retired.append(old[0])
+        self.buffers[stream] = (buf, buf.numel())
+        return stream, buf
+
+    def _capturing(self) -> bool:
+        return self.index is not None and torch.cuda.is_current_stream_capturing()
+
+
+@functools.lru_cache(maxsize=None)
+def scratch_of(device: torch.device) -> Scratch:
+    return Scratch(device)
 
 
 def buffer_args(mod, buffers) -> list:

@@ -161,6 +161,7 @@ def _make_decode_plan(query, key, value, score, score_bufs, mask, mask_bufs, tab
             raise TypeError(f"kv_lengths must be an integer tensor of shape ({B},), got {got}")
         if kv_lengths.device != query.device:
             raise ValueError(f"kv_lengths is on {kv_lengths.device} but query is on {query.device}")
-    return dec.make_plan(query, key, value, *decode_mods(score, mask), tables, options, kv_lengths)
+    score_k, mask_k = decode_mods(score, mask)
+    return dec.make_plan(query, key, value, score_k, score_bufs, mask_k, mask_bufs, tables, options, kv_lengths)
 
 
