@@ -4,8 +4,9 @@
     python benchmarks/bench_host.py --device cpu --calls 20   # CPU: host work only (interpreter)
 
 Every call builds its score_mod anew, as a model's ``forward`` does. "per call" is wall-clock
-time per call over a loop (synchronised at the end): for these small shapes that is host work
-plus launch, the figure a 32-layer model pays per layer. Also measured: flexattn's host work over
+time per call over a loop (synchronised at the end), the median of five rounds in which the
+contenders take turns: for these small shapes that is host work plus launch, the figure a
+32-layer model pays per layer. Also measured: flexattn's host work over
 a bare launch of the same Triton kernel with the same arguments, a new length in
 ``create_block_mask`` after the first, and the first call of a never-seen mod (trace + codegen
 + Triton compile). Prints one table.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import statistics
 import time
 
 import torch
@@ -41,13 +43,25 @@ def per_call(fn, calls: int, device: str) -> float:
     return (time.perf_counter() - t) / calls * 1e6
 
 
-def bare_launch_us(run_call, calls: int, device: str) -> float:
-    """Per-call time of Triton's own ``kernel[grid](*args, **constexprs)`` for the first kernel
+def per_call_side_by_side(fns: dict, calls: int, device: str, rounds: int = 5) -> dict:
+    """`per_call` of each of ``fns`` (name -> function; None entries skipped), measured in
+    ``rounds`` interleaved rounds: the median of each. A shared host drifts by tens of percent
+    within a minute; interleaving lets every contender see the same drift."""
+    fns = {k: f for k, f in fns.items() if f is not None}
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            times[k].append(per_call(f, calls, device))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bare_launch(run_call):
+    """A function doing Triton's own ``kernel[grid](*args, **constexprs)`` for the first kernel
     ``run_call`` launches, with the same arguments: the floor flexattn's host work is measured
     against (flexattn itself launches the compiled kernel directly after the first calls)."""
     site, args = launch.recorded_launches(run_call)[0]
-    args = site._fill(args)  # launch.UNUSED -> the placeholder tensor Triton's path takes
-    return per_call(lambda: site.kernel[site.grid](*args, **site.constexprs), calls, device)
+    args = site._fill(site._full(args))  # all arguments; launch.UNUSED -> the placeholder tensor
+    return lambda: site.kernel[site.grid](*args, **site.constexprs)
 
 
 def main(argv=None) -> int:
@@ -77,13 +91,14 @@ def main(argv=None) -> int:
         return flexattn.flex_attention(q, k, v, enable_gqa=True,
                                        score_mod=lambda s, b, h, qi, ki: torch.where(ki <= pos, s, -math.inf))
 
-    fa = per_call(fa_decode, calls, device)
-    bare = bare_launch_us(fa_decode, calls, device)
-    t_us = s_us = None
+    r = per_call_side_by_side({
+        "fa": fa_decode, "bare": bare_launch(fa_decode),
+        "torch": (lambda: compiled_flex(q, k, v, enable_gqa=True, score_mod=lambda s, b, h, qi, ki:
+                                        torch.where(ki <= pos, s, -math.inf))) if gpu else None,
+        "sdpa": (lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)) if gpu else None,
+    }, calls, device)
+    fa, bare, t_us, s_us = r["fa"], r["bare"], r.get("torch"), r.get("sdpa")
     if gpu:
-        t_us = per_call(lambda: compiled_flex(q, k, v, enable_gqa=True, score_mod=lambda s, b, h, qi, ki:
-                                              torch.where(ki <= pos, s, -math.inf)), calls, device)
-        s_us = per_call(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), calls, device)
         torch.testing.assert_close(fa_decode().float(), compiled_flex(
             q, k, v, enable_gqa=True, score_mod=lambda s, b, h, qi, ki: torch.where(ki <= pos, s, -math.inf)).float(),
             atol=2e-2, rtol=2e-2)
@@ -97,14 +112,14 @@ def main(argv=None) -> int:
         cap = 30.0
         return flexattn.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: cap * torch.tanh(s / cap))
 
-    fa = per_call(fa_tiny, calls, device)
-    bare = bare_launch_us(fa_tiny, calls, device)
-    t_us = None
+    def torch_tiny():
+        cap = 30.0
+        return compiled_flex(q, k, v, score_mod=lambda s, b, h, qi, ki: cap * torch.tanh(s / cap))
+
+    r = per_call_side_by_side({"fa": fa_tiny, "bare": bare_launch(fa_tiny), "torch": torch_tiny if gpu else None},
+                              calls, device)
+    fa, bare, t_us = r["fa"], r["bare"], r.get("torch")
     if gpu:
-        def torch_tiny():
-            cap = 30.0
-            return compiled_flex(q, k, v, score_mod=lambda s, b, h, qi, ki: cap * torch.tanh(s / cap))
-        t_us = per_call(torch_tiny, calls, device)
         torch.testing.assert_close(fa_tiny().float(), torch_tiny().float(), atol=2e-2, rtol=2e-2)
     table_row(f"tiny forward B=1 H={H} S={S} D={D}", fa, t_us, None, bare)
 
@@ -121,13 +136,13 @@ def main(argv=None) -> int:
     def fa_train():
         flexattn.flex_attention(q, k, v, block_mask=mask).backward(g)
 
-    fa = per_call(fa_train, max(calls // 3, 5), device)
-    t_us = s_us = None
-    if gpu:
-        tmask = torch_create_block_mask(causal, None, None, S, S, device=device)
-        t_us = per_call(lambda: compiled_flex(q, k, v, block_mask=tmask).backward(g), calls // 3, device)
-        s_us = per_call(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g), calls // 3,
-                        device)
+    tmask = torch_create_block_mask(causal, None, None, S, S, device=device) if gpu else None
+    r = per_call_side_by_side({
+        "fa": fa_train,
+        "torch": (lambda: compiled_flex(q, k, v, block_mask=tmask).backward(g)) if gpu else None,
+        "sdpa": (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)) if gpu else None,
+    }, max(calls // 3, 5), device)
+    fa, t_us, s_us = r["fa"], r.get("torch"), r.get("sdpa")
     table_row(f"training step B={B} H={H} S={S} D={D} causal fwd+bwd", fa, t_us, s_us)
 
     # -- create_block_mask: a new length after the first
@@ -157,7 +172,7 @@ def main(argv=None) -> int:
 
     name = torch.cuda.get_device_name() if gpu else "CPU (Triton interpreter)"
     print(f"# bench_host: {name}, torch {torch.__version__}, flexattn {flexattn.__version__}, "
-          f"{dtype}, {calls} calls per figure")
+          f"{dtype}, median of 5 interleaved rounds of {calls} calls (training: {max(calls // 3, 5)})")
     print("| call | flexattn µs/call | torch.compile(flex) | SDPA | bare Triton launch | flexattn host work over it |")
     print("|---|---|---|---|---|---|")
     for name_, fa, t_us, s_us, bare in rows:
