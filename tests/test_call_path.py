@@ -360,6 +360,10 @@ def test_static_launch_arguments_from_fixed_and_per_call_ones():
     assert fill((t, launch.UNUSED, 2.5)) == (t.data_ptr(), 5, 0, 2.5, None)
     assert fill((other, t, -1.0)) == (other.data_ptr(), 5, t.data_ptr(), -1.0, None)
     assert fill((off, t, 1.0)) is None and fill((t, off, 1.0)) is None
+    site = launch.Launch(None, (1,), {}, t.device, fixed=(launch.PER_CALL, 3, launch.PER_CALL))
+    assert site._full((t, 2.0)) == (t, 3, 2.0)
+    with pytest.raises(TypeError, match="takes 2 per-call arguments, got 1"):
+        site._full((t,))
     every = launch._fill_all([0, 2, 3], {0, 2}, (None,))  # argument 1 was specialised away
     assert every((t, 99, launch.UNUSED, 4)) == (t.data_ptr(), 0, 4, None)
     assert every((off, 99, t, 4)) is None

@@ -239,7 +239,8 @@ class Launch:
     ``fixed``, where given, is the kernel's whole argument list as the plan knows it: what every
     call of the plan passes alike (strides, sizes, `UNUSED` pointers) in place, and `PER_CALL`
     where a call supplies its own value (its tensors, a scale); a call then passes just those,
-    in order. Without ``fixed`` a call passes every argument.
+    in order. A tensor among the fixed arguments must be one the plan keeps alive (its address is
+    taken once). Without ``fixed`` a call passes every argument.
 
     The first calls go through Triton's ``kernel[grid](...)``, which specialises every argument
     (about 0.5 µs each) and looks the compiled kernel up. After that, on the GPU, the compiled
@@ -306,6 +307,8 @@ class Launch:
         """Every argument of the kernel: the per-call ``args`` in the fixed ones' `PER_CALL` slots."""
         if self.slots is None:
             return args
+        if len(args) != len(self.slots):
+            raise TypeError(f"this launch takes {len(self.slots)} per-call arguments, got {len(args)}")
         full = list(self.fixed)
         for i, a in zip(self.slots, args):
             full[i] = a
