@@ -74,15 +74,12 @@ class Plan:
 
 
 def _buffer_template(mod: Mod | None, buffers) -> tuple[list, tuple[int, ...] | None]:
-    """(fixed arguments, which captured tensors a call passes) of a mod's captured tensors: each
-    one's pointer comes with the call, its strides and sizes are part of the plan key. None:
-    all of them, in order."""
+    """(fixed arguments, which captured tensors a call passes) of a mod's captured tensors, laid
+    out as `launch.buffer_args` lays them out: each one's pointer comes with the call, its strides
+    and sizes are part of the plan key. None: all of them, in order."""
     if mod is None:
         return [], ()
-    fixed = []
-    for spec in mod.buffer_specs:
-        t = buffers[spec.index]
-        fixed += [launch.PER_CALL, *t.stride(), *t.shape]
+    fixed = [launch.PER_CALL if isinstance(a, torch.Tensor) else a for a in launch.buffer_args(mod, buffers)]
     slots = tuple(spec.index for spec in mod.buffer_specs)
     return fixed, None if slots == tuple(range(len(buffers))) else slots
 

@@ -108,12 +108,13 @@ def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     kernel = module(score, mask, launch.target_for(device),
                     opts.fast_math(explicit, device, dtype)).flex_attention_forward
     out_order = launch.contiguous_or_order(query)
+    out_dtype = torch.bfloat16 if fp8 else dtype
     strides += (*launch.output_strides(out_shape, out_order), *launch.output_strides((B, Hq, Q_LEN), None)[:2])
     return Plan(
         kernel=launch.Launch(kernel, (triton.cdiv(Q_LEN, block_m), B * Hq), constexprs, device),
         out_shape=out_shape, stat_shape=(B, Hq, Q_LEN),
-        out_order=out_order, stat_dtype=acc, out_dtype=torch.bfloat16 if fp8 else dtype,
-        out_like_query=launch.empty_like_gives(query, out_shape, torch.bfloat16 if fp8 else dtype, out_order),
+        out_order=out_order, stat_dtype=acc, out_dtype=out_dtype,
+        out_like_query=launch.empty_like_gives(query, out_shape, out_dtype, out_order),
         strides=strides, dense_rows=dense_rows,
         sizes=(Hq, Q_LEN, KV_LEN), want_max=want_max, is_empty=B * Hq * Q_LEN * Ev == 0,
     )
