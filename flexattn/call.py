@@ -159,13 +159,24 @@ def _meta(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device
 
 
+def _needs_grad(query, key, value, score_bufs) -> bool:
+    """Whether the call must record the backward: grad mode on and an input, or a tensor the
+    score mod captured, requires grad."""
+    if not torch.is_grad_enabled():
+        return False
+    if query.requires_grad or key.requires_grad or value.requires_grad:
+        return True
+    for t in score_bufs:
+        if t.requires_grad:
+            return True
+    return False
+
+
 def _kernel_choice(query, key, value, score_bufs, options: dict, want_max: bool,
                    decoding: bool | None) -> tuple[bool, bool]:
     """(need_grad, decoding): short queries without gradients take the split-KV decoding kernel
     (``decoding`` None: choose; True: `decode_attention` asked for it)."""
-    need_grad = torch.is_grad_enabled() and (
-        query.requires_grad or key.requires_grad or value.requires_grad
-        or (bool(score_bufs) and any(t.requires_grad for t in score_bufs)))
+    need_grad = _needs_grad(query, key, value, score_bufs)
     backend = options.get("BACKEND", "AUTO")
     if decoding is None:
         decoding = backend == "TRITON_DECODE" or (
@@ -205,12 +216,52 @@ def _ones(device: torch.device) -> torch.Tensor:
     return t
 
 
+def _check_scale(scale) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {scale!r}")
+    return float(scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# Known calls: a repeated call is one lookup
+
+
+class _Known:
+    """What a call key decides, learnt from the first call that brings it (`_plan_call`): the
+    score mod's template, where its captured tensors sit among the fingerprint walk's
+    (``pick``), and for each gradient need (False, True) ``(decoding, plan, plan key, default
+    scale)``, or None until a call with that need comes."""
+
+    __slots__ = ("score", "pick", "by_grad")
+
+    def __init__(self, score: Mod, pick: Callable):
+        self.score, self.pick = score, pick
+        self.by_grad: list[tuple | None] = [None, None]
+
+
+# Call key -> _Known. The call key holds every input of the plan key, with the score mod's
+# fingerprint (which covers its structural key and its captured tensors' metas) in place of its
+# template's key, so that a hit needs no mod resolution.
+_KNOWN: dict[tuple, _Known] = {}
+_KNOWN_LIMIT = 4096
+_NO_SCORE_MOD = ((), ())  # (fingerprint, tensors) of score_mod=None
+
+
+def forget() -> None:
+    """Forget every known call (tests; with `flexattn.modcache.clear` a call resolves its mods anew)."""
+    _KNOWN.clear()
+
+
 def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, want_max,
            decoding: bool | None, kv_lengths=None, mask_override=None, descale=None, want_lse: bool = True):
     """The call path shared by `flex_attention` and `flexattn.decode.decode_attention`:
     ``(out, lse, max_scores or None)``. ``decoding``: None picks by the query length.
     ``descale``: (q, k, v) descale factors of float8 inputs, or None. ``want_lse=False``: the
-    caller drops the LSE, so the decoding kernel may leave it in scratch (lse is then None)."""
+    caller drops the LSE, so the decoding kernel may leave it in scratch (lse is then None).
+
+    A call is keyed by its *call key* (the score mod's fingerprint, the tensors' metas, the
+    mask's key and tables' layout, the options); a known key gives the plan at once (`_Known`),
+    an unknown one is resolved, validated and planned by `_plan_call`."""
     options = opts.check(kernel_options)
     if torch.compiler.is_compiling():
         if descale is not None or getattr(query, "dtype", None) == torch.float8_e4m3fn:
@@ -220,51 +271,86 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
                                 decoding, kv_lengths, mask_override)
     try:
         device, dtype = query.device, query.dtype
-        q_meta, k_meta, v_meta = _meta(query), _meta(key), _meta(value)
+        metas = (query.shape, query.stride(), dtype, device, key.shape, key.stride(), key.dtype, key.device,
+                 value.shape, value.stride(), value.dtype, value.device)
     except AttributeError:
         plans.check_inputs(query, key, value, enable_gqa)
         raise
-    stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    score, score_bufs = resolve_score_mod(score_mod, stat_dtype, device)
     tables = None if block_mask is None else tables_of(block_mask, _check_foreign_mask)
     if mask_override is not None:
         mask, mask_bufs = mask_override
     elif block_mask is not None:
         mask, mask_bufs = resolve_mask_mod(block_mask, device)
     else:
-        mask, mask_bufs = noop_mask_mod(), ()
-    if scale is None:
-        scale = 1.0 / math.sqrt(q_meta[0][-1]) if q_meta[0][-1] > 0 else 1.0
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {scale!r}")
+        mask, mask_bufs = _NOOP_MASK, ()
+    # The plan key and the call key hold the captured tensors' metas: the compiled kernel is
+    # specialised on their shapes and strides.
+    mask_metas = tuple([_meta(t) for t in mask_bufs]) if mask_bufs else ()
+    rest = (mask.key(), mask_metas, None if tables is None else tables.sig, enable_gqa,
+            tuple(options.items()) if options else (), want_max,
+            None if kv_lengths is None else _meta(kv_lengths),
+            dtype == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
+    fp, tensors = _NO_SCORE_MOD if score_mod is None else modcache.fingerprint(score_mod)
+    call_key = None if fp is None or descale is not None or dtype == torch.float8_e4m3fn else \
+        (decoding, metas, fp, rest)
+    known = None if call_key is None else _KNOWN.get(call_key)
+    bound = None
+    if known is not None:
+        score, score_bufs = known.score, known.pick(tensors)
+        need_grad = _needs_grad(query, key, value, score_bufs)
+        bound = known.by_grad[need_grad]
+    if bound is None:
+        score, score_bufs, need_grad, bound, descale = _plan_call(
+            query, key, value, score_mod, mask, mask_bufs, tables, enable_gqa, options, want_max, decoding,
+            kv_lengths, descale, rest, call_key, tensors)
+    decoding, plan, plan_key, default_scale = bound
+    scale = default_scale if scale is None else _check_scale(scale)
+    if decoding:
+        out, lse = dec.run(plan, query, key, value, score_bufs, mask_bufs, tables, scale, kv_lengths, want_lse)
+        return out, lse, None
+    if not need_grad:
+        return fwd.run(plan, query, key, value, score, score_bufs, mask, mask_bufs, tables, scale, descale)
+    call = _Call(plan, plan_key, score, mask, len(score_bufs), tables, scale, options)
+    res = FlexAttentionFunction.apply(query, key, value, call, *score_bufs, *mask_bufs)
+    return (res[0], res[1], res[2] if want_max else None)
+
+
+def _plan_call(query, key, value, score_mod, mask, mask_bufs, tables, enable_gqa, options, want_max, decoding,
+               kv_lengths, descale, rest, call_key, tensors):
+    """A call whose key is not known yet (or not cacheable: ``call_key`` None): resolve the
+    score mod, choose the kernel, validate, plan; ``(score, score_bufs, need_grad, (decoding,
+    plan, plan key, default scale), descale)``. Remembers the outcome under ``call_key``."""
+    device, dtype = query.device, query.dtype
+    stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    score, score_bufs = resolve_score_mod(score_mod, stat_dtype, device)
     need_grad, decoding = _kernel_choice(query, key, value, score_bufs, options, want_max, decoding)
     if descale is not None or dtype == torch.float8_e4m3fn:
         if need_grad:
             raise ValueError("float8 flex_attention is forward-only: no gradients (run it under torch.no_grad(), "
                              "or use bfloat16 inputs for training)")
         descale = _check_descale(query, descale)
-    # The captured tensors' shapes and strides are kernel arguments the compiled kernel is specialised on.
-    buf_metas = tuple([_meta(t) for t in (*score_bufs, *mask_bufs)]) if score_bufs or mask_bufs else ()
-    plan_key = (decoding, q_meta, k_meta, v_meta, score.key(), mask.key(), buf_metas,
-                None if tables is None else tables.sig, enable_gqa,
-                tuple(options.items()) if options else (), want_max,
-                None if kv_lengths is None else _meta(kv_lengths),
-                dtype == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
-    scale = float(scale)
+    score_metas = tuple([_meta(t) for t in score_bufs]) if score_bufs else ()
+    plan_key = (decoding, _meta(query), _meta(key), _meta(value), score.key(), score_metas, *rest)
     if decoding:
         plan = plans.decode_plan(plan_key, query, key, value, score, score_bufs, mask, mask_bufs, tables,
                                  enable_gqa, options, kv_lengths)
-        out, lse = dec.run(plan, query, key, value, score_bufs, mask_bufs, tables, scale, kv_lengths, want_lse)
-        return out, lse, None
-    plan = plans.forward_plan(plan_key, query, key, value, score, score_bufs, mask, mask_bufs, tables, enable_gqa,
-                              options, want_max)
-    if not need_grad:
-        return fwd.run(plan, query, key, value, score, score_bufs, mask, mask_bufs, tables, scale, descale)
-    # A score mod the backward cannot differentiate fails here, before any work, not later.
-    bwd.score_mod_grad(score)
-    call = _Call(plan, plan_key, score, mask, len(score_bufs), tables, scale, options)
-    res = FlexAttentionFunction.apply(query, key, value, call, *score_bufs, *mask_bufs)
-    return (res[0], res[1], res[2] if want_max else None)
+    else:
+        plan = plans.forward_plan(plan_key, query, key, value, score, score_bufs, mask, mask_bufs, tables,
+                                  enable_gqa, options, want_max)
+    if need_grad:
+        # A score mod the backward cannot differentiate fails here, before any work, not later.
+        bwd.score_mod_grad(score)
+    E = query.shape[-1]
+    bound = (decoding, plan, plan_key, 1.0 / math.sqrt(E) if E > 0 else 1.0)
+    slots = None if call_key is None else modcache.slots_of(score_bufs, tensors)
+    if slots is not None:
+        known = _KNOWN.get(call_key)
+        if known is None:
+            if len(_KNOWN) >= _KNOWN_LIMIT:
+                _KNOWN.clear()
+            known = _KNOWN[call_key] = _Known(score, modcache.picker(slots))
+        known.by_grad[need_grad] = bound
+    return score, score_bufs, need_grad, bound, descale
 
 
 # ---------------------------------------------------------------------------------------------

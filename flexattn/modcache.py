@@ -13,7 +13,8 @@ What the fingerprint covers (`fingerprint` walks all of it, iteratively, in one 
   (and the code of functions nested in it) names:
   - Python numbers, strings, None, dtypes, devices: by value (a closure float that changes
     value is a new fingerprint: it is a constant of the kernel);
-  - tensors: by dtype, device, shape and layout (their values are kernel arguments), and by
+  - tensors: by dtype, device, shape, strides and layout (their values are kernel arguments; the
+    compiled kernel is specialised on their strides), and by
     which earlier tensor of the walk they are (aliasing decides how many buffers the IR has);
   - functions (nested mods and helpers): recursively, the same way;
   - ``functools.partial``: its function, arguments and keywords; bound methods: the function
@@ -31,6 +32,7 @@ A DSL mod or any other `Mod` needs no tracing: it is its own template.
 
 from __future__ import annotations
 
+import dis
 import functools
 import itertools
 import operator
@@ -53,15 +55,19 @@ _OPAQUE = object()  # marks a fingerprint that cannot be trusted
 _GLOBAL_NAMES: dict[types.CodeType, tuple[str, ...]] = {}
 
 
+_READS_GLOBAL = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+
+
 def _global_names(code: types.CodeType) -> tuple[str, ...]:
-    """Names ``code`` (and code nested in it: lambdas, comprehensions) may read as globals."""
+    """Names ``code`` (and code nested in it: lambdas, comprehensions) reads as globals: the
+    operands of its global loads, not every name it uses (``torch.where`` reads ``torch``)."""
     names = _GLOBAL_NAMES.get(code)
     if names is None:
         found: dict[str, None] = {}
         stack = [code]
         while stack:
             c = stack.pop()
-            found.update(dict.fromkeys(c.co_names))
+            found.update(dict.fromkeys(i.argval for i in dis.get_instructions(c) if i.opname in _READS_GLOBAL))
             stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
         names = _GLOBAL_NAMES[code] = tuple(found)
     return names
@@ -101,7 +107,7 @@ def _flat_fingerprint(fn: types.FunctionType) -> tuple[tuple | None, list[torch.
                     key.append(i)
                     break
             else:
-                key.append((v.dtype, v.device, v.shape, v.layout))
+                key.append((v.dtype, v.device, v.shape, v.stride(), v.layout))
                 tensors.append(v)
         elif kind is _IDENTITY or v is _MISSING or isinstance(v, _BY_IDENTITY):
             key.append(v)
@@ -114,7 +120,10 @@ def fingerprint(fn: Any) -> tuple[tuple | None, list[torch.Tensor]]:
     """``(key, tensors)``: a hashable key of everything that decides ``fn``'s IR (None if it
     cannot be trusted) and the tensors reachable from it, in walk order."""
     if type(fn) is types.FunctionType:
-        key, tensors = _flat_fingerprint(fn)
+        try:
+            key, tensors = _flat_fingerprint(fn)
+        except RuntimeError:  # a tensor without strides (sparse): the full walk keys it apart
+            key = None
         if key is not None:
             return key, tensors
     key: list = []
@@ -137,7 +146,8 @@ def fingerprint(fn: Any) -> tuple[tuple | None, list[torch.Tensor]]:
                 key.append(("alias", prev))
             else:
                 seen[id(v)] = len(tensors)
-                key.append(("T", v.dtype, v.device, v.shape, v.layout))
+                key.append(("T", v.dtype, v.device, v.shape, v.stride() if v.layout == torch.strided else None,
+                            v.layout))
                 tensors.append(v)
             continue
         if isinstance(v, _BY_IDENTITY) or t in (types.BuiltinMethodType,):
@@ -196,16 +206,31 @@ _MISSING = type("_Missing", (), {"__repr__": lambda self: "<missing>"})()
 _MISSING_EACH = itertools.repeat(_MISSING)  # dict.get's default for every name
 
 
+def picker(slots: tuple[int, ...]):
+    """``pick(tensors)``: the tuple of ``tensors[i] for i in slots`` (a call's captured tensors,
+    in a template's buffer order, from the tensors of its fingerprint walk)."""
+    if not slots:
+        return lambda tensors: ()
+    if len(slots) == 1:
+        return lambda tensors, i=slots[0]: (tensors[i],)
+    return operator.itemgetter(*slots)
+
+
+def slots_of(buffers, tensors) -> tuple[int, ...] | None:
+    """Where each of ``buffers`` sits among a walk's ``tensors`` (by identity); None if one of
+    them is not there (a tensor the mod computes, or one the walk cannot reach)."""
+    by_id = {id(t): i for i, t in enumerate(tensors)}
+    slots = tuple(by_id.get(id(b), -1) for b in buffers)
+    return None if -1 in slots else slots
+
+
 class _Entry:
     __slots__ = ("template", "slots", "pick")
 
     def __init__(self, template: Mod, slots: tuple[int, ...] | None):
         self.template = template
         self.slots = slots  # walk position of each template buffer; None: trace every call
-        # this call's buffers from the walk's tensors
-        self.pick = None if slots is None else (
-            (lambda tensors: ()) if not slots else
-            (lambda tensors, i=slots[0]: (tensors[i],)) if len(slots) == 1 else operator.itemgetter(*slots))
+        self.pick = None if slots is None else picker(slots)  # this call's buffers from the walk's tensors
 
 
 _CACHE: dict[tuple, _Entry] = {}
@@ -226,16 +251,14 @@ def resolve(fn: Any, kind: str, score_dtype: torch.dtype, device: torch.device,
     entry = _CACHE.get(key)
     if entry is None:
         mod = trace(fn, kind, score_dtype=score_dtype, device=device)
-        by_id = {id(t): i for i, t in enumerate(tensors)}
-        slots = tuple(by_id.get(id(b), -1) for b in mod.buffers)
         # The cache keeps the IR, not this call's tensors (nor the function and its closure).
         template = mod.rebind([torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
                                for t in mod.buffers])
-        entry = _Entry(template, None if -1 in slots else slots)
+        entry = _Entry(template, slots_of(mod.buffers, tensors))
         if len(_CACHE) >= _CACHE_LIMIT:
             _CACHE.clear()
         _CACHE[key] = entry
-        return mod, mod.buffers
+        return template, mod.buffers
     if entry.slots is None:  # captures a tensor the walk cannot reach: trace again
         mod = trace(fn, kind, score_dtype=score_dtype, device=device)
         return mod, mod.buffers

@@ -40,6 +40,7 @@ def traces(monkeypatch):
 
     monkeypatch.setattr(call, "trace", counting)
     modcache.clear()
+    call.forget()
     return count
 
 
@@ -210,6 +211,43 @@ def test_aliasing_decides_the_buffers(traces):
     assert traces["n"] == 2
 
 
+def test_captured_tensor_of_other_strides(traces):
+    """Same shape and dtype, other strides: kernels are specialised on a captured tensor's
+    strides, so each layout is a key of its own (and both are right)."""
+    q, k, v = qkv()
+    base = torch.randn(37, 2)
+    for table in (base.t().contiguous(), base.t(), base.t().contiguous()):
+        check(q, k, v, lambda s, b, h, qi, ki: s + table[h, ki])
+    assert traces["n"] == 2
+
+
+def test_a_known_call_that_comes_to_need_gradients(traces):
+    """One call key met first without gradients (a short query: the decoding kernel), then with a
+    captured tensor that requires grad: the second call records the backward, and its gradients
+    match torch's."""
+    q = qkv(L=5)[0]
+    k, v = qkv(L=37, seed=1)[1:]
+    bias = torch.randn(2, 37)
+
+    def call_it(q, k, v, bias):
+        return flexattn.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[h, ki])
+
+    with torch.no_grad():
+        first = call_it(q, k, v, bias)
+    bias.requires_grad_(True)
+    out = call_it(q, k, v, bias)
+    assert out.requires_grad and not first.requires_grad
+    weights = torch.linspace(-1, 1, out.numel()).view_as(out)
+    (out * weights).sum().backward()
+    bias64 = bias.detach().double().requires_grad_(True)
+    ref = torch_flex(q.double(), k.double(), v.double(), score_mod=lambda s, b, h, qi, ki: s + bias64[h, ki])
+    (ref * weights.double()).sum().backward()
+    torch.testing.assert_close(first.double(), ref.detach(), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out.double(), ref.detach(), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(bias.grad.double(), bias64.grad, atol=2e-5, rtol=2e-5)
+    assert traces["n"] == 1  # one fingerprint; the gradient need picks the plan
+
+
 def test_a_mod_that_makes_its_own_tensors_is_traced_every_call(traces):
     q, k, v = qkv()
     for _ in range(2):
@@ -327,12 +365,14 @@ def test_block_masks_of_new_lengths_reuse_kernels():
 
 
 def test_the_trace_cache_holds_no_captured_tensor():
-    """A cached template keeps shape-only stand-ins: a captured tensor dies with its last user."""
+    """A cached template keeps shape-only stand-ins, and a known call the template: a captured
+    tensor dies with its last user."""
     import gc
     import weakref
 
     q, k, v = qkv()
     modcache.clear()
+    call.forget()
 
     def call_once():
         table = torch.randn(37)

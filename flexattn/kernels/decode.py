@@ -198,14 +198,14 @@ def run(plan: Plan, query, key, value, score_bufs, mask_bufs, tables: Tables | N
     allocation (the output) and one launch; with ``want_lse`` one float32 buffer more, holding
     the LSE and the split partials (LSE a view of its start); with SPLIT_KV > 1 the launch also
     counts on the current stream's counters."""
-    device = query.device
-    out = launch.empty(plan.out_shape, query.dtype, device, plan.out_order, query if plan.out_like_query else None)
+    out = launch.empty(plan.out_shape, query.dtype, query.device, plan.out_order,
+                       query if plan.out_like_query else None)
     if plan.split_kv > 1:
         stream, done = plan.counters(plan.row_tiles)
     else:
         stream, done = None, None
     if want_lse:
-        scratch = launch.empty((plan.scratch,), torch.float32, device)
+        scratch = launch.empty((plan.scratch,), torch.float32, query.device)
         lse = scratch.as_strided(plan.out_shape[:3], plan.lse_strides)
     else:
         stream, scratch = plan.scratch_of(plan.scratch, stream)
@@ -219,8 +219,10 @@ def run(plan: Plan, query, key, value, score_bufs, mask_bufs, tables: Tables | N
         args += tables.kv.args()
     if kv_lengths is not None:
         args.append(kv_lengths)
-    for bufs, slots in ((score_bufs, plan.score_slots), (mask_bufs, plan.mask_slots)):
-        args += bufs if slots is None else [bufs[i] for i in slots]
+    slots = plan.score_slots
+    args += score_bufs if slots is None else [score_bufs[i] for i in slots]
+    slots = plan.mask_slots
+    args += mask_bufs if slots is None else [mask_bufs[i] for i in slots]
     args.append(scale)
     try:
         plan.split(*args, stream=stream)
