@@ -206,6 +206,18 @@ def _check_descale(query, descale) -> tuple[torch.Tensor, ...]:
     return tuple(out)
 
 
+def _k_major(value):
+    """A float8 value with the KV dimension innermost (``stride(2) == 1``): Hopper's float8
+    tensor-core instruction takes P V's V operand K-major only, and a V tile of another layout
+    is rearranged in shared memory every step (2.7x slower on the H100). A row-major V is copied
+    into that layout once per call (a transposed copy, a small part of the call); a V that has it
+    is used as it is."""
+    if isinstance(value, torch.Tensor) and value.dim() == 4 and value.dtype == torch.float8_e4m3fn \
+            and value.shape[2] > 1 and value.stride(2) != 1:
+        return value.transpose(2, 3).contiguous().transpose(2, 3)
+    return value
+
+
 _ONES: dict[torch.device, torch.Tensor] = {}
 
 
@@ -271,6 +283,8 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
                                 decoding, kv_lengths, mask_override)
     try:
         device, dtype = query.device, query.dtype
+        if dtype == torch.float8_e4m3fn:
+            value = _k_major(value)
         metas = (query.shape, query.stride(), dtype, device, key.shape, key.stride(), key.dtype, key.device,
                  value.shape, value.stride(), value.dtype, value.device)
     except AttributeError:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import flexattn
+from flexattn.kernels import launch
 from flexattn.reference import attention_reference
 from helpers.testing import dequantised, quantise_fp8 as quantise
 
@@ -44,6 +45,22 @@ def test_descale_v_scales_the_output():
     two = flexattn.flex_attention(q, k, v, enable_gqa=True, descale_q=dq, descale_k=dk,
                                   descale_v=torch.tensor([2.0]))
     torch.testing.assert_close(two.float(), 2 * one.float(), atol=0, rtol=1e-2)
+
+
+def test_fp8_value_goes_to_the_kernel_k_major():
+    """float8 P V takes V with the KV dimension innermost: a row-major value reaches the kernel as
+    a K-major copy of itself, a K-major one as it is; both give the same output."""
+    (q, dq), (k, dk), (v, dv) = _inputs(S=70, D=32)
+    v_k_major = v.transpose(2, 3).contiguous().transpose(2, 3)
+    outs = []
+    for given in (v, v_k_major):
+        seen = launch.recorded_launches(lambda: outs.append(flexattn.flex_attention(
+            q, k, given, enable_gqa=True, descale_q=dq, descale_k=dk, descale_v=dv)))
+        value_arg = seen[0][1][2]
+        assert value_arg.stride(2) == 1
+        assert torch.equal(value_arg.view(torch.uint8), v.view(torch.uint8))
+        assert (value_arg is given) == (given is v_k_major)
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_fp8_errors_name_the_argument():

@@ -126,9 +126,14 @@ def _make_forward_plan(query, key, value, score, score_bufs, mask, mask_bufs, ta
                         "no block mask" if tables is None else f"blocks {tables.q_block}x{tables.kv_block}",
                         _partial_share(tables), "max" if want_max else "")
             scale = 1.0 / math.sqrt(E)
+            # float8 kernels read their descale factors: timing runs get real ones (the direct
+            # launch passes a missing pointer as null)
+            descale = (torch.ones(1, dtype=torch.float32, device=device),) * 3 \
+                if query.dtype == torch.float8_e4m3fn else None
             plan, _ = tuning.choose(
                 tuning.tuning_key("forward", device, *features), candidates, make,
-                lambda p: fwd.run(p, query, key, value, score, score_bufs, mask, mask_bufs, tables, scale), device)
+                lambda p: fwd.run(p, query, key, value, score, score_bufs, mask, mask_bufs, tables, scale, descale),
+                device)
             if plan is not None:
                 return plan
     return make({})
