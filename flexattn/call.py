@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from flexattn import capture, ir, modcache
-from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, options as opts, plans
+from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, layout, options as opts, plans
 from flexattn.kernels.tables import tables_of
 from flexattn.mods import ARITY, MASK, SCORE, Mod
 from flexattn.tracer import trace
@@ -206,18 +206,6 @@ def _check_descale(query, descale) -> tuple[torch.Tensor, ...]:
     return tuple(out)
 
 
-def _k_major(value):
-    """A float8 value with the KV dimension innermost (``stride(2) == 1``): Hopper's float8
-    tensor-core instruction takes P V's V operand K-major only, and a V tile of another layout
-    is rearranged in shared memory every step (2.7x slower on the H100). A row-major V is copied
-    into that layout once per call (a transposed copy, a small part of the call); a V that has it
-    is used as it is."""
-    if isinstance(value, torch.Tensor) and value.dim() == 4 and value.dtype == torch.float8_e4m3fn \
-            and value.shape[2] > 1 and value.stride(2) != 1:
-        return value.transpose(2, 3).contiguous().transpose(2, 3)
-    return value
-
-
 _ONES: dict[torch.device, torch.Tensor] = {}
 
 
@@ -284,7 +272,7 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     try:
         device, dtype = query.device, query.dtype
         if dtype == torch.float8_e4m3fn:
-            value = _k_major(value)
+            value = layout.k_major(value)  # float8 P V takes V K-major
         metas = (query.shape, query.stride(), dtype, device, key.shape, key.stride(), key.dtype, key.device,
                  value.shape, value.stride(), value.dtype, value.device)
     except AttributeError:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import flexattn
+from flexattn.kernels import layout
 from flexattn.reference import attention_reference
 from helpers.testing import dequantised, quantise_fp8 as quantise
 
@@ -38,3 +39,16 @@ def test_fp8_forward_error_on_the_gpu(case):
     assert not out.isnan().any()
     # P rounded to float8 (3 mantissa bits) bounds the error at a few percent of the output's range.
     assert err <= 0.06 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("S, D", [(1000, 72), (64, 128), (4097, 64)])
+def test_k_major_copy_on_the_gpu(S, D):
+    """The float8 V layout copy (a Triton kernel on the GPU): the same bytes, KV dimension
+    innermost, also from a non-contiguous input and on the direct launches after the first."""
+    torch.manual_seed(0)
+    v = quantise(torch.randn(2, S, 3, D, device="cuda"))[0].transpose(1, 2)  # [2, 3, S, D], not contiguous
+    for _ in range(3):
+        out = layout.k_major(v)
+        assert out.shape == v.shape and out.stride(2) == 1
+        assert torch.equal(out.view(torch.uint8), v.view(torch.uint8))
+    assert layout.k_major(out) is out
