@@ -225,11 +225,11 @@ def slots_of(buffers, tensors) -> tuple[int, ...] | None:
 
 
 class _Entry:
-    __slots__ = ("template", "slots", "pick")
+    __slots__ = ("template", "pick")
 
     def __init__(self, template: Mod, slots: tuple[int, ...] | None):
+        """``slots``: the walk position of each template buffer; None: trace every call."""
         self.template = template
-        self.slots = slots  # walk position of each template buffer; None: trace every call
         self.pick = None if slots is None else picker(slots)  # this call's buffers from the walk's tensors
 
 
@@ -259,7 +259,7 @@ def resolve(fn: Any, kind: str, score_dtype: torch.dtype, device: torch.device,
             _CACHE.clear()
         _CACHE[key] = entry
         return template, mod.buffers
-    if entry.slots is None:  # captures a tensor the walk cannot reach: trace again
+    if entry.pick is None:  # captures a tensor the walk cannot reach: trace again
         mod = trace(fn, kind, score_dtype=score_dtype, device=device)
         return mod, mod.buffers
     return entry.template, entry.pick(tensors)

@@ -18,6 +18,7 @@ import flexattn
 from flexattn import call, modcache
 from flexattn.codegen import block_mask_kernel
 from flexattn.reference import attention_reference
+from helpers.testing import record_calls
 
 FLEXATTN_DIR = os.path.dirname(flexattn.__file__)
 FORCE = {"FORCE_USE_FLEX_ATTENTION": True}
@@ -30,18 +31,11 @@ def qkv(B=1, H=2, L=37, E=16, seed=0, dtype=torch.float32):
 
 @pytest.fixture
 def traces(monkeypatch):
-    """Counts the tracer's runs (flexattn.call traces score mods through its `trace`)."""
-    count = {"n": 0}
-    real = call.trace
-
-    def counting(*args, **kwargs):
-        count["n"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(call, "trace", counting)
+    """The tracer's runs (flexattn.call traces score mods through its `trace`), one entry each."""
+    runs = record_calls(monkeypatch, call, "trace")
     modcache.clear()
     call.forget()
-    return count
+    return runs
 
 
 def check(q, k, v, score_mod, oracle=torch_flex, **kw):
@@ -106,14 +100,14 @@ def test_fresh_lambda_of_the_same_code_is_traced_once(traces):
     for i in range(3):
         bias.add_(1.0)  # values are arguments, not constants: the same kernel serves them all
         check(q, k, v, lambda s, b, h, qi, ki: s + bias[ki])
-    assert traces["n"] == 1
+    assert len(traces) == 1
 
 
 def test_closure_float_that_changed_value(traces):
     q, k, v = qkv()
     for cap in (5.0, 0.5, 5.0):
         check(q, k, v, lambda s, b, h, qi, ki: cap * torch.tanh(s / cap))
-    assert traces["n"] == 2  # 5.0 and 0.5; 5.0 again is a hit
+    assert len(traces) == 2  # 5.0 and 0.5; 5.0 again is a hit
 
 
 def test_captured_tensor_of_another_shape_dtype_or_device(traces):
@@ -123,7 +117,7 @@ def test_captured_tensor_of_another_shape_dtype_or_device(traces):
             check(q, k, v, lambda s, b, h, qi, ki: s + table[ki])
         else:
             check(q, k, v, lambda s, b, h, qi, ki: s + table[h, ki])
-    assert traces["n"] == 3
+    assert len(traces) == 3
     on_cpu = torch.randn(4)
     on_meta = torch.empty(4, device="meta")
     key_cpu = modcache.fingerprint(lambda s, b, h, qi, ki: s + on_cpu[h])[0]
@@ -140,7 +134,7 @@ def test_module_global_the_mod_reads(traces):
             check(q, k, v, scaled)
     finally:
         SCALE = 1.5
-    assert traces["n"] == 2
+    assert len(traces) == 2
 
 
 def test_nested_mods_and_helpers(traces):
@@ -157,7 +151,7 @@ def test_nested_mods_and_helpers(traces):
         check(q, k, v, lambda s, b, h, qi, ki: inner(s, b, h, qi, ki) * 2)
     dsl_inner = flexattn.score_mod("score * 3")
     check(q, k, v, lambda s, b, h, qi, ki: dsl_inner(s, b, h, qi, ki) - 1)
-    assert traces["n"] == 3
+    assert len(traces) == 3
 
 
 def test_functools_partial(traces):
@@ -170,7 +164,7 @@ def test_functools_partial(traces):
     # rejects the SymFloat): flexattn's float64 reference is the oracle here.
     for amount in (0.1, -0.2, 0.1):
         check(q, k, v, functools.partial(biased, amount=amount), oracle=attention_reference)
-    assert traces["n"] == 2
+    assert len(traces) == 2
 
 
 def test_bound_methods_see_their_object(traces):
@@ -191,7 +185,7 @@ def test_bound_methods_see_their_object(traces):
     check(q, k, v, b_.score_mod, oracle=ref)  # same code and constants, another Parameter: rebound only
     a.slope = 0.3
     check(q, k, v, a.score_mod, oracle=ref)
-    assert traces["n"] == 2
+    assert len(traces) == 2
 
 
 def test_mod_objects_and_dsl_text(traces):
@@ -200,7 +194,7 @@ def test_mod_objects_and_dsl_text(traces):
         check(q, k, v, flexattn.score_mod(text))
     bias = torch.randn(37)
     check(q, k, v, flexattn.score_mod("score + bias[kv_idx]", bias=bias))
-    assert traces["n"] == 0  # Mods are their own templates
+    assert len(traces) == 0  # Mods are their own templates
 
 
 def test_aliasing_decides_the_buffers(traces):
@@ -208,7 +202,7 @@ def test_aliasing_decides_the_buffers(traces):
     t, u = torch.randn(37), torch.randn(37)
     for x, y in ((t, t), (t, u)):
         check(q, k, v, lambda s, b, h, qi, ki: s + x[ki] * y[qi])
-    assert traces["n"] == 2
+    assert len(traces) == 2
 
 
 def test_captured_tensor_of_other_strides(traces):
@@ -218,7 +212,7 @@ def test_captured_tensor_of_other_strides(traces):
     base = torch.randn(37, 2)
     for table in (base.t().contiguous(), base.t(), base.t().contiguous()):
         check(q, k, v, lambda s, b, h, qi, ki: s + table[h, ki])
-    assert traces["n"] == 2
+    assert len(traces) == 2
 
 
 def test_a_known_call_that_comes_to_need_gradients(traces):
@@ -245,14 +239,14 @@ def test_a_known_call_that_comes_to_need_gradients(traces):
     torch.testing.assert_close(first.double(), ref.detach(), atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(out.double(), ref.detach(), atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(bias.grad.double(), bias64.grad, atol=2e-5, rtol=2e-5)
-    assert traces["n"] == 1  # one fingerprint; the gradient need picks the plan
+    assert len(traces) == 1  # one fingerprint; the gradient need picks the plan
 
 
 def test_a_mod_that_makes_its_own_tensors_is_traced_every_call(traces):
     q, k, v = qkv()
     for _ in range(2):
         check(q, k, v, lambda s, b, h, qi, ki: s + torch.arange(37, dtype=torch.float32)[ki] * 0.01)
-    assert traces["n"] == 2  # correct, only slower
+    assert len(traces) == 2  # correct, only slower
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import flexattn
 from flexattn.kernels import decode as dec, launch, options, plans
 from flexattn.decode import causal_at, causal_at_with_length, decode_attention, valid_length
 from flexattn.reference import attention_reference
+from helpers.testing import record_calls
 
 
 @pytest.fixture(autouse=True)
@@ -360,14 +361,7 @@ def test_without_the_lse_only_the_output_is_allocated(split, monkeypatch):
     opts = {"SPLIT_KV": split}
     ref, lse = flexattn.flex_attention(q, k, v, enable_gqa=True, kernel_options=opts, return_lse=True)
     check(q, k, v, opts=opts)  # the call with the LSE is right
-    made = []
-    empty = launch.empty
-
-    def counted(*args, **kwargs):
-        made.append(args[0])
-        return empty(*args, **kwargs)
-
-    monkeypatch.setattr(launch, "empty", counted)
+    made = record_calls(monkeypatch, launch, "empty")
     scratch = launch.scratch_of(torch.device("cpu"))
     for _ in range(2):
         made.clear()
@@ -375,7 +369,7 @@ def test_without_the_lse_only_the_output_is_allocated(split, monkeypatch):
             buf.fill_(math.nan)
         out = flexattn.flex_attention(q, k, v, enable_gqa=True, kernel_options=opts)
         assert torch.equal(out, ref)
-    assert made == [(2, 8, 3, 32)]
+    assert [args[0] for args in made] == [(2, 8, 3, 32)]
     out, aux = flexattn.flex_attention(q, k, v, enable_gqa=True, kernel_options=opts,
                                        return_aux=flexattn.AuxRequest(lse=True))
     assert torch.equal(out, ref) and torch.equal(aux.lse, lse)

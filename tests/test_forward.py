@@ -398,14 +398,7 @@ def test_int64_offsets_path(monkeypatch):
 def test_short_queries_take_the_decoding_kernel(monkeypatch):
     from flexattn.kernels import decode as decode_kernel
 
-    calls = []
-    run = decode_kernel.run
-
-    def spy(*args, **kwargs):
-        calls.append(args[0])
-        return run(*args, **kwargs)
-
-    monkeypatch.setattr(decode_kernel, "run", spy)
+    calls = testing.record_calls(monkeypatch, decode_kernel, "run")
     q, k, v = make_qkv(2, 4, 2, 5, 90, 32, 32, torch.float16)
     bm = make_block_mask(causal_mod(), None, None, 5, 90, 16)
     out, lse = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)

@@ -168,12 +168,12 @@ def forward_defaults(device: torch.device, dtype: torch.dtype, qk_head_dim: int,
         block_m, block_n, warps, stages = 32, 16, 4, 1
     elif dtype == torch.float32:
         block_m, block_n, warps, stages = (64, 32, 4, 3) if d <= 64 else (32, 32, 4, 2)
-    # bf16/fp16 on Hopper, from benchmarks/sweep_attention.py (docs/raw/*_sweep_attention.log):
-    # 8 warps beat 4 at D=64 by 2-3%; 128x128 tiles beat 128x64 at D=128 causal by 4%; at D=256
-    # 128x64 with 8 warps beats 64x32 with 4 by 22-25%.
     elif dtype == torch.float8_e4m3fn and 64 < d <= 128:
         # float8 (V K-major) on the H100: 4 warps beat 8 by 10% or more (docs/raw/2026-11-23e_h100_fp8_sweep.log)
         block_m, block_n, warps, stages = 128, 128, 4, 3
+    # bf16/fp16 on Hopper, from benchmarks/sweep_attention.py (docs/raw/*_sweep_attention.log):
+    # 8 warps beat 4 at D=64 by 2-3%; 128x128 tiles beat 128x64 at D=128 causal by 4%; at D=256
+    # 128x64 with 8 warps beats 64x32 with 4 by 22-25%.
     elif d <= 64:
         block_m, block_n, warps, stages = 128, 64, 8, 3
     elif d <= 128:

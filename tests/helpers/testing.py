@@ -202,6 +202,20 @@ def assert_close_to_reference(out: torch.Tensor, eager: torch.Tensor, ref: torch
             raise AssertionError(f"{name} max error {eo:.3g} > {factor} x eager max error {ee:.3g} + {atol:.3g}")
 
 
+def record_calls(monkeypatch, owner: Any, name: str) -> list[tuple]:
+    """Wrap ``owner.name`` (for the test's duration) so that each call's positional arguments
+    are appended to the returned list; the real function still runs."""
+    real = getattr(owner, name)
+    calls: list[tuple] = []
+
+    def recording(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, recording)
+    return calls
+
+
 def capture_after_warmup(step: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
     """``(graph, static outputs)``: ``step`` warmed up on a side stream (trace, plan, compile), as
     torch's recipe does, then one call captured (on torch's default capture stream)."""
