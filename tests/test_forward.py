@@ -409,9 +409,18 @@ def test_short_queries_take_the_decoding_kernel(monkeypatch):
     torch.testing.assert_close(lse, forced[1], atol=1e-4, rtol=1e-4)
 
 
-def test_scale_argument():
-    q, k, v = make_qkv(1, 2, 2, 30, 40, 16, 16, torch.float32)
-    check(q, k, v, scale=0.37)
+@pytest.mark.parametrize("scale", [0.37, -0.8, 0.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_scale_argument(scale, dtype, masked):
+    # Without a score_mod the kernel folds the scale into exp2's argument, which needs a positive
+    # factor: a negative scale's sign goes into q, a zero scale is every score 0 (uniform weights).
+    q, k, v = make_qkv(1, 2, 2, 70, 90, 16, 16, dtype)
+    bm = make_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, 1, 1, 70, 90, 32) if masked else None
+    out, _ = check(q, k, v, block_mask=bm, scale=scale)
+    if scale == 0.0 and not masked:  # every row is the plain mean of V
+        torch.testing.assert_close(out.float(), v.float().mean(2, keepdim=True).expand_as(out),
+                                   atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
 
 
 def test_inputs_that_need_grad_take_the_autograd_function():

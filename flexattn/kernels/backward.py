@@ -113,6 +113,7 @@ def make_plan(query, key, value, out, grad_out, score: Mod, mask: Mod, tables: T
         or B * Hkv * KV_LEN * max(E, Ev) >= launch.INT32_OFFSET_LIMIT,
         ACC_DTYPE=launch.ACC_TL_DTYPE[acc], SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype,
                                                                                 launch.ACC_TL_DTYPE[acc]),
+        SCORES_IN_BASE2=launch.raw_scores(score, acc),
         DOT_PRECISION=launch.dot_precision(device, dtype),
         DOT_IN_FP32=device.type == "cpu" and dtype == torch.bfloat16,
     )

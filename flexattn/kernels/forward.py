@@ -18,6 +18,7 @@ class Plan:
     """Everything about one forward launch that does not change between calls."""
 
     kernel: launch.Launch
+    any_scale: launch.Launch  # kernel, or its twin without SCORES_IN_BASE2 for a scale <= 0 (or NaN)
     out_shape: tuple[int, ...]
     stat_shape: tuple[int, int, int]
     out_order: tuple[int, ...] | None  # None: contiguous
@@ -90,11 +91,10 @@ def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
         OFFS_INT64=launch.needs_int64_offsets(query, key, value) or
         (B * Hq * Q_LEN * Ev >= launch.INT32_OFFSET_LIMIT),
         OUTPUT_MAX=want_max,
-        # Without a score_mod the scale takes the softmax's 1 / ln 2 with it (float32 only: the
-        # kernel's scalar arithmetic is float32, which float64's exactness cannot afford; not with
-        # PRESCALE_QK, whose rounding of Q * scale would change).
-        SCORES_IN_BASE2=(score.ir.op == "input" and acc == torch.float32 and score.score_dtype in (None, acc)
-                         and not options["PRESCALE_QK"]),
+        # Without a score_mod the scale takes the softmax's 1 / ln 2 with it (not with PRESCALE_QK,
+        # whose rounding of Q * scale would change). The softmax then folds it into exp2's
+        # argument, which needs a positive scale: `run` takes `any_scale` for the others.
+        SCORES_IN_BASE2=launch.raw_scores(score, acc) and not options["PRESCALE_QK"],
         LONGEST_FIRST=options["LONGEST_FIRST"],
         ACC_DTYPE=launch.ACC_TL_DTYPE[acc],
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[acc]),
@@ -110,8 +110,12 @@ def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     out_order = launch.contiguous_or_order(query)
     out_dtype = torch.bfloat16 if fp8 else dtype
     strides += (*launch.output_strides(out_shape, out_order), *launch.output_strides((B, Hq, Q_LEN), None)[:2])
+    grid = (triton.cdiv(Q_LEN, block_m), B * Hq)
+    main = launch.Launch(kernel, grid, constexprs, device)
     return Plan(
-        kernel=launch.Launch(kernel, (triton.cdiv(Q_LEN, block_m), B * Hq), constexprs, device),
+        kernel=main,
+        any_scale=launch.Launch(kernel, grid, dict(constexprs, SCORES_IN_BASE2=False), device)
+        if constexprs["SCORES_IN_BASE2"] else main,
         out_shape=out_shape, stat_shape=(B, Hq, Q_LEN),
         out_order=out_order, stat_dtype=acc, out_dtype=out_dtype,
         out_like_query=launch.empty_like_gives(query, out_shape, out_dtype, out_order),
@@ -135,7 +139,7 @@ def run(plan: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if plan.is_empty:
         return out, lse, mx
     rows = plan.dense_rows if tables is None else tables.kv
-    plan.kernel(
+    (plan.kernel if scale > 0 else plan.any_scale)(
         query, key, value, out, lse, launch.UNUSED if mx is None else mx, *(descale or _NO_DESCALE),
         *rows.args(),
         *launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs),

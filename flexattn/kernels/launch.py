@@ -65,6 +65,13 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def raw_scores(score, acc: torch.dtype) -> bool:
+    """Whether the kernels may fold the scale into the softmax's exp2 (their SCORES_IN_BASE2): no
+    score_mod, and float32 accumulators (float64 keeps the exact path: the kernels' scalar
+    arithmetic is float32)."""
+    return score.ir.op == "input" and acc == torch.float32 and score.score_dtype in (None, acc)
+
+
 def dot_precision(device: torch.device, dtype: torch.dtype) -> str:
     return "tf32" if dtype == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32 \
         else "ieee"

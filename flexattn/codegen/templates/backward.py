@@ -48,6 +48,8 @@
 #   OFFS_INT64             some tensor spans more than 2^31 elements: int64 tile offsets
 #   ACC_DTYPE              float32 (float64 for float64 inputs): scores, P, dS, accumulators
 #   SCORE_DTYPE            the dtype score_mod was traced with
+#   SCORES_IN_BASE2        there is no score_mod (float32 accumulators): P is exp2 of one FMA of the
+#                          raw q.k tile, the scale and 1 / ln 2 folded into one factor (p_from_lse)
 #   DOT_PRECISION          tl.dot input_precision
 #   DOT_IN_FP32            feed tl.dot float32 copies (the interpreter's bfloat16 dot is wrong)
 #
@@ -102,14 +104,19 @@ def load_lse_base2(ptrs, offs, N, IS_DIVISIBLE: tl.constexpr):
 def score_tile(
     x, y, b, h, q_idx, kv_idx, SM_SCALE,
     $score_mod_params
-    ROWS: tl.constexpr, COLS: tl.constexpr, ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
+    ROWS: tl.constexpr, COLS: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr, SCORES_IN_BASE2: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     # The scaled score tile x @ y^T * SM_SCALE in SCORE_DTYPE (score_mod's derivative reads it
-    # again) and the modified score s in ACC_DTYPE.
+    # again) and the modified score s in ACC_DTYPE. SCORES_IN_BASE2 (no score_mod): both are the
+    # raw x @ y^T, and p_from_lse multiplies by the scale.
     qk = mma(x, tl.trans(y), tl.full([ROWS, COLS], 0.0, ACC_DTYPE), DOT_PRECISION, DOT_IN_FP32)
-    qk = (qk * SM_SCALE).to(SCORE_DTYPE)
-    s = score_mod(qk, b, h, q_idx, kv_idx, $score_mod_params).to(ACC_DTYPE)
+    if SCORES_IN_BASE2:
+        s = qk
+    else:
+        qk = (qk * SM_SCALE).to(SCORE_DTYPE)
+        s = score_mod(qk, b, h, q_idx, kv_idx, $score_mod_params).to(ACC_DTYPE)
     return qk, s
 
 
@@ -134,11 +141,16 @@ def visible(
 
 
 @triton.jit
-def p_from_lse(s, lse, valid):
+def p_from_lse(s, SM_SCALE, lse, valid, SCORES_IN_BASE2: tl.constexpr):
     # P = exp(s - LSE) recomputed as exp2(s / ln 2 - lse), lse the saved LSE in base 2 broadcast
-    # to the tile's layout; 0 where not valid.
+    # to the tile's layout; 0 where not valid. SCORES_IN_BASE2: s is the raw q.k, and the scale
+    # joins 1 / ln 2 in one factor (exp2 of one FMA per score).
     RCP_LN2: tl.constexpr = 1.4426950408889634
-    return tl.where(valid, tl.exp2(s * RCP_LN2 - lse), 0.0)
+    if SCORES_IN_BASE2:
+        x = s * (SM_SCALE * RCP_LN2) - lse
+    else:
+        x = s * RCP_LN2 - lse
+    return tl.where(valid, tl.exp2(x), 0.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,7 +201,7 @@ def dkdv_inner(
     QK_HEAD_DIM: tl.constexpr, QK_HEAD_DIM_ROUNDED: tl.constexpr,
     V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
     IS_DIVISIBLE: tl.constexpr, BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr, SCORES_IN_BASE2: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     # Transposed tiles: rows are this program's KV positions, columns the query positions.
@@ -208,10 +220,11 @@ def dkdv_inner(
         q = load_tile(Q + rows[:, None] * stride_qm + offs_k[None, :] * stride_qk, offs_m, offs_k,
                       Q_LEN, QK_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
         qkT, sT = score_tile(k, q, b, h, q_idx, kv_idx, SM_SCALE, $score_mod_params
-                             BLOCK_N1, BLOCK_M1, ACC_DTYPE, SCORE_DTYPE, DOT_PRECISION, DOT_IN_FP32)
+                             BLOCK_N1, BLOCK_M1, ACC_DTYPE, SCORE_DTYPE, SCORES_IN_BASE2,
+                             DOT_PRECISION, DOT_IN_FP32)
         valid = visible(b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_mod_params IS_FULL_BLOCKS, IS_DIVISIBLE)
         lse = load_lse_base2(LSE + rows * stride_lm, offs_m, Q_LEN, IS_DIVISIBLE)
-        pT = p_from_lse(sT, lse[None, :], valid)
+        pT = p_from_lse(sT, SM_SCALE, lse[None, :], valid, SCORES_IN_BASE2)
         # -- dV += P^T dO
         do = load_tile(DO + rows[:, None] * stride_dom + offs_v[None, :] * stride_dok, offs_m, offs_v,
                        Q_LEN, V_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
@@ -249,7 +262,7 @@ def backward_dkdv(
     V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
     IS_DIVISIBLE: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, HAS_FULL_BLOCKS: tl.constexpr,
     BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr, SCORES_IN_BASE2: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     tl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N1 == 0)
@@ -291,7 +304,7 @@ def backward_dkdv(
             $score_mod_params $mask_mod_params
             False, BLOCK_M1, BLOCK_N1, SPARSE_Q_BLOCK_SIZE,
             QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
-            IS_DIVISIBLE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64, ACC_DTYPE, SCORE_DTYPE,
+            IS_DIVISIBLE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64, ACC_DTYPE, SCORE_DTYPE, SCORES_IN_BASE2,
             DOT_PRECISION, DOT_IN_FP32,
         )
         if HAS_FULL_BLOCKS:
@@ -304,7 +317,7 @@ def backward_dkdv(
                 $score_mod_params $mask_mod_params
                 True, BLOCK_M1, BLOCK_N1, SPARSE_Q_BLOCK_SIZE,
                 QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
-                IS_DIVISIBLE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64, ACC_DTYPE, SCORE_DTYPE,
+                IS_DIVISIBLE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64, ACC_DTYPE, SCORE_DTYPE, SCORES_IN_BASE2,
                 DOT_PRECISION, DOT_IN_FP32,
             )
 
@@ -332,7 +345,7 @@ def dq_inner(
     QK_HEAD_DIM: tl.constexpr, QK_HEAD_DIM_ROUNDED: tl.constexpr,
     V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
     IS_DIVISIBLE: tl.constexpr, BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr, SCORES_IN_BASE2: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     SPARSE_KV_MULTIPLE: tl.constexpr = SPARSE_KV_BLOCK_SIZE // BLOCK_N2
@@ -350,9 +363,10 @@ def dq_inner(
         k = load_tile(K + rows[:, None] * stride_kn + offs_k[None, :] * stride_kk, offs_n, offs_k,
                       KV_LEN, QK_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
         qk, s = score_tile(q, k, b, h, q_idx, kv_idx, SM_SCALE, $score_mod_params
-                           BLOCK_M2, BLOCK_N2, ACC_DTYPE, SCORE_DTYPE, DOT_PRECISION, DOT_IN_FP32)
+                           BLOCK_M2, BLOCK_N2, ACC_DTYPE, SCORE_DTYPE, SCORES_IN_BASE2,
+                           DOT_PRECISION, DOT_IN_FP32)
         valid = visible(b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_mod_params IS_FULL_BLOCKS, IS_DIVISIBLE)
-        p = p_from_lse(s, lse[:, None], valid)
+        p = p_from_lse(s, SM_SCALE, lse[:, None], valid, SCORES_IN_BASE2)
         # -- dS = P * (dP - Delta) through score_mod's derivative (scatters captured grads); dQ += dS K
         v = load_tile(V + rows[:, None] * stride_vn + offs_v[None, :] * stride_vk, offs_n, offs_v,
                       KV_LEN, V_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
@@ -386,7 +400,7 @@ def backward_dq(
     V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
     IS_DIVISIBLE: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, HAS_FULL_BLOCKS: tl.constexpr,
     BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr, SCORES_IN_BASE2: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     tl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M2 == 0)
@@ -428,7 +442,7 @@ def backward_dq(
         $score_mod_params $mask_mod_params $grad_params
         False, BLOCK_M2, BLOCK_N2, SPARSE_KV_BLOCK_SIZE,
         QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
-        IS_DIVISIBLE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64, ACC_DTYPE, SCORE_DTYPE,
+        IS_DIVISIBLE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64, ACC_DTYPE, SCORE_DTYPE, SCORES_IN_BASE2,
         DOT_PRECISION, DOT_IN_FP32,
     )
     if HAS_FULL_BLOCKS:
@@ -441,7 +455,7 @@ def backward_dq(
             $score_mod_params $mask_mod_params $grad_params
             True, BLOCK_M2, BLOCK_N2, SPARSE_KV_BLOCK_SIZE,
             QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
-            IS_DIVISIBLE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64, ACC_DTYPE, SCORE_DTYPE,
+            IS_DIVISIBLE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64, ACC_DTYPE, SCORE_DTYPE, SCORES_IN_BASE2,
             DOT_PRECISION, DOT_IN_FP32,
         )
 

@@ -40,9 +40,10 @@
 #                          KV_IDX after the first entry
 #   OFFS_INT64             some tensor spans more than 2^31 elements: compute tile offsets in int64
 #   OUTPUT_MAX             also write MaxScores (torch's AuxRequest(max_scores=True))
-#   SCORES_IN_BASE2        there is no score_mod: SM_SCALE is multiplied by 1 / ln 2 once, so the
-#                          scaled scores are already the base-2 softmax's input (one multiply less
-#                          per score)
+#   SCORES_IN_BASE2        there is no score_mod and SM_SCALE > 0 (the host launches the kernel
+#                          without it for other scales): SM_SCALE is multiplied by 1 / ln 2 once
+#                          and the raw q.k tile goes to the softmax, which folds the scale into
+#                          exp2's argument (one FMA per score; a score_mod needs one multiply more)
 #   LONGEST_FIRST          launch query tiles last to first (under a causal mask the last see the
 #                          most KV blocks; starting them first shortens the tail of the launch)
 #   IS_FP8                 Q, K, V are float8_e4m3fn: Q K^T runs in float8 with the descales folded
@@ -61,7 +62,7 @@
 # q_idx [BLOCK_M, 1] and kv_idx [1, BLOCK_N] int32.
 #
 # Tile helpers (tiles.py, the tile_helpers hook; shared with the backward and decoding templates):
-# ptr_offsets, load_tile / store_tile, mma, online_softmax(_base2), next_start.
+# ptr_offsets, load_tile / store_tile, mma, online_softmax(_scaled), next_start.
 $prelude
 
 $score_mod_def
@@ -102,12 +103,12 @@ def forward_inner(
         k = load_tile(K + rows[:, None] * stride_kn + offs_k[None, :] * stride_kk, offs_n, offs_k,
                       KV_LEN, QK_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
         qk = mma(q, tl.trans(k), tl.full([BLOCK_M, BLOCK_N], 0.0, ACC_DTYPE), DOT_PRECISION, DOT_IN_FP32)
-        if not PRESCALE_QK:
-            qk = qk * SM_SCALE
         kv_idx = offs_n[None, :]
         if SCORES_IN_BASE2:
-            s = qk  # no score_mod, and SM_SCALE holds the 1 / ln 2 of the base-2 softmax
+            s = qk  # no score_mod: the softmax below multiplies by SM_SCALE (> 0, with 1 / ln 2)
         else:
+            if not PRESCALE_QK:
+                qk = qk * SM_SCALE
             s = score_mod(qk.to(SCORE_DTYPE), b, h, q_idx, kv_idx, $score_mod_params).to(ACC_DTYPE)
         if not IS_FULL_BLOCKS:
             s = tl.where(mask_mod(b, h, q_idx, kv_idx, $mask_mod_params), s, float("-inf"))
@@ -116,7 +117,7 @@ def forward_inner(
 
         # -- online softmax in base 2: m_i is the running row max, l_i the running row sum
         if SCORES_IN_BASE2:
-            p, alpha, l_i, m_i = online_softmax_base2(s, m_i, l_i, ROWS_GUARANTEED_SAFE)
+            p, alpha, l_i, m_i = online_softmax_scaled(s, SM_SCALE, m_i, l_i, ROWS_GUARANTEED_SAFE)
         else:
             p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, ROWS_GUARANTEED_SAFE)
         v = load_tile(V + rows[:, None] * stride_vn + offs_v[None, :] * stride_vk, offs_n, offs_v,

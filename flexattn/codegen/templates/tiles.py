@@ -68,25 +68,27 @@ def row_sum(x):
 
 @triton.jit
 def online_softmax(s, m_i, l_i, ROWS_GUARANTEED_SAFE: tl.constexpr):
-    # One step of the online softmax for scores s in natural units (see online_softmax_base2).
+    # One step of the online softmax for scores s in natural units (see online_softmax_scaled).
     RCP_LN2: tl.constexpr = 1.4426950408889634
-    return online_softmax_base2(s * RCP_LN2, m_i, l_i, ROWS_GUARANTEED_SAFE)
+    return online_softmax_scaled(s, RCP_LN2, m_i, l_i, ROWS_GUARANTEED_SAFE)
 
 
 @triton.jit
-def online_softmax_base2(s, m_i, l_i, ROWS_GUARANTEED_SAFE: tl.constexpr):
-    # One step of the online softmax in base 2. s: this tile's masked scores in base-2 units (natural
-    # units / ln 2; -inf where masked); m_i, l_i: the running row max (base-2 units) and row sum.
-    # Returns p (this tile's unnormalised probabilities), alpha (rescales what was accumulated so
-    # far) and the new l_i, m_i; the caller accumulates acc * alpha + p @ v in its own way.
-    m_ij = tl.maximum(m_i, row_max(s))
+def online_softmax_scaled(s, c, m_i, l_i, ROWS_GUARANTEED_SAFE: tl.constexpr):
+    # One step of the online softmax in base 2 of the scores s * c, for a scalar c > 0 (a positive
+    # factor commutes with the row max, so the multiply folds into exp2's argument as one FMA per
+    # score instead of a multiply and a subtract). s: this tile's masked scores (-inf where
+    # masked); m_i, l_i: the running row max (of s * c) and row sum. Returns p (this tile's
+    # unnormalised probabilities), alpha (rescales what was accumulated so far) and the new l_i,
+    # m_i; the caller accumulates acc * alpha + p @ v in its own way.
+    m_ij = tl.maximum(m_i, row_max(s) * c)
     if ROWS_GUARANTEED_SAFE:
         m_ref = m_ij
     else:
         # [Note] fully masked rows: while a row has seen only -inf, m_ij is -inf and s - m_ij
         # would be NaN. Measure from 0 instead: p and alpha come out 0, l_i stays 0.
         m_ref = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-    p = tl.exp2(s - m_ref[:, None])
+    p = tl.exp2(s * c - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + row_sum(p)
     return p, alpha, l_i, m_ij
