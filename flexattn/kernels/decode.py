@@ -132,8 +132,8 @@ def make_plan(query, key, value, score: Mod | None, score_bufs, mask: Mod | None
         cap = max(1, (walk_tiles * sub) // max(o["MIN_TILES_PER_SPLIT"], 1) // sub)
         # A power of two: a KV cache that grows a token per step then meets a handful of SPLIT_KV
         # values (each a kernel to compile), not a new one every MIN_TILES_PER_SPLIT tiles.
-        cap = 1 << (cap.bit_length() - 1)
         split = max(1, min(want, cap, 256))
+        split = 1 << (split.bit_length() - 1)
     # More splits than KV tiles only adds programs with nothing to do.
     split = min(split, max(1, walk_tiles * (kv_bs // BLOCK_N if has_block_mask else 1)))
 

@@ -49,7 +49,8 @@ OPTIONS: dict[str, tuple[str, str, str]] = {
     "bwd_num_stages": ("backward", "stages", "backward: software-pipelining stages"),
     # decoding (split-KV) kernel, used for short queries without gradients
     "SPLIT_KV": ("decode", "int", "programs per row tile along KV (default: from the SM count)"),
-    "PROGRAMS_PER_SM": ("decode", "number", "SPLIT_KV target: programs >= this x SMs"),
+    "PROGRAMS_PER_SM": ("decode", "number", "SPLIT_KV target: about this many programs per SM (SPLIT_KV is "
+                                             "the power of two at or below what reaches it)"),
     "MIN_TILES_PER_SPLIT": ("decode", "int", "never split so finely that a program walks fewer KV tiles"),
     "INPUT_PRECISION": ("decode", "str", "tl.dot precision for float32 inputs: 'ieee' or 'tf32'"),
     "BACKEND": ("forward", "str", "torch's kernel choice: 'AUTO', 'TRITON' (block-sparse kernel), "
@@ -219,12 +220,20 @@ def backward_defaults(device: torch.device, dtype: torch.dtype, qk_head_dim: int
 def decode_defaults(device: torch.device, qk_head_dim_rounded: int, v_head_dim_rounded: int) -> dict[str, Any]:
     """Decoding-kernel defaults (SPLIT_KV itself is derived from the SM count at plan time)."""
     on_gpu = device.type == "cuda"
+    d = max(qk_head_dim_rounded, v_head_dim_rounded)
+    # 128-wide KV steps with 3 stages keep 192 KB of K/V tiles in flight (D = 128): one program
+    # then streams at the SM's share of the bandwidth, and one program per SM (SPLIT_KV the power
+    # of two at or below that target) beats 4 with 64-wide steps by 1-3 points of copy bandwidth
+    # on the four shapes of benchmarks/bench_decode.py (H100, docs/raw/2026-11-23f_h100_decode_sweep*.log).
+    # GPUs with less shared memory per block keep 64-wide steps.
+    wide = on_gpu and d <= 128 and _shared_memory_per_block(device) >= 200 * 1024
     return {
-        "BLOCK_N": (64 if max(qk_head_dim_rounded, v_head_dim_rounded) <= 128 else 32) if on_gpu else 16,
+        "BLOCK_N": (128 if wide else 64 if d <= 128 else 32) if on_gpu else 16,
         "BLOCK_M": 64, "num_warps": 4, "num_stages": 3,
-        # Several programs per SM: the last, partly filled wave then costs little, and partials
-        # stay small (rows x SPLIT_KV x Ev floats against megabytes of K/V). 4 rather than 8 since
-        # the merge runs in the last split of each row tile: fewer partials to merge (H100, % of
-        # copy bandwidth: gqa B1 128k 93.0 -> 95.7, B64 4k 97.5 -> 99.0, B8 32k 97.8 -> 96.7).
-        "PROGRAMS_PER_SM": 4, "MIN_TILES_PER_SPLIT": 8 if on_gpu else 1, "INPUT_PRECISION": "ieee",
+        "PROGRAMS_PER_SM": 1 if wide else 4, "MIN_TILES_PER_SPLIT": 8 if on_gpu else 1, "INPUT_PRECISION": "ieee",
     }
+
+
+def _shared_memory_per_block(device: torch.device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", 0) or getattr(props, "shared_memory_per_block", 0)
