@@ -47,6 +47,21 @@ def test_descale_v_scales_the_output():
     torch.testing.assert_close(two.float(), 2 * one.float(), atol=0, rtol=1e-2)
 
 
+def test_descales_that_flip_the_scores_sign_give_nan_not_a_wrong_result():
+    # Without a score_mod the kernel folds scale * descale_q * descale_k into exp2's argument,
+    # which needs it positive (descale factors are); the host cannot see device values, so a
+    # negative product makes the kernel write NaN. With a score_mod nothing is folded.
+    (q, dq), (k, dk), (v, dv) = _inputs(S=70, D=32)
+    good = flexattn.flex_attention(q, k, v, enable_gqa=True, descale_q=dq, descale_k=dk, descale_v=dv)
+    assert not good.isnan().any()
+    out = flexattn.flex_attention(q, k, v, enable_gqa=True, descale_q=-dq, descale_k=dk, descale_v=dv)
+    assert out.isnan().all()
+    ident = flexattn.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + 0.0, enable_gqa=True,
+                                    descale_q=-dq, descale_k=dk, descale_v=dv)
+    ref = attention_reference(dequantised(q, -dq), dequantised(k, dk), dequantised(v, dv), enable_gqa=True)
+    assert (ident.double() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
+
+
 def test_fp8_value_goes_to_the_kernel_k_major():
     """float8 P V takes V with the KV dimension innermost: a row-major value reaches the kernel as
     a K-major copy of itself, a K-major one as it is; both give the same output."""

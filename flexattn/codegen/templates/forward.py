@@ -161,6 +161,8 @@ def flex_attention_forward(
     tl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M == 0)
     if IS_FP8:  # scores of the dequantised inputs: (q dq)(k dk)^T scale = q k^T (scale dq dk)
         SM_SCALE = SM_SCALE * tl.load(DESCALE_Q) * tl.load(DESCALE_K)
+        if SCORES_IN_BASE2:  # the fold needs a positive factor: descales that are not give NaN
+            SM_SCALE = tl.where(SM_SCALE > 0, SM_SCALE, float("nan"))
     LN2: tl.constexpr = 0.6931471805599453
     if SCORES_IN_BASE2:
         SM_SCALE = SM_SCALE * (1.0 / LN2)
