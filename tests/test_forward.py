@@ -414,7 +414,7 @@ def test_short_queries_take_the_decoding_kernel(monkeypatch):
 @pytest.mark.parametrize("masked", [False, True])
 def test_scale_argument(scale, dtype, masked):
     # Without a score_mod the kernel folds the scale into exp2's argument, which needs a positive
-    # factor: a negative scale's sign goes into q, a zero scale is every score 0 (uniform weights).
+    # factor: a negative or zero scale takes the plan's unfolded twin (zero: uniform weights).
     q, k, v = make_qkv(1, 2, 2, 70, 90, 16, 16, dtype)
     bm = make_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, 1, 1, 70, 90, 32) if masked else None
     out, _ = check(q, k, v, block_mask=bm, scale=scale)
