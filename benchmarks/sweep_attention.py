@@ -99,27 +99,28 @@ def main() -> None:
             if a.no_backward:
                 continue
             rows = []
-            for cfg in [None] if a.default_only else mine(BWD_256 if D > 128 else BWD):
-                opts = dict(zip(("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages"),
-                                cfg or ()))
-                cfg = cfg or "default"
+            bwd_cfgs = [None] if a.default_only else mine(BWD_256 if D > 128 else BWD)
+            for cfg, extra in ((c, v) for c in bwd_cfgs for v in variants):
+                opts = {**dict(zip(("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps",
+                                    "bwd_num_stages"), cfg or ())), **extra}
+                cfg = f"{cfg or 'default'} {json.dumps(extra) if extra else ''}"
                 try:
                     out = flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, kernel_options=opts)
 
                     def step():
                         return torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
 
-                    # The backward's launches: preprocess, dK/dV pass, dQ pass, each timed alone too.
+                    # The backward's launches after the preprocess (the dK/dV pass, and the dQ pass
+                    # unless dQ comes from atomics), each timed alone too.
                     sites = launch.recorded_launches(step)
                     ms = time_ms(step)
-                    dkdv, dq = (time_ms(lambda s=s, x=x: s(*x)) for s, x in sites[1:3])
-                    rows.append((2.5 * flops / ms / 1e9, ms, cfg, dkdv, dq))
+                    parts = [time_ms(lambda s=s, x=x: s(*x)) for s, x in sites[1:3]] + [float("nan")]
+                    rows.append((2.5 * flops / ms / 1e9, ms, cfg, parts[0], parts[1]))
                 except Exception as e:  # noqa: BLE001
                     rows.append((0.0, float("nan"), f"{cfg} {type(e).__name__}: {str(e)[:60]}", 0.0, 0.0))
             for tf, ms, cfg, dkdv, dq in sorted(rows, key=lambda r: -r[0]):
                 print(f"bwd D={D:<4} {case:<7} {str(cfg):<60} {ms:8.3f} ms {tf:7.1f} TF/s "
                       f"(dK/dV {dkdv:.3f} ms, dQ {dq:.3f} ms)")
-
 
 if __name__ == "__main__":
     main()
