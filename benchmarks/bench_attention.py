@@ -6,7 +6,8 @@
 
 Cases: no mask, causal, sliding window 1024 (causal), alibi + causal, tanh softcap, 16 documents
 (packed sequences of uneven lengths, causal inside each document). All
-competitors run in one process on the same tensors and print one table. TFLOP/s counts
+competitors run in one process on the same tensors and print one table, with each one's output
+and gradients compared to flexattn's (max|diff|, grad diff: the largest of dQ, dK, dV). TFLOP/s counts
 4·B·H·S·S·D for the forward and 2.5x that for the backward, times the fraction of tiles the block
 mask visits (so a causal run is credited about half the work of a dense one). SDPA runs where it
 can express the case (no mask, causal).
@@ -147,7 +148,7 @@ def main(argv=None) -> int:
                         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
                 impls["SDPA (cuDNN/flash)"] = sdpa
         fwd_flops = 4 * B * H * S * S * D * frac
-        base = None
+        base = base_grads = None
         for impl, fn in impls.items():
             try:
                 with torch.no_grad():
@@ -155,29 +156,35 @@ def main(argv=None) -> int:
                     base = out if base is None else base
                     err = (out.float() - base.float()).abs().max().item()
                     t_fwd = timer(fn, device, warmup, rep)
-                t_bwd = None
+                t_bwd = grad_err = None
                 if not args.no_backward:
                     out = fn()
+                    grads = torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)
+                    base_grads = grads if base_grads is None else base_grads
+                    grad_err = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, base_grads))
+                    del grads
                     t_bwd = timer(lambda: torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True),
                                   device, warmup, rep)
                     del out
             except Exception as e:  # a competitor that cannot run a case is reported, not fatal
-                rows.append((case, impl, frac, None, None, None, None, None, f"{type(e).__name__}: {str(e)[:60]}"))
+                rows.append((case, impl, frac, None, None, None, None, None, None,
+                             f"{type(e).__name__}: {str(e)[:60]}"))
                 continue
             rows.append((case, impl, frac, t_fwd * 1e3, fwd_flops / t_fwd / 1e12,
                          None if t_bwd is None else t_bwd * 1e3,
-                         None if t_bwd is None else 2.5 * fwd_flops / t_bwd / 1e12, err, ""))
+                         None if t_bwd is None else 2.5 * fwd_flops / t_bwd / 1e12, err, grad_err, ""))
 
     head = (f"{'case':<22} {'impl':<21} {'tiles':>6} {'fwd ms':>9} {'fwd TF/s':>9} {'bwd ms':>9} "
-            f"{'bwd TF/s':>9} {'max|diff|':>10}")
+            f"{'bwd TF/s':>9} {'max|diff|':>10} {'grad diff':>10}")
     print(head)
     print("-" * len(head))
-    for case, impl, frac, tf, ff, tb, fb, err, note in rows:
+    for case, impl, frac, tf, ff, tb, fb, err, grad_err, note in rows:
         if tf is None:
             print(f"{case:<22} {impl:<21} {frac:>6.3f}  n/a  {note}")
             continue
         bwd = f"{tb:>9.3f} {fb:>9.1f}" if tb is not None else f"{'-':>9} {'-':>9}"
-        print(f"{case:<22} {impl:<21} {frac:>6.3f} {tf:>9.3f} {ff:>9.1f} {bwd} {err:>10.2e}")
+        gerr = f"{grad_err:>10.2e}" if grad_err is not None else f"{'-':>10}"
+        print(f"{case:<22} {impl:<21} {frac:>6.3f} {tf:>9.3f} {ff:>9.1f} {bwd} {err:>10.2e} {gerr}")
     return 0
 
 
