@@ -133,10 +133,14 @@ class FlexAttentionFunction(torch.autograd.Function):
         score_bufs, mask_bufs = tuple(buffers[:call.n_score]), tuple(buffers[call.n_score:])
         need = tuple(ctx.needs_input_grad[4:4 + call.n_score])
         plan_key = (call.key, need, grad_out.shape, grad_out.stride(), grad_lse is not None)
+
+        def launch_once(plan):
+            return bwd.run(plan, query, key, value, out, lse, grad_out, grad_lse, call.score, score_bufs,
+                           call.mask, mask_bufs, call.tables, call.scale)
+
         plan = plans.backward_plan(plan_key, query, key, value, out, grad_out, call.score, call.mask, call.tables,
-                                   call.options, need, score_bufs, grad_lse is not None)
-        dq, dk, dv, grads = bwd.run(plan, query, key, value, out, lse, grad_out, grad_lse, call.score, score_bufs,
-                                    call.mask, mask_bufs, call.tables, call.scale)
+                                   call.options, need, score_bufs, grad_lse is not None, launch_once)
+        dq, dk, dv, grads = launch_once(plan)
         # No gradients for the plan; mask_mod's captures are not differentiable.
         return (dq, dk, dv, None, *bwd.buffer_grads(grads, score_bufs, need)) + (None,) * len(mask_bufs)
 

@@ -130,10 +130,14 @@ def backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor
     need_t = tuple(need)
     key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _meta(grad_out), grad_lse is not None, need_t,
             _metas(score_bufs) + _metas(mask_bufs), None if t is None else t.sig)
+
+    def launch_once(plan):
+        return bwd.run(plan, query, key, value, out, lse, grad_out, grad_lse, score, score_bufs, mask, mask_bufs,
+                       t, scale)
+
     plan = plans.backward_plan(key_, query, key, value, out, grad_out, score, mask, t, options, need_t, score_bufs,
-                               grad_lse is not None)
-    dq, dk, dv, grads = bwd.run(plan, query, key, value, out, lse, grad_out, grad_lse, score, score_bufs, mask,
-                                mask_bufs, t, scale)
+                               grad_lse is not None, launch_once)
+    dq, dk, dv, grads = launch_once(plan)
     # A custom op returns a tensor for each entry: an empty one where no gradient is wanted.
     buffer_grads = [b.new_empty(0) if g is None else g
                     for b, g in zip(score_bufs, bwd.buffer_grads(grads, score_bufs, need))]

@@ -1,6 +1,6 @@
 """Autotuning (flexattn.kernels.tuning) on the CPU with a fake clock: the first process times
-every candidate and stores the winner on disk, a second process reuses it without timing, and
-the caller's kernel_options or AUTOTUNE=False switch tuning off."""
+every candidate (forward and backward) and stores the winner on disk, a second process reuses it
+without timing, and the caller's kernel_options or AUTOTUNE=False switch tuning off."""
 
 from __future__ import annotations
 
@@ -27,22 +27,25 @@ def fresh(tmp_path, monkeypatch):
     monkeypatch.setattr(plans, "TUNE_MIN_WORK", 0)
     tuning.forget()
     plans.FORWARD.plans.clear()
+    plans.BACKWARD.plans.clear()
     yield tmp_path
     tuning.forget()
     plans.FORWARD.plans.clear()
+    plans.BACKWARD.plans.clear()
 
 
 @pytest.fixture
 def clock(monkeypatch):
-    """A fake clock: a candidate's time is set by its BLOCK_M (32 fastest); returns the BLOCK_M of
-    each candidate timed, in order."""
+    """A fake clock: a candidate's time is set by its query tile, BLOCK_M (forward) or BLOCK_M1
+    (backward), the smaller the faster; returns the tile of each candidate timed, in order."""
     timed, current = [], []
 
     def fake_bench(run, device):
         run()  # the candidate must launch (a broken one is skipped)
-        block_m = current[-1].kernel.constexprs["BLOCK_M"]
+        plan = current[-1]
+        block_m = plan.kernel.constexprs["BLOCK_M"] if hasattr(plan, "kernel") else plan.dkdv.constexprs["BLOCK_M1"]
         timed.append(block_m)
-        return {32: 1.0, 64: 2.0}.get(block_m, 3.0)
+        return {16: 0.5, 32: 1.0, 64: 2.0}.get(block_m, 3.0)
 
     real_choose = tuning.choose
 
@@ -72,6 +75,28 @@ def bias(score, b, h, q_idx, kv_idx):
     return score + (q_idx - kv_idx) * 0.01
 
 
+def _second_process(cache_dir, body: str) -> str:
+    """Runs ``body`` in a new Python process with this test's cache directory and inputs (q, k, v,
+    the bias score mod as ``score``), where timing any candidate fails; returns its stdout (and
+    checks that it printed no tuning line)."""
+    script = textwrap.dedent("""
+        import torch, flexattn
+        from flexattn.kernels import plans, tuning
+        plans.TUNE_MIN_WORK = 0
+        def no_timing(*a, **k):
+            raise AssertionError("the second process timed a candidate")
+        tuning.bench = no_timing
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(1, 2, 150, 32) for _ in range(3))
+        score = lambda s, b, h, qi, ki: s + (qi - ki) * 0.01
+    """) + textwrap.dedent(body)
+    env = {**os.environ, "FLEXATTN_CACHE_DIR": str(cache_dir), "PYTHONPATH": ROOT}
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "tuning" not in res.stderr
+    return res.stdout
+
+
 def test_tunes_once_and_another_process_reuses_the_winner(fresh, clock, capsys):
     q, k, v = _inputs()
     out = flexattn.flex_attention(q, k, v, score_mod=bias, kernel_options={"AUTOTUNE": True})
@@ -89,25 +114,12 @@ def test_tunes_once_and_another_process_reuses_the_winner(fresh, clock, capsys):
     assert len(clock) == len(candidates)
 
     # A second process: timing anything fails it; it must use the stored winner.
-    script = textwrap.dedent("""
-        import torch, flexattn
-        from flexattn.kernels import plans, tuning
-        plans.TUNE_MIN_WORK = 0
-        def no_timing(*a, **k):
-            raise AssertionError("the second process timed a candidate")
-        tuning.bench = no_timing
-        torch.manual_seed(0)
-        q, k, v = (torch.randn(1, 2, 150, 32) for _ in range(3))
-        score = lambda s, b, h, qi, ki: s + (qi - ki) * 0.01
+    out = _second_process(fresh, """
         flexattn.flex_attention(q, k, v, score_mod=score, kernel_options={"AUTOTUNE": True})
         (plan,) = plans.FORWARD.plans.values()
         print("BLOCK_M", plan.kernel.constexprs["BLOCK_M"])
     """)
-    env = {**os.environ, "FLEXATTN_CACHE_DIR": str(fresh), "PYTHONPATH": ROOT}
-    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    assert "BLOCK_M 32" in res.stdout
-    assert "tuning" not in res.stderr
+    assert "BLOCK_M 32" in out
 
 
 @pytest.mark.parametrize("options", [{"AUTOTUNE": True, "BLOCK_M": 64}, {"AUTOTUNE": True, "num_warps": 4},
@@ -165,3 +177,51 @@ def test_masks_with_more_mask_work_are_tuned_apart(fresh, clock):
     keys = list(json.loads((fresh / "tuning-v1.json").read_text()))
     shares = sorted(float(k_.split("|")[-2].removeprefix("partial ")) for k_ in keys)
     assert len(keys) == 2 and shares[0] < shares[1] <= 1.0, keys
+
+
+def test_the_backward_is_tuned_once_and_another_process_reuses_the_winner(fresh, clock, capsys):
+    q, k, v = (t.requires_grad_() for t in _inputs())
+    do = torch.randn_like(q)
+    out = flexattn.flex_attention(q, k, v, score_mod=bias, kernel_options={"AUTOTUNE": True})
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(attention_reference(*leaves, score_mod=bias), leaves, do.double())
+    for got, exp in zip(grads, want):
+        torch.testing.assert_close(got.double(), exp, atol=1e-4, rtol=1e-4)
+    n_fwd = len(tuning.forward_candidates(q.device, q.dtype, 32))
+    candidates = tuning.backward_candidates(q.device, q.dtype, 32)
+    assert len(candidates) > 1
+    assert sorted(clock[n_fwd:]) == sorted(c["BLOCK_M1"] for c in candidates)  # each timed once
+    (plan,) = plans.BACKWARD.plans.values()
+    assert plan.dkdv.constexprs["BLOCK_M1"] == 16  # the fake clock's winner, not the default (32)
+    assert "flexattn: tuned backward|cpu" in capsys.readouterr().err
+    stored = json.loads((fresh / "tuning-v1.json").read_text())
+    (config,) = [c for key, c in stored.items() if key.startswith("backward|")]
+    assert config["BLOCK_M1"] == 16
+
+    # Again in this process: a plan lookup, no timing.
+    out = flexattn.flex_attention(q, k, v, score_mod=bias, kernel_options={"AUTOTUNE": True})
+    torch.autograd.grad(out, (q, k, v), do)
+    assert len(clock) == n_fwd + len(candidates)
+
+    # A second process: timing anything fails it; it must use the stored winner.
+    out = _second_process(fresh, """
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = flexattn.flex_attention(q, k, v, score_mod=score, kernel_options={"AUTOTUNE": True})
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        (plan,) = plans.BACKWARD.plans.values()
+        print("BLOCK_M1", plan.dkdv.constexprs["BLOCK_M1"])
+    """)
+    assert "BLOCK_M1 16" in out
+
+
+@pytest.mark.parametrize("options", [{"AUTOTUNE": True, "BLOCK_M1": 32}, {"AUTOTUNE": True, "bwd_num_stages": 1},
+                                     {"AUTOTUNE": False}])
+def test_explicit_backward_options_or_switch_skip_backward_tuning(fresh, clock, options):
+    q, k, v = (t.requires_grad_() for t in _inputs())
+    out = flexattn.flex_attention(q, k, v, kernel_options=options)
+    torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    # Only the forward may have been tuned (when the options name no forward knob).
+    assert len(clock) == (len(tuning.forward_candidates(q.device, q.dtype, 32)) if options.get("AUTOTUNE") else 0)
+    stored = json.loads((fresh / "tuning-v1.json").read_text()) if (fresh / "tuning-v1.json").exists() else {}
+    assert not [key for key in stored if key.startswith("backward|")]

@@ -35,9 +35,9 @@ OPTIONS: dict[str, tuple[str, str, str]] = {
     "LONGEST_FIRST": ("forward", "bool", "launch query tiles last to first (causal masks: the longest first; "
                                          "default True)"),
     "FORCE_USE_FLEX_ATTENTION": ("forward", "bool", "always use the block-sparse kernel, never the decoding kernel"),
-    "AUTOTUNE": ("forward", "bool", "time a few forward tile configs once per GPU / dtype / head dims / length "
-                                    "bucket / mod features and keep the fastest on disk (default: on for CUDA, "
-                                    "off on the CPU; also FLEXATTN_AUTOTUNE=0)"),
+    "AUTOTUNE": ("forward", "bool", "time a few forward and backward tile configs once per GPU / dtype / head "
+                                    "dims / length bucket / mod features and keep the fastest on disk (default: "
+                                    "on for CUDA, off on the CPU; also FLEXATTN_AUTOTUNE=0)"),
     "FAST_TANH": ("forward", "bool", "float16/bfloat16/float8 inputs on CUDA: tanh in mods is the hardware's "
                                      "tanh.approx.f32 (default True; False: libdevice's tanh)"),
     # backward

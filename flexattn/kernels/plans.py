@@ -9,7 +9,7 @@ eager call path (`flexattn.call`) and the custom ops that torch.compile sees (`f
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -89,9 +89,11 @@ def decode_plan(key, query, key_t, value, score: Mod, score_bufs, mask: Mod, mas
 
 
 def backward_plan(key, query, key_t, value, out, grad_out, score: Mod, mask: Mod, tables: Tables | None,
-                  options: dict, need: tuple[bool, ...], score_bufs, has_grad_lse: bool) -> bwd.Plan:
-    return BACKWARD.get(key, lambda: bwd.make_plan(query, key_t, value, out, grad_out, score, mask, tables,
-                                                   options, need, score_bufs, has_grad_lse))
+                  options: dict, need: tuple[bool, ...], score_bufs, has_grad_lse: bool,
+                  launch_once: Callable[[bwd.Plan], Any]) -> bwd.Plan:
+    """``launch_once(plan)`` runs a candidate plan on this call's inputs (autotuning times it)."""
+    return BACKWARD.get(key, lambda: _make_backward_plan(query, key_t, value, out, grad_out, score, mask, tables,
+                                                         options, need, score_bufs, has_grad_lse, launch_once))
 
 
 def decode_mods(score: Mod, mask: Mod) -> tuple[Mod | None, Mod | None]:
@@ -100,7 +102,7 @@ def decode_mods(score: Mod, mask: Mod) -> tuple[Mod | None, Mod | None]:
             None if (mask.ir.op == "const" and mask.ir.arg) else mask)
 
 
-TUNE_MIN_WORK = 1 << 27  # B*H*Q_LEN*KV_LEN from which forward plans are autotuned (S=4k at 8 heads)
+TUNE_MIN_WORK = 1 << 27  # B*H*Q_LEN*KV_LEN from which plans are autotuned (S=4k at 8 heads)
 
 
 def _make_forward_plan(query, key, value, score, score_bufs, mask, mask_bufs, tables, enable_gqa, options,
@@ -120,11 +122,7 @@ def _make_forward_plan(query, key, value, score, score_bufs, mask, mask_bufs, ta
     if B * Hq * Q_LEN * KV_LEN >= TUNE_MIN_WORK and tuning.enabled(options, device, tuning.FORWARD_KNOBS):
         candidates = tuning.forward_candidates(device, query.dtype, max(E, Ev))
         if len(candidates) > 1:
-            features = (str(query.dtype).removeprefix("torch."), f"E={E}", f"Ev={Ev}",
-                        f"Q<={tuning.length_bucket(Q_LEN)}", f"KV<={tuning.length_bucket(KV_LEN)}",
-                        f"G={Hq // key.shape[1]}", "score_mod" if score.ir.op != "input" else "no score_mod",
-                        "no block mask" if tables is None else f"blocks {tables.q_block}x{tables.kv_block}",
-                        _partial_share(tables), "max" if want_max else "")
+            features = (*_tuning_features(query, key, value, score, tables), "max" if want_max else "")
             scale = 1.0 / math.sqrt(E)
             # float8 kernels read their descale factors: timing runs get real ones (the direct
             # launch passes a missing pointer as null)
@@ -137,6 +135,37 @@ def _make_forward_plan(query, key, value, score, score_bufs, mask, mask_bufs, ta
             if plan is not None:
                 return plan
     return make({})
+
+
+def _make_backward_plan(query, key, value, out, grad_out, score, mask, tables, options, need, score_bufs,
+                        has_grad_lse, launch_once):
+    def make(config: dict):
+        return bwd.make_plan(query, key, value, out, grad_out, score, mask, tables, {**options, **config}, need,
+                             score_bufs, has_grad_lse)
+
+    B, Hq, Q_LEN, E = query.shape
+    KV_LEN, Ev = key.shape[2], value.shape[3]
+    device = query.device
+    if B * Hq * Q_LEN * KV_LEN >= TUNE_MIN_WORK and tuning.enabled(options, device, tuning.BACKWARD_KNOBS):
+        candidates = tuning.backward_candidates(device, query.dtype, max(E, Ev))
+        if len(candidates) > 1:
+            features = (*_tuning_features(query, key, value, score, tables),
+                        "buffer grads" if any(need) else "", "lse grad" if has_grad_lse else "")
+            plan, _ = tuning.choose(tuning.tuning_key("backward", device, *features), candidates, make,
+                                    launch_once, device)
+            if plan is not None:
+                return plan
+    return make({})
+
+
+def _tuning_features(query, key, value, score: Mod, tables: Tables | None) -> tuple[str, ...]:
+    """What a tuning key holds besides the family and GPU (see tuning's docstring)."""
+    E, Ev = query.shape[3], value.shape[3]
+    return (str(query.dtype).removeprefix("torch."), f"E={E}", f"Ev={Ev}",
+            f"Q<={tuning.length_bucket(query.shape[2])}", f"KV<={tuning.length_bucket(key.shape[2])}",
+            f"G={query.shape[1] // key.shape[1]}", "score_mod" if score.ir.op != "input" else "no score_mod",
+            "no block mask" if tables is None else f"blocks {tables.q_block}x{tables.kv_block}",
+            _partial_share(tables))
 
 
 def _partial_share(tables: Tables | None) -> str:

@@ -1,12 +1,14 @@
 """Autotuning: a few tile configs per kernel family, timed once, the winner kept on disk.
 
 A plan (`flexattn.kernels.plans`) is made once per plan key. When tuning is on, making a forward
-plan times a small candidate set (`forward_candidates`: tiles, warps and pipelining stages for
-the GPU, dtype and head dims) on the call's own inputs and keeps the fastest. Winners are keyed by
+or backward plan times a small candidate set (`forward_candidates`, `backward_candidates`: tiles,
+warps and pipelining stages for the GPU, dtype and head dims) on the call's own inputs and keeps
+the fastest. Winners are keyed by
 *tuning key*: GPU name, Triton version, dtype, head dims, the query and KV lengths rounded up to
 powers of two, and the mod features that change the kernel's cost (score mod or not, block mask
 or not, its block sizes and the share of its visited blocks that need mask work, max-score
-output, GQA group size). They are stored in
+output, GQA group size; for the backward also whether captured tensors get gradients and
+whether the LSE has one). They are stored in
 ``<cache dir>/tuning-v1.json``, so another process with the same key reuses the winner without
 timing anything.
 
@@ -30,6 +32,7 @@ import torch
 import triton
 
 FORWARD_KNOBS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+BACKWARD_KNOBS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
 _FILE = "tuning-v1.json"
 _LOCK = threading.Lock()
 _WINNERS: dict[str, dict[str, Any]] | None = None  # the disk file's content, read once per process
@@ -78,6 +81,28 @@ def forward_candidates(device: torch.device, dtype: torch.dtype, head_dim: int) 
             dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
             dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
             dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)]
+
+
+def backward_candidates(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[dict[str, int]]:
+    """The backward configs worth timing (the default first, see options.backward_defaults):
+    (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, warps, stages), the ones within a few percent of the
+    best for some mask in benchmarks/sweep_attention.py on the H100
+    (docs/raw/2026-11-23d_h100_sweep_backward.log). At D=128, (32, 64, 64, 32, 4, 4) is 5-6%
+    faster than the default on 16 documents at S=2k, 6% slower causal and 18% slower without a
+    mask (docs/raw/2026-11-23g_h100_docs2k_bwd_ab.log); at D=64 (32, 128, 128, 32) is level with
+    the default. At D=256 every other config is 28% slower or does not fit: no tuning."""
+    def config(*values):
+        return dict(zip(BACKWARD_KNOBS, values))
+
+    if device.type != "cuda":
+        return [config(32, 32, 32, 32, 4, 1), config(16, 32, 32, 16, 4, 1)]
+    if dtype not in (torch.float16, torch.bfloat16) or head_dim > 128:
+        return []
+    if head_dim <= 64:
+        return [config(64, 64, 64, 64, 4, 3), config(32, 128, 128, 32, 8, 3), config(32, 128, 128, 32, 4, 3),
+                config(64, 128, 128, 64, 8, 4)]
+    return [config(64, 128, 128, 64, 8, 3), config(64, 128, 128, 64, 8, 4), config(32, 64, 64, 32, 4, 4),
+            config(32, 128, 128, 32, 8, 3)]
 
 
 def tuning_key(family: str, device: torch.device, *features: Hashable) -> str:
