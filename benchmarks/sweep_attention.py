@@ -110,17 +110,17 @@ def main() -> None:
                     def step():
                         return torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
 
-                    # The backward's launches after the preprocess (the dK/dV pass, and the dQ pass
-                    # unless dQ comes from atomics), each timed alone too.
+                    # The backward's launches: preprocess, dK/dV pass, dQ pass, each timed alone too.
                     sites = launch.recorded_launches(step)
                     ms = time_ms(step)
-                    parts = [time_ms(lambda s=s, x=x: s(*x)) for s, x in sites[1:3]] + [float("nan")]
-                    rows.append((2.5 * flops / ms / 1e9, ms, cfg, parts[0], parts[1]))
+                    dkdv, dq = (time_ms(lambda s=s, x=x: s(*x)) for s, x in sites[1:3])
+                    rows.append((2.5 * flops / ms / 1e9, ms, cfg, dkdv, dq))
                 except Exception as e:  # noqa: BLE001
                     rows.append((0.0, float("nan"), f"{cfg} {type(e).__name__}: {str(e)[:60]}", 0.0, 0.0))
             for tf, ms, cfg, dkdv, dq in sorted(rows, key=lambda r: -r[0]):
                 print(f"bwd D={D:<4} {case:<7} {str(cfg):<60} {ms:8.3f} ms {tf:7.1f} TF/s "
                       f"(dK/dV {dkdv:.3f} ms, dQ {dq:.3f} ms)")
+
 
 if __name__ == "__main__":
     main()

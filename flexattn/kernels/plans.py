@@ -116,25 +116,16 @@ def _make_forward_plan(query, key, value, score, score_bufs, mask, mask_bufs, ta
     def make(config: dict):
         return fwd.make_plan(query, key, value, score, mask, tables, {**options, **config}, want_max)
 
-    E, Ev, KV_LEN = query.shape[3], value.shape[3], key.shape[2]
     device = query.device
-    # Tuning pays where a call is long enough for tiles to matter.
-    if B * Hq * Q_LEN * KV_LEN >= TUNE_MIN_WORK and tuning.enabled(options, device, tuning.FORWARD_KNOBS):
-        candidates = tuning.forward_candidates(device, query.dtype, max(E, Ev))
-        if len(candidates) > 1:
-            features = (*_tuning_features(query, key, value, score, tables), "max" if want_max else "")
-            scale = 1.0 / math.sqrt(E)
-            # float8 kernels read their descale factors: timing runs get real ones (the direct
-            # launch passes a missing pointer as null)
-            descale = (torch.ones(1, dtype=torch.float32, device=device),) * 3 \
-                if query.dtype == torch.float8_e4m3fn else None
-            plan, _ = tuning.choose(
-                tuning.tuning_key("forward", device, *features), candidates, make,
-                lambda p: fwd.run(p, query, key, value, score, score_bufs, mask, mask_bufs, tables, scale, descale),
-                device)
-            if plan is not None:
-                return plan
-    return make({})
+    scale = 1.0 / math.sqrt(query.shape[3])
+    # float8 kernels read their descale factors: timing runs get real ones (the direct launch
+    # passes a missing pointer as null)
+    descale = (torch.ones(1, dtype=torch.float32, device=device),) * 3 \
+        if query.dtype == torch.float8_e4m3fn else None
+    plan = _tuned("forward", tuning.FORWARD_KNOBS, tuning.forward_candidates, ("max" if want_max else "",),
+                  query, key, value, score, tables, options, make,
+                  lambda p: fwd.run(p, query, key, value, score, score_bufs, mask, mask_bufs, tables, scale, descale))
+    return plan if plan is not None else make({})
 
 
 def _make_backward_plan(query, key, value, out, grad_out, score, mask, tables, options, need, score_bufs,
@@ -143,19 +134,27 @@ def _make_backward_plan(query, key, value, out, grad_out, score, mask, tables, o
         return bwd.make_plan(query, key, value, out, grad_out, score, mask, tables, {**options, **config}, need,
                              score_bufs, has_grad_lse)
 
+    extra = ("buffer grads" if any(need) else "", "lse grad" if has_grad_lse else "")
+    plan = _tuned("backward", tuning.BACKWARD_KNOBS, tuning.backward_candidates, extra,
+                  query, key, value, score, tables, options, make, launch_once)
+    return plan if plan is not None else make({})
+
+
+def _tuned(family: str, knobs, candidates_for, extra: tuple[str, ...], query, key, value, score: Mod,
+           tables: Tables | None, options: dict, make, run):
+    """The plan of the tuning winner for one kernel family (``make(config)`` builds a plan,
+    ``run(plan)`` launches it once), or None: tuning is off, the call is too short for tiles to
+    matter, there is nothing to choose from, or no candidate ran."""
     B, Hq, Q_LEN, E = query.shape
-    KV_LEN, Ev = key.shape[2], value.shape[3]
     device = query.device
-    if B * Hq * Q_LEN * KV_LEN >= TUNE_MIN_WORK and tuning.enabled(options, device, tuning.BACKWARD_KNOBS):
-        candidates = tuning.backward_candidates(device, query.dtype, max(E, Ev))
-        if len(candidates) > 1:
-            features = (*_tuning_features(query, key, value, score, tables),
-                        "buffer grads" if any(need) else "", "lse grad" if has_grad_lse else "")
-            plan, _ = tuning.choose(tuning.tuning_key("backward", device, *features), candidates, make,
-                                    launch_once, device)
-            if plan is not None:
-                return plan
-    return make({})
+    if B * Hq * Q_LEN * key.shape[2] < TUNE_MIN_WORK or not tuning.enabled(options, device, knobs):
+        return None
+    candidates = candidates_for(device, query.dtype, max(E, value.shape[3]))
+    if len(candidates) < 2:
+        return None
+    features = (*_tuning_features(query, key, value, score, tables), *extra)
+    plan, _ = tuning.choose(tuning.tuning_key(family, device, *features), candidates, make, run, device)
+    return plan
 
 
 def _tuning_features(query, key, value, score: Mod, tables: Tables | None) -> tuple[str, ...]:
