@@ -15,14 +15,17 @@ Each captured tensor ``i`` of rank ``d`` is passed as ``B{i}`` (pointer), stride
 and sizes ``B{i}_n0..``; `launch_args` builds the matching host values. Gathers wrap negative
 indices and never read outside the buffer (masked loads give 0 / False).
 
-``target`` is "cuda" (libdevice math) or "interpret" (Triton's CPU interpreter, which has no
-libdevice: the same functions are composed from core ops there).
+``target`` is "cuda" (libdevice math), "interpret" (Triton's CPU interpreter, which has no
+libdevice: the same functions are composed from core ops there) or "gluon" (the CUDA source,
+called from the Gluon Hopper template: Gluon tensors carry a layout, so a constant is made with
+``gl.full([], ...)`` or ``gl.full_like(score, ...)`` where "cuda" writes ``tl.full``).
 """
 
 from __future__ import annotations
 
 import keyword
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +46,7 @@ TL_DTYPE = {
     torch.float64: "tl.float64",
 }
 
-TARGETS = ("cuda", "interpret")
+TARGETS = ("cuda", "interpret", "gluon")
 # Single-use values are inlined into their user, but never more than this many levels deep: a
 # deeper chain (a 1,000-term sum) continues through temporaries, so the source stays readable and
 # far from Python's parser limits (about 200 nested brackets).
@@ -294,10 +297,13 @@ def prelude(target: str, fast_math: bool = False) -> str:
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     head = "import triton\nimport triton.language as tl\n"
-    if target == "cuda":
+    gpu = target != "interpret"
+    if gpu:
         head += "from triton.language.extra import libdevice\n"
-    tanh = _TANH_F32_FAST if fast_math and target == "cuda" else _TANH_F32_PRECISE
-    return head + _PRELUDE_COMMON + (_PRELUDE_CUDA if target == "cuda" else _PRELUDE_INTERPRET) + tanh
+    if target == "gluon":
+        head += "from triton.experimental.gluon import language as gl\n"
+    tanh = _TANH_F32_FAST if fast_math and gpu else _TANH_F32_PRECISE
+    return head + _PRELUDE_COMMON + (_PRELUDE_CUDA if gpu else _PRELUDE_INTERPRET) + tanh
 
 
 # ---------------------------------------------------------------------------------------------
@@ -541,7 +547,20 @@ def emit_mod(root: Node, kind: str, name: str | None = None, target: str = "cuda
     sig = ", ".join(head + list(ir.INDEX_INPUTS) + params)
     body = "\n".join(f"    {line}" for line in lines + [f"return {result}"])
     src = f"@triton.jit\ndef {name}({sig}):\n{body}\n"
+    if target == "gluon":
+        src = _gluon_constants(src)
     return ModSource(name, kind, src, tuple(params), tuple(buffers))
+
+
+_TILE_FULL = re.compile(r"tl\.full\(score\.shape, ([^,]+), (tl\.\w+)\)")
+
+
+def _gluon_constants(src: str) -> str:
+    """The "gluon" spelling of the two constant forms the emitter writes: a 0-d ``tl.full([], v,
+    dt)`` and a score-shaped ``tl.full(score.shape, v, dt)`` (Gluon's full needs a layout, which
+    a 0-d constant does not have and full_like takes from the score tile)."""
+    src = _TILE_FULL.sub(r"gl.full_like(score, \1, dtype=\2)", src)
+    return src.replace("tl.full([], ", "gl.full([], ")
 
 
 def _check_name(name: str) -> None:
