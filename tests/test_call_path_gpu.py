@@ -99,6 +99,10 @@ def test_compiled_model_on_the_gpu():
     torch.testing.assert_close(out, layer(q, k, v, mask), atol=0, rtol=0)
 
 
+def _takes_descriptors(site) -> bool:
+    return any(isinstance(t, str) and t.startswith("tensordesc") for t in site.compiled.src.signature.values())
+
+
 @pytest.mark.parametrize("case", ["forward", "backward", "decode_split", "decode_one_split"])
 def test_direct_launches_match_the_reference(case, nan_outputs):
     """After its first calls a launch site calls the compiled kernel directly (torch's static
@@ -148,7 +152,9 @@ def test_direct_launches_match_the_reference(case, nan_outputs):
             assert sites and all(s.launcher is not None for s in sites), "the direct launch was not taken"
             assert len(sites) == 1 or not case.startswith("decode"), "a decoding call is one launch"
             if getattr(torch._C, "_StaticCudaLauncher", None) is not None:
-                assert all(s.static is not None for s in sites), "torch's static launcher was not used"
+                # (it has no code for TMA descriptor arguments: the Hopper forward's Q, K, V)
+                assert all(s.static is not None or _takes_descriptors(s) for s in sites), \
+                    "torch's static launcher was not used"
         for got, want in zip(run(), expected):
             assert not got.isnan().any()
             torch.testing.assert_close(got.double(), want.double(), atol=3e-2, rtol=3e-2)

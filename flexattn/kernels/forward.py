@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from flexattn.kernels import launch, options as opts
+from flexattn.kernels import hopper, launch, options as opts
 from flexattn.kernels.launch import LARGE_BLOCK, fit_tile, pow2_at_least
 from flexattn.kernels.tables import Direction, Tables, check_block_size, dense
 from flexattn.mods import Mod
@@ -30,6 +30,7 @@ class Plan:
     sizes: tuple  # HQ, Q_LEN, KV_LEN
     want_max: bool  # the kernel writes the row max too
     is_empty: bool  # no output elements: nothing to launch
+    descriptors: hopper.Descriptors | None = None  # the Hopper kernel's Q/K/V TMA descriptors
 
 
 def module(score: Mod, mask: Mod, target: str, fast_math: bool = False):
@@ -41,6 +42,18 @@ def module(score: Mod, mask: Mod, target: str, fast_math: bool = False):
 
     return launch.kernel_module(
         "forward", (score.key(), mask.key()), target, hooks,
+        lambda: {f"score_mod {score.name}": score.source, f"mask_mod {mask.name}": mask.source}, fast_math)
+
+
+def hopper_module(score: Mod, mask: Mod, fast_math: bool):
+    def hooks():
+        score_def, score_params = launch.mod_hooks(score, "gluon", "score_mod", "score_")
+        mask_def, mask_params = launch.mod_hooks(mask, "gluon", "mask_mod", "mask_")
+        return {"score_mod_def": score_def, "mask_mod_def": mask_def,
+                "score_mod_params": score_params, "mask_mod_params": mask_params}
+
+    return launch.kernel_module(
+        "forward_hopper", (score.key(), mask.key()), "gluon", hooks,
         lambda: {f"score_mod {score.name}": score.source, f"mask_mod {mask.name}": mask.source}, fast_math)
 
 
@@ -56,6 +69,8 @@ def _tile(option: str, options: dict, explicit: dict, sparse: int | None, length
 
 def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score: Mod, mask: Mod,
               tables: Tables | None, explicit: dict, want_max: bool) -> Plan:
+    if hopper.chosen(query, key, value, tables, explicit):
+        return _hopper_plan(query, key, value, score, mask, tables, explicit, want_max)
     B, Hq, Q_LEN, E = query.shape
     Bkv, Hkv, KV_LEN, Ev = value.shape
     device, dtype = query.device, query.dtype
@@ -111,16 +126,62 @@ def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     out_dtype = torch.bfloat16 if fp8 else dtype
     strides += (*launch.output_strides(out_shape, out_order), *launch.output_strides((B, Hq, Q_LEN), None)[:2])
     grid = (triton.cdiv(Q_LEN, block_m), B * Hq)
-    main = launch.Launch(kernel, grid, constexprs, device)
+    main, any_scale = _launches(kernel, grid, constexprs, device)
     return Plan(
-        kernel=main,
-        any_scale=launch.Launch(kernel, grid, dict(constexprs, SCORES_IN_BASE2=False), device)
-        if constexprs["SCORES_IN_BASE2"] else main,
+        kernel=main, any_scale=any_scale,
         out_shape=out_shape, stat_shape=(B, Hq, Q_LEN),
         out_order=out_order, stat_dtype=acc, out_dtype=out_dtype,
         out_like_query=launch.empty_like_gives(query, out_shape, out_dtype, out_order),
         strides=strides, dense_rows=dense_rows,
         sizes=(Hq, Q_LEN, KV_LEN), want_max=want_max, is_empty=B * Hq * Q_LEN * Ev == 0,
+    )
+
+
+def _launches(kernel, grid: tuple, constexprs: dict, device: torch.device) -> tuple[launch.Launch, launch.Launch]:
+    """(the plan's launch, its twin for scales <= 0: see Plan.any_scale)."""
+    main = launch.Launch(kernel, grid, constexprs, device)
+    if not constexprs["SCORES_IN_BASE2"]:
+        return main, main
+    return main, launch.Launch(kernel, grid, dict(constexprs, SCORES_IN_BASE2=False), device)
+
+
+def _hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None, explicit: dict,
+                 want_max: bool) -> Plan:
+    """The plan of the Gluon Hopper kernel (`hopper.reason` said it can run these inputs)."""
+    B, Hq, Q_LEN, E = query.shape
+    Bkv, Hkv, KV_LEN, Ev = value.shape
+    device, dtype = query.device, query.dtype
+    block_m, block_n = hopper.BLOCK_M, hopper.BLOCK_N
+    dense_rows = None
+    if tables is None:
+        sparse_q, sparse_kv = LARGE_BLOCK, block_n
+        dense_rows = dense(device, triton.cdiv(KV_LEN, block_n))
+    else:
+        sparse_q, sparse_kv = tables.q_block, tables.kv_block
+    options = {**opts.forward_defaults(device, dtype, E, Ev), **explicit}
+    constexprs = dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, SPARSE_Q_BLOCK_SIZE=sparse_q, SPARSE_KV_BLOCK_SIZE=sparse_kv,
+        GQA_SHARED_HEADS=Hq // Hkv, KV_BATCH_BROADCAST=Bkv == 1 and B > 1,
+        HAS_FULL_BLOCKS=tables is None or tables.kv.has_full,
+        BLOCKS_ARE_CONTIGUOUS=options["BLOCKS_ARE_CONTIGUOUS"] or tables is None,
+        IS_DIVISIBLE=KV_LEN % block_n == 0, OUTPUT_MAX=want_max,
+        SCORES_IN_BASE2=launch.raw_scores(score, torch.float32),
+        LONGEST_FIRST=options["LONGEST_FIRST"], NUM_BUFFERS=2, CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
+        SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
+        num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS,
+    )
+    out_shape = (B, Hq, Q_LEN, Ev)
+    out_order = launch.contiguous_or_order(query)
+    strides = (*launch.output_strides(out_shape, out_order), *launch.output_strides((B, Hq, Q_LEN), None)[:2])
+    kernel = hopper_module(score, mask, opts.fast_math(explicit, device, dtype)).flex_attention_forward
+    grid = (triton.cdiv(Q_LEN, block_m), B * Hq)
+    main, any_scale = _launches(kernel, grid, constexprs, device)
+    return Plan(
+        kernel=main, any_scale=any_scale,
+        out_shape=out_shape, stat_shape=(B, Hq, Q_LEN), out_order=out_order, stat_dtype=torch.float32,
+        out_dtype=dtype, out_like_query=launch.empty_like_gives(query, out_shape, dtype, out_order),
+        strides=strides, dense_rows=dense_rows, sizes=(Hq, Q_LEN, KV_LEN), want_max=want_max,
+        is_empty=B * Hq * Q_LEN * Ev == 0, descriptors=hopper.Descriptors(dtype, E),
     )
 
 
@@ -138,12 +199,18 @@ def run(plan: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     mx = launch.empty(plan.stat_shape, plan.stat_dtype, device) if plan.want_max else None
     if plan.is_empty:
         return out, lse, mx
-    rows = plan.dense_rows if tables is None else tables.kv
-    (plan.kernel if scale > 0 else plan.any_scale)(
-        query, key, value, out, lse, launch.UNUSED if mx is None else mx, *(descale or _NO_DESCALE),
-        *rows.args(),
-        *launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs),
-        *plan.strides, *rows.strides(),
-        *plan.sizes, scale,
-    )
+    (plan.kernel if scale > 0 else plan.any_scale)(*launch_args(
+        plan, query, key, value, out, lse, mx, score, score_bufs, mask, mask_bufs, tables, scale, descale))
     return out, lse, mx
+
+
+def launch_args(plan: Plan, query, key, value, out, lse, mx, score: Mod, score_bufs, mask: Mod, mask_bufs,
+                tables: Tables | None, scale: float, descale: tuple | None = None) -> tuple:
+    """The kernel's arguments, in its order (the Hopper kernel reads Q, K, V through descriptors)."""
+    rows = plan.dense_rows if tables is None else tables.kv
+    mods = (*launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs))
+    tail = (*plan.strides, *rows.strides(), *plan.sizes, scale)
+    mx = launch.UNUSED if mx is None else mx
+    if plan.descriptors is not None:
+        return (*plan.descriptors(query, key, value), out, lse, mx, *rows.args(), *mods, *tail)
+    return (query, key, value, out, lse, mx, *(descale or _NO_DESCALE), *rows.args(), *mods, *tail)

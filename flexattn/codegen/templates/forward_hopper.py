@@ -1,0 +1,296 @@
+# Block-sparse attention forward for Hopper (sm_90), bfloat16 / float16, written in Gluon: the same
+# computation, arguments and outputs as forward.py (read its header for the tables, LSE and mods),
+# scheduled by hand the way FlashAttention-3 schedules it.
+#
+# One program per (query tile of BLOCK_M = 128 rows, batch x query head), three partitions:
+#   loader      1 warp: TMA copies of the Q tile once, then of each K and V tile into a ring of
+#               NUM_BUFFERS shared-memory slots (k_ready / v_ready: "the copy landed";
+#               k_empty / v_empty: "both consumers are done with the slot")
+#   consumer 0  4 warps (a warp group): query rows 0..63 of the tile
+#   consumer 1  4 warps: rows 64..127
+# Each consumer runs the online softmax over the same KV tiles. Per tile j it issues q.k_j^T and
+# P_{j-1}.v_{j-1} on the tensor cores (asynchronous wgmma), waits for the scores, runs the softmax
+# of tile j while P.V still runs, then rescales the accumulator. The two consumers take turns to
+# issue their matrix multiplies (the `turns` barriers): while one runs its softmax, the other's
+# multiplies keep the tensor cores busy ("ping-pong").
+#
+# Differences from forward.py: Q, K, V arrive as TMA descriptors over the [B, H, L, E] tensors (the
+# host checks alignment); head dims are powers of two (64 or 128) with E == Ev; no float8, no
+# PRESCALE_QK; the mask work of a tile (mask_mod and the KV_LEN bound) is done only for partial
+# blocks and for the tile that holds KV_LEN.
+$prelude
+
+$score_mod_def
+
+$mask_mod_def
+
+
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait  # noqa: E402,E501
+
+# triton >= 3.7 calls the TMA load async_load
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+LOG2E = gl.constexpr(1.4426950408889634)
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def kv_tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr):
+    """First KV column of the j-th tile a program visits: partial blocks' tiles, then full ones'.
+    BLOCKS_ARE_CONTIGUOUS: each list's blocks are consecutive, only its first entry is read (the
+    host's table without a block mask has no other)."""
+    if j < n_partial:
+        IDX = P_IDX
+        t = j
+    else:
+        IDX = F_IDX
+        t = j - n_partial
+    if BLOCKS_ARE_CONTIGUOUS:
+        start = gl.load(IDX) * SPARSE_KV_BLOCK_SIZE + t * BLOCK_N
+    else:
+        start = gl.load(IDX + t // TILES_PER_BLOCK) * SPARSE_KV_BLOCK_SIZE + (t % TILES_PER_BLOCK) * BLOCK_N
+    return start
+
+
+@gluon.jit
+def loader(Q, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+           b, h, b_kv, h_kv, off_m, n_partial, n_tiles, P_IDX, F_IDX,
+           TILES_PER_BLOCK: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+           BLOCKS_ARE_CONTIGUOUS: gl.constexpr):
+    NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
+    if n_tiles > 0:  # (no copy left in flight when the program ends)
+        mbarrier.expect(q_bar, Q.block_type.nbytes)
+        _tma_load(Q, [b, h, off_m, 0], q_bar, q_smem)
+    for j in range(n_tiles):
+        slot = j % NUM_BUFFERS
+        phase = (j // NUM_BUFFERS) & 1
+        start = kv_tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N,
+                              BLOCKS_ARE_CONTIGUOUS)
+        # a fresh barrier counts as having completed the phase before phase 0: the first round passes
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)
+        mbarrier.expect(k_ready.index(slot), K.block_type.nbytes)
+        _tma_load(K, [b_kv, h_kv, start, 0], k_ready.index(slot), k_bufs.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        mbarrier.expect(v_ready.index(slot), V.block_type.nbytes)
+        _tma_load(V, [b_kv, h_kv, start, 0], v_ready.index(slot), v_bufs.index(slot))
+
+
+@gluon.jit
+def scores(s, j, n_partial, P_IDX, F_IDX, b, h, q_idx, KV_LEN, SM_SCALE,
+           $score_mod_params $mask_mod_params
+           s_layout: gl.constexpr, TILES_PER_BLOCK: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr,
+           BLOCK_N: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr,
+           SCORES_IN_BASE2: gl.constexpr, SCORE_DTYPE: gl.constexpr):
+    """The q.k^T tile -> the softmax's input: scores in base 2 (times SM_SCALE / ln 2 when
+    SCORES_IN_BASE2, where the softmax folds that factor in), mods and masks applied."""
+    start = kv_tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N,
+                              BLOCKS_ARE_CONTIGUOUS)
+    kv_idx = gl.expand_dims(start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
+    if not SCORES_IN_BASE2:
+        s = score_mod((s * SM_SCALE).to(SCORE_DTYPE), b, h, q_idx, kv_idx, $score_mod_params).to(gl.float32) * LOG2E
+    partial = j < n_partial
+    if IS_DIVISIBLE:
+        if partial:
+            s = gl.where(mask_mod(b, h, q_idx, kv_idx, $mask_mod_params), s, -float("inf"))
+    else:
+        if partial | (start + BLOCK_N > KV_LEN):
+            keep = mask_mod(b, h, q_idx, kv_idx, $mask_mod_params) & (kv_idx < KV_LEN)
+            s = gl.where(keep, s, -float("inf"))
+    return s
+
+
+@gluon.jit
+def softmax_step(s, m_i, SOFTMAX_SCALE, SCORES_IN_BASE2: gl.constexpr):
+    """(p, new m_i, alpha) of one tile: m_i is the running row max in base 2; rows that have seen
+    nothing keep m_i = -inf and get p = 0."""
+    if SCORES_IN_BASE2:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * SOFTMAX_SCALE)
+        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+        p = gl.exp2(s * SOFTMAX_SCALE - gl.expand_dims(m_use, 1))
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+        p = gl.exp2(s - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
+    return p, m_new, alpha
+
+
+@gluon.jit
+def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn,
+             Out, LSE, MaxScores, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
+             stride_om, stride_ok, Q_LEN, KV_LEN, SM_SCALE,
+             $score_mod_params $mask_mod_params
+             WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, V_HEAD_DIM: gl.constexpr,
+             TILES_PER_BLOCK: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr,
+             IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr, OUTPUT_MAX: gl.constexpr,
+             SCORE_DTYPE: gl.constexpr):
+    NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
+    ROWS: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = k_bufs.dtype
+    QK_HEAD_DIM: gl.constexpr = k_bufs.type.shape[4]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, V_HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    SOFTMAX_SCALE = SM_SCALE * LOG2E
+
+    my_m = off_m + WG * ROWS
+    q_idx = gl.expand_dims(my_m + gl.arange(0, ROWS, layout=row_s), 1)
+    q = q_smem.reshape([BLOCK_M, QK_HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
+    m_i = gl.full([ROWS], -float("inf"), gl.float32, layout=row_s)
+    l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)
+    acc = gl.zeros([ROWS, V_HEAD_DIM], gl.float32, layout=o_layout)
+    s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+
+    if n_tiles > 0:
+        mbarrier.wait(q_bar, 0)
+        # -- tile 0: scores and softmax (there is no P.V before it to overlap)
+        mbarrier.wait(k_ready.index(0), 0)
+        mbarrier.wait(my_turn, WG ^ 1)
+        s = warpgroup_mma(q, k_bufs.index(0).reshape([BLOCK_N, QK_HEAD_DIM]).permute((1, 0)), s,
+                          use_acc=False, is_async=True)
+        mbarrier.arrive(other_turn, count=1)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        s = scores(s, 0, n_partial, P_IDX, F_IDX, b, h, q_idx, KV_LEN, SM_SCALE,
+                   $score_mod_params $mask_mod_params
+                   s_layout, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N, BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE,
+                   SCORES_IN_BASE2, SCORE_DTYPE)
+        p, m_i, alpha = softmax_step(s, m_i, SOFTMAX_SCALE, SCORES_IN_BASE2)
+        l_i = gl.sum(p, 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+        for j in range(1, n_tiles):
+            slot = j % NUM_BUFFERS
+            prev = (j - 1) % NUM_BUFFERS
+            mbarrier.wait(k_ready.index(slot), (j // NUM_BUFFERS) & 1)
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_BUFFERS) & 1)
+            # -- this consumer's turn: q.k_j^T, then P_{j-1}.v_{j-1}, both asynchronous
+            mbarrier.wait(my_turn, (j & 1) ^ WG ^ 1)
+            s = warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, QK_HEAD_DIM]).permute((1, 0)), s,
+                              use_acc=False, is_async=True)
+            acc = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, V_HEAD_DIM]), acc, is_async=True)
+            mbarrier.arrive(other_turn, count=1)
+            # -- the scores are ready once at most one multiply (P.V) is in flight
+            s = warpgroup_mma_wait(1, deps=(s, ))
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            s = scores(s, j, n_partial, P_IDX, F_IDX, b, h, q_idx, KV_LEN, SM_SCALE,
+                       $score_mod_params $mask_mod_params
+                       s_layout, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N, BLOCKS_ARE_CONTIGUOUS,
+                       IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_DTYPE)
+            p, m_i, alpha = softmax_step(s, m_i, SOFTMAX_SCALE, SCORES_IN_BASE2)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            # p_op is the A operand of the P.V in flight: it stays alive until the wait
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+        # -- P.V of the last tile
+        last = (n_tiles - 1) % NUM_BUFFERS
+        mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_BUFFERS) & 1)
+        acc = warpgroup_mma(p_op, v_bufs.index(last).reshape([BLOCK_N, V_HEAD_DIM]), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        mbarrier.arrive(v_empty.index(last), count=1)
+
+    # -- epilogue: a row that saw nothing has l_i = 0, acc = 0: it writes 0 and LSE -inf
+    empty = l_i == 0.0
+    l_use = gl.where(empty, 1.0, l_i)
+    out = acc / gl.expand_dims(gl.convert_layout(l_use, row_o), 1)
+    rows_o = gl.expand_dims(my_m + gl.arange(0, ROWS, layout=row_o), 1)
+    cols_o = gl.expand_dims(gl.arange(0, V_HEAD_DIM, layout=gl.SliceLayout(0, o_layout)), 0)
+    gl.store(Out + rows_o.to(gl.int64) * stride_om + cols_o * stride_ok, out.to(Out.dtype.element_ty),
+             mask=rows_o < Q_LEN)
+    rows = my_m + gl.arange(0, ROWS, layout=row_s)
+    lse2 = gl.where(empty, -float("inf"), m_i + gl.log2(l_use))
+    gl.store(LSE + rows, lse2 * LN2, mask=rows < Q_LEN)
+    if OUTPUT_MAX:
+        gl.store(MaxScores + rows, m_i * LN2, mask=rows < Q_LEN)
+
+
+@gluon.jit
+def flex_attention_forward(
+    Q, K, V, Out, LSE, MaxScores,
+    KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX,
+    $score_mod_params $mask_mod_params
+    stride_oz, stride_oh, stride_om, stride_ok,
+    stride_lz, stride_lh,
+    stride_nz, stride_nh, stride_nm, stride_iz, stride_ih, stride_im,
+    stride_fnz, stride_fnh, stride_fnm, stride_fiz, stride_fih, stride_fim,
+    HQ, Q_LEN, KV_LEN, SM_SCALE,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    SPARSE_Q_BLOCK_SIZE: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr,
+    GQA_SHARED_HEADS: gl.constexpr, KV_BATCH_BROADCAST: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
+    BLOCKS_ARE_CONTIGUOUS: gl.constexpr,
+    IS_DIVISIBLE: gl.constexpr, OUTPUT_MAX: gl.constexpr, SCORES_IN_BASE2: gl.constexpr,
+    LONGEST_FIRST: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    SCORE_DTYPE: gl.constexpr,
+):
+    gl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M == 0)
+    gl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N == 0)
+    TILES_PER_BLOCK: gl.constexpr = SPARSE_KV_BLOCK_SIZE // BLOCK_N
+    V_HEAD_DIM: gl.constexpr = V.block_type.shape[3]
+    if LONGEST_FIRST:  # the last query tiles see the most KV blocks (causal): start them first
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+    else:
+        pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    h_kv = h // GQA_SHARED_HEADS
+    b_kv = 0 if KV_BATCH_BROADCAST else b
+    off_m = pid_m * BLOCK_M
+    b64 = b.to(gl.int64)
+    Out += b64 * stride_oz + h.to(gl.int64) * stride_oh
+    LSE += b64 * stride_lz + h.to(gl.int64) * stride_lh
+    MaxScores += b64 * stride_lz + h.to(gl.int64) * stride_lh
+
+    q_blk = off_m // SPARSE_Q_BLOCK_SIZE
+    n_partial = gl.load(KV_NUM_BLKS + b64 * stride_nz + h * stride_nh + q_blk * stride_nm) * TILES_PER_BLOCK
+    P_IDX = KV_IDX + b64 * stride_iz + h * stride_ih + q_blk * stride_im
+    F_IDX = FULL_KV_IDX + b64 * stride_fiz + h * stride_fih + q_blk * stride_fim
+    n_tiles = n_partial
+    if HAS_FULL_BLOCKS:
+        n_tiles += gl.load(FULL_KV_NUM_BLKS + b64 * stride_fnz + h * stride_fnh + q_blk * stride_fnm) * TILES_PER_BLOCK
+
+    q_smem = gl.allocate_shared_memory(Q.dtype, Q.block_type.shape, Q.layout)
+    k_bufs = gl.allocate_shared_memory(K.dtype, [NUM_BUFFERS] + K.block_type.shape, K.layout)
+    v_bufs = gl.allocate_shared_memory(V.dtype, [NUM_BUFFERS] + V.block_type.shape, V.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(turns.index(0), count=1)
+    mbarrier.init(turns.index(1), count=1)
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=2)
+
+    gl.warp_specialize([
+        (consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turns.index(0),
+                    turns.index(1), Out, LSE, MaxScores, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
+                    stride_om, stride_ok, Q_LEN, KV_LEN, SM_SCALE,
+                    $score_mod_params $mask_mod_params
+                    0, BLOCK_M, BLOCK_N, V_HEAD_DIM, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
+                    IS_DIVISIBLE, SCORES_IN_BASE2, OUTPUT_MAX, SCORE_DTYPE)),
+        (consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turns.index(1),
+                    turns.index(0), Out, LSE, MaxScores, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
+                    stride_om, stride_ok, Q_LEN, KV_LEN, SM_SCALE,
+                    $score_mod_params $mask_mod_params
+                    1, BLOCK_M, BLOCK_N, V_HEAD_DIM, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
+                    IS_DIVISIBLE, SCORES_IN_BASE2, OUTPUT_MAX, SCORE_DTYPE)),
+        (loader, (Q, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                  b, h, b_kv, h_kv, off_m, n_partial, n_tiles, P_IDX, F_IDX,
+                  TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N, BLOCKS_ARE_CONTIGUOUS)),
+    ], [4, 1], [CONSUMER_REGS, 24])

@@ -1,0 +1,109 @@
+"""When the forward runs the Gluon Hopper kernel (templates/forward_hopper.py), and its TMA descriptors.
+
+The kernel is the forward on H100/H200-class GPUs (compute capability 9.0) for 16-bit inputs: a
+TMA loader warp and two consumer warp groups that take turns on the tensor cores. `reason` says
+why a call cannot take it (None: it can); the block-sparse Triton template (templates/forward.py)
+runs everything else and is the fallback. ``kernel_options``: BACKEND="TRITON" keeps the Triton
+template, BACKEND="FLASH" demands this kernel (an error says why it cannot run).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK_M = 128      # query rows per program: 64 per consumer warp group
+BLOCK_N = 128      # KV columns per tile
+HEAD_DIMS = (128,)  # at 64 the Triton template is as fast or faster (ALiBi, documents: 1.25-1.4x)
+NUM_WARPS = 4      # the kernel's own warps: consumer 0 (consumer 1 and the loader are workers)
+MAX_REGISTERS = 168  # per thread, over 12 warps (a warp group is the unit): fills the register file
+CONSUMER_REGISTERS = 240
+LOADER_REGISTERS = 24
+# The tile knobs the Triton template takes: a call that sets one means that template.
+_TRITON_KNOBS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "PRESCALE_QK")
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_api() -> bool:
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma  # noqa: F401
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(tma, "async_load") or hasattr(tma, "async_copy_global_to_shared")
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _on_sm90(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA reads a tensor whose last dimension is contiguous, with 16-byte aligned base and strides."""
+    size = t.element_size()
+    return t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(t.stride(d) * size % 16 == 0 for d in range(3))
+
+
+def reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tables, options: dict) -> str | None:
+    """Why this forward cannot run the Hopper kernel, or None when it can."""
+    if options.get("BACKEND") == "TRITON":
+        return "kernel_options BACKEND='TRITON'"
+    if not _on_sm90(query.device):
+        return f"it needs a compute capability 9.0 GPU (H100/H200), the inputs are on {query.device}"
+    if not _gluon_api():
+        return "this Triton has no Gluon Hopper API (TMA, mbarrier, wgmma)"
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        return f"it takes float16 or bfloat16 inputs, got {query.dtype}"
+    E, Ev = query.shape[3], value.shape[3]
+    if E != Ev or E not in HEAD_DIMS:
+        return f"it takes equal query and value head dims in {HEAD_DIMS}, got E={E}, Ev={Ev}"
+    if query.shape[2] < BLOCK_M:
+        return f"query length {query.shape[2]} is below one {BLOCK_M}-row tile"
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not _tma_ok(t):
+            return f"{name} is not TMA-readable (last dimension contiguous, 16-byte aligned base and strides)"
+    if tables is not None and (tables.q_block % BLOCK_M or tables.kv_block % BLOCK_N):
+        return (f"the block mask's blocks ({tables.q_block}x{tables.kv_block}) are not multiples of the "
+                f"kernel's {BLOCK_M}x{BLOCK_N} tiles")
+    knobs = [k for k in _TRITON_KNOBS if k in options]
+    if knobs:
+        return f"kernel_options set the Triton template's knobs {knobs}"
+    return None
+
+
+def chosen(query, key, value, tables, options: dict) -> bool:
+    """Whether the forward runs the Hopper kernel (BACKEND='FLASH' raises where it cannot)."""
+    why = reason(query, key, value, tables, options)
+    if why is not None and options.get("BACKEND") == "FLASH":
+        raise ValueError(f"kernel_options BACKEND='FLASH' asks for the Hopper forward kernel, which cannot run "
+                         f"here: {why}")
+    return why is None
+
+
+class Descriptors:
+    """Builds the TMA descriptors of one call's Q, K, V (block shapes and layouts fixed per plan)."""
+
+    __slots__ = ("make", "blocks", "layouts")
+
+    def __init__(self, dtype: torch.dtype, head_dim: int):
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+        self.make = TensorDescriptor
+        self.blocks = ([1, 1, BLOCK_M, head_dim], [1, 1, BLOCK_N, head_dim])
+        self.layouts = tuple(gl.NVMMASharedLayout.get_default_for(b, gdt) for b in self.blocks)
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple:
+        (qb, kb), (ql, kl) = self.blocks, self.layouts
+        make = self.make
+        return (make(query, list(query.shape), list(query.stride()), qb, ql),
+                make(key, list(key.shape), list(key.stride()), kb, kl),
+                make(value, list(value.shape), list(value.stride()), kb, kl))

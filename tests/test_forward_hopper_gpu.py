@@ -1,0 +1,102 @@
+"""The Gluon Hopper forward on an H100/H200 (``pytest -m gpu``): BACKEND='FLASH' makes every call
+here run it (or fail saying why it cannot), against the float32 reference with the same error bound
+as the Triton template's tests. Skipped without a compute capability 9.0 GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from helpers import testing
+from flexattn.attention import flex_attention
+from flexattn.auxiliary import AuxRequest
+from flexattn.block_mask import create_block_mask
+from flexattn.reference import attention_reference
+from test_forward_gpu import causal, make_alibi, make_document_causal, sliding_window_1024, softcap
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU")]
+
+FLASH = {"BACKEND": "FLASH"}
+
+
+def check(q, k, v, score_mod=None, mask_mod=None, scale=None, options=FLASH):
+    S_Q, S_KV = q.shape[2], k.shape[2]
+    bm = None if mask_mod is None else create_block_mask(mask_mod, None, None, S_Q, S_KV, device="cuda")
+    gqa = q.shape[1] != k.shape[1]
+    common = dict(score_mod=score_mod, block_mask=bm, enable_gqa=gqa, scale=scale)
+    out, aux = flex_attention(q, k, v, **common, kernel_options=options,
+                              return_aux=AuxRequest(lse=True, max_scores=True))
+    ref, ref_lse = attention_reference(q, k, v, dtype=torch.float32, return_lse=True, **common)
+    eager, eager_lse = attention_reference(q, k, v, dtype=q.dtype, return_lse=True, **common)
+    testing.assert_close_to_reference(out, eager, ref, factor=2.0, name="out")
+    testing.assert_close_to_reference(aux.lse, eager_lse.float(), ref_lse, factor=2.0, atol=1e-4, name="lse")
+    assert not out.isnan().any()
+    return out, aux
+
+
+def qkv(B, Hq, Hkv, S_Q, S_KV, D, dtype=torch.bfloat16, Bkv=None):
+    torch.manual_seed(0)
+    q = torch.randn(B, Hq, S_Q, D, device="cuda", dtype=dtype)
+    k = torch.randn(Bkv or B, Hkv, S_KV, D, device="cuda", dtype=dtype)
+    v = torch.randn(Bkv or B, Hkv, S_KV, D, device="cuda", dtype=dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("S", [1000, 4096])
+def test_dense(S, dtype):
+    check(*qkv(2, 8, 8, S, S, 128, dtype))
+
+
+def test_causal_ragged_gqa_broadcast_batch():
+    check(*qkv(2, 8, 2, 1500, 1500, 128, Bkv=1), mask_mod=causal)
+
+
+def test_mods_with_captured_tensors():
+    S = 3001
+    check(*qkv(2, 16, 4, S, S, 128), score_mod=make_alibi(16, "cuda"), mask_mod=make_document_causal(S, "cuda"))
+
+
+def test_sliding_window_softcap():
+    check(*qkv(1, 8, 8, 4096, 4096, 128, torch.float16), score_mod=softcap, mask_mod=sliding_window_1024)
+
+
+def test_max_scores_and_negative_scale():
+    q, k, v = qkv(1, 4, 4, 777, 1234, 128)
+    for scale in (0.05, -0.08):
+        out, aux = check(q, k, v, scale=scale)
+        s = (q.float() @ k.float().transpose(-1, -2)) * scale
+        torch.testing.assert_close(aux.max_scores, s.amax(-1), atol=2e-2, rtol=1e-3)
+
+
+def test_fully_masked_rows():
+    def late_keys(b, h, q_idx, kv_idx):  # rows q_idx < 300 see nothing
+        return (kv_idx <= q_idx) & (q_idx >= 300)
+
+    out, aux = check(*qkv(1, 4, 4, 2048, 2048, 128), mask_mod=late_keys)
+    assert (out[:, :, :300] == 0).all() and (aux.lse[:, :, :300] == -math.inf).all()
+    assert torch.isfinite(aux.lse[:, :, 300:]).all()
+
+
+def test_permuted_layout():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3000, 8, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
+    out, _ = check(q, k, v, mask_mod=causal)
+    assert out.stride() == torch.empty_like(q).stride()
+
+
+def test_level_with_the_triton_template():
+    q, k, v = qkv(2, 8, 8, 2048, 2048, 128)
+    flash, _ = check(q, k, v, mask_mod=causal)
+    triton_out, _ = check(q, k, v, mask_mod=causal, options={"BACKEND": "TRITON"})
+    assert (flash.float() - triton_out.float()).abs().max().item() < 2e-2
+
+
+def test_flash_refuses_what_it_cannot_run():
+    q, k, v = qkv(1, 4, 4, 512, 512, 64)
+    with pytest.raises(ValueError, match="BACKEND='FLASH'.*head dims"):
+        flex_attention(q, k, v, kernel_options=FLASH)

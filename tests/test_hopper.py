@@ -1,0 +1,134 @@
+"""The Gluon Hopper forward without a GPU: its module compiles for sm_90 with every kind of mod, the
+"gluon" spelling of generated mods, and when a call takes the kernel.
+
+The kernel itself runs only on an H100/H200 (`tests/test_forward_hopper_gpu.py`, ``-m gpu``);
+Triton's interpreter cannot run Gluon. Compiling here checks the template against this Triton's
+Gluon API (ptxas included) on every CI run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexattn import tracer
+from flexattn.block_mask import create_block_mask
+from flexattn.codegen import emit
+from flexattn.kernels import forward as fwd, hopper
+from flexattn.kernels.tables import tables_of
+from flexattn.mods import MASK, SCORE
+
+gluon = pytest.importorskip("triton.experimental.gluon")
+
+
+def _mod(fn, kind):
+    return tracer.trace(fn, kind, score_dtype=torch.float32, device=torch.device("cpu"))
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def softcap(score, b, h, q_idx, kv_idx):
+    return 30 * torch.tanh(score / 30)
+
+
+def _compile(query, key, value, score_fn=None, mask_fn=None, block_mask=None, want_max=False, fast_math=True):
+    """Compile the Hopper plan's kernel for sm_90 with the argument types a launch would pass."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    score = _mod(score_fn or (lambda s, b, h, q, k: s), SCORE)
+    mask = _mod(mask_fn or (lambda b, h, q, k: q >= 0), MASK)
+    tables = None if block_mask is None else tables_of(block_mask)
+    plan = fwd._hopper_plan(query, key, value, score, mask, tables, {}, want_max)
+    out = torch.empty(plan.out_shape, dtype=query.dtype)
+    lse = torch.empty(plan.stat_shape)
+    mx = torch.empty(plan.stat_shape) if want_max else None
+    args = fwd.launch_args(plan, query, key, value, out, lse, mx, score, score.buffers, mask, mask.buffers, tables,
+                           0.125)
+    args = [torch.empty(1) if a is fwd.launch.UNUSED else a for a in args]
+    # (on the CPU the plan's module has no fast tanh: CUDA inputs would get it unless FAST_TANH=False)
+    kernel = fwd.hopper_module(score, mask, fast_math).flex_attention_forward
+    constexprs = {k: v for k, v in plan.kernel.constexprs.items() if k not in ("num_warps", "maxnreg")}
+    names = kernel.arg_names
+    assert len(names) == len(args) + len(constexprs), "launch_args does not match the kernel's parameters"
+    signature = {n: mangle_type(a) for n, a in zip(names, args)}
+    signature.update({n: "constexpr" for n in constexprs})
+    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": hopper.NUM_WARPS, "maxnreg": hopper.MAX_REGISTERS})
+    assert compiled.metadata.shared <= 227 * 1024
+    return compiled
+
+
+def _qkv(B=1, H=2, Hkv=2, S=300, D=128, dtype=torch.bfloat16, Bkv=None):
+    q = torch.randn(B, H, S, D, dtype=dtype)
+    k = torch.randn(Bkv or B, Hkv, S, D, dtype=dtype)
+    v = torch.randn(Bkv or B, Hkv, S, D, dtype=dtype)
+    return q, k, v
+
+
+def test_compiles_without_mods():
+    ptx = _compile(*_qkv()).asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx  # tensor cores fed by TMA
+
+
+def test_compiles_with_block_mask_and_max_scores():
+    q, k, v = _qkv(B=2, H=4, Hkv=2, S=384, D=128, dtype=torch.float16, Bkv=1)
+    bm = create_block_mask(causal, None, None, 384, 384, device="cpu")
+    _compile(q, k, v, mask_fn=causal, block_mask=bm, want_max=True)
+
+
+def test_compiles_with_captured_tensors():
+    slopes = torch.exp2(-torch.arange(1, 3, dtype=torch.float32))
+    doc = torch.arange(300, dtype=torch.int32) // 70
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    def documents(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    _compile(*_qkv(), score_fn=alibi, mask_fn=documents)
+
+
+@pytest.mark.parametrize("fast_math", [True, False])
+def test_compiles_soft_cap(fast_math):
+    ptx = _compile(*_qkv(), score_fn=softcap, fast_math=fast_math).asm["ptx"]
+    assert ("tanh.approx.f32" in ptx) == fast_math
+
+
+def test_gluon_spelling_of_constants():
+    def const_score(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx > kv_idx, score, float("-inf")) * 0 + 2.0
+
+    src = emit.emit_mod(_mod(const_score, SCORE).ir, "score", target="gluon").source
+    cuda = emit.emit_mod(_mod(const_score, SCORE).ir, "score", target="cuda").source
+    assert "tl.full(" not in src and "gl.full" in src
+    assert "tl.full(" in cuda and "gl." not in cuda
+
+
+def test_reason_names_what_keeps_a_call_off_the_kernel():
+    q, k, v = _qkv()
+    assert "compute capability 9.0" in hopper.reason(q, k, v, None, {})
+    assert hopper.reason(q, k, v, None, {"BACKEND": "TRITON"}) == "kernel_options BACKEND='TRITON'"
+    with pytest.raises(ValueError, match="BACKEND='FLASH'.*compute capability 9.0"):
+        hopper.chosen(q, k, v, None, {"BACKEND": "FLASH"})
+    assert not hopper.chosen(q, k, v, None, {})
+
+
+def test_reason_on_a_hopper(monkeypatch):
+    """What the checks after the device say, with the device check passed."""
+    monkeypatch.setattr(hopper, "_on_sm90", lambda device: True)
+    q, k, v = _qkv()
+    assert hopper.reason(q, k, v, None, {}) is None
+    assert "float16 or bfloat16" in hopper.reason(*(t.float() for t in (q, k, v)), None, {})
+    assert "head dims" in hopper.reason(*_qkv(D=64), None, {})
+    assert "below one 128-row tile" in hopper.reason(*_qkv(S=100), None, {})
+    padded = torch.randn(1, 2, 300, 132, dtype=torch.bfloat16)[..., :128]  # rows 264 bytes apart
+    assert "query is not TMA-readable" in hopper.reason(padded, k, v, None, {})
+    assert "Triton template's knobs ['BLOCK_N']" in hopper.reason(q, k, v, None, {"BLOCK_N": 64})
+    bm = create_block_mask(causal, None, None, 300, 300, device="cpu", BLOCK_SIZE=64)
+    assert "64x64" in hopper.reason(q, k, v, tables_of(bm), {})
