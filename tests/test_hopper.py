@@ -43,7 +43,7 @@ def _compile(query, key, value, score_fn=None, mask_fn=None, block_mask=None, wa
     score = _mod(score_fn or (lambda s, b, h, q, k: s), SCORE)
     mask = _mod(mask_fn or (lambda b, h, q, k: q >= 0), MASK)
     tables = None if block_mask is None else tables_of(block_mask)
-    plan = fwd._hopper_plan(query, key, value, score, mask, tables, {}, want_max)
+    plan = fwd.hopper_plan(query, key, value, score, mask, tables, {}, want_max)
     out = torch.empty(plan.out_shape, dtype=query.dtype)
     lse = torch.empty(plan.stat_shape)
     mx = torch.empty(plan.stat_shape) if want_max else None

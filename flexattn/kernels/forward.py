@@ -69,8 +69,6 @@ def _tile(option: str, options: dict, explicit: dict, sparse: int | None, length
 
 def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score: Mod, mask: Mod,
               tables: Tables | None, explicit: dict, want_max: bool) -> Plan:
-    if hopper.chosen(query, key, value, tables, explicit):
-        return _hopper_plan(query, key, value, score, mask, tables, explicit, want_max)
     B, Hq, Q_LEN, E = query.shape
     Bkv, Hkv, KV_LEN, Ev = value.shape
     device, dtype = query.device, query.dtype
@@ -145,7 +143,7 @@ def _launches(kernel, grid: tuple, constexprs: dict, device: torch.device) -> tu
     return main, launch.Launch(kernel, grid, dict(constexprs, SCORES_IN_BASE2=False), device)
 
 
-def _hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None, explicit: dict,
+def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None, explicit: dict,
                  want_max: bool) -> Plan:
     """The plan of the Gluon Hopper kernel (`hopper.reason` said it can run these inputs)."""
     B, Hq, Q_LEN, E = query.shape

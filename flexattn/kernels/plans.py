@@ -117,8 +117,8 @@ def _make_forward_plan(query, key, value, score, score_bufs, mask, mask_bufs, ta
         return fwd.make_plan(query, key, value, score, mask, tables, {**options, **config}, want_max)
 
     device = query.device
-    if hopper.chosen(query, key, value, tables, options):
-        return make({})  # one schedule, nothing to tune
+    if hopper.chosen(query, key, value, tables, options):  # one schedule, nothing to tune
+        return fwd.hopper_plan(query, key, value, score, mask, tables, options, want_max)
     scale = 1.0 / math.sqrt(query.shape[3])
     # float8 kernels read their descale factors: timing runs get real ones (the direct launch
     # passes a missing pointer as null)

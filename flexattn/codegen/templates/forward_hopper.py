@@ -15,7 +15,7 @@
 # multiplies keep the tensor cores busy ("ping-pong").
 #
 # Differences from forward.py: Q, K, V arrive as TMA descriptors over the [B, H, L, E] tensors (the
-# host checks alignment); head dims are powers of two (64 or 128) with E == Ev; no float8, no
+# host checks alignment); head dim 128 for both (E == Ev; see kernels/hopper.py); no float8, no
 # PRESCALE_QK; the mask work of a tile (mask_mod and the KV_LEN bound) is done only for partial
 # blocks and for the tile that holds KV_LEN.
 $prelude
@@ -87,7 +87,7 @@ def scores(s, j, n_partial, P_IDX, F_IDX, b, h, q_idx, KV_LEN, SM_SCALE,
     """The q.k^T tile -> the softmax's input: scores in base 2 (times SM_SCALE / ln 2 when
     SCORES_IN_BASE2, where the softmax folds that factor in), mods and masks applied."""
     start = kv_tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N,
-                              BLOCKS_ARE_CONTIGUOUS)
+                          BLOCKS_ARE_CONTIGUOUS)
     kv_idx = gl.expand_dims(start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
     if not SCORES_IN_BASE2:
         s = score_mod((s * SM_SCALE).to(SCORE_DTYPE), b, h, q_idx, kv_idx, $score_mod_params).to(gl.float32) * LOG2E
