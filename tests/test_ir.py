@@ -247,6 +247,15 @@ def test_to_python_is_equivalent(case):
     assert torch.equal(out, ref) or torch.allclose(out, ref, rtol=0, atol=0, equal_nan=True), T.to_python(node)
 
 
+def test_to_python_two_literals_keep_their_dtype():
+    # torch.where(flag, 0.0, -inf) would be float32: beside each other, literals spell their dtype
+    flag = ir.Buffer(0, "flag", torch.bool, 0)
+    half = torch.float16
+    node = ir.where(ir.load(flag, []), ir.const(0.0, half), ir.const(-math.inf, half))
+    out = T.python_mod(node, [torch.tensor(True)])(T.random_score(1, 1, 2, 2), *T.index_grid(1, 1, 2, 2))
+    assert out.dtype == half == node.dtype
+
+
 def test_to_python_text():
     src = T.to_python(ir.where(causal_doc_mask(), ir.binary("add", score, ir.load(bias, [h, q])), -math.inf))
     assert src == ('def mod(score, b, h, q_idx, kv_idx):\n    return torch.where(((q_idx >= kv_idx) & '

@@ -743,7 +743,10 @@ def to_python(node: Node, kind: str | None = None, name: str = "mod") -> str:
         return f"torch.tensor({_py_literal(c.arg)}, dtype=torch.{ir.dtype_name(c.dtype)})"
 
     def operand(n: Node, sibling: Node) -> str:
-        return lit(n, sibling.dtype) if n.op == "const" else text[id(n)]
+        if n.op != "const":
+            return text[id(n)]
+        # a literal takes its dtype from a tensor sibling; beside another literal it spells its own
+        return lit(n, None if sibling.op == "const" else sibling.dtype)
 
     def a_is_bare_literal(n: Node) -> bool:
         a, b = n.src
