@@ -82,6 +82,12 @@ def test_fully_masked_rows():
     assert torch.isfinite(aux.lse[:, :, 300:]).all()
 
 
+@pytest.mark.parametrize("S", [333, 2100])
+def test_head_dim_256(S):
+    check(*qkv(2, 4, 4, S, S, 256))
+    check(*qkv(1, 8, 2, S, S, 256), score_mod=make_alibi(8, "cuda"), mask_mod=make_document_causal(S, "cuda"))
+
+
 def test_permuted_layout():
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3000, 8, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))

@@ -81,6 +81,13 @@ def test_compiles_with_block_mask_and_max_scores():
     _compile(q, k, v, mask_fn=causal, block_mask=bm, want_max=True)
 
 
+def test_compiles_head_dim_256():
+    """64-column KV tiles: two buffers of K and V and the Q tile fit in shared memory."""
+    q, k, v = _qkv(S=320, D=256)
+    bm = create_block_mask(causal, None, None, 320, 320, device="cpu")
+    assert _compile(q, k, v, mask_fn=causal, block_mask=bm).metadata.shared > 192 * 1024
+
+
 def test_compiles_with_captured_tensors():
     slopes = torch.exp2(-torch.arange(1, 3, dtype=torch.float32))
     doc = torch.arange(300, dtype=torch.int32) // 70

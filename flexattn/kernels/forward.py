@@ -149,7 +149,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     B, Hq, Q_LEN, E = query.shape
     Bkv, Hkv, KV_LEN, Ev = value.shape
     device, dtype = query.device, query.dtype
-    block_m, block_n = hopper.BLOCK_M, hopper.BLOCK_N
+    block_m, block_n = hopper.BLOCK_M, hopper.BLOCK_N[E]
     dense_rows = None
     if tables is None:
         sparse_q, sparse_kv = LARGE_BLOCK, block_n
@@ -164,13 +164,16 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         BLOCKS_ARE_CONTIGUOUS=options["BLOCKS_ARE_CONTIGUOUS"] or tables is None,
         IS_DIVISIBLE=KV_LEN % block_n == 0, OUTPUT_MAX=want_max,
         SCORES_IN_BASE2=launch.raw_scores(score, torch.float32),
-        LONGEST_FIRST=options["LONGEST_FIRST"], NUM_BUFFERS=2, CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
+        LONGEST_FIRST=options["LONGEST_FIRST"], NUM_BUFFERS=hopper.NUM_BUFFERS, CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
         num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS,
     )
     out_shape = (B, Hq, Q_LEN, Ev)
     out_order = launch.contiguous_or_order(query)
-    strides = (*launch.output_strides(out_shape, out_order), *launch.output_strides((B, Hq, Q_LEN), None)[:2])
+    if launch.output_strides(out_shape, out_order)[3] != 1:  # (the kernel writes rows of Ev elements)
+        out_order = None
+    oz, oh, om, _ = launch.output_strides(out_shape, out_order)
+    strides = (oz, oh, om, *launch.output_strides((B, Hq, Q_LEN), None)[:2])
     kernel = hopper_module(score, mask, opts.fast_math(explicit, device, dtype)).flex_attention_forward
     grid = (triton.cdiv(Q_LEN, block_m), B * Hq)
     main, any_scale = _launches(kernel, grid, constexprs, device)

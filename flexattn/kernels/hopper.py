@@ -13,9 +13,13 @@ import functools
 
 import torch
 
-BLOCK_M = 128      # query rows per program: 64 per consumer warp group
-BLOCK_N = 128      # KV columns per tile
-HEAD_DIMS = (128,)  # at 64 the Triton template is as fast or faster (ALiBi, documents: 1.25-1.4x)
+BLOCK_M = 128  # query rows per program: 64 per consumer warp group
+# KV columns per tile, by head dim (at 256, two buffers of 128-row K and V tiles would not fit in
+# shared memory). Head dim 64 stays on the Triton template: as fast or faster there (ALiBi,
+# documents: 1.25-1.4x).
+BLOCK_N = {128: 128, 256: 64}
+HEAD_DIMS = tuple(BLOCK_N)
+NUM_BUFFERS = 2  # K and V tiles in flight
 NUM_WARPS = 4      # the kernel's own warps: consumer 0 (consumer 1 and the loader are workers)
 MAX_REGISTERS = 168  # per thread, over 12 warps (a warp group is the unit): fills the register file
 CONSUMER_REGISTERS = 240  # consumer 1's; consumer 0 gets what the loader's 24 leave (also 240)
@@ -68,9 +72,9 @@ def reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tables, 
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not _tma_ok(t):
             return f"{name} is not TMA-readable (last dimension contiguous, 16-byte aligned base and strides)"
-    if tables is not None and (tables.q_block % BLOCK_M or tables.kv_block % BLOCK_N):
+    if tables is not None and (tables.q_block % BLOCK_M or tables.kv_block % BLOCK_N[E]):
         return (f"the block mask's blocks ({tables.q_block}x{tables.kv_block}) are not multiples of the "
-                f"kernel's {BLOCK_M}x{BLOCK_N} tiles")
+                f"kernel's {BLOCK_M}x{BLOCK_N[E]} tiles")
     knobs = [k for k in _TRITON_KNOBS if k in options]
     if knobs:
         return f"kernel_options set the Triton template's knobs {knobs}"
@@ -97,7 +101,7 @@ class Descriptors:
 
         gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
         self.make = TensorDescriptor
-        self.blocks = ([1, 1, BLOCK_M, head_dim], [1, 1, BLOCK_N, head_dim])
+        self.blocks = ([1, 1, BLOCK_M, head_dim], [1, 1, BLOCK_N[head_dim], head_dim])
         self.layouts = tuple(gl.NVMMASharedLayout.get_default_for(b, gdt) for b in self.blocks)
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple:

@@ -15,9 +15,10 @@
 # multiplies keep the tensor cores busy ("ping-pong").
 #
 # Differences from forward.py: Q, K, V arrive as TMA descriptors over the [B, H, L, E] tensors (the
-# host checks alignment); head dim 128 for both (E == Ev; see kernels/hopper.py); no float8, no
-# PRESCALE_QK; the mask work of a tile (mask_mod and the KV_LEN bound) is done only for partial
-# blocks and for the tile that holds KV_LEN.
+# host checks alignment); the output's rows are contiguous; head dim 128 or 256 for both (E == Ev;
+# KV tiles of BLOCK_N = 128 or 64 columns, see kernels/hopper.py); no float8, no PRESCALE_QK; the
+# mask work of a tile (mask_mod and the KV_LEN bound) is done only for partial blocks and for the
+# tile that holds KV_LEN.
 $prelude
 
 $score_mod_def
@@ -121,7 +122,7 @@ def softmax_step(s, m_i, SOFTMAX_SCALE, SCORES_IN_BASE2: gl.constexpr):
 @gluon.jit
 def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn,
              Out, LSE, MaxScores, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
-             stride_om, stride_ok, Q_LEN, KV_LEN, SM_SCALE,
+             stride_om, Q_LEN, KV_LEN, SM_SCALE,
              $score_mod_params $mask_mod_params
              WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, V_HEAD_DIM: gl.constexpr,
              TILES_PER_BLOCK: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr,
@@ -205,7 +206,7 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
     out = acc / gl.expand_dims(gl.convert_layout(l_use, row_o), 1)
     rows_o = gl.expand_dims(my_m + gl.arange(0, ROWS, layout=row_o), 1)
     cols_o = gl.expand_dims(gl.arange(0, V_HEAD_DIM, layout=gl.SliceLayout(0, o_layout)), 0)
-    gl.store(Out + rows_o.to(gl.int64) * stride_om + cols_o * stride_ok, out.to(Out.dtype.element_ty),
+    gl.store(Out + rows_o.to(gl.int64) * stride_om + cols_o, out.to(Out.dtype.element_ty),
              mask=rows_o < Q_LEN)
     rows = my_m + gl.arange(0, ROWS, layout=row_s)
     lse2 = gl.where(empty, -float("inf"), m_i + gl.log2(l_use))
@@ -219,7 +220,7 @@ def flex_attention_forward(
     Q, K, V, Out, LSE, MaxScores,
     KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX,
     $score_mod_params $mask_mod_params
-    stride_oz, stride_oh, stride_om, stride_ok,
+    stride_oz, stride_oh, stride_om,
     stride_lz, stride_lh,
     stride_nz, stride_nh, stride_nm, stride_iz, stride_ih, stride_im,
     stride_fnz, stride_fnh, stride_fnm, stride_fiz, stride_fih, stride_fim,
@@ -280,13 +281,13 @@ def flex_attention_forward(
     gl.warp_specialize([
         (consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turns.index(0),
                     turns.index(1), Out, LSE, MaxScores, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
-                    stride_om, stride_ok, Q_LEN, KV_LEN, SM_SCALE,
+                    stride_om, Q_LEN, KV_LEN, SM_SCALE,
                     $score_mod_params $mask_mod_params
                     0, BLOCK_M, BLOCK_N, V_HEAD_DIM, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
                     IS_DIVISIBLE, SCORES_IN_BASE2, OUTPUT_MAX, SCORE_DTYPE)),
         (consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turns.index(1),
                     turns.index(0), Out, LSE, MaxScores, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
-                    stride_om, stride_ok, Q_LEN, KV_LEN, SM_SCALE,
+                    stride_om, Q_LEN, KV_LEN, SM_SCALE,
                     $score_mod_params $mask_mod_params
                     1, BLOCK_M, BLOCK_N, V_HEAD_DIM, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
                     IS_DIVISIBLE, SCORES_IN_BASE2, OUTPUT_MAX, SCORE_DTYPE)),
