@@ -33,7 +33,9 @@ class Plan:
     descriptors: hopper.Descriptors | None = None  # the Hopper kernel's Q/K/V TMA descriptors
 
 
-def module(score: Mod, mask: Mod, target: str, fast_math: bool = False):
+def module(score: Mod, mask: Mod, target: str, fast_math: bool = False, template: str = "forward"):
+    """The generated module of a forward template (templates/forward.py; "forward_hopper" with
+    the "gluon" target) with the two mods inlined."""
     def hooks():
         score_def, score_params = launch.mod_hooks(score, target, "score_mod", "score_")
         mask_def, mask_params = launch.mod_hooks(mask, target, "mask_mod", "mask_")
@@ -41,20 +43,12 @@ def module(score: Mod, mask: Mod, target: str, fast_math: bool = False):
                 "score_mod_params": score_params, "mask_mod_params": mask_params}
 
     return launch.kernel_module(
-        "forward", (score.key(), mask.key()), target, hooks,
+        template, (score.key(), mask.key()), target, hooks,
         lambda: {f"score_mod {score.name}": score.source, f"mask_mod {mask.name}": mask.source}, fast_math)
 
 
 def hopper_module(score: Mod, mask: Mod, fast_math: bool):
-    def hooks():
-        score_def, score_params = launch.mod_hooks(score, "gluon", "score_mod", "score_")
-        mask_def, mask_params = launch.mod_hooks(mask, "gluon", "mask_mod", "mask_")
-        return {"score_mod_def": score_def, "mask_mod_def": mask_def,
-                "score_mod_params": score_params, "mask_mod_params": mask_params}
-
-    return launch.kernel_module(
-        "forward_hopper", (score.key(), mask.key()), "gluon", hooks,
-        lambda: {f"score_mod {score.name}": score.source, f"mask_mod {mask.name}": mask.source}, fast_math)
+    return module(score, mask, "gluon", fast_math, template="forward_hopper")
 
 
 def _tile(option: str, options: dict, explicit: dict, sparse: int | None, length: int) -> int:
