@@ -39,12 +39,13 @@ def _transpose_kernel(X, Y, H, S, D, stride_xb, stride_xh, stride_xs, stride_xd,
 def k_major(value):
     """``value`` [B, H, S, D] with ``stride(2) == 1`` (the KV dimension innermost): ``value``
     itself when it has that layout already (or is not a 4-d float8 tensor: validation comes
-    later), else a copy in that layout."""
+    later), else a copy in that layout, its D rows of S values 16-byte aligned."""
     if not (isinstance(value, torch.Tensor) and value.dim() == 4 and value.dtype == torch.float8_e4m3fn
             and value.shape[2] > 1 and value.stride(2) != 1):
         return value
     B, H, S, D = value.shape
-    out = torch.empty((B, H, D, S), dtype=value.dtype, device=value.device).transpose(2, 3)
+    # rows of D values padded to 16 bytes: TMA (the Hopper kernel's copies) needs aligned strides
+    out = torch.empty((B, H, D, -(-S // 16) * 16), dtype=value.dtype, device=value.device)[..., :S].transpose(2, 3)
     if value.device.type != "cuda" or value.numel() == 0:
         return out.copy_(value)  # the interpreter's copy is torch's either way
     site = _TRANSPOSES.get((value.shape, value.stride(), value.device), lambda: Launch(
