@@ -3,6 +3,10 @@ and SDPA in bfloat16, in one process on the same (dequantised) values.
 
     python benchmarks/bench_fp8.py                    # B=4, H=16, S=8192, D=128 (GPU)
     python benchmarks/bench_fp8.py --seq 2048
+    python benchmarks/bench_fp8.py --batch 2 --heads 8 --seq 4096 --head-dim 256
+
+flexattn's float8 runs are the default choice, then each of its two kernels by name (on an H100:
+the Gluon Hopper kernel, BACKEND='FLASH'; the block-sparse Triton template, BACKEND='TRITON').
 
 Each input is quantised per tensor (max |x| -> 448) and every competitor gets the same values:
 float8 with its descale factors for flexattn's float8 run, the dequantised values in bfloat16 for
@@ -61,6 +65,13 @@ def main(argv=None) -> int:
                                                                descale_k=dk, descale_v=dv),
             "flexattn float8 V K-major": lambda: flexattn.flex_attention(q8, k8, v8_k_major, block_mask=bm,
                                                                          descale_q=dq, descale_k=dk, descale_v=dv),
+            # both float8 kernels (the default picks by head dim, see flexattn/kernels/hopper.py)
+            "flexattn float8 Gluon": lambda: flexattn.flex_attention(
+                q8, k8, v8_k_major, block_mask=bm, descale_q=dq, descale_k=dk, descale_v=dv,
+                kernel_options={"BACKEND": "FLASH"}),
+            "flexattn float8 Triton": lambda: flexattn.flex_attention(
+                q8, k8, v8_k_major, block_mask=bm, descale_q=dq, descale_k=dk, descale_v=dv,
+                kernel_options={"BACKEND": "TRITON"}),
             "flexattn bfloat16": lambda: flexattn.flex_attention(q, k, v, block_mask=bm),
             "torch flex bfloat16": lambda: compiled_flex(q, k, v, block_mask=tbm),
         }

@@ -41,6 +41,38 @@ def test_fp8_forward_error_on_the_gpu(case):
     assert err <= 0.06 * ref.abs().max().item()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon forward needs an sm_90 GPU")
+@pytest.mark.parametrize("S, D, Hkv", [(1000, 128, 2), (2100, 256, 8), (333, 128, 8)])
+def test_fp8_gluon_forward(S, D, Hkv, nan_outputs):
+    """The Gluon kernel's float8 path (BACKEND='FLASH' insists on it): ragged lengths (V's rows
+    padded for TMA), GQA, head dim 256, document + causal mask; level with the Triton template's
+    float8 error on the same inputs, and the descales applied."""
+    torch.manual_seed(0)
+    (q, dq), (k, dk), (v, dv) = (quantise(torch.randn(2, h, S, D, device="cuda") * x)
+                                 for h, x in ((8, 1.0), (Hkv, 1.0), (Hkv, 3.0)))
+    doc = torch.arange(S, device="cuda") // 300
+
+    def documents(b, h, qi, ki):
+        return (doc[qi] == doc[ki]) & (qi >= ki)
+
+    bm = flexattn.create_block_mask(documents, None, None, S, S, device="cuda")
+    common = dict(block_mask=bm, enable_gqa=Hkv != 8, descale_q=dq, descale_k=dk, descale_v=dv)
+    out = flexattn.flex_attention(q, k, v, **common, kernel_options={"BACKEND": "FLASH"})
+    triton_out = flexattn.flex_attention(q, k, v, **common, kernel_options={"BACKEND": "TRITON"})
+    ref = attention_reference(dequantised(q, dq), dequantised(k, dk), dequantised(v, dv), block_mask=bm,
+                              enable_gqa=Hkv != 8)
+    err = (out.double() - ref).abs().max().item()
+    err_triton = (triton_out.double() - ref).abs().max().item()
+    print(f"fp8 Gluon S={S} D={D}: max error {err:.4f} (Triton template {err_triton:.4f})")
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    assert err <= 0.06 * ref.abs().max().item() and err <= 1.5 * err_triton + 1e-3
+    half = flexattn.flex_attention(q, k, v, **dict(common, descale_v=dv / 2), kernel_options={"BACKEND": "FLASH"})
+    torch.testing.assert_close(half.float(), out.float() / 2, atol=0, rtol=1e-2)
+    bad = flexattn.flex_attention(q, k, v, **dict(common, descale_q=-dq), kernel_options={"BACKEND": "FLASH"})
+    assert bad.isnan().all()  # the kernel folds scale * descales into exp2: a negative one is NaN
+
+
 @pytest.mark.parametrize("S, D", [(1000, 72), (64, 128), (4097, 64)])
 def test_k_major_copy_on_the_gpu(S, D):
     """The float8 V layout copy (a Triton kernel on the GPU): the same bytes, KV dimension

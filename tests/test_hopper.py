@@ -14,7 +14,7 @@ import torch
 from flexattn import tracer
 from flexattn.block_mask import create_block_mask
 from flexattn.codegen import emit
-from flexattn.kernels import forward as fwd, hopper
+from flexattn.kernels import forward as fwd, hopper, layout
 from flexattn.kernels.tables import tables_of
 from flexattn.mods import MASK, SCORE
 
@@ -44,7 +44,7 @@ def _compile(query, key, value, score_fn=None, mask_fn=None, block_mask=None, wa
     mask = _mod(mask_fn or (lambda b, h, q, k: q >= 0), MASK)
     tables = None if block_mask is None else tables_of(block_mask)
     plan = fwd.hopper_plan(query, key, value, score, mask, tables, {}, want_max)
-    out = torch.empty(plan.out_shape, dtype=query.dtype)
+    out = torch.empty(plan.out_shape, dtype=plan.out_dtype)
     lse = torch.empty(plan.stat_shape)
     mx = torch.empty(plan.stat_shape) if want_max else None
     args = fwd.launch_args(plan, query, key, value, out, lse, mx, score, score.buffers, mask, mask.buffers, tables,
@@ -86,6 +86,16 @@ def test_compiles_head_dim_256():
     q, k, v = _qkv(S=320, D=256)
     bm = create_block_mask(causal, None, None, 320, 320, device="cpu")
     assert _compile(q, k, v, mask_fn=causal, block_mask=bm).metadata.shared > 192 * 1024
+
+
+@pytest.mark.parametrize("D", [128, 256])
+def test_compiles_float8(D):
+    """float8 Q K^T and P V on e4m3 wgmma, V read KV-innermost through its transposed view; a
+    length that is not a multiple of 16 (layout.k_major pads V's rows for TMA)."""
+    q, k, v = (t.to(torch.float8_e4m3fn) for t in _qkv(S=301, D=D))
+    bm = create_block_mask(causal, None, None, 301, 301, device="cpu")
+    ptx = _compile(q, k, layout.k_major(v), mask_fn=causal, block_mask=bm).asm["ptx"]
+    assert ".f32.e4m3.e4m3" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
 
 
 def test_compiles_with_captured_tensors():
@@ -131,7 +141,13 @@ def test_reason_on_a_hopper(monkeypatch):
     monkeypatch.setattr(hopper, "_on_sm90", lambda device: True)
     q, k, v = _qkv()
     assert hopper.reason(q, k, v, None, {}) is None
-    assert "float16 or bfloat16" in hopper.reason(*(t.float() for t in (q, k, v)), None, {})
+    assert "float16, bfloat16 or float8_e4m3fn" in hopper.reason(*(t.float() for t in (q, k, v)), None, {})
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in _qkv(D=256))
+    assert "KV-innermost" in hopper.reason(q8, k8, v8, None, {})
+    assert hopper.reason(q8, k8, layout.k_major(v8), None, {}) is None
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))  # D=128: the Triton template unless FLASH
+    assert "faster on the Triton template" in hopper.reason(q8, k8, layout.k_major(v8), None, {})
+    assert hopper.reason(q8, k8, layout.k_major(v8), None, {"BACKEND": "FLASH"}) is None
     assert "head dims" in hopper.reason(*_qkv(D=64), None, {})
     assert "below one 128-row tile" in hopper.reason(*_qkv(S=100), None, {})
     padded = torch.randn(1, 2, 300, 132, dtype=torch.bfloat16)[..., :128]  # rows 264 bytes apart

@@ -160,9 +160,11 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         SCORES_IN_BASE2=launch.raw_scores(score, torch.float32),
         LONGEST_FIRST=options["LONGEST_FIRST"], NUM_BUFFERS=hopper.NUM_BUFFERS, CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
+        IS_FP8=dtype == torch.float8_e4m3fn,
         num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS,
     )
     out_shape = (B, Hq, Q_LEN, Ev)
+    out_dtype = torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype
     out_order = launch.contiguous_or_order(query)
     if launch.output_strides(out_shape, out_order)[3] != 1:  # (the kernel writes rows of Ev elements)
         out_order = None
@@ -174,7 +176,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     return Plan(
         kernel=main, any_scale=any_scale,
         out_shape=out_shape, stat_shape=(B, Hq, Q_LEN), out_order=out_order, stat_dtype=torch.float32,
-        out_dtype=dtype, out_like_query=launch.empty_like_gives(query, out_shape, dtype, out_order),
+        out_dtype=out_dtype, out_like_query=launch.empty_like_gives(query, out_shape, out_dtype, out_order),
         strides=strides, dense_rows=dense_rows, sizes=(Hq, Q_LEN, KV_LEN), want_max=want_max,
         is_empty=B * Hq * Q_LEN * Ev == 0, descriptors=hopper.Descriptors(dtype, E),
     )
@@ -206,6 +208,5 @@ def launch_args(plan: Plan, query, key, value, out, lse, mx, score: Mod, score_b
     mods = (*launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs))
     tail = (*plan.strides, *rows.strides(), *plan.sizes, scale)
     mx = launch.UNUSED if mx is None else mx
-    if plan.descriptors is not None:
-        return (*plan.descriptors(query, key, value), out, lse, mx, *rows.args(), *mods, *tail)
-    return (query, key, value, out, lse, mx, *(descale or _NO_DESCALE), *rows.args(), *mods, *tail)
+    qkv = (query, key, value) if plan.descriptors is None else plan.descriptors(query, key, value)
+    return (*qkv, out, lse, mx, *(descale or _NO_DESCALE), *rows.args(), *mods, *tail)

@@ -1,7 +1,7 @@
 """When the forward runs the Gluon Hopper kernel (templates/forward_hopper.py), and its TMA descriptors.
 
-The kernel is the forward on H100/H200-class GPUs (compute capability 9.0) for 16-bit inputs: a
-TMA loader warp and two consumer warp groups that take turns on the tensor cores. `reason` says
+The kernel is the forward on H100/H200-class GPUs (compute capability 9.0) for 16-bit and float8
+inputs: a TMA loader warp and two consumer warp groups that take turns on the tensor cores. `reason` says
 why a call cannot take it (None: it can); the block-sparse Triton template (templates/forward.py)
 runs everything else and is the fallback. ``kernel_options``: BACKEND="TRITON" keeps the Triton
 template, BACKEND="FLASH" demands this kernel (an error says why it cannot run).
@@ -19,6 +19,11 @@ BLOCK_M = 128  # query rows per program: 64 per consumer warp group
 # documents: 1.25-1.4x).
 BLOCK_N = {128: 128, 256: 64}
 HEAD_DIMS = tuple(BLOCK_N)
+# float8 takes this kernel by default at these head dims only: at D=128 the Triton template's
+# float8 forward is faster on the H100 (B=4 H=16 S=8k: 810 / 694 TF/s no mask / causal against
+# 675 / 640 here), at D=256 this one is (B=2 H=8 S=4k: 808 / 614 against 600 / 488).
+# BACKEND='FLASH' runs it at every head dim in HEAD_DIMS.
+FP8_HEAD_DIMS = (256,)
 NUM_BUFFERS = 2  # K and V tiles in flight
 NUM_WARPS = 4      # the kernel's own warps: consumer 0 (consumer 1 and the loader are workers)
 MAX_REGISTERS = 168  # per thread, over 12 warps (a warp group is the unit): fills the register file
@@ -62,13 +67,19 @@ def reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tables, 
         return f"it needs a compute capability 9.0 GPU (H100/H200), the inputs are on {query.device}"
     if not _gluon_api():
         return "this Triton has no Gluon Hopper API (TMA, mbarrier, wgmma)"
-    if query.dtype not in (torch.float16, torch.bfloat16):
-        return f"it takes float16 or bfloat16 inputs, got {query.dtype}"
+    if query.dtype not in _GL_DTYPES:
+        return f"it takes float16, bfloat16 or float8_e4m3fn inputs, got {query.dtype}"
     E, Ev = query.shape[3], value.shape[3]
     if E != Ev or E not in HEAD_DIMS:
         return f"it takes equal query and value head dims in {HEAD_DIMS}, got E={E}, Ev={Ev}"
+    if query.dtype == torch.float8_e4m3fn and E not in FP8_HEAD_DIMS and options.get("BACKEND") != "FLASH":
+        return f"float8 at head dim {E} runs faster on the Triton template (this kernel takes float8 at {FP8_HEAD_DIMS})"
     if query.shape[2] < BLOCK_M:
         return f"query length {query.shape[2]} is below one {BLOCK_M}-row tile"
+    if query.dtype == torch.float8_e4m3fn:  # (float8 V is read KV-innermost: call.py made it so)
+        if value.stride(2) != 1:
+            return "float8 value is not KV-innermost (stride(2) == 1)"
+        value = value.transpose(2, 3)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not _tma_ok(t):
             return f"{name} is not TMA-readable (last dimension contiguous, 16-byte aligned base and strides)"
@@ -90,23 +101,32 @@ def chosen(query, key, value, tables, options: dict) -> bool:
     return why is None
 
 
-class Descriptors:
-    """Builds the TMA descriptors of one call's Q, K, V (block shapes and layouts fixed per plan)."""
+_GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "float8e4nv"}
 
-    __slots__ = ("make", "blocks", "layouts")
+
+class Descriptors:
+    """Builds the TMA descriptors of one call's Q, K, V (block shapes and layouts fixed per plan).
+    float8 V is read through its [B, H, Ev, L] view (stored KV-innermost) in [Ev, BLOCK_N] tiles."""
+
+    __slots__ = ("make", "blocks", "layouts", "v_k_major")
 
     def __init__(self, dtype: torch.dtype, head_dim: int):
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-        gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+        gdt = getattr(gl, _GL_DTYPES[dtype])
         self.make = TensorDescriptor
-        self.blocks = ([1, 1, BLOCK_M, head_dim], [1, 1, BLOCK_N[head_dim], head_dim])
+        self.v_k_major = dtype == torch.float8_e4m3fn
+        block_n = BLOCK_N[head_dim]
+        self.blocks = ([1, 1, BLOCK_M, head_dim], [1, 1, block_n, head_dim],
+                       [1, 1, head_dim, block_n] if self.v_k_major else [1, 1, block_n, head_dim])
         self.layouts = tuple(gl.NVMMASharedLayout.get_default_for(b, gdt) for b in self.blocks)
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple:
-        (qb, kb), (ql, kl) = self.blocks, self.layouts
+        (qb, kb, vb), (ql, kl, vl) = self.blocks, self.layouts
         make = self.make
+        if self.v_k_major:
+            value = value.transpose(2, 3)
         return (make(query, list(query.shape), list(query.stride()), qb, ql),
                 make(key, list(key.shape), list(key.stride()), kb, kl),
-                make(value, list(value.shape), list(value.stride()), kb, kl))
+                make(value, list(value.shape), list(value.stride()), vb, vl))

@@ -16,9 +16,15 @@
 #
 # Differences from forward.py: Q, K, V arrive as TMA descriptors over the [B, H, L, E] tensors (the
 # host checks alignment); the output's rows are contiguous; head dim 128 or 256 for both (E == Ev;
-# KV tiles of BLOCK_N = 128 or 64 columns, see kernels/hopper.py); no float8, no PRESCALE_QK; the
-# mask work of a tile (mask_mod and the KV_LEN bound) is done only for partial blocks and for the
-# tile that holds KV_LEN.
+# KV tiles of BLOCK_N = 128 or 64 columns, see kernels/hopper.py); no PRESCALE_QK; the mask work of
+# a tile (mask_mod and the KV_LEN bound) is done only for partial blocks and for the tile that
+# holds KV_LEN.
+#
+# IS_FP8: Q, K, V are float8_e4m3fn and both products run on float8 wgmma, which reads its B operand
+# K-major only: V's descriptor is over the [B, H, Ev, L] view of a V stored KV-innermost (the host's
+# layout.k_major), its tiles [Ev, BLOCK_N]. P is rounded to float8; SM_SCALE takes
+# DESCALE_Q * DESCALE_K (NaN when the product is not positive and the softmax folds it into exp2),
+# the epilogue multiplies by DESCALE_V; Out is bfloat16.
 $prelude
 
 $score_mod_def
@@ -60,7 +66,7 @@ def kv_tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK: gl.constexpr, SPA
 def loader(Q, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
            b, h, b_kv, h_kv, off_m, n_partial, n_tiles, P_IDX, F_IDX,
            TILES_PER_BLOCK: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-           BLOCKS_ARE_CONTIGUOUS: gl.constexpr):
+           BLOCKS_ARE_CONTIGUOUS: gl.constexpr, V_K_MAJOR: gl.constexpr):
     NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
     if n_tiles > 0:  # (no copy left in flight when the program ends)
         mbarrier.expect(q_bar, Q.block_type.nbytes)
@@ -76,7 +82,10 @@ def loader(Q, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_
         _tma_load(K, [b_kv, h_kv, start, 0], k_ready.index(slot), k_bufs.index(slot))
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
         mbarrier.expect(v_ready.index(slot), V.block_type.nbytes)
-        _tma_load(V, [b_kv, h_kv, start, 0], v_ready.index(slot), v_bufs.index(slot))
+        if V_K_MAJOR:
+            _tma_load(V, [b_kv, h_kv, 0, start], v_ready.index(slot), v_bufs.index(slot))
+        else:
+            _tma_load(V, [b_kv, h_kv, start, 0], v_ready.index(slot), v_bufs.index(slot))
 
 
 @gluon.jit
@@ -120,23 +129,49 @@ def softmax_step(s, m_i, SOFTMAX_SCALE, SCORES_IN_BASE2: gl.constexpr):
 
 
 @gluon.jit
+def v_tile(v_bufs, slot, V_K_MAJOR: gl.constexpr):
+    """The [BLOCK_N, Ev] B operand of P V from a slot of V tiles ([Ev, BLOCK_N] tiles when V_K_MAJOR)."""
+    if V_K_MAJOR:
+        return v_bufs.index(slot).reshape([v_bufs.type.shape[3], v_bufs.type.shape[4]]).permute((1, 0))
+    else:
+        return v_bufs.index(slot).reshape([v_bufs.type.shape[3], v_bufs.type.shape[4]])
+
+
+@gluon.jit
+def wait_pv(acc, p_op, p, IS_FP8: gl.constexpr):
+    """Waits for the P V in flight. Its A operand p_op lives in registers that must stay untouched
+    until then: a dependency of the wait keeps them so. Triton's wait takes no 8-bit dependencies
+    (triton 3.6-3.9); the next float8 P is made after the wait in program order, and ptxas, which
+    places PTX's registers, knows wgmma's operands (checked on the sm_90a build: the conversions
+    follow the wait, no multiply serialised, the GPU tests compare with float64)."""
+    if IS_FP8:
+        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+    else:
+        acc, p_op, p = warpgroup_mma_wait(0, deps=(acc, p_op, p))
+    return acc, p_op, p
+
+
+@gluon.jit
 def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn,
-             Out, LSE, MaxScores, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
+             Out, LSE, MaxScores, DESCALE_V, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
              stride_om, Q_LEN, KV_LEN, SM_SCALE,
              $score_mod_params $mask_mod_params
              WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, V_HEAD_DIM: gl.constexpr,
              TILES_PER_BLOCK: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr,
              IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr, OUTPUT_MAX: gl.constexpr,
-             SCORE_DTYPE: gl.constexpr):
+             SCORE_DTYPE: gl.constexpr, IS_FP8: gl.constexpr):
     NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
     ROWS: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = k_bufs.dtype
     QK_HEAD_DIM: gl.constexpr = k_bufs.type.shape[4]
+    # (wgmma's K step is 32 bytes: 16 16-bit or 32 float8 elements; a thread holds 4 bytes of a row of P)
+    K_STEP: gl.constexpr = 256 // dtype.primitive_bitwidth
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, K_STEP])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, V_HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                       instr_shape=[16, V_HEAD_DIM, K_STEP])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                 k_width=32 // dtype.primitive_bitwidth)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     SOFTMAX_SCALE = SM_SCALE * LOG2E
@@ -176,7 +211,7 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
             mbarrier.wait(my_turn, (j & 1) ^ WG ^ 1)
             s = warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, QK_HEAD_DIM]).permute((1, 0)), s,
                               use_acc=False, is_async=True)
-            acc = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, V_HEAD_DIM]), acc, is_async=True)
+            acc = warpgroup_mma(p_op, v_tile(v_bufs, prev, IS_FP8), acc, is_async=True)
             mbarrier.arrive(other_turn, count=1)
             # -- the scores are ready once at most one multiply (P.V) is in flight
             s = warpgroup_mma_wait(1, deps=(s, ))
@@ -187,8 +222,7 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
                        IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_DTYPE)
             p, m_i, alpha = softmax_step(s, m_i, SOFTMAX_SCALE, SCORES_IN_BASE2)
             l_i = l_i * alpha + gl.sum(p, 1)
-            # p_op is the A operand of the P.V in flight: it stays alive until the wait
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            acc, p_op, p = wait_pv(acc, p_op, p, IS_FP8)
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -196,14 +230,18 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
         # -- P.V of the last tile
         last = (n_tiles - 1) % NUM_BUFFERS
         mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_BUFFERS) & 1)
-        acc = warpgroup_mma(p_op, v_bufs.index(last).reshape([BLOCK_N, V_HEAD_DIM]), acc, is_async=True)
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        acc = warpgroup_mma(p_op, v_tile(v_bufs, last, IS_FP8), acc, is_async=True)
+        acc, p_op, p = wait_pv(acc, p_op, p, IS_FP8)
         mbarrier.arrive(v_empty.index(last), count=1)
 
     # -- epilogue: a row that saw nothing has l_i = 0, acc = 0: it writes 0 and LSE -inf
     empty = l_i == 0.0
     l_use = gl.where(empty, 1.0, l_i)
-    out = acc / gl.expand_dims(gl.convert_layout(l_use, row_o), 1)
+    if IS_FP8:
+        l_use_o = gl.convert_layout(l_use / gl.load(DESCALE_V), row_o)
+    else:
+        l_use_o = gl.convert_layout(l_use, row_o)
+    out = acc / gl.expand_dims(l_use_o, 1)
     rows_o = gl.expand_dims(my_m + gl.arange(0, ROWS, layout=row_o), 1)
     cols_o = gl.expand_dims(gl.arange(0, V_HEAD_DIM, layout=gl.SliceLayout(0, o_layout)), 0)
     gl.store(Out + rows_o.to(gl.int64) * stride_om + cols_o, out.to(Out.dtype.element_ty),
@@ -217,7 +255,7 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
 
 @gluon.jit
 def flex_attention_forward(
-    Q, K, V, Out, LSE, MaxScores,
+    Q, K, V, Out, LSE, MaxScores, DESCALE_Q, DESCALE_K, DESCALE_V,
     KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX,
     $score_mod_params $mask_mod_params
     stride_oz, stride_oh, stride_om,
@@ -231,12 +269,16 @@ def flex_attention_forward(
     BLOCKS_ARE_CONTIGUOUS: gl.constexpr,
     IS_DIVISIBLE: gl.constexpr, OUTPUT_MAX: gl.constexpr, SCORES_IN_BASE2: gl.constexpr,
     LONGEST_FIRST: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    SCORE_DTYPE: gl.constexpr,
+    SCORE_DTYPE: gl.constexpr, IS_FP8: gl.constexpr,
 ):
     gl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M == 0)
     gl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N == 0)
     TILES_PER_BLOCK: gl.constexpr = SPARSE_KV_BLOCK_SIZE // BLOCK_N
-    V_HEAD_DIM: gl.constexpr = V.block_type.shape[3]
+    V_HEAD_DIM: gl.constexpr = Q.block_type.shape[3]  # (== Ev)
+    if IS_FP8:  # scores of the dequantised inputs: (q dq)(k dk)^T scale = q k^T (scale dq dk)
+        SM_SCALE = SM_SCALE * gl.load(DESCALE_Q) * gl.load(DESCALE_K)
+        if SCORES_IN_BASE2:  # the fold needs a positive factor: descales that are not give NaN
+            SM_SCALE = gl.where(SM_SCALE > 0, SM_SCALE, float("nan"))
     if LONGEST_FIRST:  # the last query tiles see the most KV blocks (causal): start them first
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
     else:
@@ -280,18 +322,18 @@ def flex_attention_forward(
 
     gl.warp_specialize([
         (consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turns.index(0),
-                    turns.index(1), Out, LSE, MaxScores, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
+                    turns.index(1), Out, LSE, MaxScores, DESCALE_V, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
                     stride_om, Q_LEN, KV_LEN, SM_SCALE,
                     $score_mod_params $mask_mod_params
                     0, BLOCK_M, BLOCK_N, V_HEAD_DIM, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
-                    IS_DIVISIBLE, SCORES_IN_BASE2, OUTPUT_MAX, SCORE_DTYPE)),
+                    IS_DIVISIBLE, SCORES_IN_BASE2, OUTPUT_MAX, SCORE_DTYPE, IS_FP8)),
         (consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turns.index(1),
-                    turns.index(0), Out, LSE, MaxScores, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
+                    turns.index(0), Out, LSE, MaxScores, DESCALE_V, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
                     stride_om, Q_LEN, KV_LEN, SM_SCALE,
                     $score_mod_params $mask_mod_params
                     1, BLOCK_M, BLOCK_N, V_HEAD_DIM, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
-                    IS_DIVISIBLE, SCORES_IN_BASE2, OUTPUT_MAX, SCORE_DTYPE)),
+                    IS_DIVISIBLE, SCORES_IN_BASE2, OUTPUT_MAX, SCORE_DTYPE, IS_FP8)),
         (loader, (Q, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                   b, h, b_kv, h_kv, off_m, n_partial, n_tiles, P_IDX, F_IDX,
-                  TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N, BLOCKS_ARE_CONTIGUOUS)),
+                  TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N, BLOCKS_ARE_CONTIGUOUS, IS_FP8)),
     ], [4, 1], [CONSUMER_REGS, 24])
