@@ -113,15 +113,30 @@ def scores(s, j, n_partial, P_IDX, F_IDX, b, h, q_idx, KV_LEN, SM_SCALE,
 
 
 @gluon.jit
+def row_max(s):
+    """max over a tile's rows in two chains of half the length: a thread holds pairs of adjacent
+    columns, so splitting them off moves no data."""
+    a, b = gl.split(gl.reshape(s, [s.shape[0], s.shape[1] // 2, 2]))
+    return gl.convert_layout(gl.max(gl.maximum(a, b), 1), gl.SliceLayout(1, s.type.layout))
+
+
+@gluon.jit
+def row_sum(s):
+    """sum over a tile's rows, split like row_max."""
+    a, b = gl.split(gl.reshape(s, [s.shape[0], s.shape[1] // 2, 2]))
+    return gl.convert_layout(gl.sum(a + b, 1), gl.SliceLayout(1, s.type.layout))
+
+
+@gluon.jit
 def softmax_step(s, m_i, SOFTMAX_SCALE, SCORES_IN_BASE2: gl.constexpr):
     """(p, new m_i, alpha) of one tile: m_i is the running row max in base 2; rows that have seen
     nothing keep m_i = -inf and get p = 0."""
     if SCORES_IN_BASE2:
-        m_new = gl.maximum(m_i, gl.max(s, 1) * SOFTMAX_SCALE)
+        m_new = gl.maximum(m_i, row_max(s) * SOFTMAX_SCALE)
         m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
         p = gl.exp2(s * SOFTMAX_SCALE - gl.expand_dims(m_use, 1))
     else:
-        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_new = gl.maximum(m_i, row_max(s))
         m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
         p = gl.exp2(s - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
@@ -199,7 +214,7 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
                    s_layout, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N, BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE,
                    SCORES_IN_BASE2, SCORE_DTYPE)
         p, m_i, alpha = softmax_step(s, m_i, SOFTMAX_SCALE, SCORES_IN_BASE2)
-        l_i = gl.sum(p, 1)
+        l_i = row_sum(p)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
         for j in range(1, n_tiles):
@@ -221,7 +236,7 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
                        s_layout, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N, BLOCKS_ARE_CONTIGUOUS,
                        IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_DTYPE)
             p, m_i, alpha = softmax_step(s, m_i, SOFTMAX_SCALE, SCORES_IN_BASE2)
-            l_i = l_i * alpha + gl.sum(p, 1)
+            l_i = l_i * alpha + row_sum(p)
             acc, p_op = wait_pv(acc, p_op, IS_FP8)
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
