@@ -21,7 +21,7 @@ BLOCK_N = {128: 128, 256: 64}
 HEAD_DIMS = tuple(BLOCK_N)
 # float8 takes this kernel by default at these head dims only: at D=128 the Triton template's
 # float8 forward is faster on the H100 (B=4 H=16 S=8k: 810 / 694 TF/s no mask / causal against
-# 675 / 640 here), at D=256 this one is (B=2 H=8 S=4k: 808 / 614 against 600 / 488).
+# 675-716 / 630-640 here), at D=256 this one is (B=2 H=8 S=4k: 808-816 / 584-614 against 600 / 483-488).
 # BACKEND='FLASH' runs it at every head dim in HEAD_DIMS.
 FP8_HEAD_DIMS = (256,)
 NUM_BUFFERS = 2  # K and V tiles in flight
