@@ -143,6 +143,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     B, Hq, Q_LEN, E = query.shape
     Bkv, Hkv, KV_LEN, Ev = value.shape
     device, dtype = query.device, query.dtype
+    fp8 = dtype == torch.float8_e4m3fn
     block_m, block_n = hopper.BLOCK_M, hopper.BLOCK_N[E]
     dense_rows = None
     if tables is None:
@@ -160,11 +161,11 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         SCORES_IN_BASE2=launch.raw_scores(score, torch.float32),
         LONGEST_FIRST=options["LONGEST_FIRST"], NUM_BUFFERS=hopper.NUM_BUFFERS, CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
-        IS_FP8=dtype == torch.float8_e4m3fn,
+        IS_FP8=fp8,
         num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS,
     )
     out_shape = (B, Hq, Q_LEN, Ev)
-    out_dtype = torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype
+    out_dtype = torch.bfloat16 if fp8 else dtype
     out_order = launch.contiguous_or_order(query)
     if launch.output_strides(out_shape, out_order)[3] != 1:  # (the kernel writes rows of Ev elements)
         out_order = None

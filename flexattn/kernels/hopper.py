@@ -1,9 +1,9 @@
 """When the forward runs the Gluon Hopper kernel (templates/forward_hopper.py), and its TMA descriptors.
 
 The kernel is the forward on H100/H200-class GPUs (compute capability 9.0) for 16-bit and float8
-inputs: a TMA loader warp and two consumer warp groups that take turns on the tensor cores. `reason` says
-why a call cannot take it (None: it can); the block-sparse Triton template (templates/forward.py)
-runs everything else and is the fallback. ``kernel_options``: BACKEND="TRITON" keeps the Triton
+inputs: a TMA loader warp and two consumer warp groups that take turns on the tensor cores.
+`reason` says why a call cannot take it (None: it can); the block-sparse Triton template
+(templates/forward.py) runs everything else and is the fallback. ``kernel_options``: BACKEND="TRITON" keeps the Triton
 template, BACKEND="FLASH" demands this kernel (an error says why it cannot run).
 """
 
@@ -20,9 +20,9 @@ BLOCK_M = 128  # query rows per program: 64 per consumer warp group
 BLOCK_N = {128: 128, 256: 64}
 HEAD_DIMS = tuple(BLOCK_N)
 # float8 takes this kernel by default at these head dims only: at D=128 the Triton template's
-# float8 forward is faster on the H100 (B=4 H=16 S=8k: 810 / 694 TF/s no mask / causal against
-# 675-716 / 630-640 here), at D=256 this one is (B=2 H=8 S=4k: 808-816 / 584-614 against 600 / 483-488).
-# BACKEND='FLASH' runs it at every head dim in HEAD_DIMS.
+# float8 forward is faster on the H100 (B=4 H=16 S=8k: 793-810 / 693 TF/s no mask / causal
+# against 675-716 / 630-640 here), at D=256 this one is (B=2 H=8 S=4k: 808-816 / 584-614 against
+# 600 / 483-488). BACKEND='FLASH' runs it at every head dim in HEAD_DIMS.
 FP8_HEAD_DIMS = (256,)
 NUM_BUFFERS = 2  # K and V tiles in flight
 NUM_WARPS = 4      # the kernel's own warps: consumer 0 (consumer 1 and the loader are workers)
@@ -30,6 +30,7 @@ MAX_REGISTERS = 168  # per thread, over 12 warps (a warp group is the unit): fil
 CONSUMER_REGISTERS = 240  # consumer 1's; consumer 0 gets what the loader's 24 leave (also 240)
 # The tile knobs the Triton template takes: a call that sets one means that template.
 _TRITON_KNOBS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "PRESCALE_QK")
+_GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "float8e4nv"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,12 +73,12 @@ def reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tables, 
     E, Ev = query.shape[3], value.shape[3]
     if E != Ev or E not in HEAD_DIMS:
         return f"it takes equal query and value head dims in {HEAD_DIMS}, got E={E}, Ev={Ev}"
-    if query.dtype == torch.float8_e4m3fn and E not in FP8_HEAD_DIMS and options.get("BACKEND") != "FLASH":
-        return f"float8 at head dim {E} runs faster on the Triton template (this kernel takes float8 at {FP8_HEAD_DIMS})"
     if query.shape[2] < BLOCK_M:
         return f"query length {query.shape[2]} is below one {BLOCK_M}-row tile"
-    if query.dtype == torch.float8_e4m3fn:  # (float8 V is read KV-innermost: call.py made it so)
-        if value.stride(2) != 1:
+    if query.dtype == torch.float8_e4m3fn:
+        if E not in FP8_HEAD_DIMS and options.get("BACKEND") != "FLASH":
+            return f"float8 at head dim {E} runs faster on the Triton template (this kernel: {FP8_HEAD_DIMS})"
+        if value.stride(2) != 1:  # (call.py lays float8 V out KV-innermost: P V reads it K-major)
             return "float8 value is not KV-innermost (stride(2) == 1)"
         value = value.transpose(2, 3)
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -100,8 +101,6 @@ def chosen(query, key, value, tables, options: dict) -> bool:
                          f"here: {why}")
     return why is None
 
-
-_GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "float8e4nv"}
 
 
 class Descriptors:

@@ -45,7 +45,8 @@ def k_major(value):
         return value
     B, H, S, D = value.shape
     # rows of D values padded to 16 bytes: TMA (the Hopper kernel's copies) needs aligned strides
-    out = torch.empty((B, H, D, -(-S // 16) * 16), dtype=value.dtype, device=value.device)[..., :S].transpose(2, 3)
+    rows = torch.empty((B, H, D, -(-S // 16) * 16), dtype=value.dtype, device=value.device)
+    out = rows[..., :S].transpose(2, 3)
     if value.device.type != "cuda" or value.numel() == 0:
         return out.copy_(value)  # the interpreter's copy is torch's either way
     site = _TRANSPOSES.get((value.shape, value.stride(), value.device), lambda: Launch(

@@ -1,4 +1,4 @@
-# Block-sparse attention forward for Hopper (sm_90), bfloat16 / float16, written in Gluon: the same
+# Block-sparse attention forward for Hopper (sm_90), bfloat16 / float16 / float8, in Gluon: the same
 # computation, arguments and outputs as forward.py (read its header for the tables, LSE and mods),
 # scheduled by hand the way FlashAttention-3 schedules it.
 #
@@ -10,9 +10,11 @@
 #   consumer 1  4 warps: rows 64..127
 # Each consumer runs the online softmax over the same KV tiles. Per tile j it issues q.k_j^T and
 # P_{j-1}.v_{j-1} on the tensor cores (asynchronous wgmma), waits for the scores, runs the softmax
-# of tile j while P.V still runs, then rescales the accumulator. The two consumers take turns to
-# issue their matrix multiplies (the `turns` barriers): while one runs its softmax, the other's
-# multiplies keep the tensor cores busy ("ping-pong").
+# of tile j, waits for P.V, then rescales the accumulator (ptxas moves that second wait up to the
+# top of its basic block, before the softmax; putting it back measured level or slower, see
+# docs/limits.md). The two consumers take turns to issue their matrix multiplies (the `turns`
+# barriers): while one runs its softmax, the other's multiplies keep the tensor cores busy
+# ("ping-pong").
 #
 # Differences from forward.py: Q, K, V arrive as TMA descriptors over the [B, H, L, E] tensors (the
 # host checks alignment); the output's rows are contiguous; head dim 128 or 256 for both (E == Ev;
