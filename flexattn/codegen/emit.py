@@ -773,6 +773,8 @@ def emit_score_grad(d_score: Node, scatters=(), name: str = "score_mod_grad", ta
     sig = ", ".join(["score", *ir.INDEX_INPUTS, "grad", "valid", *params])
     body = "\n".join(f"    {line}" for line in lines + [f"return tl.where(valid, {result}, 0.0)"])
     src = f"@triton.jit\ndef {name}({sig}):\n{body}\n"
+    if target == "gluon":
+        src = _gluon_constants(src)
     return ModSource(name, "score", src, tuple(params), tuple(buffers))
 
 
