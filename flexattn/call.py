@@ -132,7 +132,9 @@ class FlexAttentionFunction(torch.autograd.Function):
         call = ctx.call
         score_bufs, mask_bufs = tuple(buffers[:call.n_score]), tuple(buffers[call.n_score:])
         need = tuple(ctx.needs_input_grad[4:4 + call.n_score])
-        plan_key = (call.key, need, grad_out.shape, grad_out.stride(), grad_lse is not None)
+        # (grad_out's alignment too: the Hopper backward reads it through a TMA descriptor)
+        plan_key = (call.key, need, grad_out.shape, grad_out.stride(), grad_out.data_ptr() % 16 == 0,
+                    grad_lse is not None)
 
         def launch_once(plan):
             return bwd.run(plan, query, key, value, out, lse, grad_out, grad_lse, call.score, score_bufs,

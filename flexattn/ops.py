@@ -128,7 +128,8 @@ def backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor
     score, mask, block, _, options, _ = _parse(spec)
     t = _tables(block, tables)  # without q_* tables, the dK/dV lists are made from kv_* (bwd.run)
     need_t = tuple(need)
-    key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _meta(grad_out), grad_lse is not None, need_t,
+    key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _meta(grad_out), grad_out.data_ptr() % 16 == 0,
+            grad_lse is not None, need_t,
             _metas(score_bufs) + _metas(mask_bufs), None if t is None else t.sig)
 
     def launch_once(plan):

@@ -1,7 +1,8 @@
-"""The Gluon Hopper forward without a GPU: its module compiles for sm_90 with every kind of mod, the
-"gluon" spelling of generated mods, and when a call takes the kernel.
+"""The Gluon Hopper forward and backward without a GPU: their modules compile for sm_90 with every
+kind of mod, the "gluon" spelling of generated mods, and when a call takes either kernel.
 
-The kernel itself runs only on an H100/H200 (`tests/test_forward_hopper_gpu.py`, ``-m gpu``);
+The kernels themselves run only on an H100/H200 (`tests/test_forward_hopper_gpu.py`,
+`tests/test_backward_hopper_gpu.py`, ``-m gpu``);
 Triton's interpreter cannot run Gluon. Compiling here checks the template against this Triton's
 Gluon API (ptxas included) on every CI run.
 """
@@ -14,8 +15,8 @@ import torch
 from flexattn import tracer
 from flexattn.block_mask import create_block_mask
 from flexattn.codegen import emit
-from flexattn.kernels import forward as fwd, hopper, layout
-from flexattn.kernels.tables import tables_of
+from flexattn.kernels import backward as bwd, forward as fwd, hopper, launch, layout
+from flexattn.kernels.tables import q_direction, tables_of
 from flexattn.mods import MASK, SCORE
 
 gluon = pytest.importorskip("triton.experimental.gluon")
@@ -155,3 +156,76 @@ def test_reason_on_a_hopper(monkeypatch):
     assert "Triton template's knobs ['BLOCK_N']" in hopper.reason(q, k, v, None, {"BLOCK_N": 64})
     bm = create_block_mask(causal, None, None, 300, 300, device="cpu", BLOCK_SIZE=64)
     assert "64x64" in hopper.reason(q, k, v, tables_of(bm), {})
+
+
+def _compile_backward(q, k, v, score_fn=None, mask_fn=None, block_mask=None):
+    """Compile the Hopper backward plan's kernel for sm_90 with the argument types a launch passes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    score = _mod(score_fn or (lambda s, b, h, q, k: s), SCORE)
+    mask = _mod(mask_fn or (lambda b, h, q, k: q >= 0), MASK)
+    tables = None if block_mask is None else tables_of(block_mask)
+    plan = bwd.hopper_plan(q, k, v, score, mask, tables, {}, False)
+    B, Hq, S, D = q.shape
+    lse = torch.empty(B, Hq, S)
+    delta, dq_acc = torch.empty(B, Hq, S), torch.empty(B, Hq, S, D)
+    dk = torch.empty(B, k.shape[1], k.shape[2], D, dtype=plan.dk_dtype)
+    lists = plan.dense if plan.dense is not None else q_direction(tables, k.shape[2])
+    args = [*plan.descriptors(q, k, v, torch.empty_like(q), dq_acc), lse, delta, dk, torch.empty_like(dk),
+            *lists.args(), *launch.buffer_args(score, score.buffers), *launch.buffer_args(mask, mask.buffers),
+            *lse.stride(), *dk.stride()[:3], *dk.stride()[:3], *lists.strides(), *plan.sizes, 0.125]
+    args = [torch.empty(1) if a is launch.UNUSED else a for a in args]
+    kernel = bwd.hopper_module(score, mask, True).flex_attention_backward
+    constexprs = {n: c for n, c in plan.main.constexprs.items() if n not in ("num_warps", "maxnreg")}
+    names = kernel.arg_names
+    assert len(names) == len(args) + len(constexprs), "_run_hopper's arguments do not match the kernel's parameters"
+    signature = {n: mangle_type(a) for n, a in zip(names, args)}
+    signature.update({n: "constexpr" for n in constexprs})
+    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": hopper.NUM_WARPS, "maxnreg": hopper.MAX_REGISTERS})
+    assert compiled.metadata.shared <= 227 * 1024
+    return compiled.asm["ptx"]
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_backward_compiles(D):
+    """Five wgmma products per step, dQ added by the TMA unit, at both head dims; a length that is
+    not a multiple of the tiles."""
+    ptx = _compile_backward(*_qkv(S=300, D=D))
+    assert "wgmma.mma_async" in ptx and "cp.reduce.async.bulk.tensor" in ptx and "red.global" not in ptx
+
+
+def test_backward_compiles_with_mods_gqa_and_broadcast_batch():
+    slopes = torch.exp2(-torch.arange(1, 5, dtype=torch.float32))
+    doc = torch.arange(384, dtype=torch.int32) // 100
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    def documents(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    bm = create_block_mask(documents, None, None, 384, 384, device="cpu")
+    _compile_backward(*_qkv(B=2, H=4, Hkv=2, S=384, Bkv=1), score_fn=alibi, mask_fn=documents, block_mask=bm)
+    _compile_backward(*_qkv(S=256), score_fn=softcap)
+
+
+def test_backward_reason(monkeypatch):
+    q, k, v = _qkv()
+    assert "compute capability 9.0" in hopper.backward_reason(q, k, v, q, None, {}, False)
+    monkeypatch.setattr(hopper, "_on_sm90", lambda device: True)
+    assert hopper.backward_reason(q, k, v, q, None, {}, False) is None
+    assert hopper.backward_reason(*_qkv(D=64), q, None, {}, False) is None
+    assert hopper.backward_reason(q, k, v, q, None, {"BACKEND": "TRITON"}, False) == "kernel_options BACKEND='TRITON'"
+    assert "captured tensors need gradients" in hopper.backward_reason(q, k, v, q, None, {}, True)
+    assert "head dims" in hopper.backward_reason(*_qkv(D=256), q, None, {}, False)
+    assert "float16 or bfloat16" in hopper.backward_reason(*(t.float() for t in (q, k, v)), q, None, {}, False)
+    assert "below one 64x128 tile" in hopper.backward_reason(*_qkv(S=100), q, None, {}, False)
+    padded = torch.randn(1, 2, 300, 132, dtype=torch.bfloat16)[..., :128]
+    assert "grad_out is not TMA-readable" in hopper.backward_reason(q, k, v, padded, None, {}, False)
+    assert "Triton backward's knobs ['BLOCK_M1']" in hopper.backward_reason(q, k, v, q, None, {"BLOCK_M1": 32}, False)
+    bm = create_block_mask(causal, None, None, 300, 300, device="cpu", BLOCK_SIZE=64)
+    assert "64x128" in hopper.backward_reason(q, k, v, q, tables_of(bm), {}, False)

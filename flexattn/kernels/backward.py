@@ -1,4 +1,5 @@
 """The backward kernels (templates/backward.py): dQ, dK, dV and gradients of captured tensors.
+On Hopper most calls take one Gluon pass instead (`HopperPlan`, templates/backward_hopper.py).
 
 Three launches per call: a preprocess (Delta = rowsum(dO * O) - dLSE), a dK/dV pass over the
 transposed block lists (one program per KV tile; GQA heads of a group summed in-program), and a
@@ -18,7 +19,7 @@ import triton
 
 from flexattn import autodiff
 from flexattn.codegen import emit
-from flexattn.kernels import launch, options as opts
+from flexattn.kernels import hopper, launch, options as opts
 from flexattn.kernels.launch import LARGE_BLOCK, fit_tile, pow2_at_least
 from flexattn.kernels.tables import Direction, Tables, check_block_size, dense, q_direction
 from flexattn.mods import Mod
@@ -55,6 +56,28 @@ def module(score: Mod, mask: Mod, grad_buffers: tuple[int, ...], target: str, fa
         lambda: {f"score_mod {score.name}": score.source, f"mask_mod {mask.name}": mask.source}, fast_math)
 
 
+def grad_buffers_of(score: Mod, buffers_need_grad: tuple[bool, ...], score_bufs) -> tuple[int, ...]:
+    """The captured tensors (by index) whose gradients the backward computes: floating ones that
+    need a gradient and that score_mod's derivative reads."""
+    want = {i for i, w in enumerate(buffers_need_grad) if w and score_bufs[i].dtype.is_floating_point}
+    return tuple(sorted(want & {g.buffer.index for g in score_mod_grad(score).loads}))
+
+
+def hopper_module(score: Mod, mask: Mod, fast_math: bool):
+    """The Gluon Hopper backward (templates/backward_hopper.py) with the mods inlined."""
+    def hooks():
+        score_def, score_params = launch.mod_hooks(score, "gluon", "score_mod", "score_")
+        mask_def, mask_params = launch.mod_hooks(mask, "gluon", "mask_mod", "mask_")
+        dscore = emit.emit_score_grad(score_mod_grad(score).score, (), "score_mod_dscore", "gluon", q_axis=1)
+        return {"score_mod_def": score_def, "mask_mod_def": mask_def, "score_dscore_def": dscore.source,
+                "score_mod_params": score_params, "mask_mod_params": mask_params,
+                "score_dscore_args": dscore.param_list("score_")}
+
+    return launch.kernel_module(
+        "backward_hopper", (score.key(), mask.key()), "gluon", hooks,
+        lambda: {f"score_mod {score.name}": score.source, f"mask_mod {mask.name}": mask.source}, fast_math)
+
+
 @dataclass(frozen=True)
 class Plan:
     preprocess: launch.Launch
@@ -77,9 +100,7 @@ def make_plan(query, key, value, out, grad_out, score: Mod, mask: Mod, tables: T
     target = launch.target_for(device)
     acc = launch.acc_dtype(dtype)
     o = {**opts.backward_defaults(device, dtype, E, Ev), **explicit}
-    d = score_mod_grad(score)
-    want = {i for i, w in enumerate(buffers_need_grad) if w and score_bufs[i].dtype.is_floating_point}
-    grad_buffers = tuple(sorted(want & {g.buffer.index for g in d.loads}))
+    grad_buffers = grad_buffers_of(score, buffers_need_grad, score_bufs)
 
     if tables is None:
         m1, n1 = fit_tile(o["BLOCK_M1"], Q_LEN, None), fit_tile(o["BLOCK_N1"], KV_LEN, None)
@@ -119,10 +140,6 @@ def make_plan(query, key, value, out, grad_out, score: Mod, mask: Mod, tables: T
     )
     if device.type == "cuda":
         common.update(num_warps=o["bwd_num_warps"], num_stages=o["bwd_num_stages"])
-    pre_m = min(64, pow2_at_least(Q_LEN))
-    pre = ((triton.cdiv(Q_LEN, pre_m), B * Hq),
-           dict(BLOCK_M=pre_m, V_HEAD_DIM=Ev, V_HEAD_DIM_ROUNDED=ev_round, ACC_DTYPE=launch.ACC_TL_DTYPE[acc],
-                HAS_GRAD_LSE=has_grad_lse))
     dkdv = ((triton.cdiv(KV_LEN, n1), B * Hkv),
             dict(common, BLOCK_M1=m1, BLOCK_N1=n1, SPARSE_Q_BLOCK_SIZE=sq1, SPARSE_KV_BLOCK_SIZE=skv1,
                  HAS_FULL_BLOCKS=has_full_q, IS_DIVISIBLE=divisible1, BLOCKS_ARE_CONTIGUOUS=contiguous_q))
@@ -132,14 +149,75 @@ def make_plan(query, key, value, out, grad_out, score: Mod, mask: Mod, tables: T
     strides = (*query.stride(), *launch.broadcast_strides(key, not kv_batched),
                *launch.broadcast_strides(value, not kv_batched))
     mod = module(score, mask, grad_buffers, target, opts.fast_math(explicit, device, dtype))
-    return Plan(launch.Launch(mod.backward_preprocess, *pre, device), launch.Launch(mod.backward_dkdv, *dkdv, device),
+    return Plan(_preprocess(mod, query, value, has_grad_lse), launch.Launch(mod.backward_dkdv, *dkdv, device),
                 launch.Launch(mod.backward_dq, *dq, device), grad_buffers, acc,
                 key.dtype if kv_batched else acc, kv_batched, dense_lists, strides, (Hq, Hkv, Q_LEN, KV_LEN))
 
 
-def run(plan: Plan, query, key, value, out, lse, grad_out, grad_lse, score: Mod, score_bufs, mask: Mod,
-        mask_bufs, tables: Tables | None, scale: float):
+@dataclass(frozen=True)
+class HopperPlan:
+    """The Gluon Hopper backward (`hopper.backward_reason` said it can run these inputs): the
+    preprocess, then one pass that writes dK, dV and adds dQ into a float32 buffer."""
+    preprocess: launch.Launch
+    main: launch.Launch
+    descriptors: hopper.Descriptors  # Q, K, V, dO and the float32 dQ buffer
+    dk_dtype: torch.dtype
+    kv_batched: bool
+    dense: Direction | None  # the query lists without a block mask
+    sizes: tuple             # Hq, Hkv, Q_LEN, KV_LEN
+    grad_buffers: tuple[int, ...] = ()
+
+
+def _preprocess(mod, query, value, has_grad_lse: bool) -> launch.Launch:
+    """Delta = rowsum(dO * O) - dLSE (backward.py's module ``mod``), one program per 64 query rows."""
+    B, Hq, Q_LEN, _ = query.shape
+    Ev = value.shape[3]
+    pre_m = min(64, pow2_at_least(Q_LEN))
+    return launch.Launch(
+        mod.backward_preprocess, (triton.cdiv(Q_LEN, pre_m), B * Hq),
+        dict(BLOCK_M=pre_m, V_HEAD_DIM=Ev, V_HEAD_DIM_ROUNDED=pow2_at_least(Ev),
+             ACC_DTYPE=launch.ACC_TL_DTYPE[launch.acc_dtype(query.dtype)], HAS_GRAD_LSE=has_grad_lse), query.device)
+
+
+def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None, explicit: dict,
+                has_grad_lse: bool) -> HopperPlan:
+    B, Hq, Q_LEN, E = query.shape
+    Bkv, Hkv, KV_LEN, _ = value.shape
+    device, dtype = query.device, query.dtype
+    block_m, block_n = hopper.BWD_BLOCK_M, hopper.BWD_BLOCK_N
+    if tables is None:
+        # one row of consecutive full query blocks, read by every program (KV block 0)
+        sparse_q, sparse_kv, lists = block_m, LARGE_BLOCK, dense(device, triton.cdiv(Q_LEN, block_m))
+    else:
+        sparse_q, sparse_kv, lists = tables.q_block, tables.kv_block, None
+    kv_batched = Bkv == B
+    constexprs = dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, SPARSE_Q_BLOCK_SIZE=sparse_q, SPARSE_KV_BLOCK_SIZE=sparse_kv,
+        GQA_SHARED_HEADS=Hq // Hkv, KV_BATCH_BROADCAST=not kv_batched,
+        HAS_FULL_BLOCKS=tables is None or tables.kv.has_full,
+        # (without a block mask the lists are 0, 1, 2, ...; the transposed lists promise nothing)
+        BLOCKS_ARE_CONTIGUOUS=tables is None,
+        # no query tile crosses Q_LEN and no program's KV tile crosses KV_LEN
+        IS_DIVISIBLE=Q_LEN % sparse_q == 0 and KV_LEN % block_n == 0,
+        SCORES_IN_BASE2=launch.raw_scores(score, torch.float32),
+        NUM_BUFFERS=hopper.NUM_BUFFERS, CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
+        SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
+        num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS,
+    )
+    fast_math = opts.fast_math(explicit, device, dtype)
+    kernel = hopper_module(score, mask, fast_math).flex_attention_backward
+    main = launch.Launch(kernel, (triton.cdiv(KV_LEN, block_n), B * Hkv), constexprs, device)
+    pre = _preprocess(module(score, mask, (), launch.target_for(device), fast_math), query, value, has_grad_lse)
+    return HopperPlan(pre, main, hopper.Descriptors(dtype, E, backward=True),
+                      key.dtype if kv_batched else torch.float32, kv_batched, lists, (Hq, Hkv, Q_LEN, KV_LEN))
+
+
+def run(plan: Plan | HopperPlan, query, key, value, out, lse, grad_out, grad_lse, score: Mod, score_bufs,
+        mask: Mod, mask_bufs, tables: Tables | None, scale: float):
     """``(dq, dk, dv, {buffer index: grad})`` for the captured tensors in ``plan.grad_buffers``."""
+    if isinstance(plan, HopperPlan):
+        return _run_hopper(plan, query, key, value, out, lse, grad_out, grad_lse, score, score_bufs, mask,
+                           mask_bufs, tables, scale)
     B, Hq, Q_LEN, E = query.shape
     Hkv, KV_LEN, Ev = value.shape[1], value.shape[2], value.shape[3]
     device = query.device
@@ -185,3 +263,27 @@ def buffer_grads(grads: dict, score_bufs, need) -> list:
         else:
             out.append(torch.zeros_like(t))
     return out
+
+
+def _run_hopper(plan: HopperPlan, query, key, value, out, lse, grad_out, grad_lse, score: Mod, score_bufs,
+                mask: Mod, mask_bufs, tables: Tables | None, scale: float):
+    B, Hq, Q_LEN, E = query.shape
+    Hkv, KV_LEN = value.shape[1], value.shape[2]
+    device = query.device
+    delta = launch.empty((B, Hq, Q_LEN), torch.float32, device)
+    dlse = grad_lse if grad_lse is not None else lse
+    plan.preprocess(out, grad_out, dlse, delta, *out.stride(), *grad_out.stride(), *dlse.stride(), Hq, Q_LEN)
+    # (in the query's layout: the float conversion keeps it, and dQ has the query's layout)
+    dq_acc = launch.empty(query.shape, torch.float32, device, launch.stride_order(query)).zero_()
+    dk = launch.empty((B, Hkv, KV_LEN, E), plan.dk_dtype, device)
+    dv = launch.empty((B, Hkv, KV_LEN, E), plan.dk_dtype, device)
+    lists = plan.dense if plan.dense is not None else q_direction(tables, KV_LEN)
+    plan.main(*plan.descriptors(query, key, value, grad_out, dq_acc), lse, delta, dk, dv, *lists.args(),
+              *launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs),
+              *lse.stride(), *dk.stride()[:3], *dv.stride()[:3], *lists.strides(),
+              *plan.sizes, scale)
+    dq = dq_acc.to(query.dtype)
+    if not plan.kv_batched:  # K/V broadcast over the batch: their gradient sums over it
+        dk = dk.sum(0, keepdim=True).to(key.dtype)
+        dv = dv.sum(0, keepdim=True).to(value.dtype)
+    return dq, dk, dv, {}

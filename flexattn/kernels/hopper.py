@@ -1,10 +1,13 @@
-"""When the forward runs the Gluon Hopper kernel (templates/forward_hopper.py), and its TMA descriptors.
+"""When the forward and backward run the Gluon Hopper kernels (templates/forward_hopper.py,
+templates/backward_hopper.py), and their TMA descriptors.
 
-The kernel is the forward on H100/H200-class GPUs (compute capability 9.0) for 16-bit and float8
+The forward kernel runs on H100/H200-class GPUs (compute capability 9.0) for 16-bit and float8
 inputs: a TMA loader warp and two consumer warp groups that take turns on the tensor cores.
 `reason` says why a call cannot take it (None: it can); the block-sparse Triton template
 (templates/forward.py) runs everything else and is the fallback. ``kernel_options``: BACKEND="TRITON" keeps the Triton
-template, BACKEND="FLASH" demands this kernel (an error says why it cannot run).
+template, BACKEND="FLASH" demands this kernel (an error says why it cannot run). The backward kernel
+(16-bit, head dim 64 or 128) is chosen the same way by `backward_reason`; BACKEND="TRITON" keeps
+the Triton backward (templates/backward.py) too.
 """
 
 from __future__ import annotations
@@ -103,29 +106,74 @@ def chosen(query, key, value, tables, options: dict) -> bool:
 
 
 
+# The backward (templates/backward_hopper.py): KV tiles of BWD_BLOCK_N rows per program, query
+# tiles of BWD_BLOCK_M rows per step, at these head dims (E == Ev).
+BWD_BLOCK_M = 64
+BWD_BLOCK_N = 128
+BWD_HEAD_DIMS = (64, 128)
+# The backward's own knobs: a call that sets one means the Triton backward.
+_TRITON_BWD_KNOBS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
+
+
+def backward_reason(query, key, value, grad_out, tables, options: dict, buffer_grads: bool) -> str | None:
+    """Why a backward cannot run the Hopper kernel, or None when it can."""
+    if options.get("BACKEND") == "TRITON":
+        return "kernel_options BACKEND='TRITON'"
+    if not _on_sm90(query.device):
+        return f"it needs a compute capability 9.0 GPU (H100/H200), the inputs are on {query.device}"
+    if not _gluon_api():
+        return "this Triton has no Gluon Hopper API (TMA, mbarrier, wgmma)"
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        return f"it takes float16 or bfloat16 inputs, got {query.dtype}"
+    E, Ev = query.shape[3], value.shape[3]
+    if E != Ev or E not in BWD_HEAD_DIMS:
+        return f"it takes equal query and value head dims in {BWD_HEAD_DIMS}, got E={E}, Ev={Ev}"
+    if query.numel() == 0 or key.numel() == 0:
+        return "there is nothing to compute"
+    if query.shape[2] < BWD_BLOCK_M or key.shape[2] < BWD_BLOCK_N:
+        return f"the lengths are below one {BWD_BLOCK_M}x{BWD_BLOCK_N} tile"
+    if buffer_grads:
+        return "the score_mod's captured tensors need gradients (the Triton backward's dQ pass adds them)"
+    for name, t in (("query", query), ("key", key), ("value", value), ("grad_out", grad_out)):
+        if not _tma_ok(t):
+            return f"{name} is not TMA-readable (last dimension contiguous, 16-byte aligned base and strides)"
+    if tables is not None and (tables.q_block % BWD_BLOCK_M or tables.kv_block % BWD_BLOCK_N):
+        return (f"the block mask's blocks ({tables.q_block}x{tables.kv_block}) are not multiples of the "
+                f"kernel's {BWD_BLOCK_M}x{BWD_BLOCK_N} tiles")
+    knobs = [k for k in _TRITON_BWD_KNOBS if k in options]
+    if knobs:
+        return f"kernel_options set the Triton backward's knobs {knobs}"
+    return None
+
+
 class Descriptors:
     """Builds the TMA descriptors of one call's Q, K, V (block shapes and layouts fixed per plan).
     float8 V is read through its [B, H, Ev, L] view (stored KV-innermost) in [Ev, BLOCK_N] tiles."""
 
     __slots__ = ("make", "blocks", "layouts", "v_k_major")
 
-    def __init__(self, dtype: torch.dtype, head_dim: int):
+    def __init__(self, dtype: torch.dtype, head_dim: int, backward: bool = False):
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         gdt = getattr(gl, _GL_DTYPES[dtype])
         self.make = TensorDescriptor
         self.v_k_major = dtype == torch.float8_e4m3fn
-        block_n = BLOCK_N[head_dim]
-        self.blocks = ([1, 1, BLOCK_M, head_dim], [1, 1, block_n, head_dim],
-                       [1, 1, head_dim, block_n] if self.v_k_major else [1, 1, block_n, head_dim])
-        self.layouts = tuple(gl.NVMMASharedLayout.get_default_for(b, gdt) for b in self.blocks)
+        if backward:  # Q, K, V, dO, and the float32 dQ accumulator (a half of the head dim at 128)
+            q, kv = [1, 1, BWD_BLOCK_M, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
+            dq = [1, 1, BWD_BLOCK_M, head_dim // 2 if head_dim >= 128 else head_dim]
+            self.blocks = (q, kv, kv, q, dq)
+        else:
+            block_n = BLOCK_N[head_dim]
+            self.blocks = ([1, 1, BLOCK_M, head_dim], [1, 1, block_n, head_dim],
+                           [1, 1, head_dim, block_n] if self.v_k_major else [1, 1, block_n, head_dim])
+        self.layouts = tuple(gl.NVMMASharedLayout.get_default_for(b, gl.float32 if i == 4 else gdt)
+                             for i, b in enumerate(self.blocks))
 
-    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple:
-        (qb, kb, vb), (ql, kl, vl) = self.blocks, self.layouts
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *more: torch.Tensor) -> tuple:
+        """Descriptors of query, key, value (and the backward's grad_out)."""
         make = self.make
         if self.v_k_major:
             value = value.transpose(2, 3)
-        return (make(query, list(query.shape), list(query.stride()), qb, ql),
-                make(key, list(key.shape), list(key.stride()), kb, kl),
-                make(value, list(value.shape), list(value.stride()), vb, vl))
+        return tuple(make(t, list(t.shape), list(t.stride()), b, lay)
+                     for t, b, lay in zip((query, key, value, *more), self.blocks, self.layouts))

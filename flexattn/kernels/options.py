@@ -53,9 +53,10 @@ OPTIONS: dict[str, tuple[str, str, str]] = {
                                              "the power of two at or below what reaches it)"),
     "MIN_TILES_PER_SPLIT": ("decode", "int", "never split so finely that a program walks fewer KV tiles"),
     "INPUT_PRECISION": ("decode", "str", "tl.dot precision for float32 inputs: 'ieee' or 'tf32'"),
-    "BACKEND": ("forward", "str", "torch's kernel choice: 'AUTO', 'TRITON' (the block-sparse Triton kernel), "
-                                  "'TRITON_DECODE' (decoding kernel), 'FLASH' (the Gluon Hopper forward: "
-                                  "an error where it cannot run; AUTO takes it wherever it can)"),
+    "BACKEND": ("forward", "str", "torch's kernel choice: 'AUTO', 'TRITON' (the block-sparse Triton kernels, "
+                                  "forward and backward), 'TRITON_DECODE' (decoding kernel), 'FLASH' (the "
+                                  "Gluon Hopper forward: an error where it cannot run; AUTO takes the Gluon "
+                                  "forward and backward wherever they can run)"),
 }
 _BOUNDS = {"SPLIT_KV": 1024, "PROGRAMS_PER_SM": 64, "MIN_TILES_PER_SPLIT": 1 << 20}
 _CHOICES = {"INPUT_PRECISION": ("ieee", "tf32"), "BACKEND": ("AUTO", "TRITON", "TRITON_DECODE", "FLASH")}

@@ -136,6 +136,9 @@ def _make_backward_plan(query, key, value, out, grad_out, score, mask, tables, o
         return bwd.make_plan(query, key, value, out, grad_out, score, mask, tables, {**options, **config}, need,
                              score_bufs, has_grad_lse)
 
+    buffer_grads = bool(bwd.grad_buffers_of(score, need, score_bufs))
+    if hopper.backward_reason(query, key, value, grad_out, tables, options, buffer_grads) is None:
+        return bwd.hopper_plan(query, key, value, score, mask, tables, options, has_grad_lse)
     extra = ("buffer grads" if any(need) else "", "lse grad" if has_grad_lse else "")
     plan = _tuned("backward", tuning.BACKWARD_KNOBS, tuning.backward_candidates, extra,
                   query, key, value, score, tables, options, make, launch_once)

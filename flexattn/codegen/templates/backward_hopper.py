@@ -1,0 +1,373 @@
+# Block-sparse attention backward for Hopper (sm_90), bfloat16 / float16, in Gluon: dK and dV of a
+# KV tile and its share of dQ in one pass, five matrix multiplies per step where backward.py's two
+# passes take seven (they recompute q.k^T and dO.v^T). Read backward.py's header for the math
+# (P from the saved LSE, Delta, d score_mod / d score) and the tables; this kernel computes the same.
+#
+# One program per (KV tile of BLOCK_N = 128 rows, batch x KV head), three partitions:
+#   loader      1 warp: TMA copies of the K and V tiles once, then, for every query head of the GQA
+#               group and every query tile of BLOCK_M = 64 rows that sees this KV tile (the
+#               transposed lists), the Q and dO tiles into a ring of NUM_BUFFERS slots (q_ready /
+#               do_ready: "landed"; q_empty / do_empty: "both consumers are done with it")
+#   consumer 0  4 warps (a warp group): KV rows 0..63 of the tile
+#   consumer 1  4 warps: KV rows 64..127
+# Per query tile a consumer, with w its 64 KV rows:
+#   S = Q K_w^T, dP = dO V_w^T                 (asynchronous; P's exp2 overlaps dP)
+#   P = exp2(S / ln 2 - LSE / ln 2),  dS = P (dP - Delta) d score_mod / d score
+#   P, dS -> shared memory (p_bufs, ds_bufs)  the A operands below, read transposed
+#   dV_w += P^T dO,  dK_w += dS^T Q
+#   dQ = dS K * SM_SCALE                       head dim 128: a half of the columns per consumer over
+#                                              both consumers' dS (they meet at ds_ready); head dim
+#                                              64: all columns over its own KV rows
+#   dQ -> shared memory -> the float32 DQ_ACC by a TMA reduce-add (dq_bufs, one per consumer; the
+#   next step's store waits until the TMA unit has read it). dK += dS^T Q runs during the add.
+# The host zeroes DQ_ACC and converts it to the query's dtype afterwards; dK is scaled in-program.
+# Why TMA: one thread's relaxed atomics per element of dQ (four billion at B=4 H=16 S=8k D=128)
+# saturate the L2's reduction units (the same kernel without their memory traffic ran 1.45x
+# faster); the TMA unit's bulk reduce-add does the same adds at line granularity.
+#
+# Differences from backward.py: Q, K, V, dO and DQ_ACC are TMA descriptors (the host checks
+# alignment; rows past a length read zeros and are not written); E == Ev in (64, 128); no
+# captured-tensor gradients (those calls take backward.py); mask work (mask_mod and the length
+# bounds) only on partial blocks and on the tiles that cross Q_LEN or KV_LEN.
+$prelude
+
+$score_mod_def
+
+$mask_mod_def
+
+$score_dscore_def
+
+
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton._C.libtriton import ir  # noqa: E402
+from triton.experimental.gluon.language._core import builtin  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait  # noqa: E402,E501
+
+# triton >= 3.7 calls the TMA load async_load
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@builtin
+def _tma_add_36(tensor_desc, coord, src, _semantic=None):
+    # triton 3.6 has the TMA reduce-add operation but not its Gluon function (3.9: tma.async_atomic_add)
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+_tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
+# the warp group's threads meet (bar.sync over a partition's warps): triton 3.6 thread_barrier, 3.9 barrier
+_sync_warps = getattr(gl, "barrier", None) or gl.thread_barrier
+
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def q_tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK: gl.constexpr, SPARSE_Q_BLOCK_SIZE: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr):
+    """First query row of the j-th tile a program visits for one head: partial blocks' tiles, then
+    full ones'."""
+    if j < n_partial:
+        IDX = P_IDX
+        t = j
+    else:
+        IDX = F_IDX
+        t = j - n_partial
+    if BLOCKS_ARE_CONTIGUOUS:
+        start = gl.load(IDX) * SPARSE_Q_BLOCK_SIZE + t * BLOCK_M
+    else:
+        start = gl.load(IDX + t // TILES_PER_BLOCK) * SPARSE_Q_BLOCK_SIZE + (t % TILES_PER_BLOCK) * BLOCK_M
+    return start
+
+
+@gluon.jit
+def q_lists(Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX, b, h, kv_blk,
+            stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+            stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+            TILES_PER_BLOCK: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr):
+    """(partial tiles, all tiles, partial list, full list) of query head h for KV block kv_blk."""
+    b64 = b.to(gl.int64)
+    n_partial = gl.load(Q_NUM_BLKS + b64 * stride_nz + h * stride_nh + kv_blk * stride_nn) * TILES_PER_BLOCK
+    P_IDX = Q_IDX + b64 * stride_iz + h * stride_ih + kv_blk * stride_in
+    F_IDX = FULL_Q_IDX + b64 * stride_fiz + h * stride_fih + kv_blk * stride_fin
+    n_tiles = n_partial
+    if HAS_FULL_BLOCKS:
+        n_tiles += gl.load(FULL_Q_NUM_BLKS + b64 * stride_fnz + h * stride_fnh + kv_blk * stride_fnn) * TILES_PER_BLOCK
+    return n_partial, n_tiles, P_IDX, F_IDX
+
+
+@gluon.jit
+def loader(Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
+           Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+           stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+           stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+           b, b_kv, h_kv, off_n, kv_blk,
+           GQA_SHARED_HEADS: gl.constexpr, TILES_PER_BLOCK: gl.constexpr, SPARSE_Q_BLOCK_SIZE: gl.constexpr,
+           BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr):
+    NUM_BUFFERS: gl.constexpr = q_bufs.type.shape[0]
+    mbarrier.expect(kv_bar, K.block_type.nbytes + V.block_type.nbytes)
+    _tma_load(K, [b_kv, h_kv, off_n, 0], kv_bar, k_smem)
+    _tma_load(V, [b_kv, h_kv, off_n, 0], kv_bar, v_smem)
+    it = 0
+    for g in range(GQA_SHARED_HEADS):
+        h = h_kv * GQA_SHARED_HEADS + g
+        n_partial, n_tiles, P_IDX, F_IDX = q_lists(
+            Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX, b, h, kv_blk,
+            stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+            stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin, TILES_PER_BLOCK, HAS_FULL_BLOCKS)
+        for j in range(n_tiles):
+            slot = it % NUM_BUFFERS
+            phase = (it // NUM_BUFFERS) & 1
+            start = q_tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M,
+                                 BLOCKS_ARE_CONTIGUOUS)
+            # a fresh barrier counts as having completed the phase before phase 0: the first round passes
+            mbarrier.wait(q_empty.index(slot), phase ^ 1)
+            mbarrier.expect(q_ready.index(slot), Q.block_type.nbytes)
+            _tma_load(Q, [b, h, start, 0], q_ready.index(slot), q_bufs.index(slot))
+            mbarrier.wait(do_empty.index(slot), phase ^ 1)
+            mbarrier.expect(do_ready.index(slot), DO.block_type.nbytes)
+            _tma_load(DO, [b, h, start, 0], do_ready.index(slot), do_bufs.index(slot))
+            it += 1
+
+
+@gluon.jit
+def p_and_ds(s, dp, valid, lse2, delta, b, h, q_idx, kv_idx, SM_SCALE,
+             $score_mod_params $mask_mod_params
+             SCORES_IN_BASE2: gl.constexpr, SCORE_DTYPE: gl.constexpr):
+    """P from the scores and the saved LSE (base 2), zero where not valid; then, once dP is
+    ready, dS through score_mod's derivative."""
+    if SCORES_IN_BASE2:
+        p = gl.where(valid, gl.exp2(s * (SM_SCALE * LOG2E) - lse2), 0.0)
+        dp = warpgroup_mma_wait(0, deps=(dp, ))
+        ds = p * (dp - delta)
+    else:
+        qk = (s * SM_SCALE).to(SCORE_DTYPE)
+        s = score_mod(qk, b, h, q_idx, kv_idx, $score_mod_params).to(gl.float32)
+        p = gl.where(valid, gl.exp2(s * LOG2E - lse2), 0.0)
+        dp = warpgroup_mma_wait(0, deps=(dp, ))
+        ds = p * (dp - delta)
+        ds = score_mod_dscore(qk, b, h, q_idx, kv_idx, ds, valid, $score_dscore_args).to(gl.float32)
+    return p, ds
+
+
+@gluon.jit
+def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, q_ready, q_empty, do_ready, do_empty,
+             ds_ready, LSE, DELTA, DK, DV,
+             Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+             $score_mod_params $mask_mod_params
+             stride_lz, stride_lh, stride_lm,
+             stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+             stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+             stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+             b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
+             WG: gl.constexpr, GQA_SHARED_HEADS: gl.constexpr, TILES_PER_BLOCK: gl.constexpr,
+             SPARSE_Q_BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
+             BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr,
+             SCORE_DTYPE: gl.constexpr):
+    NUM_BUFFERS: gl.constexpr = q_bufs.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[2]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[3]
+    ROWS: gl.constexpr = BLOCK_N // 2
+    # dQ = dS K split between the consumers by columns (each a half of the head dim, summing over
+    # both consumers' dS: they meet at ds_ready) where a half is a whole 128-byte swizzle row of K
+    # (head dim 128); else by KV rows (each adds dS_w K_w over its own rows, twice the atomics)
+    SPLIT_N: gl.constexpr = HEAD_DIM >= 128
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_N else HEAD_DIM
+    dtype: gl.constexpr = k_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ROWS, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_COLS, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    my_n = off_n + WG * ROWS
+    kv_idx = gl.expand_dims(my_n + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout)), 0)
+    k_all = k_smem.reshape([BLOCK_N, HEAD_DIM])
+    k_w = k_all.slice(WG * ROWS, ROWS, dim=0)
+    v_w = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
+    if SPLIT_N:
+        k_dq = k_all.slice(WG * DQ_COLS, DQ_COLS, dim=1)
+    else:
+        k_dq = k_w
+    p_s = p_bufs.index(WG)
+    dq_smem = dq_bufs.index(WG)
+    dq_s = dq_smem.reshape([BLOCK_M, DQ_COLS])
+    kv_edge = off_n + BLOCK_N > KV_LEN
+    dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    zero_s = gl.zeros([BLOCK_M, ROWS], gl.float32, layout=s_layout)
+    zero_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
+    b64 = b.to(gl.int64)
+
+    mbarrier.wait(kv_bar, 0)
+    it = 0
+    for g in range(GQA_SHARED_HEADS):
+        h = h_kv * GQA_SHARED_HEADS + g
+        h64 = h.to(gl.int64)
+        LSEh = LSE + b64 * stride_lz + h64 * stride_lh
+        DELTAh = DELTA + (b64 * HQ + h64) * Q_LEN
+        n_partial, n_tiles, P_IDX, F_IDX = q_lists(
+            Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX, b, h, kv_blk,
+            stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+            stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin, TILES_PER_BLOCK, HAS_FULL_BLOCKS)
+        for j in range(n_tiles):
+            slot = it % NUM_BUFFERS
+            phase = (it // NUM_BUFFERS) & 1
+            start = q_tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M,
+                                 BLOCKS_ARE_CONTIGUOUS)
+            q = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+            do = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+            # -- S = Q K_w^T and dP = dO V_w^T on the tensor cores while the row statistics load
+            mbarrier.wait(q_ready.index(slot), phase)
+            s = warpgroup_mma(q, k_w.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(do_ready.index(slot), phase)
+            dp = warpgroup_mma(do, v_w.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            rows = start + gl.arange(0, BLOCK_M, layout=row_s)
+            lse = gl.load(LSEh + rows * stride_lm, mask=rows < Q_LEN, other=float("inf"))
+            # [Note] a fully masked row has LSE -inf: +inf makes its P exactly 0, as in backward.py
+            lse2 = gl.expand_dims(gl.where(lse == -float("inf"), float("inf"), lse * LOG2E), 1)
+            delta = gl.expand_dims(gl.load(DELTAh + rows, mask=rows < Q_LEN, other=0.0), 1)
+            q_idx = gl.expand_dims(rows, 1)
+            s = warpgroup_mma_wait(1, deps=(s, ))
+            if IS_DIVISIBLE:
+                masked = j < n_partial
+            else:
+                masked = (j < n_partial) | (start + BLOCK_M > Q_LEN) | kv_edge
+            if masked:
+                if j < n_partial:
+                    valid = mask_mod(b, h, q_idx, kv_idx, $mask_mod_params) & (q_idx < Q_LEN) & (kv_idx < KV_LEN)
+                else:
+                    valid = (q_idx < Q_LEN) & (kv_idx < KV_LEN)
+                p, ds = p_and_ds(s, dp, valid, lse2, delta, b, h, q_idx, kv_idx, SM_SCALE,
+                                 $score_mod_params $mask_mod_params SCORES_IN_BASE2, SCORE_DTYPE)
+            else:
+                p, ds = p_and_ds(s, dp, True, lse2, delta, b, h, q_idx, kv_idx, SM_SCALE,
+                                 $score_mod_params $mask_mod_params SCORES_IN_BASE2, SCORE_DTYPE)
+            # -- P and dS to shared memory: the A operands of dV += P^T dO and dK += dS^T Q (transposed
+            # views), and dS, with the other consumer's half, of dQ = dS K
+            ds_s = ds_bufs.index(it % 2)
+            ds_w = ds_s.slice(WG * ROWS, ROWS, dim=1)
+            p_s.store(p.to(dtype))
+            ds_w.store(ds.to(dtype))
+            fence_async_shared()
+            _sync_warps()
+            # -- dV += P^T dO; dQ = dS K (after the other consumer's dS); dK += dS^T Q runs while dQ is
+            # added
+            dv = warpgroup_mma(p_s.permute((1, 0)), do, dv, is_async=True)
+            if SPLIT_N:
+                mbarrier.arrive(ds_ready.index(it % 2), count=1)
+                mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
+                dq = warpgroup_mma(ds_s, k_dq, zero_dq, use_acc=False, is_async=True)
+            else:
+                dq = warpgroup_mma(ds_w, k_dq, zero_dq, use_acc=False, is_async=True)
+            dk = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
+            dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
+            mbarrier.arrive(do_empty.index(slot), count=1)
+            # -- dQ through shared memory into DQ_ACC by the TMA unit's reduce-add (rows past Q_LEN
+            # are clipped); per-element atomics from the registers run at 0.8x of this (L2-bound)
+            tma.store_wait(0)  # (the previous add has read the buffer)
+            dq_s.store(dq * SM_SCALE)
+            fence_async_shared()
+            _sync_warps()
+            if SPLIT_N:
+                _tma_add(DQ_DESC, [b, h, start, WG * DQ_COLS], dq_smem)
+            else:
+                _tma_add(DQ_DESC, [b, h, start, 0], dq_smem)
+            dk = warpgroup_mma_wait(0, deps=(dk, ))
+            mbarrier.arrive(q_empty.index(slot), count=1)
+            it += 1
+
+    tma.store_wait(0)
+    # -- dK (scaled) and dV of this consumer's rows
+    rows_o = gl.expand_dims(my_n + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout)), 1)
+    cols_o = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout)), 0)
+    keep = rows_o < KV_LEN
+    gl.store(DK + b64 * stride_dkz + h_kv.to(gl.int64) * stride_dkh + rows_o.to(gl.int64) * stride_dkn + cols_o,
+             (dk * SM_SCALE).to(DK.dtype.element_ty), mask=keep)
+    gl.store(DV + b64 * stride_dvz + h_kv.to(gl.int64) * stride_dvh + rows_o.to(gl.int64) * stride_dvn + cols_o,
+             dv.to(DV.dtype.element_ty), mask=keep)
+
+
+@gluon.jit
+def flex_attention_backward(
+    Q, K, V, DO, DQ_DESC, LSE, DELTA, DK, DV,
+    Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+    $score_mod_params $mask_mod_params
+    stride_lz, stride_lh, stride_lm,
+    stride_dkz, stride_dkh, stride_dkn,
+    stride_dvz, stride_dvh, stride_dvn,
+    stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+    stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+    HQ, HKV, Q_LEN, KV_LEN, SM_SCALE,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    SPARSE_Q_BLOCK_SIZE: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr,
+    GQA_SHARED_HEADS: gl.constexpr, KV_BATCH_BROADCAST: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
+    BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr,
+    NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SCORE_DTYPE: gl.constexpr,
+):
+    gl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M == 0)
+    gl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N == 0)
+    TILES_PER_BLOCK: gl.constexpr = SPARSE_Q_BLOCK_SIZE // BLOCK_M
+    pid_n = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // HKV
+    h_kv = pid_bh % HKV
+    b_kv = 0 if KV_BATCH_BROADCAST else b
+    off_n = pid_n * BLOCK_N
+    kv_blk = off_n // SPARSE_KV_BLOCK_SIZE
+
+    k_smem = gl.allocate_shared_memory(K.dtype, K.block_type.shape, K.layout)
+    v_smem = gl.allocate_shared_memory(V.dtype, V.block_type.shape, V.layout)
+    q_bufs = gl.allocate_shared_memory(Q.dtype, [NUM_BUFFERS] + Q.block_type.shape, Q.layout)
+    do_bufs = gl.allocate_shared_memory(DO.dtype, [NUM_BUFFERS] + DO.block_type.shape, DO.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], Q.dtype)
+    ds_bufs = gl.allocate_shared_memory(Q.dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N // 2], Q.dtype)
+    p_bufs = gl.allocate_shared_memory(Q.dtype, [2, BLOCK_M, BLOCK_N // 2], p_layout)
+    dq_bufs = gl.allocate_shared_memory(DQ_DESC.dtype, [2] + DQ_DESC.block_type.shape, DQ_DESC.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(do_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=2)
+
+    gl.warp_specialize([
+        (consumer, (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, q_ready, q_empty, do_ready, do_empty,
+                    ds_ready, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                    $score_mod_params $mask_mod_params
+                    stride_lz, stride_lh, stride_lm,
+                    stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+                    stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+                    stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+                    b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
+                    0, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
+                    BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_DTYPE)),
+        (consumer, (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, q_ready, q_empty, do_ready, do_empty,
+                    ds_ready, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                    $score_mod_params $mask_mod_params
+                    stride_lz, stride_lh, stride_lm,
+                    stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+                    stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+                    stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+                    b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
+                    1, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
+                    BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_DTYPE)),
+        (loader, (Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
+                  Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                  stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+                  stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+                  b, b_kv, h_kv, off_n, kv_blk,
+                  GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
+                  BLOCKS_ARE_CONTIGUOUS)),
+    ], [4, 1], [CONSUMER_REGS, 24])
