@@ -34,13 +34,28 @@ def softcap(score, b, h, q_idx, kv_idx):
     return 30 * torch.tanh(score / 30)
 
 
-def _compile(query, key, value, score_fn=None, mask_fn=None, block_mask=None, want_max=False, fast_math=True):
-    """Compile the Hopper plan's kernel for sm_90 with the argument types a launch would pass."""
+def _compile_gluon(kernel, args: list, launch_: launch.Launch):
+    """Compile a Gluon kernel for sm_90 with the argument types of ``args`` (the plan's launch
+    arguments, unused pointers standing in as empty tensors) and the launch's constexprs."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
+    args = [torch.empty(1) if a is launch.UNUSED else a for a in args]
+    constexprs = {n: c for n, c in launch_.constexprs.items() if n not in ("num_warps", "maxnreg")}
+    names = kernel.arg_names
+    assert len(names) == len(args) + len(constexprs), "the launch's arguments do not match the kernel's parameters"
+    signature = {n: mangle_type(a) for n, a in zip(names, args)}
+    signature.update({n: "constexpr" for n in constexprs})
+    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": hopper.NUM_WARPS, "maxnreg": hopper.MAX_REGISTERS})
+    assert compiled.metadata.shared <= 227 * 1024
+    return compiled
+
+
+def _compile(query, key, value, score_fn=None, mask_fn=None, block_mask=None, want_max=False, fast_math=True):
+    """Compile the Hopper plan's kernel for sm_90 with the argument types a launch would pass."""
     score = _mod(score_fn or (lambda s, b, h, q, k: s), SCORE)
     mask = _mod(mask_fn or (lambda b, h, q, k: q >= 0), MASK)
     tables = None if block_mask is None else tables_of(block_mask)
@@ -50,18 +65,8 @@ def _compile(query, key, value, score_fn=None, mask_fn=None, block_mask=None, wa
     mx = torch.empty(plan.stat_shape) if want_max else None
     args = fwd.launch_args(plan, query, key, value, out, lse, mx, score, score.buffers, mask, mask.buffers, tables,
                            0.125)
-    args = [torch.empty(1) if a is fwd.launch.UNUSED else a for a in args]
     # (on the CPU the plan's module has no fast tanh: CUDA inputs would get it unless FAST_TANH=False)
-    kernel = fwd.hopper_module(score, mask, fast_math).flex_attention_forward
-    constexprs = {k: v for k, v in plan.kernel.constexprs.items() if k not in ("num_warps", "maxnreg")}
-    names = kernel.arg_names
-    assert len(names) == len(args) + len(constexprs), "launch_args does not match the kernel's parameters"
-    signature = {n: mangle_type(a) for n, a in zip(names, args)}
-    signature.update({n: "constexpr" for n in constexprs})
-    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": hopper.NUM_WARPS, "maxnreg": hopper.MAX_REGISTERS})
-    assert compiled.metadata.shared <= 227 * 1024
-    return compiled
+    return _compile_gluon(fwd.hopper_module(score, mask, fast_math).flex_attention_forward, list(args), plan.kernel)
 
 
 def _qkv(B=1, H=2, Hkv=2, S=300, D=128, dtype=torch.bfloat16, Bkv=None):
@@ -160,11 +165,6 @@ def test_reason_on_a_hopper(monkeypatch):
 
 def _compile_backward(q, k, v, score_fn=None, mask_fn=None, block_mask=None):
     """Compile the Hopper backward plan's kernel for sm_90 with the argument types a launch passes."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
     score = _mod(score_fn or (lambda s, b, h, q, k: s), SCORE)
     mask = _mod(mask_fn or (lambda b, h, q, k: q >= 0), MASK)
     tables = None if block_mask is None else tables_of(block_mask)
@@ -177,17 +177,7 @@ def _compile_backward(q, k, v, score_fn=None, mask_fn=None, block_mask=None):
     args = [*plan.descriptors(q, k, v, torch.empty_like(q), dq_acc), lse, delta, dk, torch.empty_like(dk),
             *lists.args(), *launch.buffer_args(score, score.buffers), *launch.buffer_args(mask, mask.buffers),
             *lse.stride(), *dk.stride()[:3], *dk.stride()[:3], *lists.strides(), *plan.sizes, 0.125]
-    args = [torch.empty(1) if a is launch.UNUSED else a for a in args]
-    kernel = bwd.hopper_module(score, mask, True).flex_attention_backward
-    constexprs = {n: c for n, c in plan.main.constexprs.items() if n not in ("num_warps", "maxnreg")}
-    names = kernel.arg_names
-    assert len(names) == len(args) + len(constexprs), "_run_hopper's arguments do not match the kernel's parameters"
-    signature = {n: mangle_type(a) for n, a in zip(names, args)}
-    signature.update({n: "constexpr" for n in constexprs})
-    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": hopper.NUM_WARPS, "maxnreg": hopper.MAX_REGISTERS})
-    assert compiled.metadata.shared <= 227 * 1024
-    return compiled.asm["ptx"]
+    return _compile_gluon(bwd.hopper_module(score, mask, True).flex_attention_backward, args, plan.main).asm["ptx"]
 
 
 @pytest.mark.parametrize("D", [64, 128])

@@ -63,14 +63,29 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(t.stride(d) * size % 16 == 0 for d in range(3))
 
 
-def reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tables, options: dict) -> str | None:
-    """Why this forward cannot run the Hopper kernel, or None when it can."""
+def _machine_reason(query: torch.Tensor, options: dict) -> str | None:
+    """What keeps any call off the Gluon kernels: the option, the device, this Triton."""
     if options.get("BACKEND") == "TRITON":
         return "kernel_options BACKEND='TRITON'"
     if not _on_sm90(query.device):
         return f"it needs a compute capability 9.0 GPU (H100/H200), the inputs are on {query.device}"
     if not _gluon_api():
         return "this Triton has no Gluon Hopper API (TMA, mbarrier, wgmma)"
+    return None
+
+
+def _tma_reason(**tensors: torch.Tensor) -> str | None:
+    for name, t in tensors.items():
+        if not _tma_ok(t):
+            return f"{name} is not TMA-readable (last dimension contiguous, 16-byte aligned base and strides)"
+    return None
+
+
+def reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tables, options: dict) -> str | None:
+    """Why this forward cannot run the Hopper kernel, or None when it can."""
+    why = _machine_reason(query, options)
+    if why is not None:
+        return why
     if query.dtype not in _GL_DTYPES:
         return f"it takes float16, bfloat16 or float8_e4m3fn inputs, got {query.dtype}"
     E, Ev = query.shape[3], value.shape[3]
@@ -84,9 +99,9 @@ def reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tables, 
         if value.stride(2) != 1:  # (call.py lays float8 V out KV-innermost: P V reads it K-major)
             return "float8 value is not KV-innermost (stride(2) == 1)"
         value = value.transpose(2, 3)
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not _tma_ok(t):
-            return f"{name} is not TMA-readable (last dimension contiguous, 16-byte aligned base and strides)"
+    why = _tma_reason(query=query, key=key, value=value)
+    if why is not None:
+        return why
     if tables is not None and (tables.q_block % BLOCK_M or tables.kv_block % BLOCK_N[E]):
         return (f"the block mask's blocks ({tables.q_block}x{tables.kv_block}) are not multiples of the "
                 f"kernel's {BLOCK_M}x{BLOCK_N[E]} tiles")
@@ -117,12 +132,9 @@ _TRITON_BWD_KNOBS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_wa
 
 def backward_reason(query, key, value, grad_out, tables, options: dict, buffer_grads: bool) -> str | None:
     """Why a backward cannot run the Hopper kernel, or None when it can."""
-    if options.get("BACKEND") == "TRITON":
-        return "kernel_options BACKEND='TRITON'"
-    if not _on_sm90(query.device):
-        return f"it needs a compute capability 9.0 GPU (H100/H200), the inputs are on {query.device}"
-    if not _gluon_api():
-        return "this Triton has no Gluon Hopper API (TMA, mbarrier, wgmma)"
+    why = _machine_reason(query, options)
+    if why is not None:
+        return why
     if query.dtype not in (torch.float16, torch.bfloat16):
         return f"it takes float16 or bfloat16 inputs, got {query.dtype}"
     E, Ev = query.shape[3], value.shape[3]
@@ -134,9 +146,9 @@ def backward_reason(query, key, value, grad_out, tables, options: dict, buffer_g
         return f"the lengths are below one {BWD_BLOCK_M}x{BWD_BLOCK_N} tile"
     if buffer_grads:
         return "the score_mod's captured tensors need gradients (the Triton backward's dQ pass adds them)"
-    for name, t in (("query", query), ("key", key), ("value", value), ("grad_out", grad_out)):
-        if not _tma_ok(t):
-            return f"{name} is not TMA-readable (last dimension contiguous, 16-byte aligned base and strides)"
+    why = _tma_reason(query=query, key=key, value=value, grad_out=grad_out)
+    if why is not None:
+        return why
     if tables is not None and (tables.q_block % BWD_BLOCK_M or tables.kv_block % BWD_BLOCK_N):
         return (f"the block mask's blocks ({tables.q_block}x{tables.kv_block}) are not multiples of the "
                 f"kernel's {BWD_BLOCK_M}x{BWD_BLOCK_N} tiles")

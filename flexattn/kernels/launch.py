@@ -163,6 +163,8 @@ def kernel_module(template: str, key: Hashable, target: str, hooks: Callable[[],
             h["prelude"] = emit.prelude(target, fast_math)
         if "tile_helpers" not in h and "$tile_helpers" in template_text(template):
             h["tile_helpers"] = template_text("tiles")
+        if "gluon_tiles" not in h and "$gluon_tiles" in template_text(template):
+            h["gluon_tiles"] = template_text("gluon_tiles")
         module = load_kernel_module(template, h, provenance(), interpret=target == "interpret")
         _MODULES[full_key] = module
     return module

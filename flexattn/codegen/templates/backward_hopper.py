@@ -38,14 +38,10 @@ $mask_mod_def
 $score_dscore_def
 
 
-from triton.experimental import gluon  # noqa: E402
-from triton.experimental.gluon import language as gl  # noqa: E402
+$gluon_tiles
+
 from triton._C.libtriton import ir  # noqa: E402
 from triton.experimental.gluon.language._core import builtin  # noqa: E402
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait  # noqa: E402,E501
-
-# triton >= 3.7 calls the TMA load async_load
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @builtin
@@ -60,24 +56,6 @@ _tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
 _sync_warps = getattr(gl, "barrier", None) or gl.thread_barrier
 
 LOG2E = gl.constexpr(1.4426950408889634)
-
-
-@gluon.jit
-def q_tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK: gl.constexpr, SPARSE_Q_BLOCK_SIZE: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr):
-    """First query row of the j-th tile a program visits for one head: partial blocks' tiles, then
-    full ones'."""
-    if j < n_partial:
-        IDX = P_IDX
-        t = j
-    else:
-        IDX = F_IDX
-        t = j - n_partial
-    if BLOCKS_ARE_CONTIGUOUS:
-        start = gl.load(IDX) * SPARSE_Q_BLOCK_SIZE + t * BLOCK_M
-    else:
-        start = gl.load(IDX + t // TILES_PER_BLOCK) * SPARSE_Q_BLOCK_SIZE + (t % TILES_PER_BLOCK) * BLOCK_M
-    return start
 
 
 @gluon.jit
@@ -118,7 +96,7 @@ def loader(Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empt
         for j in range(n_tiles):
             slot = it % NUM_BUFFERS
             phase = (it // NUM_BUFFERS) & 1
-            start = q_tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M,
+            start = tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M,
                                  BLOCKS_ARE_CONTIGUOUS)
             # a fresh barrier counts as having completed the phase before phase 0: the first round passes
             mbarrier.wait(q_empty.index(slot), phase ^ 1)
@@ -215,7 +193,7 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
         for j in range(n_tiles):
             slot = it % NUM_BUFFERS
             phase = (it // NUM_BUFFERS) & 1
-            start = q_tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M,
+            start = tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M,
                                  BLOCKS_ARE_CONTIGUOUS)
             q = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
             do = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])

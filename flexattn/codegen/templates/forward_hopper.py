@@ -34,35 +34,7 @@ $score_mod_def
 $mask_mod_def
 
 
-from triton.experimental import gluon  # noqa: E402
-from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait  # noqa: E402,E501
-
-# triton >= 3.7 calls the TMA load async_load
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-
-LOG2E = gl.constexpr(1.4426950408889634)
-LN2 = gl.constexpr(0.6931471805599453)
-
-
-@gluon.jit
-def kv_tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr,
-                  BLOCK_N: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr):
-    """First KV column of the j-th tile a program visits: partial blocks' tiles, then full ones'.
-    BLOCKS_ARE_CONTIGUOUS: each list's blocks are consecutive, only its first entry is read (the
-    host's table without a block mask has no other)."""
-    if j < n_partial:
-        IDX = P_IDX
-        t = j
-    else:
-        IDX = F_IDX
-        t = j - n_partial
-    if BLOCKS_ARE_CONTIGUOUS:
-        start = gl.load(IDX) * SPARSE_KV_BLOCK_SIZE + t * BLOCK_N
-    else:
-        start = gl.load(IDX + t // TILES_PER_BLOCK) * SPARSE_KV_BLOCK_SIZE + (t % TILES_PER_BLOCK) * BLOCK_N
-    return start
-
+$gluon_tiles
 
 @gluon.jit
 def loader(Q, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
@@ -76,7 +48,7 @@ def loader(Q, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_
     for j in range(n_tiles):
         slot = j % NUM_BUFFERS
         phase = (j // NUM_BUFFERS) & 1
-        start = kv_tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N,
+        start = tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N,
                               BLOCKS_ARE_CONTIGUOUS)
         # a fresh barrier counts as having completed the phase before phase 0: the first round passes
         mbarrier.wait(k_empty.index(slot), phase ^ 1)
@@ -98,7 +70,7 @@ def scores(s, j, n_partial, P_IDX, F_IDX, b, h, q_idx, KV_LEN, SM_SCALE,
            SCORES_IN_BASE2: gl.constexpr, SCORE_DTYPE: gl.constexpr):
     """The q.k^T tile -> the softmax's input: scores in base 2 (times SM_SCALE / ln 2 when
     SCORES_IN_BASE2, where the softmax folds that factor in), mods and masks applied."""
-    start = kv_tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N,
+    start = tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N,
                           BLOCKS_ARE_CONTIGUOUS)
     kv_idx = gl.expand_dims(start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
     if not SCORES_IN_BASE2:

@@ -1,0 +1,32 @@
+# The Gluon templates' shared vocabulary (forward_hopper.py and backward_hopper.py take it at their
+# gluon_tiles hook): the Gluon imports, the TMA load under either Triton's name, base-2 constants
+# and where the j-th tile of a program's block lists starts.
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait  # noqa: E402,E501
+
+# triton >= 3.7 calls the TMA load async_load
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+LOG2E = gl.constexpr(1.4426950408889634)
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK: gl.constexpr, SPARSE_BLOCK_SIZE: gl.constexpr,
+               BLOCK: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr):
+    """First row (KV column in the forward, query row in the backward) of the j-th tile of BLOCK
+    rows a program visits: the partial blocks' tiles (list P_IDX, n_partial tiles), then the full
+    ones' (F_IDX). BLOCKS_ARE_CONTIGUOUS: each list's blocks are consecutive, only its first entry
+    is read (the host's table without a block mask has no other)."""
+    if j < n_partial:
+        IDX = P_IDX
+        t = j
+    else:
+        IDX = F_IDX
+        t = j - n_partial
+    if BLOCKS_ARE_CONTIGUOUS:
+        start = gl.load(IDX) * SPARSE_BLOCK_SIZE + t * BLOCK
+    else:
+        start = gl.load(IDX + t // TILES_PER_BLOCK) * SPARSE_BLOCK_SIZE + (t % TILES_PER_BLOCK) * BLOCK
+    return start
