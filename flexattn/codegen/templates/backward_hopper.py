@@ -97,7 +97,7 @@ def loader(Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empt
             slot = it % NUM_BUFFERS
             phase = (it // NUM_BUFFERS) & 1
             start = tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M,
-                                 BLOCKS_ARE_CONTIGUOUS)
+                               BLOCKS_ARE_CONTIGUOUS)
             # a fresh barrier counts as having completed the phase before phase 0: the first round passes
             mbarrier.wait(q_empty.index(slot), phase ^ 1)
             mbarrier.expect(q_ready.index(slot), Q.block_type.nbytes)
@@ -148,7 +148,7 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
     ROWS: gl.constexpr = BLOCK_N // 2
     # dQ = dS K split between the consumers by columns (each a half of the head dim, summing over
     # both consumers' dS: they meet at ds_ready) where a half is a whole 128-byte swizzle row of K
-    # (head dim 128); else by KV rows (each adds dS_w K_w over its own rows, twice the atomics)
+    # (head dim 128); else by KV rows (each adds dS_w K_w over its own rows: twice the additions)
     SPLIT_N: gl.constexpr = HEAD_DIM >= 128
     DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_N else HEAD_DIM
     dtype: gl.constexpr = k_smem.dtype
@@ -194,7 +194,7 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
             slot = it % NUM_BUFFERS
             phase = (it // NUM_BUFFERS) & 1
             start = tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M,
-                                 BLOCKS_ARE_CONTIGUOUS)
+                               BLOCKS_ARE_CONTIGUOUS)
             q = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
             do = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
             # -- S = Q K_w^T and dP = dO V_w^T on the tensor cores while the row statistics load

@@ -49,7 +49,7 @@ def loader(Q, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_
         slot = j % NUM_BUFFERS
         phase = (j // NUM_BUFFERS) & 1
         start = tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N,
-                              BLOCKS_ARE_CONTIGUOUS)
+                           BLOCKS_ARE_CONTIGUOUS)
         # a fresh barrier counts as having completed the phase before phase 0: the first round passes
         mbarrier.wait(k_empty.index(slot), phase ^ 1)
         mbarrier.expect(k_ready.index(slot), K.block_type.nbytes)
@@ -71,7 +71,7 @@ def scores(s, j, n_partial, P_IDX, F_IDX, b, h, q_idx, KV_LEN, SM_SCALE,
     """The q.k^T tile -> the softmax's input: scores in base 2 (times SM_SCALE / ln 2 when
     SCORES_IN_BASE2, where the softmax folds that factor in), mods and masks applied."""
     start = tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N,
-                          BLOCKS_ARE_CONTIGUOUS)
+                       BLOCKS_ARE_CONTIGUOUS)
     kv_idx = gl.expand_dims(start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
     if not SCORES_IN_BASE2:
         s = score_mod((s * SM_SCALE).to(SCORE_DTYPE), b, h, q_idx, kv_idx, $score_mod_params).to(gl.float32) * LOG2E
