@@ -55,8 +55,6 @@ _tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
 # the warp group's threads meet (bar.sync over a partition's warps): triton 3.6 thread_barrier, 3.9 barrier
 _sync_warps = getattr(gl, "barrier", None) or gl.thread_barrier
 
-LOG2E = gl.constexpr(1.4426950408889634)
-
 
 @gluon.jit
 def q_lists(Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX, b, h, kv_blk,
