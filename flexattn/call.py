@@ -294,7 +294,9 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     # The plan key and the call key hold the captured tensors' metas: the compiled kernel is
     # specialised on their shapes and strides.
     mask_metas = tuple([_meta(t) for t in mask_bufs]) if mask_bufs else ()
-    rest = (mask.key(), mask_metas, None if tables is None else tables.sig, enable_gqa,
+    # (16-byte alignment: the Hopper kernels read Q, K, V through TMA descriptors, which need it)
+    aligned = (query.data_ptr() | key.data_ptr() | value.data_ptr()) & 15 == 0
+    rest = (aligned, mask.key(), mask_metas, None if tables is None else tables.sig, enable_gqa,
             tuple(options.items()) if options else (), want_max,
             None if kv_lengths is None else _meta(kv_lengths),
             dtype == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)

@@ -215,6 +215,19 @@ def test_captured_tensor_of_other_strides(traces):
     assert len(traces) == 2
 
 
+def test_alignment_is_part_of_the_key(monkeypatch):
+    """The same shapes and strides 4 bytes off a 16-byte boundary make a plan of their own (the
+    Hopper kernels' TMA descriptors need aligned bases; Triton specialises on alignment too)."""
+    plans_made = record_calls(monkeypatch, call.plans, "forward_plan")
+    call.forget()
+    q, k, v = qkv()
+    shifted = [torch.cat([torch.zeros(1), t.flatten()])[1:].view(q.shape) for t in (q, k, v)]
+    assert all(t.data_ptr() % 16 == 4 for t in shifted) and shifted[0].stride() == q.stride()
+    for inputs in ((q, k, v), shifted, (q, k, v), shifted):
+        check(*inputs, None)
+    assert len(plans_made) == 2
+
+
 def test_a_known_call_that_comes_to_need_gradients(traces):
     """One call key met first without gradients (a short query: the decoding kernel), then with a
     captured tensor that requires grad: the second call records the backward, and its gradients
