@@ -59,6 +59,11 @@ def _meta(t: Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device
 
 
+def _aligned(*ts: Tensor) -> bool:
+    """All on 16-byte boundaries (a plan key part: the Hopper kernels read through TMA descriptors)."""
+    return not any(t.data_ptr() & 15 for t in ts)
+
+
 def _metas(ts) -> tuple:
     return tuple(_meta(t) for t in ts)
 
@@ -73,8 +78,8 @@ def forward(query: Tensor, key: Tensor, value: Tensor, score_bufs: list[Tensor],
     """Block-sparse forward: ``(out, lse, max_scores)`` (max_scores is empty unless asked for)."""
     score, mask, block, enable_gqa, options, want_max = _parse(spec)
     t = _tables(block, tables)
-    key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _metas(score_bufs) + _metas(mask_bufs),
-            None if t is None else t.sig)
+    key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _aligned(query, key, value),
+            _metas(score_bufs) + _metas(mask_bufs), None if t is None else t.sig)
     plan = plans.forward_plan(key_, query, key, value, score, score_bufs, mask, mask_bufs, t, enable_gqa,
                               options, want_max)
     out, lse, mx = fwd.run(plan, query, key, value, score, score_bufs, mask, mask_bufs, t, scale)
@@ -128,7 +133,7 @@ def backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor
     score, mask, block, _, options, _ = _parse(spec)
     t = _tables(block, tables)  # without q_* tables, the dK/dV lists are made from kv_* (bwd.run)
     need_t = tuple(need)
-    key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _meta(grad_out), grad_out.data_ptr() % 16 == 0,
+    key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _meta(grad_out), _aligned(query, key, value, grad_out),
             grad_lse is not None, need_t,
             _metas(score_bufs) + _metas(mask_bufs), None if t is None else t.sig)
 
