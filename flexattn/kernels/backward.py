@@ -165,7 +165,6 @@ class HopperPlan:
     kv_batched: bool
     dense: Direction | None  # the query lists without a block mask
     sizes: tuple             # Hq, Hkv, Q_LEN, KV_LEN
-    grad_buffers: tuple[int, ...] = ()
 
 
 def _preprocess(mod, query, value, has_grad_lse: bool) -> launch.Launch:
@@ -214,7 +213,8 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
 
 def run(plan: Plan | HopperPlan, query, key, value, out, lse, grad_out, grad_lse, score: Mod, score_bufs,
         mask: Mod, mask_bufs, tables: Tables | None, scale: float):
-    """``(dq, dk, dv, {buffer index: grad})`` for the captured tensors in ``plan.grad_buffers``."""
+    """``(dq, dk, dv, {buffer index: grad})`` for the captured tensors in ``plan.grad_buffers`` (a
+    `HopperPlan` computes none)."""
     if isinstance(plan, HopperPlan):
         return _run_hopper(plan, query, key, value, out, lse, grad_out, grad_lse, score, score_bufs, mask,
                            mask_bufs, tables, scale)

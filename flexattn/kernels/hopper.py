@@ -81,6 +81,18 @@ def _tma_reason(**tensors: torch.Tensor) -> str | None:
     return None
 
 
+def _tiles_reason(tables, block_m: int, block_n: int) -> str | None:
+    if tables is not None and (tables.q_block % block_m or tables.kv_block % block_n):
+        return (f"the block mask's blocks ({tables.q_block}x{tables.kv_block}) are not multiples of the "
+                f"kernel's {block_m}x{block_n} tiles")
+    return None
+
+
+def _knobs_reason(options: dict, knobs: tuple[str, ...], owner: str) -> str | None:
+    named = [k for k in knobs if k in options]
+    return f"kernel_options set the {owner}'s knobs {named}" if named else None
+
+
 def reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tables, options: dict) -> str | None:
     """Why this forward cannot run the Hopper kernel, or None when it can."""
     why = _machine_reason(query, options)
@@ -99,16 +111,8 @@ def reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tables, 
         if value.stride(2) != 1:  # (call.py lays float8 V out KV-innermost: P V reads it K-major)
             return "float8 value is not KV-innermost (stride(2) == 1)"
         value = value.transpose(2, 3)
-    why = _tma_reason(query=query, key=key, value=value)
-    if why is not None:
-        return why
-    if tables is not None and (tables.q_block % BLOCK_M or tables.kv_block % BLOCK_N[E]):
-        return (f"the block mask's blocks ({tables.q_block}x{tables.kv_block}) are not multiples of the "
-                f"kernel's {BLOCK_M}x{BLOCK_N[E]} tiles")
-    knobs = [k for k in _TRITON_KNOBS if k in options]
-    if knobs:
-        return f"kernel_options set the Triton template's knobs {knobs}"
-    return None
+    return (_tma_reason(query=query, key=key, value=value) or _tiles_reason(tables, BLOCK_M, BLOCK_N[E])
+            or _knobs_reason(options, _TRITON_KNOBS, "Triton template"))
 
 
 def chosen(query, key, value, tables, options: dict) -> bool:
@@ -118,7 +122,6 @@ def chosen(query, key, value, tables, options: dict) -> bool:
         raise ValueError(f"kernel_options BACKEND='FLASH' asks for the Hopper forward kernel, which cannot run "
                          f"here: {why}")
     return why is None
-
 
 
 # The backward (templates/backward_hopper.py): KV tiles of BWD_BLOCK_N rows per program, query
@@ -146,16 +149,9 @@ def backward_reason(query, key, value, grad_out, tables, options: dict, buffer_g
         return f"the lengths are below one {BWD_BLOCK_M}x{BWD_BLOCK_N} tile"
     if buffer_grads:
         return "the score_mod's captured tensors need gradients (the Triton backward's dQ pass adds them)"
-    why = _tma_reason(query=query, key=key, value=value, grad_out=grad_out)
-    if why is not None:
-        return why
-    if tables is not None and (tables.q_block % BWD_BLOCK_M or tables.kv_block % BWD_BLOCK_N):
-        return (f"the block mask's blocks ({tables.q_block}x{tables.kv_block}) are not multiples of the "
-                f"kernel's {BWD_BLOCK_M}x{BWD_BLOCK_N} tiles")
-    knobs = [k for k in _TRITON_BWD_KNOBS if k in options]
-    if knobs:
-        return f"kernel_options set the Triton backward's knobs {knobs}"
-    return None
+    return (_tma_reason(query=query, key=key, value=value, grad_out=grad_out)
+            or _tiles_reason(tables, BWD_BLOCK_M, BWD_BLOCK_N)
+            or _knobs_reason(options, _TRITON_BWD_KNOBS, "Triton backward"))
 
 
 class Descriptors:
@@ -174,16 +170,16 @@ class Descriptors:
         if backward:  # Q, K, V, dO, and the float32 dQ accumulator (a half of the head dim at 128)
             q, kv = [1, 1, BWD_BLOCK_M, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
             dq = [1, 1, BWD_BLOCK_M, head_dim // 2 if head_dim >= 128 else head_dim]
-            self.blocks = (q, kv, kv, q, dq)
+            blocks = ((q, gdt), (kv, gdt), (kv, gdt), (q, gdt), (dq, gl.float32))
         else:
             block_n = BLOCK_N[head_dim]
-            self.blocks = ([1, 1, BLOCK_M, head_dim], [1, 1, block_n, head_dim],
-                           [1, 1, head_dim, block_n] if self.v_k_major else [1, 1, block_n, head_dim])
-        self.layouts = tuple(gl.NVMMASharedLayout.get_default_for(b, gl.float32 if i == 4 else gdt)
-                             for i, b in enumerate(self.blocks))
+            blocks = (([1, 1, BLOCK_M, head_dim], gdt), ([1, 1, block_n, head_dim], gdt),
+                      ([1, 1, head_dim, block_n] if self.v_k_major else [1, 1, block_n, head_dim], gdt))
+        self.blocks = tuple(b for b, _ in blocks)
+        self.layouts = tuple(gl.NVMMASharedLayout.get_default_for(b, t) for b, t in blocks)
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *more: torch.Tensor) -> tuple:
-        """Descriptors of query, key, value (and the backward's grad_out)."""
+        """Descriptors of query, key, value (and the backward's grad_out and dQ accumulator)."""
         make = self.make
         if self.v_k_major:
             value = value.transpose(2, 3)

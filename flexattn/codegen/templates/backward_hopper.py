@@ -149,6 +149,7 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
     # (head dim 128); else by KV rows (each adds dS_w K_w over its own rows: twice the additions)
     SPLIT_N: gl.constexpr = HEAD_DIM >= 128
     DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_N else HEAD_DIM
+    DQ_COL0: gl.constexpr = WG * DQ_COLS if SPLIT_N else 0  # this consumer's first dQ column
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, ROWS, 16])
@@ -164,7 +165,7 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
     k_w = k_all.slice(WG * ROWS, ROWS, dim=0)
     v_w = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
     if SPLIT_N:
-        k_dq = k_all.slice(WG * DQ_COLS, DQ_COLS, dim=1)
+        k_dq = k_all.slice(DQ_COL0, DQ_COLS, dim=1)
     else:
         k_dq = k_w
     p_s = p_bufs.index(WG)
@@ -235,9 +236,10 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
             if SPLIT_N:
                 mbarrier.arrive(ds_ready.index(it % 2), count=1)
                 mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
-                dq = warpgroup_mma(ds_s, k_dq, zero_dq, use_acc=False, is_async=True)
+                ds_dq = ds_s
             else:
-                dq = warpgroup_mma(ds_w, k_dq, zero_dq, use_acc=False, is_async=True)
+                ds_dq = ds_w
+            dq = warpgroup_mma(ds_dq, k_dq, zero_dq, use_acc=False, is_async=True)
             dk = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
             dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
             mbarrier.arrive(do_empty.index(slot), count=1)
@@ -247,10 +249,7 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
             dq_s.store(dq * SM_SCALE)
             fence_async_shared()
             _sync_warps()
-            if SPLIT_N:
-                _tma_add(DQ_DESC, [b, h, start, WG * DQ_COLS], dq_smem)
-            else:
-                _tma_add(DQ_DESC, [b, h, start, 0], dq_smem)
+            _tma_add(DQ_DESC, [b, h, start, DQ_COL0], dq_smem)
             dk = warpgroup_mma_wait(0, deps=(dk, ))
             mbarrier.arrive(q_empty.index(slot), count=1)
             it += 1
