@@ -167,16 +167,19 @@ class Descriptors:
         gdt = getattr(gl, _GL_DTYPES[dtype])
         self.make = TensorDescriptor
         self.v_k_major = dtype == torch.float8_e4m3fn
-        if backward:  # Q, K, V, dO, and the float32 dQ accumulator (a half of the head dim at 128)
+        if backward:  # Q, K, V, dO, and the float32 dQ accumulator (a consumer's half of the head dim)
             q, kv = [1, 1, BWD_BLOCK_M, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
-            dq = [1, 1, BWD_BLOCK_M, head_dim // 2 if head_dim >= 128 else head_dim]
-            blocks = ((q, gdt), (kv, gdt), (kv, gdt), (q, gdt), (dq, gl.float32))
+            blocks = ((q, gdt), (kv, gdt), (kv, gdt), (q, gdt), ([1, 1, BWD_BLOCK_M, head_dim // 2], gl.float32))
         else:
             block_n = BLOCK_N[head_dim]
             blocks = (([1, 1, BLOCK_M, head_dim], gdt), ([1, 1, block_n, head_dim], gdt),
                       ([1, 1, head_dim, block_n] if self.v_k_major else [1, 1, block_n, head_dim], gdt))
         self.blocks = tuple(b for b, _ in blocks)
-        self.layouts = tuple(gl.NVMMASharedLayout.get_default_for(b, t) for b, t in blocks)
+        layouts = [gl.NVMMASharedLayout.get_default_for(b, t) for b, t in blocks]
+        if backward:  # K's column halves (dQ = dS K per consumer) must each be whole swizzle rows:
+            # 64-byte swizzle at head dim 64 (16-bit elements: a half row is head_dim bytes)
+            layouts[1] = gl.NVMMASharedLayout(swizzle_byte_width=min(128, head_dim), element_bitwidth=16, rank=4)
+        self.layouts = tuple(layouts)
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *more: torch.Tensor) -> tuple:
         """Descriptors of query, key, value (and the backward's grad_out and dQ accumulator)."""

@@ -15,9 +15,8 @@
 #   P = exp2(S / ln 2 - LSE / ln 2),  dS = P (dP - Delta) d score_mod / d score
 #   P, dS -> shared memory (p_bufs, ds_bufs)  the A operands below, read transposed
 #   dV_w += P^T dO,  dK_w += dS^T Q
-#   dQ = dS K * SM_SCALE                       head dim 128: a half of the columns per consumer over
-#                                              both consumers' dS (they meet at ds_ready); head dim
-#                                              64: all columns over its own KV rows
+#   dQ = dS K * SM_SCALE                       a half of the columns per consumer, over both
+#                                              consumers' dS (they meet at ds_ready)
 #   dQ -> shared memory -> the float32 DQ_ACC by a TMA reduce-add (dq_bufs, one per consumer; the
 #   next step's store waits until the TMA unit has read it). dK += dS^T Q runs during the add.
 # The host zeroes DQ_ACC and converts it to the query's dtype afterwards; dK is scaled in-program.
@@ -144,12 +143,13 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
     BLOCK_N: gl.constexpr = k_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[3]
     ROWS: gl.constexpr = BLOCK_N // 2
-    # dQ = dS K split between the consumers by columns (each a half of the head dim, summing over
-    # both consumers' dS: they meet at ds_ready) where a half is a whole 128-byte swizzle row of K
-    # (head dim 128); else by KV rows (each adds dS_w K_w over its own rows: twice the additions)
-    SPLIT_N: gl.constexpr = HEAD_DIM >= 128
-    DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_N else HEAD_DIM
-    DQ_COL0: gl.constexpr = WG * DQ_COLS if SPLIT_N else 0  # this consumer's first dQ column
+    # dQ = dS K split between the consumers by columns: each a half of the head dim, summing over
+    # both consumers' dS (they meet at ds_ready). The host lays K out so that a half is whole
+    # swizzle rows (64-byte swizzle at head dim 64). Split by KV rows instead (each consumer dS_w
+    # K_w over its own rows) the TMA unit adds twice as much: 285 against 500 TF/s at head dim
+    # 128, 1-7% slower at 64 (docs/performance.md)
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2
+    DQ_COL0: gl.constexpr = WG * DQ_COLS  # this consumer's first dQ column
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, ROWS, 16])
@@ -164,10 +164,7 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
     k_all = k_smem.reshape([BLOCK_N, HEAD_DIM])
     k_w = k_all.slice(WG * ROWS, ROWS, dim=0)
     v_w = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
-    if SPLIT_N:
-        k_dq = k_all.slice(DQ_COL0, DQ_COLS, dim=1)
-    else:
-        k_dq = k_w
+    k_dq = k_all.slice(DQ_COL0, DQ_COLS, dim=1)
     p_s = p_bufs.index(WG)
     dq_smem = dq_bufs.index(WG)
     dq_s = dq_smem.reshape([BLOCK_M, DQ_COLS])
@@ -233,13 +230,9 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
             # -- dV += P^T dO; dQ = dS K (after the other consumer's dS); dK += dS^T Q runs while dQ is
             # added
             dv = warpgroup_mma(p_s.permute((1, 0)), do, dv, is_async=True)
-            if SPLIT_N:
-                mbarrier.arrive(ds_ready.index(it % 2), count=1)
-                mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
-                ds_dq = ds_s
-            else:
-                ds_dq = ds_w
-            dq = warpgroup_mma(ds_dq, k_dq, zero_dq, use_acc=False, is_async=True)
+            mbarrier.arrive(ds_ready.index(it % 2), count=1)
+            mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
+            dq = warpgroup_mma(ds_s, k_dq, zero_dq, use_acc=False, is_async=True)
             dk = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
             dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
             mbarrier.arrive(do_empty.index(slot), count=1)
