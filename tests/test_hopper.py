@@ -203,6 +203,24 @@ def test_backward_compiles_with_mods_gqa_and_broadcast_batch():
     _compile_backward(*_qkv(S=256), score_fn=softcap)
 
 
+def test_backward_waits_for_dp_late_only_for_affine_score_mods_at_head_dim_128():
+    """P's exp2 runs under dP (LATE_DP_WAIT) where that measured faster: a score_mod whose
+    derivative in the score is a constant (ALiBi-like), head dim 128; not where the derivative
+    reads the score (soft-cap), without a score_mod, nor at head dim 64."""
+    slopes = torch.exp2(-torch.arange(1, 3, dtype=torch.float32))
+
+    def late(score_fn, D=128):
+        score, mask = _mod(score_fn, SCORE), _mod(lambda b, h, q, k: q >= 0, MASK)
+        return bwd.hopper_plan(*_qkv(D=D), score, mask, None, {}, False).main.constexprs["LATE_DP_WAIT"]
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    assert late(alibi) and late(lambda s, b, h, q, k: 0.5 * s - (q - k).abs())
+    assert not late(softcap) and not late(lambda s, b, h, q, k: s) and not late(alibi, D=64)
+    assert not late(lambda s, b, h, q, k: s * s)
+
+
 def test_backward_reason(monkeypatch):
     q, k, v = _qkv()
     assert "compute capability 9.0" in hopper.backward_reason(q, k, v, q, None, {}, False)

@@ -199,6 +199,8 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         # no query tile crosses Q_LEN and no program's KV tile crosses KV_LEN
         IS_DIVISIBLE=Q_LEN % sparse_q == 0 and KV_LEN % block_n == 0,
         SCORES_IN_BASE2=launch.raw_scores(score, torch.float32),
+        LATE_DP_WAIT=E == 128 and not launch.raw_scores(score, torch.float32)
+        and score_mod_grad(score).score.op == "const",
         NUM_BUFFERS=hopper.NUM_BUFFERS, CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
         num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS,

@@ -11,7 +11,7 @@
 #   consumer 0  4 warps (a warp group): KV rows 0..63 of the tile
 #   consumer 1  4 warps: KV rows 64..127
 # Per query tile a consumer, with w its 64 KV rows:
-#   S = Q K_w^T, dP = dO V_w^T                 (asynchronous; P's exp2 overlaps dP)
+#   S = Q K_w^T, dP = dO V_w^T                 (asynchronous; see LATE_DP_WAIT for P's exp2)
 #   P = exp2(S / ln 2 - LSE / ln 2),  dS = P (dP - Delta) d score_mod / d score
 #   P, dS -> shared memory (p_bufs, ds_bufs)  the A operands below, read transposed
 #   dV_w += P^T dO,  dK_w += dS^T Q
@@ -106,6 +106,17 @@ def loader(Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empt
 
 
 @gluon.jit
+def tile_valid(j, n_partial, b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_mod_params):
+    """Which scores of a tile that needs mask work count: mask_mod on a partial block's tile, and
+    the lengths."""
+    if j < n_partial:
+        valid = mask_mod(b, h, q_idx, kv_idx, $mask_mod_params) & (q_idx < Q_LEN) & (kv_idx < KV_LEN)
+    else:
+        valid = (q_idx < Q_LEN) & (kv_idx < KV_LEN)
+    return valid
+
+
+@gluon.jit
 def p_and_ds(s, dp, valid, lse2, delta, b, h, q_idx, kv_idx, SM_SCALE,
              $score_mod_params $mask_mod_params
              SCORES_IN_BASE2: gl.constexpr, SCORE_DTYPE: gl.constexpr):
@@ -138,7 +149,7 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
              WG: gl.constexpr, GQA_SHARED_HEADS: gl.constexpr, TILES_PER_BLOCK: gl.constexpr,
              SPARSE_Q_BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
              BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr,
-             SCORE_DTYPE: gl.constexpr):
+             LATE_DP_WAIT: gl.constexpr, SCORE_DTYPE: gl.constexpr):
     NUM_BUFFERS: gl.constexpr = q_bufs.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[3]
@@ -209,11 +220,29 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
                 masked = j < n_partial
             else:
                 masked = (j < n_partial) | (start + BLOCK_M > Q_LEN) | kv_edge
-            if masked:
-                if j < n_partial:
-                    valid = mask_mod(b, h, q_idx, kv_idx, $mask_mod_params) & (q_idx < Q_LEN) & (kv_idx < KV_LEN)
+            if LATE_DP_WAIT:
+                # an affine score_mod (d score_mod / d score a constant) at head dim 128: the exp2 runs
+                # under dP, whose wait comes after the branches (ptxas hoists a wgmma wait to the top
+                # of its basic block). With these mods ptxas spills less this way (ALiBi +8%); with
+                # one whose derivative reads the score it spills more (soft-cap -7%: p_and_ds)
+                if masked:
+                    valid = tile_valid(j, n_partial, b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_mod_params)
                 else:
-                    valid = (q_idx < Q_LEN) & (kv_idx < KV_LEN)
+                    valid = gl.full([BLOCK_M, ROWS], True, gl.int1, layout=s_layout)
+                qk = (s * SM_SCALE).to(SCORE_DTYPE)
+                s = score_mod(qk, b, h, q_idx, kv_idx, $score_mod_params).to(gl.float32)
+                if masked:
+                    p = gl.where(valid, gl.exp2(s * LOG2E - lse2), 0.0)
+                else:
+                    p = gl.exp2(s * LOG2E - lse2)
+                dp = warpgroup_mma_wait(0, deps=(dp, ))
+                ds = p * (dp - delta)
+                if masked:
+                    ds = score_mod_dscore(qk, b, h, q_idx, kv_idx, ds, valid, $score_dscore_args).to(gl.float32)
+                else:
+                    ds = score_mod_dscore(qk, b, h, q_idx, kv_idx, ds, True, $score_dscore_args).to(gl.float32)
+            elif masked:
+                valid = tile_valid(j, n_partial, b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_mod_params)
                 p, ds = p_and_ds(s, dp, valid, lse2, delta, b, h, q_idx, kv_idx, SM_SCALE,
                                  $score_mod_params $mask_mod_params SCORES_IN_BASE2, SCORE_DTYPE)
             else:
@@ -273,7 +302,7 @@ def flex_attention_backward(
     SPARSE_Q_BLOCK_SIZE: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr,
     GQA_SHARED_HEADS: gl.constexpr, KV_BATCH_BROADCAST: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
     BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr,
-    NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SCORE_DTYPE: gl.constexpr,
+    LATE_DP_WAIT: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SCORE_DTYPE: gl.constexpr,
 ):
     gl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M == 0)
     gl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N == 0)
@@ -320,7 +349,7 @@ def flex_attention_backward(
                     stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
                     b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
                     0, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
-                    BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_DTYPE)),
+                    BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, LATE_DP_WAIT, SCORE_DTYPE)),
         (consumer, (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, q_ready, q_empty, do_ready, do_empty,
                     ds_ready, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
                     $score_mod_params $mask_mod_params
@@ -330,7 +359,7 @@ def flex_attention_backward(
                     stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
                     b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
                     1, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
-                    BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_DTYPE)),
+                    BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, LATE_DP_WAIT, SCORE_DTYPE)),
         (loader, (Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
                   Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
                   stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
