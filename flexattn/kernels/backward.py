@@ -201,7 +201,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         SCORES_IN_BASE2=launch.raw_scores(score, torch.float32),
         LATE_DP_WAIT=E == 128 and not launch.raw_scores(score, torch.float32)
         and score_mod_grad(score).score.op == "const",
-        NUM_BUFFERS=hopper.NUM_BUFFERS, CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
+        NUM_BUFFERS=hopper.BWD_NUM_BUFFERS[E], CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
         num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS,
     )
