@@ -158,7 +158,7 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
     # both consumers' dS (they meet at ds_ready). The host lays K out so that a half is whole
     # swizzle rows (64-byte swizzle at head dim 64). Split by KV rows instead (each consumer dS_w
     # K_w over its own rows) the TMA unit adds twice as much: 285 against 500 TF/s at head dim
-    # 128, 1-7% slower at 64 (docs/performance.md)
+    # 128, level to 7% slower at 64 (docs/performance.md)
     DQ_COLS: gl.constexpr = HEAD_DIM // 2
     DQ_COL0: gl.constexpr = WG * DQ_COLS  # this consumer's first dQ column
     dtype: gl.constexpr = k_smem.dtype
@@ -223,8 +223,8 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
             if LATE_DP_WAIT:
                 # an affine score_mod (d score_mod / d score a constant) at head dim 128: the exp2 runs
                 # under dP, whose wait comes after the branches (ptxas hoists a wgmma wait to the top
-                # of its basic block). With these mods ptxas spills less this way (ALiBi +8%); with
-                # one whose derivative reads the score it spills more (soft-cap -7%: p_and_ds)
+                # of its basic block). With these mods ptxas spills less this way (ALiBi +8%); mods
+                # whose derivative reads the score spill more so (soft-cap -7%) and take p_and_ds
                 if masked:
                     valid = tile_valid(j, n_partial, b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_mod_params)
                 else:
