@@ -190,6 +190,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     else:
         sparse_q, sparse_kv, lists = tables.q_block, tables.kv_block, None
     kv_batched = Bkv == B
+    raw = launch.raw_scores(score, torch.float32)
     constexprs = dict(
         BLOCK_M=block_m, BLOCK_N=block_n, SPARSE_Q_BLOCK_SIZE=sparse_q, SPARSE_KV_BLOCK_SIZE=sparse_kv,
         GQA_SHARED_HEADS=Hq // Hkv, KV_BATCH_BROADCAST=not kv_batched,
@@ -198,9 +199,9 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         BLOCKS_ARE_CONTIGUOUS=tables is None,
         # no query tile crosses Q_LEN and no program's KV tile crosses KV_LEN
         IS_DIVISIBLE=Q_LEN % sparse_q == 0 and KV_LEN % block_n == 0,
-        SCORES_IN_BASE2=launch.raw_scores(score, torch.float32),
-        LATE_DP_WAIT=E == 128 and not launch.raw_scores(score, torch.float32)
-        and score_mod_grad(score).score.op == "const",
+        SCORES_IN_BASE2=raw,
+        # (an affine score_mod: its derivative in the score is a constant)
+        LATE_DP_WAIT=E == 128 and not raw and score_mod_grad(score).score.op == "const",
         NUM_BUFFERS=hopper.BWD_NUM_BUFFERS[E], CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
         num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS,

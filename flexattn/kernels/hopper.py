@@ -128,11 +128,11 @@ def chosen(query, key, value, tables, options: dict) -> bool:
 # tiles of BWD_BLOCK_M rows per step, at these head dims (E == Ev).
 BWD_BLOCK_M = 64
 BWD_BLOCK_N = 128
-BWD_HEAD_DIMS = (64, 128)
-# Q and dO tiles in flight (the ring's slots). Head dim 64 has the shared memory for a third, and
-# its shorter steps use it: no mask 378 -> 397 TF/s at B=4 H=32 S=8k on the H100, level elsewhere
-# (docs/performance.md, twelfth session); head dim 128 has room for two.
+# Q and dO tiles in flight (the ring's slots), by head dim. Head dim 64 has the shared memory for a
+# third, and its shorter steps use it: no mask 378 -> 397 TF/s at B=4 H=32 S=8k on the H100, level
+# elsewhere (docs/performance.md, twelfth session); head dim 128 has room for two.
 BWD_NUM_BUFFERS = {64: 3, 128: 2}
+BWD_HEAD_DIMS = tuple(BWD_NUM_BUFFERS)
 # The backward's own knobs: a call that sets one means the Triton backward.
 _TRITON_BWD_KNOBS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
 

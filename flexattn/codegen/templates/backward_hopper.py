@@ -227,7 +227,7 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
                 # whose derivative reads the score spill more so (soft-cap -7%) and take p_and_ds
                 if masked:
                     valid = tile_valid(j, n_partial, b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_mod_params)
-                else:
+                else:  # (read only on the masked path below; defined here for the merge)
                     valid = gl.full([BLOCK_M, ROWS], True, gl.int1, layout=s_layout)
                 qk = (s * SM_SCALE).to(SCORE_DTYPE)
                 s = score_mod(qk, b, h, q_idx, kv_idx, $score_mod_params).to(gl.float32)
