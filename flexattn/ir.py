@@ -155,8 +155,9 @@ class Node:
         return k
 
 
-def toposort(roots: Node | Iterable[Node]) -> list[Node]:
-    """Nodes reachable from ``roots``, operands before users, each once."""
+def toposort(roots: Node | Iterable[Node], stop: set[int] = frozenset()) -> list[Node]:
+    """Nodes reachable from ``roots``, operands before users, each once; the nodes whose id is in
+    ``stop`` are listed without their operands."""
     if isinstance(roots, Node):
         roots = [roots]
     order: list[Node] = []
@@ -172,6 +173,8 @@ def toposort(roots: Node | Iterable[Node]) -> list[Node]:
                 order.append(node)
                 continue
             stack.append((node, True))
+            if id(node) in stop:
+                continue
             for s in reversed(node.src):
                 if id(s) not in seen:
                     stack.append((s, False))

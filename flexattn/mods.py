@@ -100,8 +100,8 @@ class Mod:
         mod.buffers, mod.fn = tuple(buffers), None
         return mod
 
-    def emit(self, target: str = "cuda", name: str | None = None) -> emit.ModSource:
-        return emit.emit_mod(self.ir, self.kind, name or f"{self.kind}_mod", target)
+    def emit(self, target: str = "cuda", name: str | None = None, hoist_kv: bool = False) -> emit.ModSource:
+        return emit.emit_mod(self.ir, self.kind, name or f"{self.kind}_mod", target, hoist_kv)
 
     def launch_args(self) -> list:
         """Kernel arguments for the captured tensors (pointer, strides, sizes each)."""

@@ -97,6 +97,17 @@ def test_random_masks_bit_exact(case):
 
 
 @SMALL
+@given(T.mask_irs(max_depth=4))
+def test_random_masks_with_kv_values_hoisted_bit_exact(case):
+    """The Hopper backward's split of a mask (`emit_mod(hoist_kv=True)`): its KV-only values
+    computed first by ``mask_mod_kv``, the rest by ``mask_mod``, give the unsplit mask's result."""
+    node, buffers = case
+    grid = (B, H, Q, KV)
+    out = evaluate_grid(Mod("mask", node, list(buffers)), *grid, hoist_kv=True)
+    assert_bit_exact(out, eager(node, buffers, grid))
+
+
+@SMALL
 @given(T.int_irs(max_depth=4), grids)
 def test_random_integer_trees_bit_exact(case, grid):
     node, buffers = case
@@ -333,6 +344,37 @@ def test_gathers_wrap_negative_and_read_zero_out_of_range():
     assert out[0, 0, 0].tolist() == expected
     assert (out != 999.0).all()
     assert_bit_exact(out, eager(node, [view], grid=(1, 1, 3, KV), score_t=torch.zeros(1, 1, 3, KV)))
+
+
+def test_gathers_at_the_index_inputs_skip_the_wrap_but_not_the_bound():
+    # q_idx and kv_idx are never negative: no wrap, only the upper bound (reads past the end give 0)
+    backing = torch.full((20,), 999.0)
+    view = backing[5:15]
+    view.copy_(torch.arange(10.0) + 1)
+    buf = ir.Buffer(0, "v", torch.float32, 1)
+    node = ir.binary("add", ir.load(buf, [kv_idx]), ir.binary("mul", score, 0.0))
+    assert "tl.where(kv_idx < 0" not in emit.emit_mod(node, "score").source
+    out, _ = run_kernel(node, [view], grid=(1, 1, 2, KV))
+    assert out[0, 0, 0].tolist() == [float(k + 1) if k < 10 else 0.0 for k in range(KV)]
+    shifted = ir.binary("add", ir.load(buf, [ir.binary("sub", kv_idx, 1)]), ir.binary("mul", score, 0.0))
+    assert "tl.where(" in emit.emit_mod(shifted, "score").source  # kv_idx - 1 is -1 at 0: it wraps
+
+
+def test_kv_hoisting_takes_the_outermost_kv_only_values_that_read_memory():
+    doc = ir.Buffer(0, "doc", torch.int32, 1)
+    slope = ir.Buffer(1, "slope", torch.float32, 1)
+    same_doc = ir.binary("eq", ir.load(doc, [q_idx]), ir.load(doc, [kv_idx]))
+    positive = ir.binary("gt", ir.load(slope, [h_in]), 0.0)
+    node = ir.binary("and_", ir.binary("and_", same_doc, ir.binary("ge", q_idx, kv_idx)), positive)
+    hoisted = emit._kv_invariant_values(node)
+    assert [str(n) for n in hoisted] == [str(ir.load(doc, [kv_idx])), str(positive)]
+    src = emit.emit_mod(node, "mask", target="gluon", hoist_kv=True)
+    assert src.pre_args == ("mask_mod_kv0", "mask_mod_kv1")
+    assert "def mask_mod_kv(b, h, kv_idx, B0," in src.source
+    assert "def mask_mod(b, h, q_idx, kv_idx, mask_mod_kv0, mask_mod_kv1, B0," in src.source
+    # nothing that reads memory along the KV axis only: one function, as without hoisting
+    causal = ir.binary("ge", q_idx, kv_idx)
+    assert emit.emit_mod(causal, "mask", hoist_kv=True) == emit.emit_mod(causal, "mask")
 
 
 def test_nested_and_strided_gathers():

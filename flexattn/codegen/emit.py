@@ -475,6 +475,7 @@ class ModSource:
     source: str
     params: tuple[str, ...]
     buffers: tuple[ir.Buffer, ...]
+    pre_args: tuple[str, ...] = ()  # values computed once per KV tile (``emit_mod(hoist_kv=True)``)
 
     def param_list(self, prefix: str) -> str:
         """Kernel-level parameter names (``prefix`` + param), each followed by ", "."""
@@ -513,8 +514,28 @@ def _axes(order: list[Node]) -> dict[int, frozenset]:
     return axes
 
 
-def emit_mod(root: Node, kind: str, name: str | None = None, target: str = "cuda") -> ModSource:
-    """Emit the ``@triton.jit`` function for a score or mask mod."""
+def _kv_invariant_values(root: Node) -> list[Node]:
+    """The values of a mask that a kernel walking query tiles against one KV tile can compute once
+    per KV tile: those that read a captured tensor and vary along no axis but the KV one
+    (``doc[kv_idx]``, ``slope[h]``), outermost only (what the rest of the mask reads)."""
+    order = ir.toposort(root)
+    axes = _axes(order)
+    loads: set[int] = set()
+    for n in order:
+        if n.op == "load" or any(id(s) in loads for s in n.src):
+            loads.add(id(n))
+    hoist = {id(n) for n in order if id(n) in loads and axes[id(n)] <= frozenset("n")}
+    read_by_rest = {id(s) for n in order if id(n) not in hoist for s in n.src}
+    return [n for n in order if id(n) in hoist and (id(n) in read_by_rest or n is root)]
+
+
+def emit_mod(root: Node, kind: str, name: str | None = None, target: str = "cuda",
+             hoist_kv: bool = False) -> ModSource:
+    """Emit the ``@triton.jit`` function for a score or mask mod.
+
+    ``hoist_kv`` (mask mods): the values `_kv_invariant_values` finds are computed by a second
+    function, ``{name}_kv(b, h, kv_idx, <buffers>)``, which a kernel calls once per KV tile; the
+    mod takes them as parameters ``ModSource.pre_args`` after kv_idx (the source defines both)."""
     if kind not in ("score", "mask"):
         raise ValueError(f"kind must be 'score' or 'mask', got {kind!r}")
     if target not in TARGETS:
@@ -524,7 +545,18 @@ def emit_mod(root: Node, kind: str, name: str | None = None, target: str = "cuda
     name = name or f"{kind}_mod"
     _check_name(name)
     buffers = ir.buffers_of(root)
-    lines, expr, _, axes = _emit_values([root], kind)
+    params = buffer_params(buffers)
+    pre_src, pre_args, bound = "", (), {}
+    if hoist_kv and kind == "mask":
+        hoisted = _kv_invariant_values(root)
+        pre_args = tuple(f"{name}_kv{k}" for k in range(len(hoisted)))
+        bound = {id(n): a for n, a in zip(hoisted, pre_args)}
+        if hoisted:
+            pre_lines, pre_expr, _, _ = _emit_values(hoisted, kind)
+            values = ", ".join(pre_expr[id(n)] for n in hoisted)
+            pre_body = "\n".join(f"    {line}" for line in pre_lines + [f"return {values}"])
+            pre_src = f"@triton.jit\ndef {name}_kv({', '.join(['b', 'h', 'kv_idx'] + params)}):\n{pre_body}\n\n\n"
+    lines, expr, _, axes = _emit_values([root], kind, bound)
 
     result = expr[id(root)]
     if kind == "score":
@@ -542,14 +574,13 @@ def emit_mod(root: Node, kind: str, name: str | None = None, target: str = "cuda
         # interpreter cannot combine a bool scalar or row with the kernel's bool tiles (`& inside`).
         result = f"(({result}).to(tl.int8) + (q_idx * 0 + kv_idx * 0).to(tl.int8) != 0)"
 
-    params = buffer_params(buffers)
     head = ["score"] if kind == "score" else []
-    sig = ", ".join(head + list(ir.INDEX_INPUTS) + params)
+    sig = ", ".join(head + list(ir.INDEX_INPUTS) + list(pre_args) + params)
     body = "\n".join(f"    {line}" for line in lines + [f"return {result}"])
-    src = f"@triton.jit\ndef {name}({sig}):\n{body}\n"
+    src = f"{pre_src}@triton.jit\ndef {name}({sig}):\n{body}\n"
     if target == "gluon":
         src = _gluon_constants(src)
-    return ModSource(name, kind, src, tuple(params), tuple(buffers))
+    return ModSource(name, kind, src, tuple(params), tuple(buffers), pre_args)
 
 
 _TILE_FULL = re.compile(r"tl\.full\(score\.shape, ([^,]+), (tl\.\w+)\)")
@@ -569,18 +600,22 @@ def _check_name(name: str) -> None:
         raise ValueError(f"a generated function name must be an ASCII Python identifier, got {name!r}")
 
 
-def _emit_values(roots: list[Node], kind: str):
+def _emit_values(roots: list[Node], kind: str, bound: dict[int, str] | None = None):
     """Triton lines computing every node of ``roots`` (shared nodes once): (lines, expr, as_name, axes).
 
     ``expr[id(node)]`` is each node's expression (a name once it was needed more than once);
-    ``as_name(node)`` binds a node's expression to a temporary and returns the name.
+    ``as_name(node)`` binds a node's expression to a temporary and returns the name. ``bound``:
+    nodes (by id) that are already computed, under these names (their operands are not emitted).
     """
-    order = ir.toposort(roots)
+    bound = bound or {}
+    axes = _axes(ir.toposort(roots))
+    order = ir.toposort(roots, stop=set(bound))
     uses: dict[int, int] = {}
     for n in order:
+        if id(n) in bound:
+            continue
         for s in n.src:
             uses[id(s)] = uses.get(id(s), 0) + 1
-    axes = _axes(order)
 
     lines: list[str] = []
     expr: dict[int, str] = {}
@@ -619,6 +654,10 @@ def _emit_values(roots: list[Node], kind: str):
 
     for n in order:
         op = n.op
+        if id(n) in bound:
+            expr[id(n)] = bound[id(n)]
+            depth[id(n)] = 0
+            continue
         if op == "input":
             if kind == "mask" and n.arg == "score":
                 raise TypeError("a mask mod cannot read the score")
@@ -626,7 +665,8 @@ def _emit_values(roots: list[Node], kind: str):
         elif op == "const":
             e = _lit(n.arg, n.dtype)
         elif op == "load":
-            e = _emit_load(n, [as_name(s) if s.op != "const" else expr[id(s)] for s in n.src], lines, fresh)
+            e = _emit_load(n, [as_name(s) if s.op != "const" else expr[id(s)] for s in n.src], lines, fresh,
+                           [_non_negative(s) for s in n.src])
         elif op == "cast":
             s = n.src[0]
             if n.dtype == torch.bool:
@@ -675,28 +715,41 @@ def _emit_values(roots: list[Node], kind: str):
     return lines, expr, as_name, axes
 
 
-def _emit_load(n: Node, idx: list[str], lines: list[str], fresh) -> str:
+def _non_negative(n: Node) -> bool:
+    """Whether index ``n`` is never negative: b, h, q_idx and kv_idx are not, in any kernel (padding
+    rows and columns included)."""
+    return n.op == "input"
+
+
+def _emit_load(n: Node, idx: list[str], lines: list[str], fresh, non_negative: list[bool]) -> str:
     buf: ir.Buffer = n.arg
     if buf.ndim == 0:
         return f"tl.load(B{buf.index})"
-    ptr, m = _emit_address(buf, idx, lines, fresh)
+    ptr, m = _emit_address(buf, idx, lines, fresh, non_negative=non_negative)
     return f"tl.load({ptr}, mask={m}, other=0)"
 
 
-def _emit_address(buf: ir.Buffer, idx: list[str], lines: list[str], fresh, base: str | None = None):
+def _emit_address(buf: ir.Buffer, idx: list[str], lines: list[str], fresh, base: str | None = None,
+                  non_negative: list[bool] | None = None):
     """(pointer, bounds-mask name) of element ``idx`` of ``buf``: negative indices wrap.
 
     ``base`` names another tensor of the same shape (its own strides ``{base}_s{d}``), e.g. the
     gradient buffer that the backward scatters into at the address the forward gathered from.
+    ``non_negative[d]``: index ``d`` is never negative, so it needs no wrap and only the upper
+    bound (a gather of ``doc[kv_idx]``: a compare per element where the wrap takes four).
     """
     p = f"B{buf.index}"
     base = base or p
     offs, masks = [], []
     for d, i in enumerate(idx):
         size = f"{p}_n{d}"
-        v = fresh("i")
-        lines.append(f"{v} = tl.where({i} < 0, {i} + {size}, {i})")
-        masks.append(f"(({v} >= 0) & ({v} < {size}))")
+        if non_negative is not None and non_negative[d]:
+            v = i
+            masks.append(f"({v} < {size})")
+        else:
+            v = fresh("i")
+            lines.append(f"{v} = tl.where({i} < 0, {i} + {size}, {i})")
+            masks.append(f"(({v} >= 0) & ({v} < {size}))")
         offs.append(f"{v}.to(tl.int64) * {base}_s{d}")
     m = fresh("m")
     if len(masks) > 1:
@@ -749,7 +802,7 @@ def emit_score_grad(d_score: Node, scatters=(), name: str = "score_mod_grad", ta
             lines.append(f"tl.atomic_add({g}, {_sum_all(val)}.to({g}.dtype.element_ty))")
             continue
         idx = [as_name(s) if s.op != "const" else expr[id(s)] for s in load.src]
-        ptr, mask = _emit_address(buf, idx, lines, fresh, base=g)
+        ptr, mask = _emit_address(buf, idx, lines, fresh, base=g, non_negative=[_non_negative(s) for s in load.src])
         varies = frozenset().union(*(axes[id(s)] for s in load.src))
         summed = sorted(tile_axis[a] for a in "mn" if a not in varies)
         if len(summed) == 2:

@@ -106,11 +106,11 @@ def loader(Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empt
 
 
 @gluon.jit
-def tile_valid(j, n_partial, b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_mod_params):
+def tile_valid(j, n_partial, b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_kv_args $mask_mod_params):
     """Which scores of a tile that needs mask work count: mask_mod on a partial block's tile, and
     the lengths."""
     if j < n_partial:
-        valid = mask_mod(b, h, q_idx, kv_idx, $mask_mod_params) & (q_idx < Q_LEN) & (kv_idx < KV_LEN)
+        valid = mask_mod(b, h, q_idx, kv_idx, $mask_kv_args $mask_mod_params) & (q_idx < Q_LEN) & (kv_idx < KV_LEN)
     else:
         valid = (q_idx < Q_LEN) & (kv_idx < KV_LEN)
     return valid
@@ -193,6 +193,8 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
         h64 = h.to(gl.int64)
         LSEh = LSE + b64 * stride_lz + h64 * stride_lh
         DELTAh = DELTA + (b64 * HQ + h64) * Q_LEN
+        # mask_mod's values that depend on this KV tile and head only (doc[kv_idx]), read once here
+        $mask_kv_call
         n_partial, n_tiles, P_IDX, F_IDX = q_lists(
             Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX, b, h, kv_blk,
             stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
@@ -226,7 +228,7 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
                 # of its basic block). With these mods ptxas spills less this way (ALiBi +8%); mods
                 # whose derivative reads the score spill more so (soft-cap -7%) and take p_and_ds
                 if masked:
-                    valid = tile_valid(j, n_partial, b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_mod_params)
+                    valid = tile_valid(j, n_partial, b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_kv_args $mask_mod_params)
                 else:  # (read only on the masked path below; defined here for the merge)
                     valid = gl.full([BLOCK_M, ROWS], True, gl.int1, layout=s_layout)
                 qk = (s * SM_SCALE).to(SCORE_DTYPE)
@@ -242,7 +244,7 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
                 else:
                     ds = score_mod_dscore(qk, b, h, q_idx, kv_idx, ds, True, $score_dscore_args).to(gl.float32)
             elif masked:
-                valid = tile_valid(j, n_partial, b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_mod_params)
+                valid = tile_valid(j, n_partial, b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_kv_args $mask_mod_params)
                 p, ds = p_and_ds(s, dp, valid, lse2, delta, b, h, q_idx, kv_idx, SM_SCALE,
                                  $score_mod_params $mask_mod_params SCORES_IN_BASE2, SCORE_DTYPE)
             else:
