@@ -103,8 +103,10 @@ def test_random_masks_with_kv_values_hoisted_bit_exact(case):
     computed first by ``mask_mod_kv``, the rest by ``mask_mod``, give the unsplit mask's result."""
     node, buffers = case
     grid = (B, H, Q, KV)
-    out = evaluate_grid(Mod("mask", node, list(buffers)), *grid, hoist_kv=True)
-    assert_bit_exact(out, eager(node, buffers, grid))
+    ref = eager(node, buffers, grid)
+    for poison in (False, True):  # an element the kernel does not write shows in one of the two
+        out = torch.full(grid, poison, dtype=torch.bool)
+        assert_bit_exact(evaluate_grid(Mod("mask", node, list(buffers)), *grid, out=out, hoist_kv=True), ref)
 
 
 @SMALL
@@ -372,6 +374,13 @@ def test_kv_hoisting_takes_the_outermost_kv_only_values_that_read_memory():
     assert src.pre_args == ("mask_mod_kv0", "mask_mod_kv1")
     assert "def mask_mod_kv(b, h, kv_idx, B0," in src.source
     assert "def mask_mod(b, h, q_idx, kv_idx, mask_mod_kv0, mask_mod_kv1, B0," in src.source
+    docs = torch.arange(KV, dtype=torch.int32) // 7
+    slopes = torch.tensor([0.5, -0.25, 2.0])  # head 1 sees nothing
+    for poison in (False, True):
+        out = torch.full((B, H, Q, KV), poison, dtype=torch.bool)
+        hoisted_out = evaluate_grid(Mod("mask", node, [docs, slopes]), B, H, Q, KV, out=out, hoist_kv=True)
+        assert_bit_exact(hoisted_out, eager(node, [docs, slopes]))
+    assert hoisted_out[:, 0].any() and not hoisted_out[:, 1].any()
     # nothing that reads memory along the KV axis only: one function, as without hoisting
     causal = ir.binary("ge", q_idx, kv_idx)
     assert emit.emit_mod(causal, "mask", hoist_kv=True) == emit.emit_mod(causal, "mask")
