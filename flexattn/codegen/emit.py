@@ -481,6 +481,17 @@ class ModSource:
         """Kernel-level parameter names (``prefix`` + param), each followed by ", "."""
         return "".join(f"{prefix}{p}, " for p in self.params)
 
+    def pre_arg_list(self) -> str:
+        """The names `pre_call` binds, each followed by ", " (arguments of the mod after kv_idx)."""
+        return "".join(f"{a}, " for a in self.pre_args)
+
+    def pre_call(self, prefix: str) -> str:
+        """The statement a kernel runs once per KV tile to bind `pre_args` (``pass`` without them);
+        ``prefix`` as in `param_list`."""
+        if not self.pre_args:
+            return "pass"
+        return f"{', '.join(self.pre_args)} = {self.name}_kv(b, h, kv_idx, {self.param_list(prefix)})"
+
 
 def buffer_params(buffers: list[ir.Buffer]) -> list[str]:
     out = []
@@ -608,8 +619,10 @@ def _emit_values(roots: list[Node], kind: str, bound: dict[int, str] | None = No
     nodes (by id) that are already computed, under these names (their operands are not emitted).
     """
     bound = bound or {}
-    axes = _axes(ir.toposort(roots))
-    order = ir.toposort(roots, stop=set(bound))
+    order = ir.toposort(roots)
+    axes = _axes(order)
+    if bound:
+        order = ir.toposort(roots, stop=set(bound))
     uses: dict[int, int] = {}
     for n in order:
         if id(n) in bound:

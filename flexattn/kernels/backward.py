@@ -68,14 +68,10 @@ def hopper_module(score: Mod, mask: Mod, fast_math: bool):
     def hooks():
         score_def, score_params = launch.mod_hooks(score, "gluon", "score_mod", "score_")
         mask_src = mask.emit("gluon", "mask_mod", hoist_kv=True)
-        mask_params = mask_src.param_list("mask_")
-        kv_args = "".join(f"{a}, " for a in mask_src.pre_args)
-        kv_call = (f"{', '.join(mask_src.pre_args)} = mask_mod_kv(b, h, kv_idx, {mask_params})"
-                   if mask_src.pre_args else "pass")
         dscore = emit.emit_score_grad(score_mod_grad(score).score, (), "score_mod_dscore", "gluon", q_axis=1)
         return {"score_mod_def": score_def, "mask_mod_def": mask_src.source, "score_dscore_def": dscore.source,
-                "score_mod_params": score_params, "mask_mod_params": mask_params,
-                "mask_kv_args": kv_args, "mask_kv_call": kv_call,
+                "score_mod_params": score_params, "mask_mod_params": mask_src.param_list("mask_"),
+                "mask_kv_args": mask_src.pre_arg_list(), "mask_kv_call": mask_src.pre_call("mask_"),
                 "score_dscore_args": dscore.param_list("score_")}
 
     return launch.kernel_module(
