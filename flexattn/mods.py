@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from flexattn import ir
-from flexattn.codegen import emit
+from flexattn.codegen import affine, emit
 
 SCORE, MASK = "score", "mask"
 ARITY = {SCORE: 5, MASK: 4}
@@ -88,6 +88,15 @@ class Mod:
             if n.op == "input" and n.arg == "score":
                 return n.dtype
         return None
+
+    @property
+    def affine(self) -> bool:
+        """Whether a score mod is affine in the score and the positions (codegen/affine.py): the
+        kernels then skip its per-score arithmetic."""
+        known = self.__dict__.get("_affine")
+        if known is None:
+            known = self.__dict__["_affine"] = self.kind == SCORE and affine.split(self.ir) is not None
+        return known
 
     def key(self) -> str:
         """Structural cache key: equal for mods that generate the same kernel code."""

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from flexattn import ir
+from flexattn.codegen import affine
 from flexattn.ir import Node
 
 TL_DTYPE = {
@@ -476,6 +477,7 @@ class ModSource:
     params: tuple[str, ...]
     buffers: tuple[ir.Buffer, ...]
     pre_args: tuple[str, ...] = ()  # values computed once per KV tile (``emit_mod(hoist_kv=True)``)
+    affine: bool = False  # the source also defines ``{name}_affine`` (a score mod: see codegen/affine.py)
 
     def param_list(self, prefix: str) -> str:
         """Kernel-level parameter names (``prefix`` + param), each followed by ", "."""
@@ -568,6 +570,9 @@ def emit_mod(root: Node, kind: str, name: str | None = None, target: str = "cuda
             pre_body = "\n".join(f"    {line}" for line in pre_lines + [f"return {values}"])
             pre_src = f"@triton.jit\ndef {name}_kv({', '.join(['b', 'h', 'kv_idx'] + params)}):\n{pre_body}\n\n\n"
     lines, expr, _, axes = _emit_values([root], kind, bound)
+    form = affine.split(root) if kind == "score" else None
+    if form is not None:
+        pre_src += _emit_scalars(list(form.nodes()), f"{name}_affine", ["b", "h"] + params)
 
     result = expr[id(root)]
     if kind == "score":
@@ -591,7 +596,23 @@ def emit_mod(root: Node, kind: str, name: str | None = None, target: str = "cuda
     src = f"{pre_src}@triton.jit\ndef {name}({sig}):\n{body}\n"
     if target == "gluon":
         src = _gluon_constants(src)
-    return ModSource(name, kind, src, tuple(params), tuple(buffers), pre_args)
+    return ModSource(name, kind, src, tuple(params), tuple(buffers), pre_args, form is not None)
+
+
+def _emit_scalars(roots: list[Node], name: str, params: list[str]) -> str:
+    """``@triton.jit def {name}(<params>)`` returning ``roots`` (which read b, h and buffers only)
+    as float32 scalars."""
+    lines, expr, _, _ = _emit_values(roots, "mask")
+    values = []
+    for n in roots:
+        e = expr[id(n)]
+        if n.op == "const":
+            e = f"tl.full([], {_pyval(n.arg)}, tl.float32)"
+        elif n.dtype != torch.float32:
+            e = f"{e}.to(tl.float32)"
+        values.append(e)
+    body = "\n".join(f"    {line}" for line in lines + [f"return {', '.join(values)}"])
+    return f"@triton.jit\ndef {name}({', '.join(params)}):\n{body}\n\n\n"
 
 
 _TILE_FULL = re.compile(r"tl\.full\(score\.shape, ([^,]+), (tl\.\w+)\)")

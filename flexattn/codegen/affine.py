@@ -1,0 +1,141 @@
+"""Score mods that are affine in the score and the positions: ALiBi and other additive biases.
+
+A score_mod of the form
+
+    score_mod(score, b, h, q_idx, kv_idx) = S(b, h) * score + K(b, h) * kv_idx + Q(b, h) * q_idx + C(b, h)
+
+(``score + slopes[h] * (kv_idx - q_idx)``, ``score * temperature[h] + bias[h]``, ``score + 0.1 *
+(q_idx - kv_idx)``) lets a kernel skip the mod's per-score arithmetic. In base 2, relative to a
+reference position ``r`` (an integer the kernel picks, near the tile, so that the terms stay as
+small as the bias itself):
+
+    score_mod(...) / ln 2 = s * (S / ln 2) + u(kv_idx) + w(q_idx)
+    u(kv_idx) = K * (kv_idx - r) / ln 2
+    w(q_idx)  = (Q * (q_idx - r) + (K + Q) * r + C) / ln 2
+
+u is a vector over a tile's KV columns and w one over its query rows. The softmax is the same
+after adding a per-row constant, so the forward runs its online softmax on ``s * S / ln 2 + u``
+and adds w to the row's LSE (and max) at the end; the backward's P is ``exp2(s * S / ln 2 + u -
+(LSE / ln 2 - w))``. Per score that is one FMA where the mod's own code was several operations
+(an integer subtraction, a conversion, a multiply and two adds for ALiBi), and the result differs
+from the direct evaluation by rounding only. For ALiBi K + Q is 0 exactly, so w is ``Q * (q_idx -
+r)``: no large absolute positions enter the sum.
+
+`split` recognises the form on the IR; `flexattn.codegen.emit.emit_mod` then also writes
+``{name}_affine(b, h, <buffers>)``, which returns (S, K, Q, C) as float32 scalars. Not recognised (the kernels evaluate the mod
+directly): anything nonlinear in the score or the positions (``q_idx * kv_idx``, ``where``,
+``tanh``), gathers indexed by a position (``bias[kv_idx - q_idx]``), positions or scores in
+half precision, float64, or integer arithmetic whose multiplier is not a small constant (see
+`MAX_INT_FACTOR`: the direct integer arithmetic of the mod must not be able to overflow where the
+split form would not).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flexattn import ir
+from flexattn.ir import Node
+
+# Integer terms may be scaled by constants up to this size only: with positions below 2^24 no
+# such term overflows int32 in the mod's own arithmetic, which the split form would not reproduce.
+MAX_INT_FACTOR = 64
+_VARS = ("score", "q_idx", "kv_idx")
+_DTYPES = (torch.float32, torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class Affine:
+    """The coefficients of an affine score_mod: float32 nodes that read b, h and buffers only."""
+
+    score: Node
+    kv: Node
+    q: Node
+    const: Node
+
+    def nodes(self) -> tuple[Node, Node, Node, Node]:
+        return (self.score, self.kv, self.q, self.const)
+
+
+Form = dict  # basis ("score", "q_idx", "kv_idx", "1") -> coefficient node
+
+
+def _combine(op: str, a: Form, b: Form, dtype: torch.dtype) -> Form:
+    out = {}
+    for basis in a.keys() | b.keys():
+        if basis in a and basis in b:
+            out[basis] = ir.binary(op, a[basis], b[basis])
+        elif basis in a:
+            out[basis] = a[basis]
+        else:
+            out[basis] = b[basis] if op == "add" else ir.unary("neg", b[basis])
+    return {k: ir.cast(v, dtype) for k, v in out.items()}
+
+
+def split(root: Node) -> Affine | None:
+    """The coefficients of ``root`` (a score_mod's IR) when it is affine as described above,
+    else None."""
+    if root.dtype != torch.float32:
+        return None
+    order = ir.toposort(root)
+    varies: dict[int, frozenset] = {}
+    forms: dict[int, Form | None] = {}
+    for n in order:
+        if n.op == "input":
+            varies[id(n)] = frozenset([n.arg]) & frozenset(_VARS)
+        else:
+            varies[id(n)] = frozenset().union(*(varies[id(s)] for s in n.src)) if n.src else frozenset()
+        forms[id(n)] = _form(n, varies, forms)
+    form = forms[id(root)]
+    if form is None or "score" not in form:
+        return None
+    f32 = torch.float32
+    coef = {k: ir.cast(v, f32) for k, v in form.items()}
+    zero = ir.const(0.0, f32)
+    return Affine(coef["score"], coef.get("kv_idx", zero), coef.get("q_idx", zero), coef.get("1", zero))
+
+
+def _times(coef: Node, factor: Node) -> Node:
+    """coef * factor, without the multiply when the coefficient is 1 or -1 (a position's own)."""
+    if coef.op == "const" and coef.arg in (1, -1):
+        factor = ir.cast(factor, coef.dtype)
+        return factor if coef.arg == 1 else ir.unary("neg", factor)
+    return ir.binary("mul", coef, factor)
+
+
+def _form(n: Node, varies: dict, forms: dict) -> Form | None:
+    if not varies[id(n)]:
+        return {"1": n}  # b, h, constants, gathers at b / h: a coefficient as it stands
+    if n.dtype not in _DTYPES:
+        return None
+    if n.op == "input":
+        return {n.arg: ir.const(1, n.dtype)}
+    src = [forms[id(s)] for s in n.src]
+    if any(f is None for f in src):
+        return None
+    if n.op in ("add", "sub"):
+        return _combine(n.op, src[0], src[1], n.dtype)
+    if n.op == "neg":
+        return {k: ir.unary("neg", v) for k, v in src[0].items()}
+    if n.op == "cast":
+        s = n.src[0]
+        if s.dtype not in _DTYPES or (n.dtype != torch.float32 and s.dtype == torch.float32):
+            return None  # (float -> int truncates)
+        return {k: ir.cast(v, n.dtype) for k, v in src[0].items()}
+    if n.op == "mul":
+        a, b = n.src
+        if varies[id(a)] and varies[id(b)]:
+            return None
+        form, factor = (src[0], b) if varies[id(a)] else (src[1], a)
+        if not n.dtype.is_floating_point and not (factor.op == "const" and abs(factor.arg) <= MAX_INT_FACTOR):
+            return None
+        return {k: _times(v, factor) for k, v in form.items()}
+    if n.op == "truediv":
+        a, b = n.src
+        if varies[id(b)]:
+            return None
+        return {k: ir.binary("truediv", v, b) for k, v in src[0].items()}
+    return None
+

@@ -1,0 +1,149 @@
+"""Affine score_mods (flexattn/codegen/affine.py): which mods have the form S score + K kv_idx +
+Q q_idx + C with coefficients of b and h, that the coefficients reproduce the mod, and that the
+forward's SCORE_AFFINE path (the Triton template on the interpreter; the Gluon kernels in
+test_*_hopper_gpu.py) gives the float64 result, LSE and row max included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flexattn import ir, tracer
+from flexattn.codegen import affine
+from flexattn.mods import SCORE, Mod
+from helpers import testing
+
+H = 4
+SLOPES = torch.exp2(-8.0 * (torch.arange(H, dtype=torch.float32) + 1) / H)
+TEMP = torch.tensor([1.5, -0.5, 2.0, 0.25])
+BIAS_BF16 = torch.tensor([0.5, -1.25, 3.0, 0.0], dtype=torch.bfloat16)
+BATCH_BIAS = torch.tensor([[0.1, 0.2, -0.3, 0.4], [-1.0, 0.5, 0.0, 2.0]])
+REL = torch.randn(H, 64)
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(nan_outputs):
+    """Outputs start as NaN (tests/conftest.py)."""
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score + SLOPES[h] * (kv_idx - q_idx)
+
+
+def tempered_bias(score, b, h, q_idx, kv_idx):
+    return score * TEMP[h] + BIAS_BF16[h] + 0.01 * (q_idx - 2 * kv_idx) - BATCH_BIAS[b, h]
+
+
+def integer_distance(score, b, h, q_idx, kv_idx):
+    return (score - (3 * kv_idx - q_idx + h) / 8) / 2
+
+
+def _mod(fn):
+    return tracer.trace(fn, SCORE, score_dtype=torch.float32, device=torch.device("cpu"))
+
+
+# -- which mods have the form ------------------------------------------------------------------
+
+AFFINE = [alibi, tempered_bias, integer_distance,
+          lambda s, b, h, q, k: s,
+          lambda s, b, h, q, k: s * 0.5 - h,
+          lambda s, b, h, q, k: s + (k - q).float() * SLOPES[h] + SLOPES[b]]
+NOT_AFFINE = {
+    "product of positions": lambda s, b, h, q, k: s + q * k * 1e-3,
+    "where": lambda s, b, h, q, k: torch.where(q >= k, s, s * 0.5),
+    "tanh": lambda s, b, h, q, k: 30 * torch.tanh(s / 30),
+    "square of the score": lambda s, b, h, q, k: s * s,
+    "gather at a position": lambda s, b, h, q, k: s + REL[h, (k - q) % 64],
+    "bfloat16 product": lambda s, b, h, q, k: s + BIAS_BF16[h] * (k - q),
+    "large integer factor": lambda s, b, h, q, k: s + (1000 * k).float(),
+    "no score": lambda s, b, h, q, k: SLOPES[h] * (k - q),
+    "integer division": lambda s, b, h, q, k: s + (k - q) // 2,
+    "score truncated": lambda s, b, h, q, k: s.to(torch.int32).to(torch.float32) + k,
+}
+
+
+def _coefficients(form: affine.Affine, buffers, b: int, h: int) -> list[float]:
+    env = {"b": torch.tensor(b, dtype=torch.int32), "h": torch.tensor(h, dtype=torch.int32)}
+    return [ir.evaluate(n, env, buffers).double().item() for n in form.nodes()]
+
+
+def _assert_reproduces(mod: Mod, form: affine.Affine, B: int, Hn: int, L: int) -> None:
+    """S score + K kv + Q q + C against the mod in float64, on every (b, h, q, kv) of a grid."""
+    score = testing.random_score(B, Hn, L, L, torch.float64, seed=3) * 4
+    b, h, q, kv = testing.index_grid(B, Hn, L, L)
+    want = testing.reference_fp64(mod.ir, mod.buffers, B, Hn, L, L, score=score)
+    coef = torch.tensor([[_coefficients(form, mod.buffers, i, j) for j in range(Hn)] for i in range(B)],
+                        dtype=torch.float64)[:, :, None, None, :]
+    got = coef[..., 0] * score + coef[..., 1] * kv + coef[..., 2] * q + coef[..., 3]
+    scale = 1.0 + want.abs()
+    assert ((got - want).abs() / scale).max().item() < 1e-5, f"{mod.source}: {form}"
+
+
+@pytest.mark.parametrize("fn", AFFINE, ids=range(len(AFFINE)))
+def test_affine_forms_are_recognised_with_their_coefficients(fn):
+    mod = _mod(fn)
+    form = affine.split(mod.ir)
+    assert form is not None and mod.affine
+    _assert_reproduces(mod, form, 2, H, 40)
+    source = mod.emit("cuda")
+    assert source.affine and "def score_mod_affine(b, h" in source.source
+
+
+def test_alibi_coefficients_cancel_exactly():
+    """K + Q == 0 for ALiBi, so w(q_idx) holds no absolute position (see affine.py)."""
+    form = affine.split(_mod(alibi).ir)
+    for h in range(H):
+        s, k, q, c = _coefficients(form, (SLOPES,), 0, h)
+        assert (s, k + q, c) == (1.0, 0.0, 0.0) and k == SLOPES[h].item()
+
+
+@pytest.mark.parametrize("name", list(NOT_AFFINE))
+def test_other_mods_are_not_affine(name):
+    mod = _mod(NOT_AFFINE[name])
+    assert affine.split(mod.ir) is None and not mod.affine and not mod.emit("cuda").affine
+
+
+@st.composite
+def affine_trees(draw):
+    """Random affine score_mods over b, h, positions, a per-head table and constants."""
+    table = ir.Buffer(0, "t", torch.float32, 1)
+
+    def coefficient(depth):
+        kind = draw(st.sampled_from(["const", "table", "h", "b"] + ["sum"] * (depth > 0)))
+        if kind == "const":
+            return ir.const(draw(st.sampled_from([0.5, -1.0, 3.0, 0.125, -0.01])))
+        if kind == "table":
+            return ir.load(table, [ir.input_("h")])
+        if kind in ("h", "b"):
+            return ir.cast(ir.input_(kind), torch.float32)
+        return ir.binary("add", coefficient(depth - 1), coefficient(depth - 1))
+
+    def position_term():
+        # integer arithmetic on the positions (small constant factors), then a float coefficient
+        q, k = ir.input_("q_idx"), ir.input_("kv_idx")
+        a, c = draw(st.integers(-3, 3)), draw(st.integers(-3, 3))
+        t = ir.binary("add", ir.binary("mul", k, a), ir.binary("mul", q, c))
+        t = ir.cast(ir.binary("sub", t, draw(st.integers(-5, 5))), torch.float32)
+        if draw(st.booleans()):
+            return ir.binary("truediv", t, draw(st.sampled_from([2.0, 8.0, 3.0])))
+        return ir.binary("mul", coefficient(1), t)
+
+    node = ir.binary("mul", ir.input_("score"), coefficient(1)) if draw(st.booleans()) else ir.input_("score")
+    for _ in range(draw(st.integers(1, 3))):
+        op = draw(st.sampled_from(["add", "sub"]))
+        node = ir.binary(op, node, position_term() if draw(st.booleans()) else coefficient(1))
+    if draw(st.booleans()):
+        node = ir.unary("neg", node)
+    return node
+
+
+@settings(max_examples=60, deadline=None)
+@given(tree=affine_trees())
+def test_random_affine_mods_split_into_coefficients_that_reproduce_them(tree):
+    mod = Mod(SCORE, tree, (torch.tensor([0.3, -2.0, 1.0, 0.75]),))
+    form = affine.split(tree)
+    assert form is not None, mod.source
+    _assert_reproduces(mod, form, 2, H, 24)
