@@ -18,7 +18,10 @@ after adding a per-row constant, so the forward runs its online softmax on ``s *
 and adds w to the row's LSE (and max) at the end; the backward's P is ``exp2(s * S / ln 2 + u -
 (LSE / ln 2 - w))``. Per score that is one FMA where the mod's own code was several operations
 (an integer subtraction, a conversion, a multiply and two adds for ALiBi), and the result differs
-from the direct evaluation by rounding only. For ALiBi K + Q is 0 exactly, so w is ``Q * (q_idx -
+from the direct evaluation by rounding only: u and w each hold up to |K| times a tile's rows
+(base 2), so their sum carries a few float32 ulp of that (ALiBi at 64 rows: ~1e-5), far below a
+16-bit input's rounding; the kernels take this form for 16-bit and float8 inputs only
+(`flexattn.kernels.launch.affine_scores`). For ALiBi K + Q is 0 exactly, so w is ``Q * (q_idx -
 r)``: no large absolute positions enter the sum.
 
 `split` recognises the form on the IR; `flexattn.codegen.emit.emit_mod` then also writes
@@ -44,6 +47,14 @@ from flexattn.ir import Node
 MAX_INT_FACTOR = 64
 _VARS = ("score", "q_idx", "kv_idx")
 _DTYPES = (torch.float32, torch.int32, torch.int64)
+# Float coefficients are computed in float64 and rounded to float32 once, at the end: a mod that
+# sums many terms (constants folded here, or products of captured values in the kernel) would
+# otherwise round at every step of a different order than the mod's own.
+_COEF = torch.float64
+
+
+def _coef_dtype(dtype: torch.dtype) -> torch.dtype:
+    return _COEF if dtype.is_floating_point else dtype
 
 
 @dataclass(frozen=True)
@@ -71,7 +82,7 @@ def _combine(op: str, a: Form, b: Form, dtype: torch.dtype) -> Form:
             out[basis] = a[basis]
         else:
             out[basis] = b[basis] if op == "add" else ir.unary("neg", b[basis])
-    return {k: ir.cast(v, dtype) for k, v in out.items()}
+    return {k: ir.cast(v, _coef_dtype(dtype)) for k, v in out.items()}
 
 
 def split(root: Node) -> Affine | None:
@@ -107,11 +118,11 @@ def _times(coef: Node, factor: Node) -> Node:
 
 def _form(n: Node, varies: dict, forms: dict) -> Form | None:
     if not varies[id(n)]:
-        return {"1": n}  # b, h, constants, gathers at b / h: a coefficient as it stands
+        return {"1": ir.cast(n, _coef_dtype(n.dtype))}  # b, h, constants, gathers at b / h
     if n.dtype not in _DTYPES:
         return None
     if n.op == "input":
-        return {n.arg: ir.const(1, n.dtype)}
+        return {n.arg: ir.const(1, _coef_dtype(n.dtype))}
     src = [forms[id(s)] for s in n.src]
     if any(f is None for f in src):
         return None
@@ -123,7 +134,7 @@ def _form(n: Node, varies: dict, forms: dict) -> Form | None:
         s = n.src[0]
         if s.dtype not in _DTYPES or (n.dtype != torch.float32 and s.dtype == torch.float32):
             return None  # (float -> int truncates)
-        return {k: ir.cast(v, n.dtype) for k, v in src[0].items()}
+        return {k: ir.cast(v, _coef_dtype(n.dtype)) for k, v in src[0].items()}
     if n.op == "mul":
         a, b = n.src
         if varies[id(a)] and varies[id(b)]:
@@ -131,11 +142,12 @@ def _form(n: Node, varies: dict, forms: dict) -> Form | None:
         form, factor = (src[0], b) if varies[id(a)] else (src[1], a)
         if not n.dtype.is_floating_point and not (factor.op == "const" and abs(factor.arg) <= MAX_INT_FACTOR):
             return None
+        factor = ir.cast(factor, _coef_dtype(factor.dtype))
         return {k: _times(v, factor) for k, v in form.items()}
     if n.op == "truediv":
         a, b = n.src
         if varies[id(b)]:
             return None
-        return {k: ir.binary("truediv", v, b) for k, v in src[0].items()}
+        return {k: ir.binary("truediv", v, ir.cast(b, _COEF)) for k, v in src[0].items()}
     return None
 
