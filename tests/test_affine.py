@@ -6,15 +6,22 @@ test_*_hopper_gpu.py) gives the float64 result, LSE and row max included.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexattn import ir, tracer
+from flexattn.attention import flex_attention
+from flexattn.auxiliary import AuxRequest
 from flexattn.codegen import affine
+from flexattn.kernels import launch, plans
 from flexattn.mods import SCORE, Mod
+from flexattn.reference import attention_reference
 from helpers import testing
+from test_forward import check, make_block_mask, make_qkv
 
 H = 4
 SLOPES = torch.exp2(-8.0 * (torch.arange(H, dtype=torch.float32) + 1) / H)
@@ -147,3 +154,67 @@ def test_random_affine_mods_split_into_coefficients_that_reproduce_them(tree):
     form = affine.split(tree)
     assert form is not None, mod.source
     _assert_reproduces(mod, form, 2, H, 24)
+
+
+# -- the forward's SCORE_AFFINE path on the interpreter -----------------------------------------
+
+
+def _took_affine_path() -> bool:
+    return any(getattr(p, "kernel", None) is not None and p.kernel.constexprs.get("SCORE_AFFINE")
+               for p in plans.FORWARD.plans.values())
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fn, scale", [(alibi, None), (tempered_bias, -0.2), (integer_distance, 0.3)],
+                         ids=["alibi", "tempered_bias", "integer_distance"])
+def test_forward_takes_the_affine_form(fn, scale, dtype):
+    """Lengths that are not multiples of the tiles, GQA, a causal block mask, LSE and row max."""
+    plans.FORWARD.plans.clear()
+    q, k, v = make_qkv(2, H, 2, 77, 131, 32, 32, dtype, seed=5)
+    bm = make_block_mask(causal, None, None, 77, 131, 32)
+    check(q, k, v, score_mod=fn, block_mask=bm, enable_gqa=True, scale=scale)
+    assert _took_affine_path()
+    _, aux = flex_attention(q, k, v, score_mod=fn, block_mask=bm, enable_gqa=True, scale=scale,
+                            kernel_options={"FORCE_USE_FLEX_ATTENTION": True},
+                            return_aux=AuxRequest(max_scores=True))
+    scores = _reference_scores(q, k, fn, scale or 1 / math.sqrt(32))
+    want = scores.masked_fill(~causal(0, 0, *torch.meshgrid(torch.arange(77), torch.arange(131), indexing="ij")),
+                              -math.inf).amax(-1)
+    torch.testing.assert_close(aux.max_scores.double(), want, atol=1e-3, rtol=1e-5)
+
+
+def _reference_scores(q, k, fn, scale):
+    """The modified scores in float64 (query heads over a KV head group, as enable_gqa)."""
+    kk = k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = q.double() @ kk.transpose(-1, -2) * scale
+    b, h, i, j = testing.index_grid(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    return fn(s, b, h, i, j).double()
+
+
+def test_direct_and_affine_forms_agree(monkeypatch):
+    """The same calls with SCORE_AFFINE off (the mod evaluated per score): as close to float64."""
+    q, k, v = make_qkv(1, H, H, 100, 100, 16, 16, torch.float16, seed=9)
+    opts = {"FORCE_USE_FLEX_ATTENTION": True}
+    ref, ref_lse = attention_reference(q, k, v, score_mod=tempered_bias, return_lse=True)
+    errors = []
+    for on in (True, False):
+        if not on:
+            monkeypatch.setattr(launch, "affine_scores", lambda score, dtype: False)
+        plans.FORWARD.plans.clear()
+        out, lse = flex_attention(q, k, v, score_mod=tempered_bias, return_lse=True, kernel_options=opts)
+        assert _took_affine_path() == on
+        errors.append(((out.double() - ref).abs().max().item(), (lse.double() - ref_lse).abs().max().item()))
+    (out_affine, lse_affine), (out_direct, lse_direct) = errors
+    assert out_affine <= 1.25 * out_direct + 1e-4 and lse_affine <= 1e-5, errors
+
+
+def test_float32_inputs_keep_the_direct_path():
+    """Float32 inputs evaluate the mod per score (the split's rounding would show at their precision)."""
+    q, k, v = make_qkv(1, H, H, 40, 40, 16, 16, torch.float32)
+    plans.FORWARD.plans.clear()
+    check(q, k, v, score_mod=alibi)
+    assert not _took_affine_path()

@@ -14,9 +14,10 @@ import torch
 from helpers import testing
 from flexattn.attention import flex_attention
 from flexattn.block_mask import create_block_mask
-from flexattn.kernels import backward as bwd
+from flexattn.kernels import backward as bwd, plans
 from flexattn.reference import attention_reference
-from test_forward_gpu import causal, make_alibi, make_document_causal, sliding_window_1024, softcap
+from test_forward_gpu import (causal, make_alibi, make_document_causal, make_tempered_bias, sliding_window_1024,
+                              softcap)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU")]
@@ -103,6 +104,16 @@ def test_cross_lengths():
 def test_mods_with_captured_tensors():
     S = 3001
     check(2, 16, 4, S, S, 128, score_mod=make_alibi(16, "cuda"), mask_mod=make_document_causal(S, "cuda"))
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_affine_score_mods(D):
+    """ALiBi and a tempered bias take the kernel's SCORE_AFFINE path (flexattn/codegen/affine.py)."""
+    for fn in (make_alibi(8, "cuda"), make_tempered_bias(8, "cuda")):
+        plans.BACKWARD.plans.clear()
+        check(2, 8, 2, 1000, 1300, D, score_mod=fn, mask_mod=causal)
+        assert any(getattr(p, "main", None) is not None and p.main.constexprs.get("SCORE_AFFINE")
+                   for p in plans.BACKWARD.plans.values())
 
 
 def test_softcap_sliding_window_without_lse_grad():

@@ -53,6 +53,17 @@ def make_alibi(H: int, device):
     return alibi
 
 
+def make_tempered_bias(H: int, device):
+    """An affine score_mod with every coefficient in use (a negative score factor on some heads)."""
+    temp = torch.linspace(-1.0, 2.0, H, device=device)
+    bias = torch.linspace(-3.0, 3.0, H, device=device)
+
+    def tempered_bias(score, b, h, q_idx, kv_idx):
+        return score * temp[h] + bias[h] + 0.01 * (q_idx - 2 * kv_idx)
+
+    return tempered_bias
+
+
 def run_and_check(B, Hq, Hkv, S_Q, S_KV, D, dtype, score_mod=None, mask_mod=None, block=128, options=None):
     torch.manual_seed(0)
     dev = "cuda"

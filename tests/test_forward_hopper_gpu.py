@@ -14,8 +14,10 @@ from helpers import testing
 from flexattn.attention import flex_attention
 from flexattn.auxiliary import AuxRequest
 from flexattn.block_mask import create_block_mask
+from flexattn.kernels import plans
 from flexattn.reference import attention_reference
-from test_forward_gpu import causal, make_alibi, make_document_causal, sliding_window_1024, softcap
+from test_forward_gpu import (causal, make_alibi, make_document_causal, make_tempered_bias, sliding_window_1024,
+                              softcap)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU")]
@@ -86,6 +88,22 @@ def test_fully_masked_rows():
 def test_head_dim_256(S):
     check(*qkv(2, 4, 4, S, S, 256))
     check(*qkv(1, 8, 2, S, S, 256), score_mod=make_alibi(8, "cuda"), mask_mod=make_document_causal(S, "cuda"))
+
+
+@pytest.mark.parametrize("D", [128, 256])
+def test_affine_score_mods(D):
+    """ALiBi and a tempered bias take the kernel's SCORE_AFFINE path (flexattn/codegen/affine.py):
+    output, LSE and the row max, at lengths that are not multiples of the tiles."""
+    for fn in (make_alibi(8, "cuda"), make_tempered_bias(8, "cuda")):
+        plans.FORWARD.plans.clear()
+        q, k, v = qkv(2, 8, 2, 1500, 1700, D)
+        out, aux = check(q, k, v, score_mod=fn, mask_mod=causal)
+        assert any(p.kernel.constexprs.get("SCORE_AFFINE") for p in plans.FORWARD.plans.values())
+        kk = k.float().repeat_interleave(4, dim=1)
+        i, j = torch.arange(1500, device="cuda")[:, None], torch.arange(1700, device="cuda")[None, :]
+        h = torch.arange(8, device="cuda")[:, None, None]
+        s = fn((q.float() @ kk.transpose(-1, -2)) / math.sqrt(D), 0, h, i, j).masked_fill(i < j, -math.inf)
+        torch.testing.assert_close(aux.max_scores, s.amax(-1), atol=3e-2, rtol=1e-3)
 
 
 def test_permuted_layout():

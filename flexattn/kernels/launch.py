@@ -72,6 +72,17 @@ def raw_scores(score, acc: torch.dtype) -> bool:
     return score.ir.op == "input" and acc == torch.float32 and score.score_dtype in (None, acc)
 
 
+def affine_scores(score, dtype: torch.dtype) -> bool:
+    """Whether the kernels take score_mod's affine form (their SCORE_AFFINE, codegen/affine.py): a
+    score_mod other than the identity that has one, for 16-bit and float8 inputs. Its two position
+    terms cancel to a few float32 ulp of |K| times a tile's rows, far below those inputs' rounding;
+    float32 and float64 inputs keep the mod's own arithmetic."""
+    return score.affine and score.ir.op != "input" and dtype in _AFFINE_DTYPES
+
+
+_AFFINE_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+
+
 def dot_precision(device: torch.device, dtype: torch.dtype) -> str:
     return "tf32" if dtype == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32 \
         else "ieee"

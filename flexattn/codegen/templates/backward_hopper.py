@@ -13,6 +13,9 @@
 # Per query tile a consumer, with w its 64 KV rows:
 #   S = Q K_w^T, dP = dO V_w^T                 (asynchronous; see LATE_DP_WAIT for P's exp2)
 #   P = exp2(S / ln 2 - LSE / ln 2),  dS = P (dP - Delta) d score_mod / d score
+#                                              (SCORE_AFFINE, forward.py: exp2 of q.k c + u(kv_idx) -
+#                                              (LSE / ln 2 - w(q_idx)), positions relative to the query
+#                                              tile's first row)
 #   P, dS -> shared memory (p_bufs, ds_bufs)  the A operands below, read transposed
 #   dV_w += P^T dO,  dK_w += dS^T Q
 #   dQ = dS K * SM_SCALE                       a half of the columns per consumer, over both
@@ -117,12 +120,17 @@ def tile_valid(j, n_partial, b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_kv_args $
 
 
 @gluon.jit
-def p_and_ds(s, dp, valid, lse2, delta, b, h, q_idx, kv_idx, SM_SCALE,
+def p_and_ds(s, dp, valid, lse2, delta, b, h, q_idx, kv_idx, SM_SCALE, qk_factor, kv_term, ds_factor,
              $score_mod_params $mask_mod_params
-             SCORES_IN_BASE2: gl.constexpr, SCORE_DTYPE: gl.constexpr):
+             SCORES_IN_BASE2: gl.constexpr, SCORE_AFFINE: gl.constexpr, SCORE_DTYPE: gl.constexpr):
     """P from the scores and the saved LSE (base 2), zero where not valid; then, once dP is
-    ready, dS through score_mod's derivative."""
-    if SCORES_IN_BASE2:
+    ready, dS through score_mod's derivative. SCORE_AFFINE: lse2 holds LSE - w(q_idx) (base 2),
+    kv_term is u(kv_idx), ds_factor the derivative."""
+    if SCORE_AFFINE:
+        p = gl.where(valid, gl.exp2(s * qk_factor + kv_term - lse2), 0.0)
+        dp = warpgroup_mma_wait(0, deps=(dp, ))
+        ds = p * (dp - delta) * ds_factor
+    elif SCORES_IN_BASE2:
         p = gl.where(valid, gl.exp2(s * (SM_SCALE * LOG2E) - lse2), 0.0)
         dp = warpgroup_mma_wait(0, deps=(dp, ))
         ds = p * (dp - delta)
@@ -149,7 +157,7 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
              WG: gl.constexpr, GQA_SHARED_HEADS: gl.constexpr, TILES_PER_BLOCK: gl.constexpr,
              SPARSE_Q_BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
              BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr,
-             LATE_DP_WAIT: gl.constexpr, SCORE_DTYPE: gl.constexpr):
+             SCORE_AFFINE: gl.constexpr, LATE_DP_WAIT: gl.constexpr, SCORE_DTYPE: gl.constexpr):
     NUM_BUFFERS: gl.constexpr = q_bufs.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[3]
@@ -195,6 +203,17 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
         DELTAh = DELTA + (b64 * HQ + h64) * Q_LEN
         # mask_mod's values that depend on this KV tile and head only (doc[kv_idx]), read once here
         $mask_kv_call
+        qk_factor = SM_SCALE
+        kv_factor = 0.0
+        ds_factor = 1.0
+        aff_k = 0.0
+        aff_q = 0.0
+        aff_c = 0.0
+        if SCORE_AFFINE:  # the affine form's factors for this head
+            aff_s, aff_k, aff_q, aff_c = score_mod_affine(b, h, $score_mod_params)
+            qk_factor = SM_SCALE * aff_s * LOG2E
+            kv_factor = aff_k * LOG2E
+            ds_factor = aff_s
         n_partial, n_tiles, P_IDX, F_IDX = q_lists(
             Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX, b, h, kv_blk,
             stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
@@ -214,6 +233,10 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
             rows = start + gl.arange(0, BLOCK_M, layout=row_s)
             lse = gl.load(LSEh + rows * stride_lm, mask=rows < Q_LEN, other=float("inf"))
             # [Note] a fully masked row has LSE -inf: +inf makes its P exactly 0, as in backward.py
+            kv_term = 0.0
+            if SCORE_AFFINE:  # positions relative to the query tile's first row: u(kv_idx), and LSE - w(q_idx)
+                kv_term = kv_factor * (kv_idx - start).to(gl.float32)
+                lse = lse - (aff_q * (rows - start).to(gl.float32) + ((aff_k + aff_q) * start.to(gl.float32) + aff_c))
             lse2 = gl.expand_dims(gl.where(lse == -float("inf"), float("inf"), lse * LOG2E), 1)
             delta = gl.expand_dims(gl.load(DELTAh + rows, mask=rows < Q_LEN, other=0.0), 1)
             q_idx = gl.expand_dims(rows, 1)
@@ -232,24 +255,32 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
                 else:  # (read only on the masked path below; defined here for the merge)
                     valid = gl.full([BLOCK_M, ROWS], True, gl.int1, layout=s_layout)
                 qk = (s * SM_SCALE).to(SCORE_DTYPE)
-                s = score_mod(qk, b, h, q_idx, kv_idx, $score_mod_params).to(gl.float32)
-                if masked:
-                    p = gl.where(valid, gl.exp2(s * LOG2E - lse2), 0.0)
+                if SCORE_AFFINE:
+                    t = s * qk_factor + kv_term - lse2
                 else:
-                    p = gl.exp2(s * LOG2E - lse2)
+                    s = score_mod(qk, b, h, q_idx, kv_idx, $score_mod_params).to(gl.float32)
+                    t = s * LOG2E - lse2
+                if masked:
+                    p = gl.where(valid, gl.exp2(t), 0.0)
+                else:
+                    p = gl.exp2(t)
                 dp = warpgroup_mma_wait(0, deps=(dp, ))
                 ds = p * (dp - delta)
-                if masked:
+                if SCORE_AFFINE:
+                    ds = ds * ds_factor
+                elif masked:
                     ds = score_mod_dscore(qk, b, h, q_idx, kv_idx, ds, valid, $score_dscore_args).to(gl.float32)
                 else:
                     ds = score_mod_dscore(qk, b, h, q_idx, kv_idx, ds, True, $score_dscore_args).to(gl.float32)
             elif masked:
                 valid = tile_valid(j, n_partial, b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_kv_args $mask_mod_params)
-                p, ds = p_and_ds(s, dp, valid, lse2, delta, b, h, q_idx, kv_idx, SM_SCALE,
-                                 $score_mod_params $mask_mod_params SCORES_IN_BASE2, SCORE_DTYPE)
+                p, ds = p_and_ds(s, dp, valid, lse2, delta, b, h, q_idx, kv_idx, SM_SCALE, qk_factor, kv_term,
+                                 ds_factor, $score_mod_params $mask_mod_params
+                                 SCORES_IN_BASE2, SCORE_AFFINE, SCORE_DTYPE)
             else:
-                p, ds = p_and_ds(s, dp, True, lse2, delta, b, h, q_idx, kv_idx, SM_SCALE,
-                                 $score_mod_params $mask_mod_params SCORES_IN_BASE2, SCORE_DTYPE)
+                p, ds = p_and_ds(s, dp, True, lse2, delta, b, h, q_idx, kv_idx, SM_SCALE, qk_factor, kv_term,
+                                 ds_factor, $score_mod_params $mask_mod_params
+                                 SCORES_IN_BASE2, SCORE_AFFINE, SCORE_DTYPE)
             # -- P and dS to shared memory: the A operands of dV += P^T dO and dK += dS^T Q (transposed
             # views), and dS, with the other consumer's half, of dQ = dS K
             ds_s = ds_bufs.index(it % 2)
@@ -304,7 +335,8 @@ def flex_attention_backward(
     SPARSE_Q_BLOCK_SIZE: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr,
     GQA_SHARED_HEADS: gl.constexpr, KV_BATCH_BROADCAST: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
     BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr,
-    LATE_DP_WAIT: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SCORE_DTYPE: gl.constexpr,
+    SCORE_AFFINE: gl.constexpr, LATE_DP_WAIT: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    SCORE_DTYPE: gl.constexpr,
 ):
     gl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M == 0)
     gl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N == 0)
@@ -351,7 +383,7 @@ def flex_attention_backward(
                     stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
                     b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
                     0, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
-                    BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, LATE_DP_WAIT, SCORE_DTYPE)),
+                    BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT, SCORE_DTYPE)),
         (consumer, (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, q_ready, q_empty, do_ready, do_empty,
                     ds_ready, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
                     $score_mod_params $mask_mod_params
@@ -361,7 +393,7 @@ def flex_attention_backward(
                     stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
                     b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
                     1, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
-                    BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, LATE_DP_WAIT, SCORE_DTYPE)),
+                    BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT, SCORE_DTYPE)),
         (loader, (Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
                   Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
                   stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,

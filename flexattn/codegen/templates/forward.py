@@ -44,6 +44,12 @@
 #                          without it for other scales): SM_SCALE is multiplied by 1 / ln 2 once
 #                          and the raw q.k tile goes to the softmax, which folds the scale into
 #                          exp2's argument (one FMA per score; a score_mod needs one multiply more)
+#   SCORE_AFFINE           score_mod is affine in the score and the positions (codegen/affine.py:
+#                          S score + K kv_idx + Q q_idx + C, ALiBi): the scores go to the softmax in
+#                          base 2 as q.k (scale S / ln 2) + u(kv_idx), one FMA per score, and each
+#                          row's w(q_idx) is added to its LSE and max at the end; positions are taken
+#                          relative to the tile's first row. score_mod_affine(b, h, <buffers>) gives
+#                          (S, K, Q, C)
 #   LONGEST_FIRST          launch query tiles last to first (under a causal mask the last see the
 #                          most KV blocks; starting them first shortens the tail of the launch)
 #   IS_FP8                 Q, K, V are float8_e4m3fn: Q K^T runs in float8 with the descales folded
@@ -76,7 +82,7 @@ $tile_helpers
 @triton.jit
 def forward_inner(
     acc, l_i, m_i, q, K, V, BLOCK_IDX, num_blocks,
-    b, h, offs_m, KV_LEN, SM_SCALE,
+    b, h, offs_m, KV_LEN, SM_SCALE, KV_FACTOR, REF,
     stride_kn, stride_kk, stride_vn, stride_vk,
     $score_mod_params $mask_mod_params
     IS_FULL_BLOCKS: tl.constexpr,
@@ -85,7 +91,7 @@ def forward_inner(
     V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
     IS_DIVISIBLE: tl.constexpr, PRESCALE_QK: tl.constexpr, ROWS_GUARANTEED_SAFE: tl.constexpr,
     BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr, SCORES_IN_BASE2: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
+    SCORE_AFFINE: tl.constexpr, ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     # One shared loop for partial blocks (IS_FULL_BLOCKS=False: mask_mod applied) and full blocks.
@@ -106,6 +112,8 @@ def forward_inner(
         kv_idx = offs_n[None, :]
         if SCORES_IN_BASE2:
             s = qk  # no score_mod: the softmax below multiplies by SM_SCALE (> 0, with 1 / ln 2)
+        elif SCORE_AFFINE:  # (SM_SCALE is the score's factor in base 2 here)
+            s = qk * SM_SCALE + (KV_FACTOR * (offs_n - REF).to(ACC_DTYPE))[None, :]
         else:
             if not PRESCALE_QK:
                 qk = qk * SM_SCALE
@@ -118,6 +126,8 @@ def forward_inner(
         # -- online softmax in base 2: m_i is the running row max, l_i the running row sum
         if SCORES_IN_BASE2:
             p, alpha, l_i, m_i = online_softmax_scaled(s, SM_SCALE, m_i, l_i, ROWS_GUARANTEED_SAFE)
+        elif SCORE_AFFINE:  # (already in base 2)
+            p, alpha, l_i, m_i = online_softmax_scaled(s, 1.0, m_i, l_i, ROWS_GUARANTEED_SAFE)
         else:
             p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, ROWS_GUARANTEED_SAFE)
         v = load_tile(V + rows[:, None] * stride_vn + offs_v[None, :] * stride_vk, offs_n, offs_v,
@@ -154,7 +164,7 @@ def flex_attention_forward(
     IS_DIVISIBLE: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, HAS_FULL_BLOCKS: tl.constexpr,
     PRESCALE_QK: tl.constexpr, ROWS_GUARANTEED_SAFE: tl.constexpr,
     BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr, OUTPUT_MAX: tl.constexpr,
-    IS_FP8: tl.constexpr, SCORES_IN_BASE2: tl.constexpr, LONGEST_FIRST: tl.constexpr,
+    IS_FP8: tl.constexpr, SCORES_IN_BASE2: tl.constexpr, SCORE_AFFINE: tl.constexpr, LONGEST_FIRST: tl.constexpr,
     ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
@@ -193,6 +203,16 @@ def flex_attention_forward(
     if PRESCALE_QK:
         q = (q.to(ACC_DTYPE) * SM_SCALE).to(q.dtype)
 
+    REF = pid_m * BLOCK_M  # (SCORE_AFFINE's reference position)
+    KV_FACTOR = 0.0
+    if SCORE_AFFINE:  # from here SM_SCALE is the factor of q.k in base 2 (Q was scaled above)
+        aff_s, aff_k, aff_q, aff_c = score_mod_affine(b, h, $score_mod_params)
+        KV_FACTOR = aff_k * (1.0 / LN2)
+        if PRESCALE_QK:
+            SM_SCALE = aff_s * (1.0 / LN2)
+        else:
+            SM_SCALE = SM_SCALE * aff_s * (1.0 / LN2)
+
     acc = tl.full([BLOCK_M, V_HEAD_DIM_ROUNDED], 0.0, ACC_DTYPE)
     l_i = tl.full([BLOCK_M], 0.0, ACC_DTYPE)
     m_i = tl.full([BLOCK_M], float("-inf"), ACC_DTYPE)
@@ -203,26 +223,26 @@ def flex_attention_forward(
     BLOCK_IDX = KV_IDX + b64 * stride_iz + h * stride_ih + q_blk * stride_im
     acc, l_i, m_i = forward_inner(
         acc, l_i, m_i, q, K, V, BLOCK_IDX, num_blocks,
-        b, h, offs_m, KV_LEN, SM_SCALE,
+        b, h, offs_m, KV_LEN, SM_SCALE, KV_FACTOR, REF,
         stride_kn, stride_kk, stride_vn, stride_vk,
         $score_mod_params $mask_mod_params
         False, BLOCK_M, BLOCK_N, SPARSE_KV_BLOCK_SIZE,
         QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
         IS_DIVISIBLE, PRESCALE_QK, ROWS_GUARANTEED_SAFE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64,
-        SCORES_IN_BASE2, ACC_DTYPE, SCORE_DTYPE, DOT_PRECISION, DOT_IN_FP32,
+        SCORES_IN_BASE2, SCORE_AFFINE, ACC_DTYPE, SCORE_DTYPE, DOT_PRECISION, DOT_IN_FP32,
     )
     if HAS_FULL_BLOCKS:
         num_blocks = tl.load(FULL_KV_NUM_BLKS + b64 * stride_fnz + h * stride_fnh + q_blk * stride_fnm)
         BLOCK_IDX = FULL_KV_IDX + b64 * stride_fiz + h * stride_fih + q_blk * stride_fim
         acc, l_i, m_i = forward_inner(
             acc, l_i, m_i, q, K, V, BLOCK_IDX, num_blocks,
-            b, h, offs_m, KV_LEN, SM_SCALE,
+            b, h, offs_m, KV_LEN, SM_SCALE, KV_FACTOR, REF,
             stride_kn, stride_kk, stride_vn, stride_vk,
             $score_mod_params $mask_mod_params
             True, BLOCK_M, BLOCK_N, SPARSE_KV_BLOCK_SIZE,
             QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
             IS_DIVISIBLE, PRESCALE_QK, ROWS_GUARANTEED_SAFE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64,
-            SCORES_IN_BASE2, ACC_DTYPE, SCORE_DTYPE, DOT_PRECISION, DOT_IN_FP32,
+            SCORES_IN_BASE2, SCORE_AFFINE, ACC_DTYPE, SCORE_DTYPE, DOT_PRECISION, DOT_IN_FP32,
         )
 
     if IS_FP8:
@@ -236,6 +256,10 @@ def flex_attention_forward(
         empty = l_i == 0.0
         acc = acc / tl.where(empty, 1.0, l_i)[:, None]
         lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    if SCORE_AFFINE:  # the rows' own term w(q_idx) (the softmax did not need it)
+        row_w = (aff_q * (offs_m - REF).to(ACC_DTYPE) + ((aff_k + aff_q) * REF.to(ACC_DTYPE) + aff_c)) * (1.0 / LN2)
+        lse2 += row_w
+        m_i += row_w
     store_tile(Out + rows[:, None] * stride_om + offs_v[None, :] * stride_ok, acc.to(Out.dtype.element_ty),
                offs_m, offs_v, Q_LEN, V_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
     lse = (lse2 * LN2).to(LSE.dtype.element_ty)

@@ -20,7 +20,7 @@
 # host checks alignment); the output's rows are contiguous; head dim 128 or 256 for both (E == Ev;
 # KV tiles of BLOCK_N = 128 or 64 columns, see kernels/hopper.py); no PRESCALE_QK; the mask work of
 # a tile (mask_mod and the KV_LEN bound) is done only for partial blocks and for the tile that
-# holds KV_LEN.
+# holds KV_LEN; SCORE_AFFINE (forward.py) takes positions relative to each consumer's first row.
 #
 # IS_FP8: Q, K, V are float8_e4m3fn and both products run on float8 wgmma, which reads its B operand
 # K-major only: V's descriptor is over the [B, H, Ev, L] view of a V stored KV-innermost (the host's
@@ -63,17 +63,21 @@ def loader(Q, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_
 
 
 @gluon.jit
-def scores(s, j, n_partial, P_IDX, F_IDX, b, h, q_idx, KV_LEN, SM_SCALE,
+def scores(s, j, n_partial, P_IDX, F_IDX, b, h, q_idx, KV_LEN, SM_SCALE, KV_FACTOR, REF,
            $score_mod_params $mask_mod_params
            s_layout: gl.constexpr, TILES_PER_BLOCK: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr,
            BLOCK_N: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr,
-           SCORES_IN_BASE2: gl.constexpr, SCORE_DTYPE: gl.constexpr):
+           SCORES_IN_BASE2: gl.constexpr, SCORE_AFFINE: gl.constexpr, SCORE_DTYPE: gl.constexpr):
     """The q.k^T tile -> the softmax's input: scores in base 2 (times SM_SCALE / ln 2 when
-    SCORES_IN_BASE2, where the softmax folds that factor in), mods and masks applied."""
+    SCORES_IN_BASE2, where the softmax folds that factor in), mods and masks applied. With
+    SCORE_AFFINE, SM_SCALE is q.k's factor in base 2 and the KV columns' term u(kv_idx) = KV_FACTOR
+    (kv_idx - REF) is added (the rows' term waits for the epilogue: see forward.py)."""
     start = tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N,
                        BLOCKS_ARE_CONTIGUOUS)
     kv_idx = gl.expand_dims(start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
-    if not SCORES_IN_BASE2:
+    if SCORE_AFFINE:
+        s = s * SM_SCALE + KV_FACTOR * (kv_idx - REF).to(gl.float32)
+    elif not SCORES_IN_BASE2:
         s = score_mod((s * SM_SCALE).to(SCORE_DTYPE), b, h, q_idx, kv_idx, $score_mod_params).to(gl.float32) * LOG2E
     partial = j < n_partial
     if IS_DIVISIBLE:
@@ -147,8 +151,8 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
              $score_mod_params $mask_mod_params
              WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, V_HEAD_DIM: gl.constexpr,
              TILES_PER_BLOCK: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr,
-             IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr, OUTPUT_MAX: gl.constexpr,
-             SCORE_DTYPE: gl.constexpr, IS_FP8: gl.constexpr):
+             IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr, SCORE_AFFINE: gl.constexpr,
+             OUTPUT_MAX: gl.constexpr, SCORE_DTYPE: gl.constexpr, IS_FP8: gl.constexpr):
     NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
     ROWS: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = k_bufs.dtype
@@ -166,6 +170,12 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
     SOFTMAX_SCALE = SM_SCALE * LOG2E
 
     my_m = off_m + WG * ROWS
+    QK_FACTOR = SM_SCALE  # q.k's factor in `scores`
+    KV_FACTOR = 0.0
+    if SCORE_AFFINE:  # (forward.py's SCORE_AFFINE; positions relative to this consumer's first row)
+        aff_s, aff_k, aff_q, aff_c = score_mod_affine(b, h, $score_mod_params)
+        QK_FACTOR = SM_SCALE * aff_s * LOG2E
+        KV_FACTOR = aff_k * LOG2E
     q_idx = gl.expand_dims(my_m + gl.arange(0, ROWS, layout=row_s), 1)
     q = q_smem.reshape([BLOCK_M, QK_HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
     m_i = gl.full([ROWS], -float("inf"), gl.float32, layout=row_s)
@@ -183,10 +193,10 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
         mbarrier.arrive(other_turn, count=1)
         s = warpgroup_mma_wait(0, deps=(s, ))
         mbarrier.arrive(k_empty.index(0), count=1)
-        s = scores(s, 0, n_partial, P_IDX, F_IDX, b, h, q_idx, KV_LEN, SM_SCALE,
+        s = scores(s, 0, n_partial, P_IDX, F_IDX, b, h, q_idx, KV_LEN, QK_FACTOR, KV_FACTOR, my_m,
                    $score_mod_params $mask_mod_params
                    s_layout, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N, BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE,
-                   SCORES_IN_BASE2, SCORE_DTYPE)
+                   SCORES_IN_BASE2, SCORE_AFFINE, SCORE_DTYPE)
         p, m_i, alpha = softmax_step(s, m_i, SOFTMAX_SCALE, SCORES_IN_BASE2)
         l_i = row_sum(p)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -205,10 +215,10 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
             # -- the scores are ready once at most one multiply (P.V) is in flight
             s = warpgroup_mma_wait(1, deps=(s, ))
             mbarrier.arrive(k_empty.index(slot), count=1)
-            s = scores(s, j, n_partial, P_IDX, F_IDX, b, h, q_idx, KV_LEN, SM_SCALE,
+            s = scores(s, j, n_partial, P_IDX, F_IDX, b, h, q_idx, KV_LEN, QK_FACTOR, KV_FACTOR, my_m,
                        $score_mod_params $mask_mod_params
                        s_layout, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N, BLOCKS_ARE_CONTIGUOUS,
-                       IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_DTYPE)
+                       IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, SCORE_DTYPE)
             p, m_i, alpha = softmax_step(s, m_i, SOFTMAX_SCALE, SCORES_IN_BASE2)
             l_i = l_i * alpha + row_sum(p)
             acc, p_op = wait_pv(acc, p_op, IS_FP8)
@@ -237,6 +247,10 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
              mask=rows_o < Q_LEN)
     rows = my_m + gl.arange(0, ROWS, layout=row_s)
     lse2 = gl.where(empty, -float("inf"), m_i + gl.log2(l_use))
+    if SCORE_AFFINE:  # the rows' own term w(q_idx)
+        row_w = (aff_q * (rows - my_m).to(gl.float32) + ((aff_k + aff_q) * my_m.to(gl.float32) + aff_c)) * LOG2E
+        lse2 += row_w
+        m_i += row_w
     gl.store(LSE + rows, lse2 * LN2, mask=rows < Q_LEN)
     if OUTPUT_MAX:
         gl.store(MaxScores + rows, m_i * LN2, mask=rows < Q_LEN)
@@ -256,7 +270,7 @@ def flex_attention_forward(
     SPARSE_Q_BLOCK_SIZE: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr,
     GQA_SHARED_HEADS: gl.constexpr, KV_BATCH_BROADCAST: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
     BLOCKS_ARE_CONTIGUOUS: gl.constexpr,
-    IS_DIVISIBLE: gl.constexpr, OUTPUT_MAX: gl.constexpr, SCORES_IN_BASE2: gl.constexpr,
+    IS_DIVISIBLE: gl.constexpr, OUTPUT_MAX: gl.constexpr, SCORES_IN_BASE2: gl.constexpr, SCORE_AFFINE: gl.constexpr,
     LONGEST_FIRST: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     SCORE_DTYPE: gl.constexpr, IS_FP8: gl.constexpr,
 ):
@@ -315,13 +329,13 @@ def flex_attention_forward(
                     stride_om, Q_LEN, KV_LEN, SM_SCALE,
                     $score_mod_params $mask_mod_params
                     0, BLOCK_M, BLOCK_N, V_HEAD_DIM, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
-                    IS_DIVISIBLE, SCORES_IN_BASE2, OUTPUT_MAX, SCORE_DTYPE, IS_FP8)),
+                    IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, OUTPUT_MAX, SCORE_DTYPE, IS_FP8)),
         (consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turns.index(1),
                     turns.index(0), Out, LSE, MaxScores, DESCALE_V, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
                     stride_om, Q_LEN, KV_LEN, SM_SCALE,
                     $score_mod_params $mask_mod_params
                     1, BLOCK_M, BLOCK_N, V_HEAD_DIM, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
-                    IS_DIVISIBLE, SCORES_IN_BASE2, OUTPUT_MAX, SCORE_DTYPE, IS_FP8)),
+                    IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, OUTPUT_MAX, SCORE_DTYPE, IS_FP8)),
         (loader, (Q, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                   b, h, b_kv, h_kv, off_m, n_partial, n_tiles, P_IDX, F_IDX,
                   TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N, BLOCKS_ARE_CONTIGUOUS, IS_FP8)),
