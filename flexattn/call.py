@@ -121,6 +121,8 @@ class FlexAttentionFunction(torch.autograd.Function):
                                buffers[call.n_score:], call.tables, call.scale)
         ctx.save_for_backward(query, key, value, out, lse, *buffers)
         ctx.call = call
+        # An unused LSE comes to the backward as None, not as zeros to launch a fill for and read
+        ctx.set_materialize_grads(False)
         if mx is not None:
             ctx.mark_non_differentiable(mx)
             return out, lse, mx
@@ -130,6 +132,8 @@ class FlexAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse, grad_max=None):
         query, key, value, out, lse, *buffers = ctx.saved_tensors
         call = ctx.call
+        if grad_out is None:  # (only the LSE was used)
+            grad_out = torch.zeros_like(out)
         score_bufs, mask_bufs = tuple(buffers[:call.n_score]), tuple(buffers[call.n_score:])
         need = tuple(ctx.needs_input_grad[4:4 + call.n_score])
         # (grad_out's alignment too: the Hopper backward reads it through a TMA descriptor)

@@ -8,6 +8,7 @@ multiple of what eager attention in the same dtype gets (`testing.assert_close_t
 
 from __future__ import annotations
 
+import math
 
 import pytest
 import torch
@@ -91,6 +92,54 @@ def test_gradcheck(case):
         q, k, v = make_qkv(2, 4, 2, 21, 33, 16, 16, Bkv=1)
         bm = block_mask(lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() < 12, 2, 4, 21, 33)
         _gradcheck(lambda q, k, v: flexattn.flex_attention(q, k, v, block_mask=bm, enable_gqa=True), (q, k, v))
+
+
+def test_preprocess_zeroes_the_dq_accumulator():
+    """The Hopper backward's preprocess (here on the interpreter) writes Delta = rowsum(dO * O) - dLSE
+    and zeroes the float32 dQ accumulator (poisoned with NaN), in the query's layout (heads inside),
+    at a length off its 64-row tile and a head dim off a power of two."""
+    from flexattn import tracer
+    from flexattn.kernels import backward as bwd
+    from flexattn.mods import MASK, SCORE
+
+    B, H, L, E, Ev = 2, 3, 70, 24, 16
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(B, L, H, E, generator=g).transpose(1, 2)
+    out, do = (torch.randn(B, H, L, Ev, generator=g) for _ in range(2))
+    dlse = torch.randn(B, H, L, generator=g)
+    cpu = torch.device("cpu")
+    score = tracer.trace(lambda s, b, h, qi, ki: s, SCORE, score_dtype=torch.float32, device=cpu)
+    mask = tracer.trace(lambda b, h, qi, ki: qi >= 0, MASK, device=cpu)
+    pre = bwd._preprocess(bwd.module(score, mask, (), "interpret"), q, out, True, zero_dq=True)
+    delta = torch.full((B, H, L), math.nan)
+    dq_acc = torch.full((B, L, H, E), math.nan).transpose(1, 2)
+    pre(*bwd.preprocess_args(out, do, dlse, delta, dq_acc, H, L))
+    torch.testing.assert_close(delta, (out * do).sum(-1) - dlse)
+    assert (dq_acc == 0).all()
+
+
+@pytest.mark.parametrize("used", ["out", "lse"])
+def test_an_unused_output_reaches_the_backward_as_none(used, monkeypatch):
+    """A loss of the output alone (or the LSE alone): the other gradient is None in the backward,
+    not a tensor of zeros to fill and read, and the gradients are autograd's through the float64
+    reference."""
+    from flexattn.kernels import backward as bwd
+
+    runs = testing.record_calls(monkeypatch, bwd, "run")
+    q, k, v = make_qkv(1, 2, 2, 26, 30, 16, 16)
+    bm = block_mask(causal, 1, 2, 26, 30)
+    w = torch.linspace(-1.0, 2.0, 26 * 16, dtype=F64)
+
+    def loss(out, lse):
+        return (out * w.view(26, 16)).sum() if used == "out" else (lse * w[:26]).sum()
+
+    got = torch.autograd.grad(loss(*flexattn.flex_attention(q, k, v, block_mask=bm, return_lse=True)), (q, k, v))
+    want = torch.autograd.grad(loss(*attention_reference(q, k, v, block_mask=bm, return_lse=True)), (q, k, v),
+                               allow_unused=True)  # (the LSE does not depend on v)
+    grad_out, grad_lse = runs[-1][6:8]
+    assert (grad_lse is None) if used == "out" else (grad_out is not None and not grad_out.any())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, torch.zeros_like(a) if b is None else b, rtol=1e-10, atol=1e-10)
 
 
 def test_gradcheck_learnable_tables():

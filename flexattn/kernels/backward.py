@@ -168,15 +168,23 @@ class HopperPlan:
     sizes: tuple             # Hq, Hkv, Q_LEN, KV_LEN
 
 
-def _preprocess(mod, query, value, has_grad_lse: bool) -> launch.Launch:
-    """Delta = rowsum(dO * O) - dLSE (backward.py's module ``mod``), one program per 64 query rows."""
-    B, Hq, Q_LEN, _ = query.shape
+def _preprocess(mod, query, value, has_grad_lse: bool, zero_dq: bool = False) -> launch.Launch:
+    """Delta = rowsum(dO * O) - dLSE (backward.py's module ``mod``), one program per 64 query rows;
+    ``zero_dq``: it also zeroes the Hopper backward's dQ accumulator. Arguments: `preprocess_args`."""
+    B, Hq, Q_LEN, E = query.shape
     Ev = value.shape[3]
     pre_m = min(64, pow2_at_least(Q_LEN))
     return launch.Launch(
         mod.backward_preprocess, (triton.cdiv(Q_LEN, pre_m), B * Hq),
-        dict(BLOCK_M=pre_m, V_HEAD_DIM=Ev, V_HEAD_DIM_ROUNDED=pow2_at_least(Ev),
-             ACC_DTYPE=launch.ACC_TL_DTYPE[launch.acc_dtype(query.dtype)], HAS_GRAD_LSE=has_grad_lse), query.device)
+        dict(BLOCK_M=pre_m, V_HEAD_DIM=Ev, V_HEAD_DIM_ROUNDED=pow2_at_least(Ev), QK_HEAD_DIM=E,
+             QK_HEAD_DIM_ROUNDED=pow2_at_least(E), ACC_DTYPE=launch.ACC_TL_DTYPE[launch.acc_dtype(query.dtype)],
+             HAS_GRAD_LSE=has_grad_lse, ZERO_DQ=zero_dq), query.device)
+
+
+def preprocess_args(out, grad_out, dlse, delta, dq_acc, Hq: int, Q_LEN: int) -> tuple:
+    """`_preprocess`'s launch arguments (``dq_acc`` None: nothing to zero)."""
+    dq = (delta, 0, 0, 0) if dq_acc is None else (dq_acc, *dq_acc.stride()[:3])
+    return (out, grad_out, dlse, delta, dq[0], *out.stride(), *grad_out.stride(), *dlse.stride(), *dq[1:], Hq, Q_LEN)
 
 
 def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None, explicit: dict,
@@ -211,7 +219,8 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     fast_math = opts.fast_math(explicit, device, dtype)
     kernel = hopper_module(score, mask, fast_math).flex_attention_backward
     main = launch.Launch(kernel, (triton.cdiv(KV_LEN, block_n), B * Hkv), constexprs, device)
-    pre = _preprocess(module(score, mask, (), launch.target_for(device), fast_math), query, value, has_grad_lse)
+    pre = _preprocess(module(score, mask, (), launch.target_for(device), fast_math), query, value, has_grad_lse,
+                      zero_dq=True)
     return HopperPlan(pre, main, hopper.Descriptors(dtype, E, backward=True),
                       key.dtype if kv_batched else torch.float32, kv_batched, lists, (Hq, Hkv, Q_LEN, KV_LEN))
 
@@ -239,7 +248,7 @@ def run(plan: Plan | HopperPlan, query, key, value, out, lse, grad_out, grad_lse
 
     delta = launch.empty((B, Hq, Q_LEN), plan.acc, device)
     dlse = grad_lse if grad_lse is not None else lse
-    plan.preprocess(out, grad_out, dlse, delta, *out.stride(), *grad_out.stride(), *dlse.stride(), Hq, Q_LEN)
+    plan.preprocess(*preprocess_args(out, grad_out, dlse, delta, None, Hq, Q_LEN))
 
     mod_args = [*launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs)]
     plan.dkdv(query, key, value, grad_out, lse, delta, dk, dv, *q_lists.args(), *mod_args,
@@ -277,9 +286,10 @@ def _run_hopper(plan: HopperPlan, query, key, value, out, lse, grad_out, grad_ls
     device = query.device
     delta = launch.empty((B, Hq, Q_LEN), torch.float32, device)
     dlse = grad_lse if grad_lse is not None else lse
-    plan.preprocess(out, grad_out, dlse, delta, *out.stride(), *grad_out.stride(), *dlse.stride(), Hq, Q_LEN)
-    # (in the query's layout: the float conversion keeps it, and dQ has the query's layout)
-    dq_acc = launch.empty(query.shape, torch.float32, device, launch.stride_order(query)).zero_()
+    # (in the query's layout: the float conversion keeps it, and dQ has the query's layout; the
+    # preprocess zeroes it)
+    dq_acc = launch.empty(query.shape, torch.float32, device, launch.stride_order(query))
+    plan.preprocess(*preprocess_args(out, grad_out, dlse, delta, dq_acc, Hq, Q_LEN))
     dk = launch.empty((B, Hkv, KV_LEN, E), plan.dk_dtype, device)
     dv = launch.empty((B, Hkv, KV_LEN, E), plan.dk_dtype, device)
     lists = plan.dense if plan.dense is not None else q_direction(tables, KV_LEN)

@@ -159,14 +159,18 @@ def p_from_lse(s, SM_SCALE, lse, valid, SCORES_IN_BASE2: tl.constexpr):
 
 @triton.jit
 def backward_preprocess(
-    Out, DO, DLSE, DELTA,
+    Out, DO, DLSE, DELTA, DQ_ACC,
     stride_oz, stride_oh, stride_om, stride_ok,
     stride_doz, stride_doh, stride_dom, stride_dok,
     stride_dlz, stride_dlh, stride_dlm,
+    stride_dqz, stride_dqh, stride_dqm,
     HQ, Q_LEN,
     BLOCK_M: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr,
-    HAS_GRAD_LSE: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    QK_HEAD_DIM: tl.constexpr, QK_HEAD_DIM_ROUNDED: tl.constexpr,
+    HAS_GRAD_LSE: tl.constexpr, ZERO_DQ: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):
+    # Delta of BLOCK_M query rows; ZERO_DQ: also zero those rows of DQ_ACC (the Hopper backward's
+    # float32 dQ accumulator, [B, HQ, Q_LEN, QK_HEAD_DIM] with contiguous rows), saving a launch
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HQ).to(tl.int64)
@@ -184,6 +188,11 @@ def backward_preprocess(
         dlse = tl.load(DLSE + b * stride_dlz + h * stride_dlh + rows * stride_dlm, mask=offs_m < Q_LEN, other=0.0)
         delta -= dlse.to(ACC_DTYPE)
     tl.store(DELTA + pid_bh.to(tl.int64) * Q_LEN + offs_m, delta, mask=offs_m < Q_LEN)
+    if ZERO_DQ:
+        offs_k = tl.arange(0, QK_HEAD_DIM_ROUNDED)
+        tl.store(DQ_ACC + b * stride_dqz + h * stride_dqh + rows[:, None] * stride_dqm + offs_k[None, :],
+                 tl.full([BLOCK_M, QK_HEAD_DIM_ROUNDED], 0.0, tl.float32),
+                 mask=(offs_m < Q_LEN)[:, None] & (offs_k < QK_HEAD_DIM)[None, :])
 
 
 # ---------------------------------------------------------------------------------------------
