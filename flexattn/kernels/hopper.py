@@ -18,8 +18,8 @@ import torch
 
 BLOCK_M = 128  # query rows per program: 64 per consumer warp group
 # KV columns per tile, by head dim (at 256, two buffers of 128-row K and V tiles would not fit in
-# shared memory). Head dim 64 stays on the Triton template: as fast or faster there (ALiBi,
-# documents: 1.25-1.4x).
+# shared memory). Head dim 64 stays on the Triton template: level without mods, faster with them
+# (H200, B=4 H=32 S=8k: sliding window 1.1x, ALiBi 1.25x, documents 1.37x; docs/performance.md).
 BLOCK_N = {128: 128, 256: 64}
 HEAD_DIMS = tuple(BLOCK_N)
 # float8 takes this kernel by default at these head dims only: at D=128 the Triton template's
