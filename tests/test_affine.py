@@ -212,6 +212,21 @@ def test_direct_and_affine_forms_agree(monkeypatch):
     assert out_affine <= 1.25 * out_direct + 1e-4 and lse_affine <= 1e-5, errors
 
 
+def test_float8_inputs_take_the_affine_form():
+    """float8 Q, K, V with descales (folded into the form's score factor) against float64
+    attention of the dequantised inputs."""
+    q, k, v = (t * s for t, s in zip(make_qkv(2, H, 2, 77, 131, 32, 32, torch.float32, seed=2), (1.0, 1.0, 3.0)))
+    (q8, dq), (k8, dk), (v8, dv) = (testing.quantise_fp8(t) for t in (q, k, v))
+    bm = make_block_mask(causal, None, None, 77, 131, 32)
+    plans.FORWARD.plans.clear()
+    out = flex_attention(q8, k8, v8, score_mod=alibi, block_mask=bm, enable_gqa=True, descale_q=dq,
+                         descale_k=dk, descale_v=dv, kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
+    assert _took_affine_path()
+    ref = attention_reference(*(testing.dequantised(t, d) for t, d in ((q8, dq), (k8, dk), (v8, dv))),
+                              score_mod=alibi, block_mask=bm, enable_gqa=True)
+    assert (out.double() - ref).abs().max().item() <= 0.06 * ref.abs().max().item()
+
+
 def test_float32_inputs_keep_the_direct_path():
     """Float32 inputs evaluate the mod per score (the split's rounding would show at their precision)."""
     q, k, v = make_qkv(1, H, H, 40, 40, 16, 16, torch.float32)

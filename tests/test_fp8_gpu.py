@@ -84,3 +84,27 @@ def test_k_major_copy_on_the_gpu(S, D):
         assert out.shape == v.shape and out.stride(2) == 1
         assert torch.equal(out.view(torch.uint8), v.view(torch.uint8))
     assert layout.k_major(out) is out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon forward needs an sm_90 GPU")
+@pytest.mark.parametrize("D", [128, 256])
+def test_fp8_alibi_takes_the_affine_form(D):
+    """ALiBi + causal on float8 (the descales fold into the affine form's score factor): the Gluon
+    kernel and the Triton template against float64 attention of the dequantised inputs."""
+    torch.manual_seed(0)
+    S, H = 1500, 8
+    (q, dq), (k, dk), (v, dv) = (quantise(torch.randn(1, H, S, D, device="cuda") * x) for x in (1.0, 1.0, 3.0))
+    slopes = torch.exp2(-8.0 * torch.arange(1, H + 1, device="cuda") / H)
+
+    def alibi(score, b, h, qi, ki):
+        return score + slopes[h] * (ki - qi)
+
+    bm = flexattn.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device="cuda")
+    ref = attention_reference(dequantised(q, dq), dequantised(k, dk), dequantised(v, dv), score_mod=alibi,
+                              block_mask=bm)
+    for backend in ("FLASH", "TRITON"):
+        out = flexattn.flex_attention(q, k, v, score_mod=alibi, block_mask=bm, descale_q=dq, descale_k=dk,
+                                      descale_v=dv, kernel_options={"BACKEND": backend})
+        assert out.dtype == torch.bfloat16 and not out.isnan().any()
+        assert (out.double() - ref).abs().max().item() <= 0.06 * ref.abs().max().item(), backend

@@ -602,7 +602,7 @@ def emit_mod(root: Node, kind: str, name: str | None = None, target: str = "cuda
 def _emit_scalars(roots: list[Node], name: str, params: list[str]) -> str:
     """``@triton.jit def {name}(<params>)`` returning ``roots`` (which read b, h and buffers only)
     as float32 scalars."""
-    lines, expr, _, _ = _emit_values(roots, "mask")
+    lines, expr, _, _ = _emit_values(roots, "mask")  # ("mask": reading the score is an error)
     values = []
     for n in roots:
         e = expr[id(n)]
