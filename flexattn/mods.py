@@ -90,13 +90,12 @@ class Mod:
         return None
 
     @property
-    def affine(self) -> bool:
-        """Whether a score mod is affine in the score and the positions (codegen/affine.py): the
-        kernels then skip its per-score arithmetic."""
-        known = self.__dict__.get("_affine")
-        if known is None:
-            known = self.__dict__["_affine"] = self.kind == SCORE and affine.split(self.ir) is not None
-        return known
+    def affine(self) -> "affine.Affine | None":
+        """A score mod's coefficients when it is affine in the score and the positions
+        (codegen/affine.py: the kernels then skip its per-score arithmetic), else None."""
+        if "_affine" not in self.__dict__:
+            self.__dict__["_affine"] = affine.split(self.ir) if self.kind == SCORE else None
+        return self.__dict__["_affine"]
 
     def key(self) -> str:
         """Structural cache key: equal for mods that generate the same kernel code."""

@@ -29,6 +29,8 @@ TEMP = torch.tensor([1.5, -0.5, 2.0, 0.25])
 BIAS_BF16 = torch.tensor([0.5, -1.25, 3.0, 0.0], dtype=torch.bfloat16)
 BATCH_BIAS = torch.tensor([[0.1, 0.2, -0.3, 0.4], [-1.0, 0.5, 0.0, 2.0]])
 REL = torch.randn(H, 64)
+OFFSET = torch.tensor([3, -7, 0, 12], dtype=torch.int32)
+NEG = torch.tensor([0.0, -math.inf, 0.5, 0.0])
 
 
 @pytest.fixture(autouse=True)
@@ -65,7 +67,6 @@ NOT_AFFINE = {
     "square of the score": lambda s, b, h, q, k: s * s,
     "gather at a position": lambda s, b, h, q, k: s + REL[h, (k - q) % 64],
     "bfloat16 product": lambda s, b, h, q, k: s + BIAS_BF16[h] * (k - q),
-    "large integer factor": lambda s, b, h, q, k: s + (1000 * k).float(),
     "no score": lambda s, b, h, q, k: SLOPES[h] * (k - q),
     "integer division": lambda s, b, h, q, k: s + (k - q) // 2,
     "score truncated": lambda s, b, h, q, k: s.to(torch.int32).to(torch.float32) + k,
@@ -111,6 +112,30 @@ def test_alibi_coefficients_cancel_exactly():
 def test_other_mods_are_not_affine(name):
     mod = _mod(NOT_AFFINE[name])
     assert affine.split(mod.ir) is None and not mod.affine and not mod.emit("cuda").affine
+
+
+@pytest.mark.parametrize("fn, exact_at, wraps_at", [
+    (lambda s, b, h, q, k: s + (k - q).float(), 2**30 - 1, None),  # (a bound of 2 x the length)
+    (lambda s, b, h, q, k: s + (1000 * k - q).float(), 2**31 // 1001, 2**31 // 1000 + 1),
+    (lambda s, b, h, q, k: s + (k * 64 * 64 * 64 * 64 * 64).float() * 1e-9, 1, 2),
+    (lambda s, b, h, q, k: s + (3 * k - q + h).float(), (2**31 - 1 - 2**16) // 4, 2**31 // 3),
+    (lambda s, b, h, q, k: s + ((k.to(torch.int64) * 2**40).to(torch.int32)).float(), None, 1),
+    (lambda s, b, h, q, k: s + (k + OFFSET[h]).float(), None, 1),  # a gathered integer: unbounded
+], ids=["distance", "factor", "chained_factors", "heads", "narrowing", "gathered_offset"])
+def test_integer_terms_are_exact_only_below_the_length_where_they_cannot_wrap(fn, exact_at, wraps_at):
+    """The split form does not wrap where the mod's int32 arithmetic would: the kernels take it
+    only for lengths where no integer value can leave its dtype (`Affine.exact_below`, a bound that
+    may be conservative but never promises a length where the mod wraps)."""
+    form = affine.split(_mod(fn).ir)
+    assert form is not None
+    if exact_at is not None:
+        assert form.exact_below(exact_at)
+    if wraps_at is not None:
+        assert not form.exact_below(wraps_at)
+
+
+def test_shifts_are_not_affine():
+    assert affine.split(_mod(lambda s, b, h, q, k: s + (k << 2).float()).ir) is None
 
 
 @st.composite
@@ -225,6 +250,46 @@ def test_float8_inputs_take_the_affine_form():
     ref = attention_reference(*(testing.dequantised(t, d) for t, d in ((q8, dq), (k8, dk), (v8, dv))),
                               score_mod=alibi, block_mask=bm, enable_gqa=True)
     assert (out.double() - ref).abs().max().item() <= 0.06 * ref.abs().max().item()
+
+
+def test_lengths_where_an_integer_could_wrap_keep_the_direct_path():
+    """kv_idx * 2^24 fits int32 below 128 positions: the affine form at 100, the mod's own
+    arithmetic at 131 (where the mod's int32 product wraps, and the kernel must wrap with it)."""
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score + (kv_idx * 64 * 64 * 64 * 64).float() * 1e-7
+
+    for length, affine_path in ((100, True), (131, False)):
+        q, k, v = make_qkv(1, 2, 2, length, length, 16, 16, torch.bfloat16, seed=length)
+        plans.FORWARD.plans.clear()
+        check(q, k, v, score_mod=scaled)
+        assert _took_affine_path() == affine_path
+
+
+def test_prescaled_q_takes_the_affine_form():
+    q, k, v = make_qkv(2, H, H, 70, 90, 32, 32, torch.bfloat16, seed=6)
+    plans.FORWARD.plans.clear()
+    check(q, k, v, score_mod=tempered_bias, kernel_options={"PRESCALE_QK": True}, factor=3.0)
+    assert _took_affine_path()
+
+
+def test_a_minus_inf_constant_term_masks_the_head_and_fully_masked_rows_stay_empty():
+    """A per-head bias of -inf (a head switched off) lands in the columns' term: that head's rows
+    see nothing (output 0, LSE -inf) as with the mod's own arithmetic; rows that the mask leaves
+    empty (q_idx < 10) too."""
+    def switch(score, b, h, q_idx, kv_idx):
+        return score + NEG[h] + SLOPES[h] * (kv_idx - q_idx)
+
+    def late(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx + 10
+
+    q, k, v = make_qkv(1, H, H, 60, 60, 16, 16, torch.float16, seed=8)
+    bm = make_block_mask(late, None, None, 60, 60, 32)
+    plans.FORWARD.plans.clear()
+    out, lse = check(q, k, v, score_mod=switch, block_mask=bm)
+    assert _took_affine_path()
+    assert (out[:, 1] == 0).all() and (lse[:, 1] == -math.inf).all()
+    assert (out[:, :, :10] == 0).all() and (lse[:, :, :10] == -math.inf).all()
+    assert torch.isfinite(lse[:, [0, 2, 3], 10:]).all()
 
 
 def test_float32_inputs_keep_the_direct_path():

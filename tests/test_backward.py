@@ -120,12 +120,14 @@ def test_preprocess_zeroes_the_dq_accumulator():
 
 @pytest.mark.parametrize("used", ["out", "lse"])
 def test_an_unused_output_reaches_the_backward_as_none(used, monkeypatch):
-    """A loss of the output alone (or the LSE alone): the other gradient is None in the backward,
-    not a tensor of zeros to fill and read, and the gradients are autograd's through the float64
-    reference."""
+    """A loss of the output alone (or the LSE alone): the other gradient reaches the autograd
+    function's backward as None, not a tensor of zeros to fill and read, and the gradients are
+    autograd's through the float64 reference."""
+    from flexattn.call import FlexAttentionFunction
     from flexattn.kernels import backward as bwd
 
     runs = testing.record_calls(monkeypatch, bwd, "run")
+    received = testing.record_calls(monkeypatch, FlexAttentionFunction, "backward")
     q, k, v = make_qkv(1, 2, 2, 26, 30, 16, 16)
     bm = block_mask(causal, 1, 2, 26, 30)
     w = torch.linspace(-1.0, 2.0, 26 * 16, dtype=F64)
@@ -136,6 +138,7 @@ def test_an_unused_output_reaches_the_backward_as_none(used, monkeypatch):
     got = torch.autograd.grad(loss(*flexattn.flex_attention(q, k, v, block_mask=bm, return_lse=True)), (q, k, v))
     want = torch.autograd.grad(loss(*attention_reference(q, k, v, block_mask=bm, return_lse=True)), (q, k, v),
                                allow_unused=True)  # (the LSE does not depend on v)
+    assert received[-1][1 if used == "lse" else 2] is None  # (ctx, grad_out, grad_lse)
     grad_out, grad_lse = runs[-1][6:8]
     assert (grad_lse is None) if used == "out" else (grad_out is not None and not grad_out.any())
     for a, b in zip(got, want):

@@ -98,7 +98,8 @@ def test_affine_score_mods(D):
         plans.FORWARD.plans.clear()
         q, k, v = qkv(2, 8, 2, 1500, 1700, D)
         out, aux = check(q, k, v, score_mod=fn, mask_mod=causal)
-        assert any(p.kernel.constexprs.get("SCORE_AFFINE") for p in plans.FORWARD.plans.values())
+        assert [(p.descriptors is not None, p.kernel.constexprs["SCORE_AFFINE"])
+                for p in plans.FORWARD.plans.values()] == [(True, True)]  # (the Gluon kernel's plan)
         kk = k.float().repeat_interleave(4, dim=1)
         i, j = torch.arange(1500, device="cuda")[:, None], torch.arange(1700, device="cuda")[None, :]
         h = torch.arange(8, device="cuda")[:, None, None]

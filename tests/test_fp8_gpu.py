@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flexattn
-from flexattn.kernels import layout
+from flexattn.kernels import layout, plans
 from flexattn.reference import attention_reference
 from helpers.testing import dequantised, quantise_fp8 as quantise
 
@@ -104,7 +104,9 @@ def test_fp8_alibi_takes_the_affine_form(D):
     ref = attention_reference(dequantised(q, dq), dequantised(k, dk), dequantised(v, dv), score_mod=alibi,
                               block_mask=bm)
     for backend in ("FLASH", "TRITON"):
+        plans.FORWARD.plans.clear()
         out = flexattn.flex_attention(q, k, v, score_mod=alibi, block_mask=bm, descale_q=dq, descale_k=dk,
                                       descale_v=dv, kernel_options={"BACKEND": backend})
+        assert [p.kernel.constexprs["SCORE_AFFINE"] for p in plans.FORWARD.plans.values()] == [True]
         assert out.dtype == torch.bfloat16 and not out.isnan().any()
         assert (out.double() - ref).abs().max().item() <= 0.06 * ref.abs().max().item(), backend

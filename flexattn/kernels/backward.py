@@ -209,7 +209,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         # no query tile crosses Q_LEN and no program's KV tile crosses KV_LEN
         IS_DIVISIBLE=Q_LEN % sparse_q == 0 and KV_LEN % block_n == 0,
         SCORES_IN_BASE2=raw,
-        SCORE_AFFINE=launch.affine_scores(score, dtype),
+        SCORE_AFFINE=launch.affine_scores(score, dtype, max(Q_LEN, KV_LEN)),
         # (a score_mod whose derivative in the score is a constant)
         LATE_DP_WAIT=E == 128 and not raw and score_mod_grad(score).score.op == "const",
         NUM_BUFFERS=hopper.BWD_NUM_BUFFERS[E], CONSUMER_REGS=hopper.CONSUMER_REGISTERS,

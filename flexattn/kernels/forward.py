@@ -102,7 +102,7 @@ def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
         # whose rounding of Q * scale would change). The softmax then folds it into exp2's
         # argument, which needs a positive scale: `run` takes `any_scale` for the others.
         SCORES_IN_BASE2=launch.raw_scores(score, acc) and not options["PRESCALE_QK"],
-        SCORE_AFFINE=launch.affine_scores(score, dtype),
+        SCORE_AFFINE=launch.affine_scores(score, dtype, max(Q_LEN, KV_LEN)),
         LONGEST_FIRST=options["LONGEST_FIRST"],
         ACC_DTYPE=launch.ACC_TL_DTYPE[acc],
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[acc]),
@@ -160,7 +160,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         BLOCKS_ARE_CONTIGUOUS=options["BLOCKS_ARE_CONTIGUOUS"] or tables is None,
         IS_DIVISIBLE=KV_LEN % block_n == 0, OUTPUT_MAX=want_max,
         SCORES_IN_BASE2=launch.raw_scores(score, torch.float32),
-        SCORE_AFFINE=launch.affine_scores(score, dtype),
+        SCORE_AFFINE=launch.affine_scores(score, dtype, max(Q_LEN, KV_LEN)),
         LONGEST_FIRST=options["LONGEST_FIRST"], NUM_BUFFERS=hopper.NUM_BUFFERS, CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
         IS_FP8=fp8,

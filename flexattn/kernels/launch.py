@@ -72,12 +72,15 @@ def raw_scores(score, acc: torch.dtype) -> bool:
     return score.ir.op == "input" and acc == torch.float32 and score.score_dtype in (None, acc)
 
 
-def affine_scores(score, dtype: torch.dtype) -> bool:
+def affine_scores(score, dtype: torch.dtype, length: int) -> bool:
     """Whether the kernels take score_mod's affine form (their SCORE_AFFINE, codegen/affine.py): a
-    score_mod other than the identity that has one, for 16-bit and float8 inputs. Its two position
-    terms cancel to a few float32 ulp of |K| times a tile's rows, far below those inputs' rounding;
-    float32 and float64 inputs keep the mod's own arithmetic."""
-    return score.affine and score.ir.op != "input" and dtype in _AFFINE_DTYPES
+    score_mod other than the identity that has one, for 16-bit and float8 inputs, and no integer
+    value of the mod can wrap at positions below ``length`` (max of Q_LEN and KV_LEN). The form's
+    rounding (a few float32 ulp of |Q| times a tile's rows) is far below those inputs'; float32
+    and float64 inputs keep the mod's own arithmetic."""
+    form = score.affine
+    return (form is not None and score.ir.op != "input" and dtype in _AFFINE_DTYPES
+            and form.exact_below(length))
 
 
 _AFFINE_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)

@@ -22,7 +22,8 @@
 #                                              consumers' dS (they meet at ds_ready)
 #   dQ -> shared memory -> the float32 DQ_ACC by a TMA reduce-add (dq_bufs, one per consumer; the
 #   next step's store waits until the TMA unit has read it). dK += dS^T Q runs during the add.
-# The host zeroes DQ_ACC and converts it to the query's dtype afterwards; dK is scaled in-program.
+# The preprocess zeroes DQ_ACC and the host converts it to the query's dtype afterwards; dK is
+# scaled in-program.
 # Why TMA: one thread's relaxed atomics per element of dQ (four billion at B=4 H=16 S=8k D=128)
 # saturate the L2's reduction units (the same kernel without their memory traffic ran 1.45x
 # faster); the TMA unit's bulk reduce-add does the same adds at line granularity.
@@ -234,10 +235,16 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
             lse = gl.load(LSEh + rows * stride_lm, mask=rows < Q_LEN, other=float("inf"))
             # [Note] a fully masked row has LSE -inf: +inf makes its P exactly 0, as in backward.py
             kv_term = 0.0
-            if SCORE_AFFINE:  # positions relative to the query tile's first row: u(kv_idx), and LSE - w(q_idx)
+            if SCORE_AFFINE:
+                # positions relative to the query tile's first row r: u(kv_idx) = K (kv_idx - r), and
+                # LSE - w(q_idx) with w = Q (q_idx - r) + (K + Q) r + C here (the forward's split puts
+                # the last two terms in u: the same sum; a row whose C is -inf has LSE -inf, caught
+                # before the subtraction). In u they measured 96 spill loads at head dim 128, 45 here
                 kv_term = kv_factor * (kv_idx - start).to(gl.float32)
-                lse = lse - (aff_q * (rows - start).to(gl.float32) + ((aff_k + aff_q) * start.to(gl.float32) + aff_c))
-            lse2 = gl.expand_dims(gl.where(lse == -float("inf"), float("inf"), lse * LOG2E), 1)
+                row_w = aff_q * (rows - start).to(gl.float32) + ((aff_k + aff_q) * start.to(gl.float32) + aff_c)
+                lse2 = gl.expand_dims(gl.where(lse == -float("inf"), float("inf"), (lse - row_w) * LOG2E), 1)
+            else:
+                lse2 = gl.expand_dims(gl.where(lse == -float("inf"), float("inf"), lse * LOG2E), 1)
             delta = gl.expand_dims(gl.load(DELTAh + rows, mask=rows < Q_LEN, other=0.0), 1)
             q_idx = gl.expand_dims(rows, 1)
             s = warpgroup_mma_wait(1, deps=(s, ))
@@ -254,10 +261,10 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
                     valid = tile_valid(j, n_partial, b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_kv_args $mask_mod_params)
                 else:  # (read only on the masked path below; defined here for the merge)
                     valid = gl.full([BLOCK_M, ROWS], True, gl.int1, layout=s_layout)
-                qk = (s * SM_SCALE).to(SCORE_DTYPE)
                 if SCORE_AFFINE:
                     t = s * qk_factor + kv_term - lse2
                 else:
+                    qk = (s * SM_SCALE).to(SCORE_DTYPE)
                     s = score_mod(qk, b, h, q_idx, kv_idx, $score_mod_params).to(gl.float32)
                     t = s * LOG2E - lse2
                 if masked:

@@ -47,9 +47,9 @@
 #   SCORE_AFFINE           score_mod is affine in the score and the positions (codegen/affine.py:
 #                          S score + K kv_idx + Q q_idx + C, ALiBi): the scores go to the softmax in
 #                          base 2 as q.k (scale S / ln 2) + u(kv_idx), one FMA per score, and each
-#                          row's w(q_idx) is added to its LSE and max at the end; positions are taken
-#                          relative to the tile's first row. score_mod_affine(b, h, <buffers>) gives
-#                          (S, K, Q, C)
+#                          row's w(q_idx) = Q (q_idx - r) / ln 2 is added to its LSE and max at the
+#                          end, with r the tile's first row and u(kv_idx) = (K (kv_idx - r) + (K + Q) r
+#                          + C) / ln 2. score_mod_affine(b, h, <buffers>) gives (S, K, Q, C)
 #   LONGEST_FIRST          launch query tiles last to first (under a causal mask the last see the
 #                          most KV blocks; starting them first shortens the tail of the launch)
 #   IS_FP8                 Q, K, V are float8_e4m3fn: Q K^T runs in float8 with the descales folded
@@ -82,7 +82,7 @@ $tile_helpers
 @triton.jit
 def forward_inner(
     acc, l_i, m_i, q, K, V, BLOCK_IDX, num_blocks,
-    b, h, offs_m, KV_LEN, SM_SCALE, KV_FACTOR, REF,
+    b, h, offs_m, KV_LEN, SM_SCALE, KV_FACTOR, KV_BIAS, REF,
     stride_kn, stride_kk, stride_vn, stride_vk,
     $score_mod_params $mask_mod_params
     IS_FULL_BLOCKS: tl.constexpr,
@@ -113,7 +113,7 @@ def forward_inner(
         if SCORES_IN_BASE2:
             s = qk  # no score_mod: the softmax below multiplies by SM_SCALE (> 0, with 1 / ln 2)
         elif SCORE_AFFINE:  # (SM_SCALE is the score's factor in base 2 here)
-            s = qk * SM_SCALE + (KV_FACTOR * (offs_n - REF).to(ACC_DTYPE))[None, :]
+            s = qk * SM_SCALE + (KV_FACTOR * (offs_n - REF).to(ACC_DTYPE) + KV_BIAS)[None, :]
         else:
             if not PRESCALE_QK:
                 qk = qk * SM_SCALE
@@ -205,9 +205,11 @@ def flex_attention_forward(
 
     REF = pid_m * BLOCK_M  # (SCORE_AFFINE's reference position)
     KV_FACTOR = 0.0
+    KV_BIAS = 0.0
     if SCORE_AFFINE:  # from here SM_SCALE is the factor of q.k in base 2 (Q was scaled above)
         aff_s, aff_k, aff_q, aff_c = score_mod_affine(b, h, $score_mod_params)
         KV_FACTOR = aff_k * (1.0 / LN2)
+        KV_BIAS = ((aff_k + aff_q) * REF.to(tl.float32) + aff_c) * (1.0 / LN2)
         if PRESCALE_QK:
             SM_SCALE = aff_s * (1.0 / LN2)
         else:
@@ -223,7 +225,7 @@ def flex_attention_forward(
     BLOCK_IDX = KV_IDX + b64 * stride_iz + h * stride_ih + q_blk * stride_im
     acc, l_i, m_i = forward_inner(
         acc, l_i, m_i, q, K, V, BLOCK_IDX, num_blocks,
-        b, h, offs_m, KV_LEN, SM_SCALE, KV_FACTOR, REF,
+        b, h, offs_m, KV_LEN, SM_SCALE, KV_FACTOR, KV_BIAS, REF,
         stride_kn, stride_kk, stride_vn, stride_vk,
         $score_mod_params $mask_mod_params
         False, BLOCK_M, BLOCK_N, SPARSE_KV_BLOCK_SIZE,
@@ -236,7 +238,7 @@ def flex_attention_forward(
         BLOCK_IDX = FULL_KV_IDX + b64 * stride_fiz + h * stride_fih + q_blk * stride_fim
         acc, l_i, m_i = forward_inner(
             acc, l_i, m_i, q, K, V, BLOCK_IDX, num_blocks,
-            b, h, offs_m, KV_LEN, SM_SCALE, KV_FACTOR, REF,
+            b, h, offs_m, KV_LEN, SM_SCALE, KV_FACTOR, KV_BIAS, REF,
             stride_kn, stride_kk, stride_vn, stride_vk,
             $score_mod_params $mask_mod_params
             True, BLOCK_M, BLOCK_N, SPARSE_KV_BLOCK_SIZE,
@@ -257,7 +259,7 @@ def flex_attention_forward(
         acc = acc / tl.where(empty, 1.0, l_i)[:, None]
         lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     if SCORE_AFFINE:  # the rows' own term w(q_idx) (the softmax did not need it)
-        row_w = (aff_q * (offs_m - REF).to(ACC_DTYPE) + ((aff_k + aff_q) * REF.to(ACC_DTYPE) + aff_c)) * (1.0 / LN2)
+        row_w = aff_q * (offs_m - REF).to(ACC_DTYPE) * (1.0 / LN2)
         lse2 += row_w
         m_i += row_w
     store_tile(Out + rows[:, None] * stride_om + offs_v[None, :] * stride_ok, acc.to(Out.dtype.element_ty),

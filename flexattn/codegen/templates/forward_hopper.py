@@ -63,7 +63,7 @@ def loader(Q, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_
 
 
 @gluon.jit
-def scores(s, j, n_partial, P_IDX, F_IDX, b, h, q_idx, KV_LEN, SM_SCALE, KV_FACTOR, REF,
+def scores(s, j, n_partial, P_IDX, F_IDX, b, h, q_idx, KV_LEN, SM_SCALE, KV_FACTOR, KV_BIAS, REF,
            $score_mod_params $mask_mod_params
            s_layout: gl.constexpr, TILES_PER_BLOCK: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr,
            BLOCK_N: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr,
@@ -71,12 +71,12 @@ def scores(s, j, n_partial, P_IDX, F_IDX, b, h, q_idx, KV_LEN, SM_SCALE, KV_FACT
     """The q.k^T tile -> the softmax's input: scores in base 2 (times SM_SCALE / ln 2 when
     SCORES_IN_BASE2, where the softmax folds that factor in), mods and masks applied. With
     SCORE_AFFINE, SM_SCALE is q.k's factor in base 2 and the KV columns' term u(kv_idx) = KV_FACTOR
-    (kv_idx - REF) is added (the rows' term waits for the epilogue: see forward.py)."""
+    (kv_idx - REF) + KV_BIAS is added (the rows' term waits for the epilogue: see forward.py)."""
     start = tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N,
                        BLOCKS_ARE_CONTIGUOUS)
     kv_idx = gl.expand_dims(start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
     if SCORE_AFFINE:
-        s = s * SM_SCALE + KV_FACTOR * (kv_idx - REF).to(gl.float32)
+        s = s * SM_SCALE + (KV_FACTOR * (kv_idx - REF).to(gl.float32) + KV_BIAS)
     elif not SCORES_IN_BASE2:
         s = score_mod((s * SM_SCALE).to(SCORE_DTYPE), b, h, q_idx, kv_idx, $score_mod_params).to(gl.float32) * LOG2E
     partial = j < n_partial
@@ -172,10 +172,12 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
     my_m = off_m + WG * ROWS
     QK_FACTOR = SM_SCALE  # q.k's factor in `scores`
     KV_FACTOR = 0.0
+    KV_BIAS = 0.0
     if SCORE_AFFINE:  # (forward.py's SCORE_AFFINE; positions relative to this consumer's first row)
         aff_s, aff_k, aff_q, aff_c = score_mod_affine(b, h, $score_mod_params)
         QK_FACTOR = SM_SCALE * aff_s * LOG2E
         KV_FACTOR = aff_k * LOG2E
+        KV_BIAS = ((aff_k + aff_q) * my_m.to(gl.float32) + aff_c) * LOG2E
     q_idx = gl.expand_dims(my_m + gl.arange(0, ROWS, layout=row_s), 1)
     q = q_smem.reshape([BLOCK_M, QK_HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
     m_i = gl.full([ROWS], -float("inf"), gl.float32, layout=row_s)
@@ -193,7 +195,7 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
         mbarrier.arrive(other_turn, count=1)
         s = warpgroup_mma_wait(0, deps=(s, ))
         mbarrier.arrive(k_empty.index(0), count=1)
-        s = scores(s, 0, n_partial, P_IDX, F_IDX, b, h, q_idx, KV_LEN, QK_FACTOR, KV_FACTOR, my_m,
+        s = scores(s, 0, n_partial, P_IDX, F_IDX, b, h, q_idx, KV_LEN, QK_FACTOR, KV_FACTOR, KV_BIAS, my_m,
                    $score_mod_params $mask_mod_params
                    s_layout, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N, BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE,
                    SCORES_IN_BASE2, SCORE_AFFINE, SCORE_DTYPE)
@@ -215,7 +217,7 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
             # -- the scores are ready once at most one multiply (P.V) is in flight
             s = warpgroup_mma_wait(1, deps=(s, ))
             mbarrier.arrive(k_empty.index(slot), count=1)
-            s = scores(s, j, n_partial, P_IDX, F_IDX, b, h, q_idx, KV_LEN, QK_FACTOR, KV_FACTOR, my_m,
+            s = scores(s, j, n_partial, P_IDX, F_IDX, b, h, q_idx, KV_LEN, QK_FACTOR, KV_FACTOR, KV_BIAS, my_m,
                        $score_mod_params $mask_mod_params
                        s_layout, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N, BLOCKS_ARE_CONTIGUOUS,
                        IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, SCORE_DTYPE)
@@ -248,7 +250,7 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
     rows = my_m + gl.arange(0, ROWS, layout=row_s)
     lse2 = gl.where(empty, -float("inf"), m_i + gl.log2(l_use))
     if SCORE_AFFINE:  # the rows' own term w(q_idx)
-        row_w = (aff_q * (rows - my_m).to(gl.float32) + ((aff_k + aff_q) * my_m.to(gl.float32) + aff_c)) * LOG2E
+        row_w = aff_q * (rows - my_m).to(gl.float32) * LOG2E
         lse2 += row_w
         m_i += row_w
     gl.store(LSE + rows, lse2 * LN2, mask=rows < Q_LEN)
