@@ -565,14 +565,11 @@ def emit_mod(root: Node, kind: str, name: str | None = None, target: str = "cuda
         pre_args = tuple(f"{name}_kv{k}" for k in range(len(hoisted)))
         bound = {id(n): a for n, a in zip(hoisted, pre_args)}
         if hoisted:
-            pre_lines, pre_expr, _, _ = _emit_values(hoisted, kind)
-            values = ", ".join(pre_expr[id(n)] for n in hoisted)
-            pre_body = "\n".join(f"    {line}" for line in pre_lines + [f"return {values}"])
-            pre_src = f"@triton.jit\ndef {name}_kv({', '.join(['b', 'h', 'kv_idx'] + params)}):\n{pre_body}\n\n\n"
+            pre_src = _emit_function(hoisted, f"{name}_kv", ["b", "h", "kv_idx"] + params)
     lines, expr, _, axes = _emit_values([root], kind, bound)
     form = affine.split(root) if kind == "score" else None
     if form is not None:
-        pre_src += _emit_scalars(list(form.nodes()), f"{name}_affine", ["b", "h"] + params)
+        pre_src += _emit_function(list(form.nodes()), f"{name}_affine", ["b", "h"] + params, float32=True)
 
     result = expr[id(root)]
     if kind == "score":
@@ -599,16 +596,16 @@ def emit_mod(root: Node, kind: str, name: str | None = None, target: str = "cuda
     return ModSource(name, kind, src, tuple(params), tuple(buffers), pre_args, form is not None)
 
 
-def _emit_scalars(roots: list[Node], name: str, params: list[str]) -> str:
-    """``@triton.jit def {name}(<params>)`` returning ``roots`` (which read b, h and buffers only)
-    as float32 scalars."""
+def _emit_function(roots: list[Node], name: str, params: list[str], float32: bool = False) -> str:
+    """``@triton.jit def {name}(<params>)`` returning the values of ``roots`` (which must not read
+    the score), as float32 scalars with ``float32``."""
     lines, expr, _, _ = _emit_values(roots, "mask")  # ("mask": reading the score is an error)
     values = []
     for n in roots:
         e = expr[id(n)]
-        if n.op == "const":
+        if float32 and n.op == "const":
             e = f"tl.full([], {_pyval(n.arg)}, tl.float32)"
-        elif n.dtype != torch.float32:
+        elif float32 and n.dtype != torch.float32:
             e = f"{e}.to(tl.float32)"
         values.append(e)
     body = "\n".join(f"    {line}" for line in lines + [f"return {', '.join(values)}"])

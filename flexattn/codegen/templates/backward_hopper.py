@@ -205,11 +205,7 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
         # mask_mod's values that depend on this KV tile and head only (doc[kv_idx]), read once here
         $mask_kv_call
         qk_factor = SM_SCALE
-        kv_factor = 0.0
         ds_factor = 1.0
-        aff_k = 0.0
-        aff_q = 0.0
-        aff_c = 0.0
         if SCORE_AFFINE:  # the affine form's factors for this head
             aff_s, aff_k, aff_q, aff_c = score_mod_affine(b, h, $score_mod_params)
             qk_factor = SM_SCALE * aff_s * LOG2E
