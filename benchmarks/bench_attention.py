@@ -11,11 +11,16 @@ and gradients compared to flexattn's (max|diff|, grad diff: the largest of dQ, d
 4·B·H·S·S·D for the forward and 2.5x that for the backward, times the fraction of tiles the block
 mask visits (so a causal run is credited about half the work of a dense one). SDPA runs where it
 can express the case (no mask, causal).
+
+``--rounds N`` times every competitor N times, taking turns (flexattn, torch, SDPA, flexattn, ...),
+and prints each one's median: a shared host drifts by tens of percent within a minute, and a short
+call (S=2k) can be bound by the host, so one timing per competitor reads whichever drift it met.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 import triton
@@ -89,6 +94,8 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--rep", type=int, default=None)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="timings per competitor, interleaved between competitors; the median is printed")
     p.add_argument("--no-torch", action="store_true", help="flexattn only")
     p.add_argument("--no-backward", action="store_true", help="forward only")
     args = p.parse_args(argv)
@@ -109,7 +116,8 @@ def main(argv=None) -> int:
 
     name = torch.cuda.get_device_name(device) if on_gpu else "CPU (Triton interpreter)"
     print(f"# {name} | torch {torch.__version__} | triton {triton.__version__} | flexattn {flexattn.__version__}")
-    print(f"# {args.dtype if on_gpu else 'float32'}, B={B}, H={H}, S={S}, D={D}, block mask BLOCK_SIZE={block}")
+    print(f"# {args.dtype if on_gpu else 'float32'}, B={B}, H={H}, S={S}, D={D}, block mask BLOCK_SIZE={block}, "
+          f"{max(1, args.rounds)} interleaved round(s) of {rep} timed calls (median)")
 
     if run_torch:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -149,30 +157,45 @@ def main(argv=None) -> int:
                 impls["SDPA (cuDNN/flash)"] = sdpa
         fwd_flops = 4 * B * H * S * S * D * frac
         base = base_grads = None
+        checked = {}  # impl -> (max|diff| of the output, of the gradients; backward closure or None)
         for impl, fn in impls.items():
             try:
                 with torch.no_grad():
                     out = fn()
                     base = out if base is None else base
                     err = (out.float() - base.float()).abs().max().item()
-                    t_fwd = timer(fn, device, warmup, rep)
-                t_bwd = grad_err = None
+                grad_err = backward = None
                 if not args.no_backward:
                     out = fn()
                     grads = torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)
                     base_grads = grads if base_grads is None else base_grads
                     grad_err = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, base_grads))
                     del grads
-                    t_bwd = timer(lambda: torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True),
-                                  device, warmup, rep)
-                    del out
+                    backward = (lambda out=out: torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True))
+                checked[impl] = (err, grad_err, backward)
             except Exception as e:  # a competitor that cannot run a case is reported, not fatal
                 rows.append((case, impl, frac, None, None, None, None, None, None,
                              f"{type(e).__name__}: {str(e)[:60]}"))
-                continue
+        # Timings: the competitors take turns, round after round (each one's median is printed)
+        t_fwds, t_bwds = {impl: [] for impl in checked}, {impl: [] for impl in checked}
+        for _ in range(max(1, args.rounds)):
+            for impl, (_, _, backward) in list(checked.items()):
+                try:
+                    with torch.no_grad():
+                        t_fwds[impl].append(timer(impls[impl], device, warmup, rep))
+                    if backward is not None:
+                        t_bwds[impl].append(timer(backward, device, warmup, rep))
+                except Exception as e:
+                    del checked[impl]
+                    rows.append((case, impl, frac, None, None, None, None, None, None,
+                                 f"{type(e).__name__}: {str(e)[:60]}"))
+        for impl, (err, grad_err, _) in checked.items():
+            t_fwd = statistics.median(t_fwds[impl])
+            t_bwd = statistics.median(t_bwds[impl]) if t_bwds[impl] else None
             rows.append((case, impl, frac, t_fwd * 1e3, fwd_flops / t_fwd / 1e12,
                          None if t_bwd is None else t_bwd * 1e3,
                          None if t_bwd is None else 2.5 * fwd_flops / t_bwd / 1e12, err, grad_err, ""))
+        checked.clear()  # (the saved graphs hold their activations)
 
     head = (f"{'case':<22} {'impl':<21} {'tiles':>6} {'fwd ms':>9} {'fwd TF/s':>9} {'bwd ms':>9} "
             f"{'bwd TF/s':>9} {'max|diff|':>10} {'grad diff':>10}")
