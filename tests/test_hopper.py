@@ -237,3 +237,36 @@ def test_backward_reason(monkeypatch):
     assert "Triton backward's knobs ['BLOCK_M1']" in hopper.backward_reason(q, k, v, q, None, {"BLOCK_M1": 32}, False)
     bm = create_block_mask(causal, None, None, 300, 300, device="cpu", BLOCK_SIZE=64)
     assert "64x128" in hopper.backward_reason(q, k, v, q, tables_of(bm), {}, False)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_later_descriptors_are_the_first_ones_with_the_call_tensors(backward):
+    """A plan validates its descriptors once (Triton's constructor); later calls copy them with their
+    own tensors in place. Each copy must equal what the constructor makes of those tensors, and
+    leave the first call's descriptors alone."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    def fields(d):
+        return {k: v for k, v in vars(d).items() if k != "base"}
+
+    def call(tensors):
+        return descriptors(*tensors)
+
+    def fresh():  # (strided views, as a call may pass: the query's layout is [B, S, H, D])
+        q = torch.randn(2, 300, 3, 128, dtype=torch.bfloat16).transpose(1, 2)
+        kv = [torch.randn(2, 3, 300, 128, dtype=torch.bfloat16) for _ in range(2)]
+        more = [torch.randn_like(q), torch.randn(2, 3, 300, 128)] if backward else []
+        return [q, *kv, *more]
+
+    descriptors = hopper.Descriptors(torch.bfloat16, 128, backward=backward)
+    first_tensors, later_tensors = fresh(), fresh()
+    first = call(first_tensors)
+    later = call(later_tensors)
+    assert len(later) == len(first) == (5 if backward else 3)
+    for d, f, t, t0, block, layout in zip(later, first, later_tensors, first_tensors, descriptors.blocks,
+                                          descriptors.layouts):
+        assert type(d) is TensorDescriptor and d is not f
+        assert d.base is t and f.base is t0
+        built = TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+        assert fields(d) == fields(built)
+        assert d.strides == list(t.stride()) and d.shape == list(t.shape)

@@ -86,6 +86,7 @@ class Plan:
     dq: launch.Launch
     grad_buffers: tuple[int, ...]   # captured tensors (by index) that get gradients
     acc: torch.dtype
+    dq_order: tuple[int, ...] | None  # dQ's layout: the query's (`launch.contiguous_or_order`)
     dk_dtype: torch.dtype
     kv_batched: bool
     dense: tuple[Direction, Direction] | None  # (q lists, kv lists) without a block mask
@@ -151,7 +152,7 @@ def make_plan(query, key, value, out, grad_out, score: Mod, mask: Mod, tables: T
                *launch.broadcast_strides(value, not kv_batched))
     mod = module(score, mask, grad_buffers, target, opts.fast_math(explicit, device, dtype))
     return Plan(_preprocess(mod, query, value, has_grad_lse), launch.Launch(mod.backward_dkdv, *dkdv, device),
-                launch.Launch(mod.backward_dq, *dq, device), grad_buffers, acc,
+                launch.Launch(mod.backward_dq, *dq, device), grad_buffers, acc, launch.contiguous_or_order(query),
                 key.dtype if kv_batched else acc, kv_batched, dense_lists, strides, (Hq, Hkv, Q_LEN, KV_LEN))
 
 
@@ -162,6 +163,7 @@ class HopperPlan:
     preprocess: launch.Launch
     main: launch.Launch
     descriptors: hopper.Descriptors  # Q, K, V, dO and the float32 dQ buffer
+    dq_order: tuple[int, ...] | None  # the dQ buffer's layout: the query's (`launch.contiguous_or_order`)
     dk_dtype: torch.dtype
     kv_batched: bool
     dense: Direction | None  # the query lists without a block mask
@@ -221,7 +223,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     main = launch.Launch(kernel, (triton.cdiv(KV_LEN, block_n), B * Hkv), constexprs, device)
     pre = _preprocess(module(score, mask, (), launch.target_for(device), fast_math), query, value, has_grad_lse,
                       zero_dq=True)
-    return HopperPlan(pre, main, hopper.Descriptors(dtype, E, backward=True),
+    return HopperPlan(pre, main, hopper.Descriptors(dtype, E, backward=True), launch.contiguous_or_order(query),
                       key.dtype if kv_batched else torch.float32, kv_batched, lists, (Hq, Hkv, Q_LEN, KV_LEN))
 
 
@@ -236,7 +238,7 @@ def run(plan: Plan | HopperPlan, query, key, value, out, lse, grad_out, grad_lse
     Hkv, KV_LEN, Ev = value.shape[1], value.shape[2], value.shape[3]
     device = query.device
     grad_bufs = {i: torch.zeros(score_bufs[i].shape, dtype=plan.acc, device=device) for i in plan.grad_buffers}
-    dq = launch.empty(query.shape, query.dtype, device, launch.stride_order(query))
+    dq = launch.empty(query.shape, query.dtype, device, plan.dq_order)
     dk = launch.empty((B, Hkv, KV_LEN, E), plan.dk_dtype, device)
     dv = launch.empty((B, Hkv, KV_LEN, Ev), plan.dk_dtype, device)
     if query.numel() == 0 or key.numel() == 0:
@@ -288,7 +290,7 @@ def _run_hopper(plan: HopperPlan, query, key, value, out, lse, grad_out, grad_ls
     dlse = grad_lse if grad_lse is not None else lse
     # (in the query's layout: the float conversion keeps it, and dQ has the query's layout; the
     # preprocess zeroes it)
-    dq_acc = launch.empty(query.shape, torch.float32, device, launch.stride_order(query))
+    dq_acc = launch.empty(query.shape, torch.float32, device, plan.dq_order)
     plan.preprocess(*preprocess_args(out, grad_out, dlse, delta, dq_acc, Hq, Q_LEN))
     dk = launch.empty((B, Hkv, KV_LEN, E), plan.dk_dtype, device)
     dv = launch.empty((B, Hkv, KV_LEN, E), plan.dk_dtype, device)
