@@ -24,6 +24,7 @@ if [[ "$what" == bench || "$what" == all ]]; then
   for b in benchmarks/bench_attention.py benchmarks/bench_decode.py benchmarks/bench_block_mask.py; do
     [[ -f "$b" ]] || continue
     echo "== $b"
-    timeout 300 python3 "$b" 2>&1 | tee "$OUT/$(basename "$b" .py).log" | tail -30
+    args=(); [[ "$b" == *bench_attention.py ]] && args=(--rounds 3)
+    timeout 300 python3 "$b" ${args[@]+"${args[@]}"} 2>&1 | tee "$OUT/$(basename "$b" .py).log" | tail -30
   done
 fi
