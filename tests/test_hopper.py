@@ -270,3 +270,9 @@ def test_later_descriptors_are_the_first_ones_with_the_call_tensors(backward):
         built = TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
         assert fields(d) == fields(built)
         assert d.strides == list(t.stride()) and d.shape == list(t.shape)
+    # the plan keeps no call's tensors alive (a backward's would be its float32 dQ buffer)
+    import weakref
+
+    refs = [weakref.ref(t) for t in first_tensors + later_tensors]
+    del first, later, first_tensors, later_tensors, d, f, t, t0, built
+    assert all(r() is None for r in refs)

@@ -176,7 +176,7 @@ class Descriptors:
 
         gdt = getattr(gl, _GL_DTYPES[dtype])
         self.make = TensorDescriptor
-        self.first = None  # the first call's validated descriptors (copied by later calls)
+        self.first = None  # the fields of the first call's validated descriptors, but the tensors
         self.v_k_major = dtype == torch.float8_e4m3fn
         if backward:  # Q, K, V, dO, and the float32 dQ accumulator (a consumer's half of the head dim)
             q, kv = [1, 1, BWD_BLOCK_M, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
@@ -201,15 +201,17 @@ class Descriptors:
         if first is None:
             made = tuple(self.make(t, list(t.shape), list(t.stride()), b, lay)
                          for t, b, lay in zip(tensors, self.blocks, self.layouts))
-            self.first = made if all(hasattr(d, "__dict__") for d in made) else ()
+            # (their fields but the tensor: the plan must not keep the call's tensors alive)
+            self.first = tuple({k: v for k, v in vars(d).items() if k != "base"} for d in made) \
+                if all(hasattr(d, "__dict__") for d in made) else ()
             return made
         if not first:
             return tuple(self.make(t, list(t.shape), list(t.stride()), b, lay)
                          for t, b, lay in zip(tensors, self.blocks, self.layouts))
         new, cls = object.__new__, self.make
         out = []
-        for t, d in zip(tensors, first):
+        for t, fields in zip(tensors, first):
             c = new(cls)
-            c.__dict__ = {**d.__dict__, "base": t, "shape": list(t.shape), "strides": list(t.stride())}
+            c.__dict__ = {**fields, "base": t, "shape": list(t.shape), "strides": list(t.stride())}
             out.append(c)
         return tuple(out)
