@@ -276,3 +276,24 @@ def test_later_descriptors_are_the_first_ones_with_the_call_tensors(backward):
     refs = [weakref.ref(t) for t in first_tensors + later_tensors]
     del first, later, first_tensors, later_tensors, d, f, t, t0, built
     assert all(r() is None for r in refs)
+
+
+def test_descriptors_without_an_instance_dict_are_built_every_call():
+    """A Triton whose descriptor class has no instance dict (slots) gets its constructor each call."""
+    from dataclasses import dataclass
+
+    @dataclass(slots=True)
+    class Slotted:
+        base: torch.Tensor
+        shape: list
+        strides: list
+        block_shape: list
+        layout: object
+
+    descriptors = hopper.Descriptors(torch.bfloat16, 128)
+    descriptors.make = Slotted
+    calls = [[torch.randn(1, 2, 256, 128, dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
+    for tensors in calls:
+        made = descriptors(*tensors)
+        assert all(type(d) is Slotted and d.base is t for d, t in zip(made, tensors))
+    assert descriptors.first == ()

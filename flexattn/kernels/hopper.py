@@ -198,16 +198,13 @@ class Descriptors:
             value = value.transpose(2, 3)
         tensors = (query, key, value, *more)
         first = self.first
-        if first is None:
+        if not first:  # the plan's first call (None), or descriptors that cannot be copied (())
             made = tuple(self.make(t, list(t.shape), list(t.stride()), b, lay)
                          for t, b, lay in zip(tensors, self.blocks, self.layouts))
-            # (their fields but the tensor: the plan must not keep the call's tensors alive)
-            self.first = tuple({k: v for k, v in vars(d).items() if k != "base"} for d in made) \
-                if all(hasattr(d, "__dict__") for d in made) else ()
+            if first is None:  # (their fields but the tensor: the plan must not keep a call's tensors alive)
+                self.first = tuple({k: v for k, v in vars(d).items() if k != "base"} for d in made) \
+                    if all(hasattr(d, "__dict__") for d in made) else ()
             return made
-        if not first:
-            return tuple(self.make(t, list(t.shape), list(t.stride()), b, lay)
-                         for t, b, lay in zip(tensors, self.blocks, self.layouts))
         new, cls = object.__new__, self.make
         out = []
         for t, fields in zip(tensors, first):
