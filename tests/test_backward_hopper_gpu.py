@@ -128,6 +128,27 @@ def test_fully_masked_rows():
     assert (dq[:, :, :300] == 0).all()
 
 
+@pytest.mark.parametrize("defer", [False, True])
+def test_both_dq_schedules(monkeypatch, defer):
+    """The consumers meeting every step for dQ, and dQ deferred to the next step (DEFER_DQ, which
+    `bwd.defer_dq` picks per call), forced on calls of both head dims: a GQA group (the deferred
+    dQ of a head's last step is added in the next head's first), lengths that are not multiples
+    of the tiles, partial and full blocks, fully masked rows."""
+    monkeypatch.setattr(bwd, "defer_dq", lambda *args: defer)
+    plans.BACKWARD.plans.clear()
+    S = 1500
+    check(2, 8, 2, S, S, 128, score_mod=make_alibi(8, "cuda"), mask_mod=make_document_causal(S, "cuda"))
+    check(1, 4, 4, 1333, 700, 64, mask_mod=sliding_window_1024)
+
+    def late_keys(b, h, q_idx, kv_idx):  # rows q_idx < 300 see nothing
+        return (kv_idx <= q_idx) & (q_idx >= 300)
+
+    dq, _, _ = check(1, 4, 2, 1000, 1000, 64, mask_mod=late_keys)
+    assert (dq[:, :, :300] == 0).all()
+    assert {p.main.constexprs["DEFER_DQ"] for p in plans.BACKWARD.plans.values() if hasattr(p, "main")} == {defer}
+    plans.BACKWARD.plans.clear()
+
+
 def test_captured_tensor_gradients_take_the_triton_backward():
     slopes = torch.exp2(-torch.arange(1, 5, dtype=torch.float32, device="cuda")).requires_grad_()
     q, k, v = (torch.randn(1, 4, 512, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))

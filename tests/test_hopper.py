@@ -34,6 +34,18 @@ def softcap(score, b, h, q_idx, kv_idx):
     return 30 * torch.tanh(score / 30)
 
 
+def alibi_with(slopes: torch.Tensor):
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+    return alibi
+
+
+def causal_documents(doc: torch.Tensor):
+    def documents(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+    return documents
+
+
 def _compile_gluon(kernel, args: list, launch_: launch.Launch):
     """Compile a Gluon kernel for sm_90 with the argument types of ``args`` (the plan's launch
     arguments, unused pointers standing in as empty tensors) and the launch's constexprs."""
@@ -163,8 +175,9 @@ def test_reason_on_a_hopper(monkeypatch):
     assert "64x64" in hopper.reason(q, k, v, tables_of(bm), {})
 
 
-def _compile_backward(q, k, v, score_fn=None, mask_fn=None, block_mask=None):
-    """Compile the Hopper backward plan's kernel for sm_90 with the argument types a launch passes."""
+def _compile_backward(q, k, v, score_fn=None, mask_fn=None, block_mask=None, compiled=False):
+    """Compile the Hopper backward plan's kernel for sm_90 with the argument types a launch passes:
+    its PTX (``compiled``: the compiled kernel)."""
     score = _mod(score_fn or (lambda s, b, h, q, k: s), SCORE)
     mask = _mod(mask_fn or (lambda b, h, q, k: q >= 0), MASK)
     tables = None if block_mask is None else tables_of(block_mask)
@@ -177,7 +190,8 @@ def _compile_backward(q, k, v, score_fn=None, mask_fn=None, block_mask=None):
     args = [*plan.descriptors(q, k, v, torch.empty_like(q), dq_acc), lse, delta, dk, torch.empty_like(dk),
             *lists.args(), *launch.buffer_args(score, score.buffers), *launch.buffer_args(mask, mask.buffers),
             *lse.stride(), *dk.stride()[:3], *dk.stride()[:3], *lists.strides(), *plan.sizes, 0.125]
-    return _compile_gluon(bwd.hopper_module(score, mask, True).flex_attention_backward, args, plan.main).asm["ptx"]
+    kernel = _compile_gluon(bwd.hopper_module(score, mask, True).flex_attention_backward, args, plan.main)
+    return kernel if compiled else kernel.asm["ptx"]
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -189,15 +203,8 @@ def test_backward_compiles(D):
 
 
 def test_backward_compiles_with_mods_gqa_and_broadcast_batch():
-    slopes = torch.exp2(-torch.arange(1, 5, dtype=torch.float32))
-    doc = torch.arange(384, dtype=torch.int32) // 100
-
-    def alibi(score, b, h, q_idx, kv_idx):
-        return score + slopes[h] * (kv_idx - q_idx)
-
-    def documents(b, h, q_idx, kv_idx):
-        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
-
+    alibi = alibi_with(torch.exp2(-torch.arange(1, 5, dtype=torch.float32)))
+    documents = causal_documents(torch.arange(384, dtype=torch.int32) // 100)
     bm = create_block_mask(documents, None, None, 384, 384, device="cpu")
     _compile_backward(*_qkv(B=2, H=4, Hkv=2, S=384, Bkv=1), score_fn=alibi, mask_fn=documents, block_mask=bm)
     _compile_backward(*_qkv(S=256), score_fn=softcap)
@@ -207,18 +214,40 @@ def test_backward_waits_for_dp_late_only_for_affine_score_mods_at_head_dim_128()
     """P's exp2 runs under dP (LATE_DP_WAIT) where that measured faster: a score_mod whose
     derivative in the score is a constant (ALiBi-like), head dim 128; not where the derivative
     reads the score (soft-cap), without a score_mod, nor at head dim 64."""
-    slopes = torch.exp2(-torch.arange(1, 3, dtype=torch.float32))
+    alibi = alibi_with(torch.exp2(-torch.arange(1, 3, dtype=torch.float32)))
 
     def late(score_fn, D=128):
         score, mask = _mod(score_fn, SCORE), _mod(lambda b, h, q, k: q >= 0, MASK)
         return bwd.hopper_plan(*_qkv(D=D), score, mask, None, {}, False).main.constexprs["LATE_DP_WAIT"]
 
-    def alibi(score, b, h, q_idx, kv_idx):
-        return score + slopes[h] * (kv_idx - q_idx)
-
     assert late(alibi) and late(lambda s, b, h, q, k: 0.5 * s - (q - k).abs())
     assert not late(softcap) and not late(lambda s, b, h, q, k: s) and not late(alibi, D=64)
     assert not late(lambda s, b, h, q, k: s * s)
+
+
+def test_backward_defers_dq_at_head_dim_64_with_affine_score_mods_or_memory_masks(monkeypatch):
+    """DEFER_DQ (a step's dQ in the next step, three dS buffers) where it measured faster: head dim
+    64 with ALiBi or a documents mask; not without mods, with soft-cap, nor at head dim 128. Both
+    schedules compile at both head dims (a GQA group, a length that is not a multiple of the tiles)."""
+    alibi = alibi_with(torch.exp2(-torch.arange(1, 3, dtype=torch.float32)))
+    documents = causal_documents(torch.arange(300, dtype=torch.int32) // 70)
+
+    def deferred(D, score_fn=None, mask_fn=None):
+        score = _mod(score_fn or (lambda s, b, h, q, k: s), SCORE)
+        mask = _mod(mask_fn or (lambda b, h, q, k: q >= 0), MASK)
+        return bwd.hopper_plan(*_qkv(D=D), score, mask, None, {}, False).main.constexprs["DEFER_DQ"]
+
+    assert deferred(64, score_fn=alibi) and deferred(64, mask_fn=documents)
+    assert not (deferred(64) or deferred(64, score_fn=softcap) or deferred(64, mask_fn=causal))
+    assert not (deferred(128, score_fn=alibi) or deferred(128, mask_fn=documents))
+    bm = create_block_mask(documents, None, None, 300, 300, device="cpu")
+    for D in (64, 128):
+        shared = {}
+        for forced in (False, True):
+            monkeypatch.setattr(bwd, "defer_dq", lambda *args, forced=forced: forced)
+            shared[forced] = _compile_backward(*_qkv(H=4, Hkv=2, S=300, D=D), score_fn=alibi, mask_fn=documents,
+                                               block_mask=bm, compiled=True).metadata.shared
+        assert shared[True] - shared[False] >= 64 * 128 * 2  # the third dS buffer (64 x 128 bfloat16)
 
 
 def test_backward_reason(monkeypatch):

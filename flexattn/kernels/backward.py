@@ -189,6 +189,15 @@ def preprocess_args(out, grad_out, dlse, delta, dq_acc, Hq: int, Q_LEN: int) -> 
     return (out, grad_out, dlse, delta, dq[0], *out.stride(), *grad_out.stride(), *dlse.stride(), *dq[1:], Hq, Q_LEN)
 
 
+def defer_dq(head_dim: int, affine: bool, mask: Mod) -> bool:
+    """Whether the Hopper backward issues each step's dQ in the next step (DEFER_DQ): where that
+    measured faster than the consumers meeting every step (docs/performance.md, sixteenth
+    session): head dim 64 with an affine score_mod (ALiBi +9%) or a mask that reads captured
+    tensors (16 documents +5%). Elsewhere it measured level to 9% slower (head dim 128 documents:
+    its extra registers spill) or 2-5% slower at head dim 64 (no mask, sliding window, soft-cap)."""
+    return head_dim == 64 and (affine or bool(mask.buffer_specs))
+
+
 def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None, explicit: dict,
                 has_grad_lse: bool) -> HopperPlan:
     B, Hq, Q_LEN, E = query.shape
@@ -202,6 +211,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         sparse_q, sparse_kv, lists = tables.q_block, tables.kv_block, None
     kv_batched = Bkv == B
     raw = launch.raw_scores(score, torch.float32)
+    affine = launch.affine_scores(score, dtype, max(Q_LEN, KV_LEN))
     constexprs = dict(
         BLOCK_M=block_m, BLOCK_N=block_n, SPARSE_Q_BLOCK_SIZE=sparse_q, SPARSE_KV_BLOCK_SIZE=sparse_kv,
         GQA_SHARED_HEADS=Hq // Hkv, KV_BATCH_BROADCAST=not kv_batched,
@@ -211,11 +221,12 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         # no query tile crosses Q_LEN and no program's KV tile crosses KV_LEN
         IS_DIVISIBLE=Q_LEN % sparse_q == 0 and KV_LEN % block_n == 0,
         SCORES_IN_BASE2=raw,
-        SCORE_AFFINE=launch.affine_scores(score, dtype, max(Q_LEN, KV_LEN)),
+        SCORE_AFFINE=affine,
         # (a score_mod whose derivative in the score is a constant)
         LATE_DP_WAIT=E == 128 and not raw and score_mod_grad(score).score.op == "const",
         NUM_BUFFERS=hopper.BWD_NUM_BUFFERS[E], CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
+        DEFER_DQ=defer_dq(E, affine, mask),
         num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS,
     )
     fast_math = opts.fast_math(explicit, device, dtype)

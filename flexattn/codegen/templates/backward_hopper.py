@@ -22,6 +22,11 @@
 #                                              consumers' dS (they meet at ds_ready)
 #   dQ -> shared memory -> the float32 DQ_ACC by a TMA reduce-add (dq_bufs, one per consumer; the
 #   next step's store waits until the TMA unit has read it). dK += dS^T Q runs during the add.
+# DEFER_DQ (kernels/backward.py's defer_dq says where): a step's dQ is computed in the next step, so
+# a consumer waits for the other's dS a step later instead of at once (where their work per step
+# differs, a mask's or a score_mod's, neither idles for the other); dS then takes three buffers:
+# the wait, placed before a step's dS store, also proves that the other consumer has finished the
+# step before the previous one, the last reader of the buffer that store takes.
 # The preprocess zeroes DQ_ACC and the host converts it to the query's dtype afterwards; dK is
 # scaled in-program.
 # Why TMA: one thread's relaxed atomics per element of dQ (four billion at B=4 H=16 S=8k D=128)
@@ -146,6 +151,17 @@ def p_and_ds(s, dp, valid, lse2, delta, b, h, q_idx, kv_idx, SM_SCALE, qk_factor
 
 
 @gluon.jit
+def dq_add(dq, dq_s, dq_smem, DQ_DESC, b, h, start, DQ_COL0: gl.constexpr):
+    """dQ through shared memory into DQ_ACC by the TMA unit's reduce-add (rows past Q_LEN are
+    clipped); per-element atomics from the registers run at 0.8x of this (L2-bound)."""
+    tma.store_wait(0)  # (the previous add has read the buffer)
+    dq_s.store(dq)
+    fence_async_shared()
+    _sync_warps()
+    _tma_add(DQ_DESC, [b, h, start, DQ_COL0], dq_smem)
+
+
+@gluon.jit
 def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, q_ready, q_empty, do_ready, do_empty,
              ds_ready, LSE, DELTA, DK, DV,
              Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
@@ -158,8 +174,10 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
              WG: gl.constexpr, GQA_SHARED_HEADS: gl.constexpr, TILES_PER_BLOCK: gl.constexpr,
              SPARSE_Q_BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
              BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr,
-             SCORE_AFFINE: gl.constexpr, LATE_DP_WAIT: gl.constexpr, SCORE_DTYPE: gl.constexpr):
+             SCORE_AFFINE: gl.constexpr, LATE_DP_WAIT: gl.constexpr, SCORE_DTYPE: gl.constexpr,
+             DEFER_DQ: gl.constexpr):
     NUM_BUFFERS: gl.constexpr = q_bufs.type.shape[0]
+    NUM_DS: gl.constexpr = ds_bufs.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[3]
     ROWS: gl.constexpr = BLOCK_N // 2
@@ -197,6 +215,8 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
 
     mbarrier.wait(kv_bar, 0)
     it = 0
+    prev_start = 0  # DEFER_DQ: the previous step's query tile and head
+    prev_h = h_kv * GQA_SHARED_HEADS
     for g in range(GQA_SHARED_HEADS):
         h = h_kv * GQA_SHARED_HEADS + g
         h64 = h.to(gl.int64)
@@ -286,8 +306,13 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
                                  SCORES_IN_BASE2, SCORE_AFFINE, SCORE_DTYPE)
             # -- P and dS to shared memory: the A operands of dV += P^T dO and dK += dS^T Q (transposed
             # views), and dS, with the other consumer's half, of dQ = dS K
-            ds_s = ds_bufs.index(it % 2)
+            ds_s = ds_bufs.index(it % NUM_DS)
             ds_w = ds_s.slice(WG * ROWS, ROWS, dim=1)
+            if DEFER_DQ:
+                if it > 0:
+                    # the other consumer's dS of the previous step, for that step's dQ below; it has
+                    # also finished the step before, whose dS buffer the store below takes
+                    mbarrier.wait(ds_ready.index((it - 1) % NUM_DS), ((it - 1) // NUM_DS) & 1)
             p_s.store(p.to(dtype))
             ds_w.store(ds.to(dtype))
             fence_async_shared()
@@ -295,22 +320,37 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
             # -- dV += P^T dO; dQ = dS K (after the other consumer's dS); dK += dS^T Q runs while dQ is
             # added
             dv = warpgroup_mma(p_s.permute((1, 0)), do, dv, is_async=True)
-            mbarrier.arrive(ds_ready.index(it % 2), count=1)
-            mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
-            dq = warpgroup_mma(ds_s, k_dq, zero_dq, use_acc=False, is_async=True)
-            dk = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
-            dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
-            mbarrier.arrive(do_empty.index(slot), count=1)
-            # -- dQ through shared memory into DQ_ACC by the TMA unit's reduce-add (rows past Q_LEN
-            # are clipped); per-element atomics from the registers run at 0.8x of this (L2-bound)
-            tma.store_wait(0)  # (the previous add has read the buffer)
-            dq_s.store(dq * SM_SCALE)
-            fence_async_shared()
-            _sync_warps()
-            _tma_add(DQ_DESC, [b, h, start, DQ_COL0], dq_smem)
-            dk = warpgroup_mma_wait(0, deps=(dk, ))
+            mbarrier.arrive(ds_ready.index(it % NUM_DS), count=1)
+            if DEFER_DQ:
+                # the previous step's dQ (at the first step the product reads a buffer no one wrote
+                # and is not added: one branch around the add, none around the products)
+                dq = warpgroup_mma(ds_bufs.index((it + NUM_DS - 1) % NUM_DS), k_dq, zero_dq, use_acc=False,
+                                   is_async=True)
+                dk = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
+                dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
+                mbarrier.arrive(do_empty.index(slot), count=1)
+                if it > 0:
+                    dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, prev_h, prev_start, DQ_COL0)
+                dk = warpgroup_mma_wait(0, deps=(dk, ))
+                prev_start = start
+                prev_h = h
+            else:
+                mbarrier.wait(ds_ready.index(it % NUM_DS), (it // NUM_DS) & 1)
+                dq = warpgroup_mma(ds_s, k_dq, zero_dq, use_acc=False, is_async=True)
+                dk = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
+                dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
+                mbarrier.arrive(do_empty.index(slot), count=1)
+                dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, h, start, DQ_COL0)
+                dk = warpgroup_mma_wait(0, deps=(dk, ))
             mbarrier.arrive(q_empty.index(slot), count=1)
             it += 1
+
+    if DEFER_DQ:  # the last step's dQ
+        if it > 0:
+            mbarrier.wait(ds_ready.index((it - 1) % NUM_DS), ((it - 1) // NUM_DS) & 1)
+            dq = warpgroup_mma(ds_bufs.index((it - 1) % NUM_DS), k_dq, zero_dq, use_acc=False, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq, ))
+            dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, prev_h, prev_start, DQ_COL0)
 
     tma.store_wait(0)
     # -- dK (scaled) and dV of this consumer's rows
@@ -339,7 +379,7 @@ def flex_attention_backward(
     GQA_SHARED_HEADS: gl.constexpr, KV_BATCH_BROADCAST: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
     BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr,
     SCORE_AFFINE: gl.constexpr, LATE_DP_WAIT: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    SCORE_DTYPE: gl.constexpr,
+    SCORE_DTYPE: gl.constexpr, DEFER_DQ: gl.constexpr,
 ):
     gl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M == 0)
     gl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N == 0)
@@ -357,7 +397,8 @@ def flex_attention_backward(
     q_bufs = gl.allocate_shared_memory(Q.dtype, [NUM_BUFFERS] + Q.block_type.shape, Q.layout)
     do_bufs = gl.allocate_shared_memory(DO.dtype, [NUM_BUFFERS] + DO.block_type.shape, DO.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], Q.dtype)
-    ds_bufs = gl.allocate_shared_memory(Q.dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
+    NUM_DS: gl.constexpr = 3 if DEFER_DQ else 2
+    ds_bufs = gl.allocate_shared_memory(Q.dtype, [NUM_DS, BLOCK_M, BLOCK_N], ds_layout)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N // 2], Q.dtype)
     p_bufs = gl.allocate_shared_memory(Q.dtype, [2, BLOCK_M, BLOCK_N // 2], p_layout)
     dq_bufs = gl.allocate_shared_memory(DQ_DESC.dtype, [2] + DQ_DESC.block_type.shape, DQ_DESC.layout)
@@ -366,14 +407,14 @@ def flex_attention_backward(
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     do_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [NUM_DS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(do_empty.index(i), count=2)
-    for i in gl.static_range(2):
+    for i in gl.static_range(NUM_DS):
         mbarrier.init(ds_ready.index(i), count=2)
 
     gl.warp_specialize([
@@ -386,7 +427,8 @@ def flex_attention_backward(
                     stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
                     b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
                     0, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
-                    BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT, SCORE_DTYPE)),
+                    BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT, SCORE_DTYPE,
+                    DEFER_DQ)),
         (consumer, (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, q_ready, q_empty, do_ready, do_empty,
                     ds_ready, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
                     $score_mod_params $mask_mod_params
@@ -396,7 +438,8 @@ def flex_attention_backward(
                     stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
                     b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
                     1, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
-                    BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT, SCORE_DTYPE)),
+                    BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT, SCORE_DTYPE,
+                    DEFER_DQ)),
         (loader, (Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
                   Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
                   stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
