@@ -190,12 +190,17 @@ def preprocess_args(out, grad_out, dlse, delta, dq_acc, Hq: int, Q_LEN: int) -> 
 
 
 def defer_dq(head_dim: int, affine: bool, mask: Mod) -> bool:
-    """Whether the Hopper backward issues each step's dQ in the next step (DEFER_DQ): where that
-    measured faster than the consumers meeting every step (docs/performance.md, sixteenth
-    session): head dim 64 with an affine score_mod (ALiBi +9%) or a mask that reads captured
-    tensors (16 documents +5%). Elsewhere it measured level to 9% slower (head dim 128 documents:
-    its extra registers spill) or 2-5% slower at head dim 64 (no mask, sliding window, soft-cap)."""
-    return head_dim == 64 and (affine or bool(mask.buffer_specs))
+    """Whether the Hopper backward issues each step's dQ in the next step (DEFER_DQ) instead of
+    having its consumers meet every step: where that measured faster (docs/performance.md,
+    sixteenth session). Head dim 128 unless the mask reads captured tensors (causal, sliding
+    window +2-5%, no mask +0-4%, score_mods level; 16 documents 4-6% slower: their programs are
+    short, and the first and last steps' dQ cost more there); head dim 64 with an affine
+    score_mod (ALiBi +5%) or a mask that reads captured tensors (16 documents +5%), not without
+    them (no mask, causal, soft-cap 4-5% slower)."""
+    reads_memory = bool(mask.buffer_specs)
+    if head_dim == 64:
+        return affine or reads_memory
+    return not reads_memory
 
 
 def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None, explicit: dict,

@@ -24,9 +24,9 @@
 #   next step's store waits until the TMA unit has read it). dK += dS^T Q runs during the add.
 # DEFER_DQ (kernels/backward.py's defer_dq says where): a step's dQ is computed in the next step, so
 # a consumer waits for the other's dS a step later instead of at once (where their work per step
-# differs, a mask's or a score_mod's, neither idles for the other); dS then takes three buffers:
-# the wait, placed before a step's dS store, also proves that the other consumer has finished the
-# step before the previous one, the last reader of the buffer that store takes.
+# differs, a mask's or a score_mod's, neither idles for the other). The two dS buffers are then
+# read a step after they are written: a step waits (ds_free) until both consumers' dQ products
+# have read the buffer its dS store takes.
 # The preprocess zeroes DQ_ACC and the host converts it to the query's dtype afterwards; dK is
 # scaled in-program.
 # Why TMA: one thread's relaxed atomics per element of dQ (four billion at B=4 H=16 S=8k D=128)
@@ -163,7 +163,7 @@ def dq_add(dq, dq_s, dq_smem, DQ_DESC, b, h, start, DQ_COL0: gl.constexpr):
 
 @gluon.jit
 def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, q_ready, q_empty, do_ready, do_empty,
-             ds_ready, LSE, DELTA, DK, DV,
+             ds_ready, ds_free, LSE, DELTA, DK, DV,
              Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
              $score_mod_params $mask_mod_params
              stride_lz, stride_lh, stride_lm,
@@ -177,7 +177,6 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
              SCORE_AFFINE: gl.constexpr, LATE_DP_WAIT: gl.constexpr, SCORE_DTYPE: gl.constexpr,
              DEFER_DQ: gl.constexpr):
     NUM_BUFFERS: gl.constexpr = q_bufs.type.shape[0]
-    NUM_DS: gl.constexpr = ds_bufs.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[3]
     ROWS: gl.constexpr = BLOCK_N // 2
@@ -306,13 +305,11 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
                                  SCORES_IN_BASE2, SCORE_AFFINE, SCORE_DTYPE)
             # -- P and dS to shared memory: the A operands of dV += P^T dO and dK += dS^T Q (transposed
             # views), and dS, with the other consumer's half, of dQ = dS K
-            ds_s = ds_bufs.index(it % NUM_DS)
+            ds_s = ds_bufs.index(it % 2)
             ds_w = ds_s.slice(WG * ROWS, ROWS, dim=1)
             if DEFER_DQ:
-                if it > 0:
-                    # the other consumer's dS of the previous step, for that step's dQ below; it has
-                    # also finished the step before, whose dS buffer the store below takes
-                    mbarrier.wait(ds_ready.index((it - 1) % NUM_DS), ((it - 1) // NUM_DS) & 1)
+                if it >= 2:  # both consumers' dQ products (a step later) have read the buffer taken here
+                    mbarrier.wait(ds_free.index(it % 2), ((it - 2) // 2) & 1)
             p_s.store(p.to(dtype))
             ds_w.store(ds.to(dtype))
             fence_async_shared()
@@ -320,22 +317,24 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
             # -- dV += P^T dO; dQ = dS K (after the other consumer's dS); dK += dS^T Q runs while dQ is
             # added
             dv = warpgroup_mma(p_s.permute((1, 0)), do, dv, is_async=True)
-            mbarrier.arrive(ds_ready.index(it % NUM_DS), count=1)
+            mbarrier.arrive(ds_ready.index(it % 2), count=1)
             if DEFER_DQ:
                 # the previous step's dQ (at the first step the product reads a buffer no one wrote
                 # and is not added: one branch around the add, none around the products)
-                dq = warpgroup_mma(ds_bufs.index((it + NUM_DS - 1) % NUM_DS), k_dq, zero_dq, use_acc=False,
-                                   is_async=True)
+                if it > 0:  # (the other consumer's dS of the previous step)
+                    mbarrier.wait(ds_ready.index((it - 1) % 2), ((it - 1) // 2) & 1)
+                dq = warpgroup_mma(ds_bufs.index((it + 1) % 2), k_dq, zero_dq, use_acc=False, is_async=True)
                 dk = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
                 dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
                 mbarrier.arrive(do_empty.index(slot), count=1)
                 if it > 0:
+                    mbarrier.arrive(ds_free.index((it - 1) % 2), count=1)
                     dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, prev_h, prev_start, DQ_COL0)
                 dk = warpgroup_mma_wait(0, deps=(dk, ))
                 prev_start = start
                 prev_h = h
             else:
-                mbarrier.wait(ds_ready.index(it % NUM_DS), (it // NUM_DS) & 1)
+                mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
                 dq = warpgroup_mma(ds_s, k_dq, zero_dq, use_acc=False, is_async=True)
                 dk = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
                 dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
@@ -347,8 +346,8 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
 
     if DEFER_DQ:  # the last step's dQ
         if it > 0:
-            mbarrier.wait(ds_ready.index((it - 1) % NUM_DS), ((it - 1) // NUM_DS) & 1)
-            dq = warpgroup_mma(ds_bufs.index((it - 1) % NUM_DS), k_dq, zero_dq, use_acc=False, is_async=True)
+            mbarrier.wait(ds_ready.index((it - 1) % 2), ((it - 1) // 2) & 1)
+            dq = warpgroup_mma(ds_bufs.index((it - 1) % 2), k_dq, zero_dq, use_acc=False, is_async=True)
             dq = warpgroup_mma_wait(0, deps=(dq, ))
             dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, prev_h, prev_start, DQ_COL0)
 
@@ -397,8 +396,7 @@ def flex_attention_backward(
     q_bufs = gl.allocate_shared_memory(Q.dtype, [NUM_BUFFERS] + Q.block_type.shape, Q.layout)
     do_bufs = gl.allocate_shared_memory(DO.dtype, [NUM_BUFFERS] + DO.block_type.shape, DO.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], Q.dtype)
-    NUM_DS: gl.constexpr = 3 if DEFER_DQ else 2
-    ds_bufs = gl.allocate_shared_memory(Q.dtype, [NUM_DS, BLOCK_M, BLOCK_N], ds_layout)
+    ds_bufs = gl.allocate_shared_memory(Q.dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N // 2], Q.dtype)
     p_bufs = gl.allocate_shared_memory(Q.dtype, [2, BLOCK_M, BLOCK_N // 2], p_layout)
     dq_bufs = gl.allocate_shared_memory(DQ_DESC.dtype, [2] + DQ_DESC.block_type.shape, DQ_DESC.layout)
@@ -407,19 +405,21 @@ def flex_attention_backward(
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     do_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [NUM_DS, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(do_empty.index(i), count=2)
-    for i in gl.static_range(NUM_DS):
+    for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)
+        mbarrier.init(ds_free.index(i), count=2)
 
     gl.warp_specialize([
         (consumer, (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, q_ready, q_empty, do_ready, do_empty,
-                    ds_ready, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                    ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
                     $score_mod_params $mask_mod_params
                     stride_lz, stride_lh, stride_lm,
                     stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
@@ -430,7 +430,7 @@ def flex_attention_backward(
                     BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT, SCORE_DTYPE,
                     DEFER_DQ)),
         (consumer, (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, q_ready, q_empty, do_ready, do_empty,
-                    ds_ready, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                    ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
                     $score_mod_params $mask_mod_params
                     stride_lz, stride_lh, stride_lm,
                     stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
