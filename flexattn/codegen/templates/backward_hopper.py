@@ -323,24 +323,23 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
                 # and is not added: one branch around the add, none around the products)
                 if it > 0:  # (the other consumer's dS of the previous step)
                     mbarrier.wait(ds_ready.index((it - 1) % 2), ((it - 1) // 2) & 1)
-                dq = warpgroup_mma(ds_bufs.index((it + 1) % 2), k_dq, zero_dq, use_acc=False, is_async=True)
-                dk = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
-                dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
-                mbarrier.arrive(do_empty.index(slot), count=1)
+                dq_ds = ds_bufs.index((it + 1) % 2)
+            else:  # (this step's, after the other consumer's dS)
+                mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
+                dq_ds = ds_s
+            dq = warpgroup_mma(dq_ds, k_dq, zero_dq, use_acc=False, is_async=True)
+            dk = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
+            dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
+            mbarrier.arrive(do_empty.index(slot), count=1)
+            if DEFER_DQ:
                 if it > 0:
                     mbarrier.arrive(ds_free.index((it - 1) % 2), count=1)
                     dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, prev_h, prev_start, DQ_COL0)
-                dk = warpgroup_mma_wait(0, deps=(dk, ))
                 prev_start = start
                 prev_h = h
             else:
-                mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
-                dq = warpgroup_mma(ds_s, k_dq, zero_dq, use_acc=False, is_async=True)
-                dk = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
-                dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
-                mbarrier.arrive(do_empty.index(slot), count=1)
                 dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, h, start, DQ_COL0)
-                dk = warpgroup_mma_wait(0, deps=(dk, ))
+            dk = warpgroup_mma_wait(0, deps=(dk, ))
             mbarrier.arrive(q_empty.index(slot), count=1)
             it += 1
 
