@@ -47,8 +47,9 @@ class _Counted:
 
 
 def check(B, Hq, Hkv, S_Q, S_KV, D, score_mod=None, mask_mod=None, Bkv=None, dtype=torch.bfloat16, with_lse=True,
-          heads_inside=False):
-    """``heads_inside``: Q, K, V are [B, S, H, D] tensors seen as [B, H, S, D]."""
+          heads_inside=False, options=None):
+    """``heads_inside``: Q, K, V are [B, S, H, D] tensors seen as [B, H, S, D]. ``options``: the
+    Hopper call's kernel_options."""
     g = torch.Generator(device="cuda").manual_seed(S_Q * 7 + S_KV + D)
 
     def make(b, h, s):
@@ -63,7 +64,7 @@ def check(B, Hq, Hkv, S_Q, S_KV, D, score_mod=None, mask_mod=None, Bkv=None, dty
     kw = dict(score_mod=score_mod, block_mask=bm, enable_gqa=Hq != Hkv, return_lse=True)
 
     with _Counted() as hopper_runs:
-        got = _grads(lambda: flex_attention(q, k, v, **kw), (q, k, v), d_out, d_lse)
+        got = _grads(lambda: flex_attention(q, k, v, **kw, kernel_options=options), (q, k, v), d_out, d_lse)
         assert hopper_runs.calls == 1, "the backward did not run the Hopper kernel"
         tri = _grads(lambda: flex_attention(q, k, v, **kw, kernel_options={"BACKEND": "TRITON"}), (q, k, v),
                      d_out, d_lse)
@@ -146,6 +147,19 @@ def test_both_dq_schedules(monkeypatch, defer):
     dq, _, _ = check(1, 4, 2, 1000, 1000, 64, mask_mod=late_keys)
     assert (dq[:, :, :300] == 0).all()
     assert {p.main.constexprs["DEFER_DQ"] for p in plans.BACKWARD.plans.values() if hasattr(p, "main")} == {defer}
+    plans.BACKWARD.plans.clear()
+
+
+@pytest.mark.parametrize("group", [3, 8])
+def test_head_groups(group):
+    """The programs taking their KV tiles HEAD_GROUP heads at a time (program_tile): 4 and 8 (batch
+    x KV head) programs' heads in groups of 3 (a first group of 1 or 2) and all together."""
+    plans.BACKWARD.plans.clear()
+    S = 1500
+    check(2, 4, 2, S, S, 128, score_mod=make_alibi(4, "cuda"), mask_mod=make_document_causal(S, "cuda"),
+          options={"HEAD_GROUP": group})
+    check(2, 4, 4, 1000, 1000, 64, mask_mod=causal, options={"HEAD_GROUP": group})
+    assert {p.sizes[-1] for p in plans.BACKWARD.plans.values() if hasattr(p, "main")} == {min(group, 4), min(group, 8)}
     plans.BACKWARD.plans.clear()
 
 

@@ -67,6 +67,17 @@ def test_sliding_window_softcap():
     check(*qkv(1, 8, 8, 4096, 4096, 128, torch.float16), score_mod=softcap, mask_mod=sliding_window_1024)
 
 
+@pytest.mark.parametrize("group", [3, 16])
+def test_head_groups(group):
+    """The programs taking their query tiles HEAD_GROUP heads at a time (program_tile): 8 heads in
+    groups of 3 (a first group of 2) and all together give the grid order's output and LSE."""
+    q, k, v = qkv(2, 4, 2, 1500, 1500, 128)
+    out, aux = check(q, k, v, mask_mod=causal, options={**FLASH, "HEAD_GROUP": group})
+    base, base_aux = check(q, k, v, mask_mod=causal, options={**FLASH, "HEAD_GROUP": 1})
+    assert torch.equal(out, base) and torch.equal(aux.lse, base_aux.lse)
+    assert {getattr(p, "sizes", (None,))[-1] for p in plans.FORWARD.plans.values()} >= {min(group, 8), 1}
+
+
 def test_max_scores_and_negative_scale():
     q, k, v = qkv(1, 4, 4, 777, 1234, 128)
     for scale in (0.05, -0.08):

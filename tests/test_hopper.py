@@ -15,7 +15,7 @@ import torch
 from flexattn import tracer
 from flexattn.block_mask import create_block_mask
 from flexattn.codegen import emit
-from flexattn.kernels import backward as bwd, forward as fwd, hopper, launch, layout
+from flexattn.kernels import backward as bwd, forward as fwd, hopper, launch, layout, options as opts
 from flexattn.kernels.tables import q_direction, tables_of
 from flexattn.mods import MASK, SCORE
 
@@ -248,6 +248,31 @@ def test_backward_defers_dq_where_it_measured_faster(monkeypatch):
             ptx = _compile_backward(*_qkv(H=4, Hkv=2, S=300, D=D), score_fn=alibi, mask_fn=documents, block_mask=bm)
             products[forced] = ptx.count("wgmma.mma_async")
         assert products[True] > products[False]  # the last step's dQ product, after the loop
+
+
+def test_head_group_takes_heads_together_only_for_few_waves_of_a_block_mask(monkeypatch):
+    """HEAD_GROUP (program_tile): the grid's order (1) without a block mask or past 16 waves of
+    programs; else as many heads as have their tensors in half the L2; kernel_options' value
+    wins (at most the heads there are)."""
+    monkeypatch.setattr(hopper, "_cache_and_sms", lambda index: (50 << 20, 132))
+    gpu, mib = torch.device("cuda", 0), 1 << 20
+    assert hopper.head_group(gpu, mib, 64, 1024, masked=True) == 25
+    assert hopper.head_group(gpu, mib, 16, 1024, masked=True) == 16
+    assert hopper.head_group(gpu, 40 * mib, 64, 1024, masked=True) == 1
+    assert hopper.head_group(gpu, mib, 64, 1024, masked=False) == 1
+    assert hopper.head_group(gpu, mib, 64, 16 * 132 + 1, masked=True) == 1
+    assert hopper.head_group(gpu, mib, 64, 16 * 132, masked=True) == 25
+    assert hopper.head_group(gpu, mib, 64, 4096, masked=False, explicit=3) == 3
+    assert hopper.head_group(gpu, mib, 8, 1024, masked=True, explicit=100) == 8
+    assert hopper.head_group(torch.device("cpu"), mib, 64, 1024, masked=True) == 1
+    # the plans pass it as the kernels' HEAD_GROUP (the last size), kernel_options' value included
+    q, k, v = _qkv(H=4, Hkv=2, S=300)
+    score, mask = _mod(lambda s, b, h, q, k: s, SCORE), _mod(lambda b, h, q, k: q >= 0, MASK)
+    assert bwd.hopper_plan(q, k, v, score, mask, None, {"HEAD_GROUP": 2}, False).sizes[-1] == 2
+    assert fwd.hopper_plan(q, k, v, score, mask, None, {"HEAD_GROUP": 3}, False).sizes[-1] == 3
+    assert fwd.hopper_plan(q, k, v, score, mask, None, {}, False).sizes[-1] == 1
+    with pytest.raises(ValueError, match="HEAD_GROUP"):
+        opts.check({"HEAD_GROUP": 0})
 
 
 def test_backward_reason(monkeypatch):

@@ -167,7 +167,7 @@ class HopperPlan:
     dk_dtype: torch.dtype
     kv_batched: bool
     dense: Direction | None  # the query lists without a block mask
-    sizes: tuple             # Hq, Hkv, Q_LEN, KV_LEN
+    sizes: tuple             # Hq, Hkv, Q_LEN, KV_LEN, HEAD_GROUP
 
 
 def _preprocess(mod, query, value, has_grad_lse: bool, zero_dq: bool = False) -> launch.Launch:
@@ -236,11 +236,17 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     )
     fast_math = opts.fast_math(explicit, device, dtype)
     kernel = hopper_module(score, mask, fast_math).flex_attention_backward
-    main = launch.Launch(kernel, (triton.cdiv(KV_LEN, block_n), B * Hkv), constexprs, device)
+    grid = (triton.cdiv(KV_LEN, block_n), B * Hkv)
+    main = launch.Launch(kernel, grid, constexprs, device)
     pre = _preprocess(module(score, mask, (), launch.target_for(device), fast_math), query, value, has_grad_lse,
                       zero_dq=True)
+    # a KV head's query heads' Q and dO, and their float32 dQ accumulator
+    group = hopper.head_group(device, Q_LEN * E * (2 * query.element_size() + 4) * (Hq // Hkv), B * Hkv,
+                              grid[0] * grid[1], tables is not None,
+                              explicit.get("HEAD_GROUP"))
     return HopperPlan(pre, main, hopper.Descriptors(dtype, E, backward=True), launch.contiguous_or_order(query),
-                      key.dtype if kv_batched else torch.float32, kv_batched, lists, (Hq, Hkv, Q_LEN, KV_LEN))
+                      key.dtype if kv_batched else torch.float32, kv_batched, lists,
+                      (Hq, Hkv, Q_LEN, KV_LEN, group))
 
 
 def run(plan: Plan | HopperPlan, query, key, value, out, lse, grad_out, grad_lse, score: Mod, score_bufs,

@@ -27,7 +27,7 @@ class Plan:
     out_dtype: torch.dtype  # the inputs' dtype; bfloat16 for float8 inputs
     strides: tuple  # Q, K (batch-broadcast), V, Out, LSE [b, h] strides
     dense_rows: Direction | None  # the block lists to read without a block mask
-    sizes: tuple  # HQ, Q_LEN, KV_LEN
+    sizes: tuple  # HQ, Q_LEN, KV_LEN (and the Hopper kernel's HEAD_GROUP)
     want_max: bool  # the kernel writes the row max too
     is_empty: bool  # no output elements: nothing to launch
     descriptors: hopper.Descriptors | None = None  # the Hopper kernel's Q/K/V TMA descriptors
@@ -176,11 +176,15 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     kernel = hopper_module(score, mask, opts.fast_math(explicit, device, dtype)).flex_attention_forward
     grid = (triton.cdiv(Q_LEN, block_m), B * Hq)
     main, any_scale = _launches(kernel, grid, constexprs, device)
+    # a query head's K and V (shared by the heads of a GQA group, which are neighbours)
+    group = hopper.head_group(device, KV_LEN * (E + Ev) * key.element_size() // (Hq // Hkv), B * Hq,
+                              grid[0] * grid[1], tables is not None,
+                              options.get("HEAD_GROUP"))
     return Plan(
         kernel=main, any_scale=any_scale,
         out_shape=out_shape, stat_shape=(B, Hq, Q_LEN), out_order=out_order, stat_dtype=torch.float32,
         out_dtype=out_dtype, out_like_query=launch.empty_like_gives(query, out_shape, out_dtype, out_order),
-        strides=strides, dense_rows=dense_rows, sizes=(Hq, Q_LEN, KV_LEN), want_max=want_max,
+        strides=strides, dense_rows=dense_rows, sizes=(Hq, Q_LEN, KV_LEN, group), want_max=want_max,
         is_empty=B * Hq * Q_LEN * Ev == 0, descriptors=hopper.Descriptors(dtype, E),
     )
 

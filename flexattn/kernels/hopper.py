@@ -51,6 +51,41 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@functools.lru_cache(maxsize=None)
+def _cache_and_sms(index: int) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.L2_cache_size, props.multi_processor_count
+
+
+# Programs take their tiles a head group at a time (templates/gluon_tiles.py: program_tile) when a
+# block mask makes their lengths differ and the grid is at most this many waves of one program
+# per SM; a group's heads' tensors take at most L2_SHARE of the L2. Measured on an H200
+# (docs/performance.md, seventeenth session), against the grid's order: B=4 H=16 D=128 S=2k causal
+# forward and backward 6% faster, ALiBi 9% / 8%, S=4k 3% / 3% and 5% / 3%; D=256 B=2 H=8 S=4k
+# causal and ALiBi forward 19-20%; sliding window and documents within 2%. Without a block mask
+# the programs' lengths are equal (nothing to gain), and at S=8k (31 waves) groups of 7 heads
+# ran 5% slower without a mask and on sliding window (a head's programs together, as in the
+# grid's order, read each K/V tile from L2 more often).
+HEAD_GROUP_WAVES = 16
+L2_SHARE = 0.5
+
+
+def head_group(device: torch.device, bytes_per_head: int, heads: int, programs: int, masked: bool,
+               explicit: int | None = None) -> int:
+    """HEAD_GROUP of program_tile: ``explicit`` (kernel_options) if given, else 1 (the grid's
+    order) unless a block mask's programs are at most HEAD_GROUP_WAVES waves; then as many heads
+    as have their tensors (``bytes_per_head``: what a head's programs read and add into) in
+    L2_SHARE of the L2."""
+    if explicit is not None:
+        return min(explicit, heads)
+    if not masked or device.type != "cuda":  # (the CPU tests that build this plan: no L2)
+        return 1
+    l2, sms = _cache_and_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if programs > HEAD_GROUP_WAVES * sms:
+        return 1
+    return max(1, min(heads, int(l2 * L2_SHARE) // max(1, bytes_per_head)))
+
+
 def _on_sm90(device: torch.device) -> bool:
     if device.type != "cuda":
         return False

@@ -34,6 +34,9 @@ OPTIONS: dict[str, tuple[str, str, str]] = {
     "BLOCKS_ARE_CONTIGUOUS": ("forward", "bool", "promise that each query block's KV blocks are consecutive"),
     "LONGEST_FIRST": ("forward", "bool", "launch query tiles last to first (causal masks: the longest first; "
                                          "default True)"),
+    "HEAD_GROUP": ("forward", "int", "Gluon Hopper forward and backward: how many heads' tiles the programs take "
+                                     "together, tile by tile (1: a head at a time; default: 1, or with a block mask "
+                                     "and a grid of few waves as many heads as fit in half the L2)"),
     "FORCE_USE_FLEX_ATTENTION": ("forward", "bool", "always use the block-sparse kernel, never the decoding kernel"),
     "AUTOTUNE": ("forward", "bool", "time a few forward and backward tile configs once per GPU / dtype / head "
                                     "dims / length bucket / mod features and keep the fastest on disk (default: "
@@ -58,7 +61,7 @@ OPTIONS: dict[str, tuple[str, str, str]] = {
                                   "Gluon Hopper forward: an error where it cannot run; AUTO takes the Gluon "
                                   "forward and backward wherever they can run)"),
 }
-_BOUNDS = {"SPLIT_KV": 1024, "PROGRAMS_PER_SM": 64, "MIN_TILES_PER_SPLIT": 1 << 20}
+_BOUNDS = {"HEAD_GROUP": 1 << 20, "SPLIT_KV": 1024, "PROGRAMS_PER_SM": 64, "MIN_TILES_PER_SPLIT": 1 << 20}
 _CHOICES = {"INPUT_PRECISION": ("ieee", "tf32"), "BACKEND": ("AUTO", "TRITON", "TRITON_DECODE", "FLASH")}
 
 # torch's spellings of flexattn's knobs.

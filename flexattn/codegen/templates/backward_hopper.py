@@ -371,7 +371,7 @@ def flex_attention_backward(
     stride_dvz, stride_dvh, stride_dvn,
     stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
     stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
-    HQ, HKV, Q_LEN, KV_LEN, SM_SCALE,
+    HQ, HKV, Q_LEN, KV_LEN, HEAD_GROUP, SM_SCALE,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     SPARSE_Q_BLOCK_SIZE: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr,
     GQA_SHARED_HEADS: gl.constexpr, KV_BATCH_BROADCAST: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
@@ -382,8 +382,7 @@ def flex_attention_backward(
     gl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M == 0)
     gl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N == 0)
     TILES_PER_BLOCK: gl.constexpr = SPARSE_Q_BLOCK_SIZE // BLOCK_M
-    pid_n = gl.program_id(0)
-    pid_bh = gl.program_id(1)
+    pid_n, pid_bh = program_tile(HEAD_GROUP)
     b = pid_bh // HKV
     h_kv = pid_bh % HKV
     b_kv = 0 if KV_BATCH_BROADCAST else b

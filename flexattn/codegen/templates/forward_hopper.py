@@ -267,7 +267,7 @@ def flex_attention_forward(
     stride_lz, stride_lh,
     stride_nz, stride_nh, stride_nm, stride_iz, stride_ih, stride_im,
     stride_fnz, stride_fnh, stride_fnm, stride_fiz, stride_fih, stride_fim,
-    HQ, Q_LEN, KV_LEN, SM_SCALE,
+    HQ, Q_LEN, KV_LEN, HEAD_GROUP, SM_SCALE,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     SPARSE_Q_BLOCK_SIZE: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr,
     GQA_SHARED_HEADS: gl.constexpr, KV_BATCH_BROADCAST: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
@@ -284,11 +284,9 @@ def flex_attention_forward(
         SM_SCALE = SM_SCALE * gl.load(DESCALE_Q) * gl.load(DESCALE_K)
         if SCORES_IN_BASE2:  # the fold needs a positive factor: descales that are not give NaN
             SM_SCALE = gl.where(SM_SCALE > 0, SM_SCALE, float("nan"))
+    pid_m, pid_bh = program_tile(HEAD_GROUP)
     if LONGEST_FIRST:  # the last query tiles see the most KV blocks (causal): start them first
-        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-    else:
-        pid_m = gl.program_id(0)
-    pid_bh = gl.program_id(1)
+        pid_m = gl.num_programs(0) - 1 - pid_m
     b = pid_bh // HQ
     h = pid_bh % HQ
     h_kv = h // GQA_SHARED_HEADS

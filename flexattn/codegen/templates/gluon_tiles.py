@@ -1,6 +1,6 @@
 # The Gluon templates' shared vocabulary (forward_hopper.py and backward_hopper.py take it at their
-# gluon_tiles hook): the Gluon imports, the TMA load under either Triton's name, base-2 constants
-# and where the j-th tile of a program's block lists starts.
+# gluon_tiles hook): the Gluon imports, the TMA load under either Triton's name, base-2 constants,
+# the order programs take their tiles in and where the j-th tile of a program's block lists starts.
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait  # noqa: E402,E501
@@ -30,3 +30,23 @@ def tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK: gl.constexpr, SPARSE
     else:
         start = gl.load(IDX + t // TILES_PER_BLOCK) * SPARSE_BLOCK_SIZE + (t % TILES_PER_BLOCK) * BLOCK
     return start
+
+
+@gluon.jit
+def program_tile(HEAD_GROUP):
+    """(tile, batch x head) of this program on a (tiles, B x heads) grid. The hardware starts the
+    programs in the grid's linear order; they take the heads HEAD_GROUP at a time (the first
+    group holds the remainder, so that the last one is whole) and, within a group, one tile of
+    every head before the next tile. The programs that start last are then a whole group's, its
+    tiles that see the most blocks (causal: the last query tiles, the first KV tiles) first: the
+    kernel's tail is not one head's longest tile started late. A group's heads' tensors are few
+    enough to stay in L2 (kernels/hopper.py: head_group). HEAD_GROUP 1 is the grid's own order."""
+    n_tiles = gl.num_programs(0)
+    lin = gl.program_id(1) * n_tiles + gl.program_id(0)
+    lead = gl.num_programs(1) % HEAD_GROUP  # the first group's heads
+    rest = lin - lead * n_tiles
+    group = gl.maximum(rest, 0) // (HEAD_GROUP * n_tiles)
+    first = gl.where(rest < 0, 0, lead + group * HEAD_GROUP)
+    heads = gl.where(rest < 0, lead, HEAD_GROUP)
+    r = gl.where(rest < 0, lin, rest - group * HEAD_GROUP * n_tiles)
+    return r // heads, first + r % heads
