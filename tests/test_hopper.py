@@ -254,7 +254,8 @@ def test_head_group_takes_heads_together_only_for_few_waves_of_a_block_mask(monk
     """HEAD_GROUP (program_tile): the grid's order (1) without a block mask or past 16 waves of
     programs; else as many heads as have their tensors in half the L2; kernel_options' value
     wins (at most the heads there are)."""
-    monkeypatch.setattr(hopper, "_cache_and_sms", lambda index: (50 << 20, 132))
+    monkeypatch.setattr(hopper, "_l2_bytes", lambda device: 50 << 20)
+    monkeypatch.setattr(launch, "num_sms", lambda device: 132)
     gpu, mib = torch.device("cuda", 0), 1 << 20
     assert hopper.head_group(gpu, mib, 64, 1024, masked=True) == 25
     assert hopper.head_group(gpu, mib, 16, 1024, masked=True) == 16

@@ -16,6 +16,8 @@ import functools
 
 import torch
 
+from flexattn.kernels import launch
+
 BLOCK_M = 128  # query rows per program: 64 per consumer warp group
 # KV columns per tile, by head dim (at 256, two buffers of 128-row K and V tiles would not fit in
 # shared memory). Head dim 64 stays on the Triton template: level without mods, faster with them
@@ -52,9 +54,8 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _cache_and_sms(index: int) -> tuple[int, int]:
-    props = torch.cuda.get_device_properties(index)
-    return props.L2_cache_size, props.multi_processor_count
+def _l2_bytes(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).L2_cache_size
 
 
 # Programs take their tiles a head group at a time (templates/gluon_tiles.py: program_tile) when a
@@ -80,10 +81,9 @@ def head_group(device: torch.device, bytes_per_head: int, heads: int, programs: 
         return min(explicit, heads)
     if not masked or device.type != "cuda":  # (the CPU tests that build this plan: no L2)
         return 1
-    l2, sms = _cache_and_sms(device.index if device.index is not None else torch.cuda.current_device())
-    if programs > HEAD_GROUP_WAVES * sms:
+    if programs > HEAD_GROUP_WAVES * launch.num_sms(device):
         return 1
-    return max(1, min(heads, int(l2 * L2_SHARE) // max(1, bytes_per_head)))
+    return max(1, min(heads, int(_l2_bytes(device) * L2_SHARE) // max(1, bytes_per_head)))
 
 
 def _on_sm90(device: torch.device) -> bool:
