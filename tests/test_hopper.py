@@ -88,9 +88,28 @@ def _qkv(B=1, H=2, Hkv=2, S=300, D=128, dtype=torch.bfloat16, Bkv=None):
     return q, k, v
 
 
+# a TMA store: a bulk tensor copy from shared memory to global memory
+TMA_STORE = "cp.async.bulk.tensor.4d.global.shared::cta"
+
+
 def test_compiles_without_mods():
     ptx = _compile(*_qkv()).asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx  # tensor cores fed by TMA
+
+
+@pytest.mark.parametrize("D", [128, 256])
+def test_16_bit_output_leaves_through_tma(D):
+    """16-bit inputs: each consumer stages its output rows in its half of the Q tile and the TMA
+    unit stores them (one store per consumer; the store's reads of shared memory are waited for);
+    float8 output (bfloat16, twice the Q tile's bytes) is stored from the registers."""
+    q, k, v = _qkv(S=300, D=D)
+    ptx = _compile(q, k, v).asm["ptx"]
+    assert ptx.count(TMA_STORE) == 2 and "cp.async.bulk.wait_group.read" in ptx
+    assert hopper.Descriptors(torch.bfloat16, D).with_out and hopper.Descriptors(torch.float16, D).with_out
+    assert not hopper.Descriptors(torch.float8_e4m3fn, D).with_out
+    assert not hopper.Descriptors(torch.bfloat16, D, backward=True).with_out
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    assert TMA_STORE not in _compile(q8, k8, layout.k_major(v8)).asm["ptx"]
 
 
 def test_compiles_with_block_mask_and_max_scores():

@@ -30,7 +30,7 @@ class Plan:
     sizes: tuple  # HQ, Q_LEN, KV_LEN (and the Hopper kernel's HEAD_GROUP)
     want_max: bool  # the kernel writes the row max too
     is_empty: bool  # no output elements: nothing to launch
-    descriptors: hopper.Descriptors | None = None  # the Hopper kernel's Q/K/V TMA descriptors
+    descriptors: hopper.Descriptors | None = None  # the Hopper kernel's Q/K/V (and output) TMA descriptors
 
 
 def module(score: Mod, mask: Mod, target: str, fast_math: bool = False, template: str = "forward"):
@@ -164,6 +164,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         LONGEST_FIRST=options["LONGEST_FIRST"], NUM_BUFFERS=hopper.NUM_BUFFERS, CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
         IS_FP8=fp8,
+        O_TMA=hopper.output_by_tma(dtype),
         num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS,
     )
     out_shape = (B, Hq, Q_LEN, Ev)
@@ -210,10 +211,16 @@ def run(plan: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def launch_args(plan: Plan, query, key, value, out, lse, mx, score: Mod, score_bufs, mask: Mod, mask_bufs,
                 tables: Tables | None, scale: float, descale: tuple | None = None) -> tuple:
-    """The kernel's arguments, in its order (the Hopper kernel reads Q, K, V through descriptors)."""
+    """The kernel's arguments, in its order (the Hopper kernel reads Q, K, V and writes the output
+    through descriptors)."""
     rows = plan.dense_rows if tables is None else tables.kv
     mods = (*launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs))
     tail = (*plan.strides, *rows.strides(), *plan.sizes, scale)
     mx = launch.UNUSED if mx is None else mx
-    qkv = (query, key, value) if plan.descriptors is None else plan.descriptors(query, key, value)
+    if plan.descriptors is None:
+        qkv = (query, key, value)
+    elif plan.descriptors.with_out:
+        *qkv, out = plan.descriptors(query, key, value, out)
+    else:
+        qkv = plan.descriptors(query, key, value)
     return (*qkv, out, lse, mx, *(descale or _NO_DESCALE), *rows.args(), *mods, *tail)

@@ -193,9 +193,17 @@ def backward_reason(query, key, value, grad_out, tables, options: dict, buffer_g
             or _knobs_reason(options, _TRITON_BWD_KNOBS, "Triton backward"))
 
 
+def output_by_tma(dtype: torch.dtype) -> bool:
+    """Whether the forward's consumers store the output through the TMA unit, staged in their rows
+    of the Q tile: 16-bit inputs (a float8 Q tile has half the room of its bfloat16 output)."""
+    return dtype != torch.float8_e4m3fn
+
+
 class Descriptors:
-    """Builds the TMA descriptors of one call's Q, K, V (block shapes and layouts fixed per plan).
-    float8 V is read through its [B, H, Ev, L] view (stored KV-innermost) in [Ev, BLOCK_N] tiles.
+    """Builds the TMA descriptors of one call's Q, K, V (block shapes and layouts fixed per plan),
+    and the forward's output where `with_out` (16-bit inputs: the consumers store their rows
+    through the Q tile's shared memory), else the backward's dO and dQ accumulator. float8 V is
+    read through its [B, H, Ev, L] view (stored KV-innermost) in [Ev, BLOCK_N] tiles.
 
     The first call builds each through Triton's constructor, which validates it (alignment, strides,
     block shape against the layout). A later call of the same plan has the same dtypes, shapes,
@@ -203,7 +211,7 @@ class Descriptors:
     first ones with this call's tensors in place: 1.1 against 2.6 µs each on the H200's host
     (docs/performance.md). A descriptor class without an instance dict keeps the constructor."""
 
-    __slots__ = ("make", "blocks", "layouts", "v_k_major", "first")
+    __slots__ = ("make", "blocks", "layouts", "v_k_major", "with_out", "first")
 
     def __init__(self, dtype: torch.dtype, head_dim: int, backward: bool = False):
         from triton.experimental.gluon import language as gl
@@ -213,22 +221,29 @@ class Descriptors:
         self.make = TensorDescriptor
         self.first = None  # the fields of the first call's validated descriptors, but the tensors
         self.v_k_major = dtype == torch.float8_e4m3fn
+        self.with_out = not backward and output_by_tma(dtype)
         if backward:  # Q, K, V, dO, and the float32 dQ accumulator (a consumer's half of the head dim)
             q, kv = [1, 1, BWD_BLOCK_M, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
             blocks = ((q, gdt), (kv, gdt), (kv, gdt), (q, gdt), ([1, 1, BWD_BLOCK_M, head_dim // 2], gl.float32))
         else:
             block_n = BLOCK_N[head_dim]
-            blocks = (([1, 1, BLOCK_M, head_dim], gdt), ([1, 1, block_n, head_dim], gdt),
+            # (Q and the output: a consumer's rows, BLOCK_M / 2)
+            blocks = (([1, 1, BLOCK_M // 2, head_dim], gdt), ([1, 1, block_n, head_dim], gdt),
                       ([1, 1, head_dim, block_n] if self.v_k_major else [1, 1, block_n, head_dim], gdt))
+            if self.with_out:
+                blocks += (([1, 1, BLOCK_M // 2, head_dim], gdt), )
         self.blocks = tuple(b for b, _ in blocks)
         layouts = [gl.NVMMASharedLayout.get_default_for(b, t) for b, t in blocks]
+        if self.with_out:  # (staged in the Q tile's rows: its layout)
+            layouts[3] = layouts[0]
         if backward:  # K's column halves (dQ = dS K per consumer) must each be whole swizzle rows:
             # 64-byte swizzle at head dim 64 (16-bit elements: a half row is head_dim bytes)
             layouts[1] = gl.NVMMASharedLayout(swizzle_byte_width=min(128, head_dim), element_bitwidth=16, rank=4)
         self.layouts = tuple(layouts)
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *more: torch.Tensor) -> tuple:
-        """Descriptors of query, key, value (and the backward's grad_out and dQ accumulator)."""
+        """Descriptors of query, key, value and ``more``: the forward's output (`with_out`), the
+        backward's grad_out and dQ accumulator."""
         if self.v_k_major:
             value = value.transpose(2, 3)
         tensors = (query, key, value, *more)

@@ -60,8 +60,6 @@ def _tma_add_36(tensor_desc, coord, src, _semantic=None):
 
 
 _tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
-# the warp group's threads meet (bar.sync over a partition's warps): triton 3.6 thread_barrier, 3.9 barrier
-_sync_warps = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 @gluon.jit

@@ -3,9 +3,9 @@
 # scheduled by hand the way FlashAttention-3 schedules it.
 #
 # One program per (query tile of BLOCK_M = 128 rows, batch x query head), three partitions:
-#   loader      1 warp: TMA copies of the Q tile once, then of each K and V tile into a ring of
-#               NUM_BUFFERS shared-memory slots (k_ready / v_ready: "the copy landed";
-#               k_empty / v_empty: "both consumers are done with the slot")
+#   loader      1 warp: TMA copies of the Q tile once (one per consumer's half), then of each K and
+#               V tile into a ring of NUM_BUFFERS shared-memory slots (k_ready / v_ready: "the copy
+#               landed"; k_empty / v_empty: "both consumers are done with the slot")
 #   consumer 0  4 warps (a warp group): query rows 0..63 of the tile
 #   consumer 1  4 warps: rows 64..127
 # Each consumer runs the online softmax over the same KV tiles. Per tile j it issues q.k_j^T and
@@ -17,7 +17,11 @@
 # ("ping-pong").
 #
 # Differences from forward.py: Q, K, V arrive as TMA descriptors over the [B, H, L, E] tensors (the
-# host checks alignment); the output's rows are contiguous; head dim 128 or 256 for both (E == Ev;
+# host checks alignment); the output's rows are contiguous, and for 16-bit inputs (O_TMA) the output
+# leaves through a TMA descriptor too: each consumer writes its rows into its half of the Q tile,
+# which nothing reads any more, and the TMA unit stores them (the epilogue and the gap to the next
+# program on the SM take about 1 us less each than with stores from the registers: 16 documents
+# 9-14% faster, causal at S=2k 11%; docs/performance.md); head dim 128 or 256 for both (E == Ev;
 # KV tiles of BLOCK_N = 128 or 64 columns, see kernels/hopper.py); no PRESCALE_QK; the mask work of
 # a tile (mask_mod and the KV_LEN bound) is done only for partial blocks and for the tile that
 # holds KV_LEN; SCORE_AFFINE (forward.py) takes positions relative to each consumer's first row.
@@ -43,8 +47,9 @@ def loader(Q, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_
            BLOCKS_ARE_CONTIGUOUS: gl.constexpr, V_K_MAJOR: gl.constexpr):
     NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
     if n_tiles > 0:  # (no copy left in flight when the program ends)
-        mbarrier.expect(q_bar, Q.block_type.nbytes)
-        _tma_load(Q, [b, h, off_m, 0], q_bar, q_smem)
+        mbarrier.expect(q_bar, 2 * Q.block_type.nbytes)  # (the consumers' halves of the Q tile)
+        _tma_load(Q, [b, h, off_m, 0], q_bar, q_smem.index(0))
+        _tma_load(Q, [b, h, off_m + Q.block_type.shape[2], 0], q_bar, q_smem.index(1))
     for j in range(n_tiles):
         slot = j % NUM_BUFFERS
         phase = (j // NUM_BUFFERS) & 1
@@ -152,7 +157,7 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
              WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, V_HEAD_DIM: gl.constexpr,
              TILES_PER_BLOCK: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr,
              IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr, SCORE_AFFINE: gl.constexpr,
-             OUTPUT_MAX: gl.constexpr, SCORE_DTYPE: gl.constexpr, IS_FP8: gl.constexpr):
+             OUTPUT_MAX: gl.constexpr, SCORE_DTYPE: gl.constexpr, IS_FP8: gl.constexpr, O_TMA: gl.constexpr):
     NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
     ROWS: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = k_bufs.dtype
@@ -179,7 +184,7 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
         KV_FACTOR = aff_k * LOG2E
         KV_BIAS = ((aff_k + aff_q) * my_m.to(gl.float32) + aff_c) * LOG2E
     q_idx = gl.expand_dims(my_m + gl.arange(0, ROWS, layout=row_s), 1)
-    q = q_smem.reshape([BLOCK_M, QK_HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
+    q = q_smem.index(WG).reshape([ROWS, QK_HEAD_DIM])
     m_i = gl.full([ROWS], -float("inf"), gl.float32, layout=row_s)
     l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)
     acc = gl.zeros([ROWS, V_HEAD_DIM], gl.float32, layout=o_layout)
@@ -243,10 +248,20 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
     else:
         l_use_o = gl.convert_layout(l_use, row_o)
     out = acc / gl.expand_dims(l_use_o, 1)
-    rows_o = gl.expand_dims(my_m + gl.arange(0, ROWS, layout=row_o), 1)
-    cols_o = gl.expand_dims(gl.arange(0, V_HEAD_DIM, layout=gl.SliceLayout(0, o_layout)), 0)
-    gl.store(Out + rows_o.to(gl.int64) * stride_om + cols_o, out.to(Out.dtype.element_ty),
-             mask=rows_o < Q_LEN)
+    if O_TMA:
+        # this consumer's rows of the Q tile (no q.k^T reads them after the last scores' wait)
+        # stage the output for the TMA unit, which clips rows past Q_LEN; the store is waited for
+        # (its reads of shared memory) at the end
+        o_s = q_smem.index(WG)
+        o_s.reshape([ROWS, V_HEAD_DIM]).store(out.to(dtype))
+        fence_async_shared()
+        _sync_warps()
+        _tma_store(Out, [b, h, my_m, 0], o_s)
+    else:
+        rows_o = gl.expand_dims(my_m + gl.arange(0, ROWS, layout=row_o), 1)
+        cols_o = gl.expand_dims(gl.arange(0, V_HEAD_DIM, layout=gl.SliceLayout(0, o_layout)), 0)
+        gl.store(Out + rows_o.to(gl.int64) * stride_om + cols_o, out.to(Out.dtype.element_ty),
+                 mask=rows_o < Q_LEN)
     rows = my_m + gl.arange(0, ROWS, layout=row_s)
     lse2 = gl.where(empty, -float("inf"), m_i + gl.log2(l_use))
     if SCORE_AFFINE:  # the rows' own term w(q_idx)
@@ -256,6 +271,8 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
     gl.store(LSE + rows, lse2 * LN2, mask=rows < Q_LEN)
     if OUTPUT_MAX:
         gl.store(MaxScores + rows, m_i * LN2, mask=rows < Q_LEN)
+    if O_TMA:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -274,12 +291,13 @@ def flex_attention_forward(
     BLOCKS_ARE_CONTIGUOUS: gl.constexpr,
     IS_DIVISIBLE: gl.constexpr, OUTPUT_MAX: gl.constexpr, SCORES_IN_BASE2: gl.constexpr, SCORE_AFFINE: gl.constexpr,
     LONGEST_FIRST: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    SCORE_DTYPE: gl.constexpr, IS_FP8: gl.constexpr,
+    SCORE_DTYPE: gl.constexpr, IS_FP8: gl.constexpr, O_TMA: gl.constexpr,
 ):
     gl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M == 0)
     gl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N == 0)
     TILES_PER_BLOCK: gl.constexpr = SPARSE_KV_BLOCK_SIZE // BLOCK_N
     V_HEAD_DIM: gl.constexpr = Q.block_type.shape[3]  # (== Ev)
+    gl.static_assert(2 * Q.block_type.shape[2] == BLOCK_M)  # (Q's descriptor: a consumer's rows)
     if IS_FP8:  # scores of the dequantised inputs: (q dq)(k dk)^T scale = q k^T (scale dq dk)
         SM_SCALE = SM_SCALE * gl.load(DESCALE_Q) * gl.load(DESCALE_K)
         if SCORES_IN_BASE2:  # the fold needs a positive factor: descales that are not give NaN
@@ -293,7 +311,8 @@ def flex_attention_forward(
     b_kv = 0 if KV_BATCH_BROADCAST else b
     off_m = pid_m * BLOCK_M
     b64 = b.to(gl.int64)
-    Out += b64 * stride_oz + h.to(gl.int64) * stride_oh
+    if not O_TMA:
+        Out += b64 * stride_oz + h.to(gl.int64) * stride_oh
     LSE += b64 * stride_lz + h.to(gl.int64) * stride_lh
     MaxScores += b64 * stride_lz + h.to(gl.int64) * stride_lh
 
@@ -305,7 +324,7 @@ def flex_attention_forward(
     if HAS_FULL_BLOCKS:
         n_tiles += gl.load(FULL_KV_NUM_BLKS + b64 * stride_fnz + h * stride_fnh + q_blk * stride_fnm) * TILES_PER_BLOCK
 
-    q_smem = gl.allocate_shared_memory(Q.dtype, Q.block_type.shape, Q.layout)
+    q_smem = gl.allocate_shared_memory(Q.dtype, [2] + Q.block_type.shape, Q.layout)
     k_bufs = gl.allocate_shared_memory(K.dtype, [NUM_BUFFERS] + K.block_type.shape, K.layout)
     v_bufs = gl.allocate_shared_memory(V.dtype, [NUM_BUFFERS] + V.block_type.shape, V.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -329,13 +348,13 @@ def flex_attention_forward(
                     stride_om, Q_LEN, KV_LEN, SM_SCALE,
                     $score_mod_params $mask_mod_params
                     0, BLOCK_M, BLOCK_N, V_HEAD_DIM, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
-                    IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, OUTPUT_MAX, SCORE_DTYPE, IS_FP8)),
+                    IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, OUTPUT_MAX, SCORE_DTYPE, IS_FP8, O_TMA)),
         (consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turns.index(1),
                     turns.index(0), Out, LSE, MaxScores, DESCALE_V, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
                     stride_om, Q_LEN, KV_LEN, SM_SCALE,
                     $score_mod_params $mask_mod_params
                     1, BLOCK_M, BLOCK_N, V_HEAD_DIM, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
-                    IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, OUTPUT_MAX, SCORE_DTYPE, IS_FP8)),
+                    IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, OUTPUT_MAX, SCORE_DTYPE, IS_FP8, O_TMA)),
         (loader, (Q, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                   b, h, b_kv, h_kv, off_m, n_partial, n_tiles, P_IDX, F_IDX,
                   TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N, BLOCKS_ARE_CONTIGUOUS, IS_FP8)),

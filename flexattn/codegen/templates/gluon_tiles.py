@@ -1,12 +1,16 @@
 # The Gluon templates' shared vocabulary (forward_hopper.py and backward_hopper.py take it at their
-# gluon_tiles hook): the Gluon imports, the TMA load under either Triton's name, base-2 constants,
-# the order programs take their tiles in and where the j-th tile of a program's block lists starts.
+# gluon_tiles hook): the Gluon imports, the TMA load and store and the warp group's barrier under
+# either Triton's names, base-2 constants, the order programs take their tiles in and where the
+# j-th tile of a program's block lists starts.
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait  # noqa: E402,E501
 
-# triton >= 3.7 calls the TMA load async_load
+# triton >= 3.7 calls the TMA copies async_load / async_store
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+# the warp group's threads meet (bar.sync over a partition's warps): triton 3.6 thread_barrier, 3.9 barrier
+_sync_warps = getattr(gl, "barrier", None) or gl.thread_barrier
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
