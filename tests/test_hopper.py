@@ -107,7 +107,8 @@ def test_16_bit_output_leaves_through_tma(D):
     assert ptx.count(TMA_STORE) == 2 and "cp.async.bulk.wait_group.read" in ptx
     assert hopper.Descriptors(torch.bfloat16, D).with_out and hopper.Descriptors(torch.float16, D).with_out
     assert not hopper.Descriptors(torch.float8_e4m3fn, D).with_out
-    assert not hopper.Descriptors(torch.bfloat16, D, backward=True).with_out
+    assert hopper.Descriptors(torch.bfloat16, D, backward=True).with_out
+    assert not hopper.Descriptors(torch.bfloat16, D, backward=True, outputs=False).with_out
     q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
     assert TMA_STORE not in _compile(q8, k8, layout.k_major(v8)).asm["ptx"]
 
@@ -205,25 +206,29 @@ def _compile_backward(q, k, v, score_fn=None, mask_fn=None, block_mask=None):
     delta, dq_acc = torch.empty(B, Hq, S), torch.empty(B, Hq, S, D)
     dk = torch.empty(B, k.shape[1], k.shape[2], D, dtype=plan.dk_dtype)
     lists = plan.dense if plan.dense is not None else q_direction(tables, k.shape[2])
-    args = [*plan.descriptors(q, k, v, torch.empty_like(q), dq_acc), lse, delta, dk, torch.empty_like(dk),
-            *lists.args(), *launch.buffer_args(score, score.buffers), *launch.buffer_args(mask, mask.buffers),
-            *lse.stride(), *dk.stride()[:3], *dk.stride()[:3], *lists.strides(), *plan.sizes, 0.125]
-    return _compile_gluon(bwd.hopper_module(score, mask, True).flex_attention_backward, args, plan.main).asm["ptx"]
+    args = bwd.hopper_args(plan, q, k, v, torch.empty_like(q), lse, delta, dq_acc, dk, torch.empty_like(dk), lists,
+                           score, score.buffers, mask, mask.buffers, 0.125)
+    return _compile_gluon(bwd.hopper_module(score, mask, True).flex_attention_backward, list(args),
+                          plan.main).asm["ptx"]
 
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_backward_compiles(D):
     """Five wgmma products per step, dQ added by the TMA unit, at both head dims; a length that is
-    not a multiple of the tiles."""
+    not a multiple of the tiles. dK and dV leave through the TMA unit too (each consumer's, staged
+    in its rows of the K and V tiles)."""
     ptx = _compile_backward(*_qkv(S=300, D=D))
     assert "wgmma.mma_async" in ptx and "cp.reduce.async.bulk.tensor" in ptx and "red.global" not in ptx
+    assert ptx.count(TMA_STORE) == 4
 
 
 def test_backward_compiles_with_mods_gqa_and_broadcast_batch():
     alibi = alibi_with(torch.exp2(-torch.arange(1, 5, dtype=torch.float32)))
     documents = causal_documents(torch.arange(384, dtype=torch.int32) // 100)
     bm = create_block_mask(documents, None, None, 384, 384, device="cpu")
-    _compile_backward(*_qkv(B=2, H=4, Hkv=2, S=384, Bkv=1), score_fn=alibi, mask_fn=documents, block_mask=bm)
+    # (K/V broadcast over the batch: float32 dK and dV, summed by the host, stored from the registers)
+    ptx = _compile_backward(*_qkv(B=2, H=4, Hkv=2, S=384, Bkv=1), score_fn=alibi, mask_fn=documents, block_mask=bm)
+    assert TMA_STORE not in ptx
     _compile_backward(*_qkv(S=256), score_fn=softcap)
 
 

@@ -162,7 +162,7 @@ class HopperPlan:
     preprocess, then one pass that writes dK, dV and adds dQ into a float32 buffer."""
     preprocess: launch.Launch
     main: launch.Launch
-    descriptors: hopper.Descriptors  # Q, K, V, dO and the float32 dQ buffer
+    descriptors: hopper.Descriptors  # Q, K, V, dO, the float32 dQ buffer (and 16-bit dK, dV)
     dq_order: tuple[int, ...] | None  # the dQ buffer's layout: the query's (`launch.contiguous_or_order`)
     dk_dtype: torch.dtype
     kv_batched: bool
@@ -232,6 +232,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         NUM_BUFFERS=hopper.BWD_NUM_BUFFERS[E], CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
         DEFER_DQ=defer_dq(E, affine, mask),
+        DKV_TMA=kv_batched,  # (16-bit dK and dV; summed over the batch in float32 otherwise)
         num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS,
     )
     fast_math = opts.fast_math(explicit, device, dtype)
@@ -244,7 +245,8 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     group = hopper.head_group(device, Q_LEN * E * (2 * query.element_size() + 4) * (Hq // Hkv), B * Hkv,
                               grid[0] * grid[1], tables is not None,
                               explicit.get("HEAD_GROUP"))
-    return HopperPlan(pre, main, hopper.Descriptors(dtype, E, backward=True), launch.contiguous_or_order(query),
+    return HopperPlan(pre, main, hopper.Descriptors(dtype, E, backward=True, outputs=kv_batched),
+                      launch.contiguous_or_order(query),
                       key.dtype if kv_batched else torch.float32, kv_batched, lists,
                       (Hq, Hkv, Q_LEN, KV_LEN, group))
 
@@ -303,6 +305,19 @@ def buffer_grads(grads: dict, score_bufs, need) -> list:
     return out
 
 
+def hopper_args(plan: HopperPlan, query, key, value, grad_out, lse, delta, dq_acc, dk, dv, lists: Direction,
+                score: Mod, score_bufs, mask: Mod, mask_bufs, scale: float) -> tuple:
+    """The Gluon backward's arguments, in its order (Q, K, V, dO, the dQ accumulator and, where
+    `hopper.Descriptors.with_out`, dK and dV through TMA descriptors)."""
+    if plan.descriptors.with_out:
+        *inputs, dk_arg, dv_arg = plan.descriptors(query, key, value, grad_out, dq_acc, dk, dv)
+    else:
+        inputs, dk_arg, dv_arg = plan.descriptors(query, key, value, grad_out, dq_acc), dk, dv
+    return (*inputs, lse, delta, dk_arg, dv_arg, *lists.args(),
+            *launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs),
+            *lse.stride(), *dk.stride()[:3], *dv.stride()[:3], *lists.strides(), *plan.sizes, scale)
+
+
 def _run_hopper(plan: HopperPlan, query, key, value, out, lse, grad_out, grad_lse, score: Mod, score_bufs,
                 mask: Mod, mask_bufs, tables: Tables | None, scale: float):
     B, Hq, Q_LEN, E = query.shape
@@ -317,10 +332,8 @@ def _run_hopper(plan: HopperPlan, query, key, value, out, lse, grad_out, grad_ls
     dk = launch.empty((B, Hkv, KV_LEN, E), plan.dk_dtype, device)
     dv = launch.empty((B, Hkv, KV_LEN, E), plan.dk_dtype, device)
     lists = plan.dense if plan.dense is not None else q_direction(tables, KV_LEN)
-    plan.main(*plan.descriptors(query, key, value, grad_out, dq_acc), lse, delta, dk, dv, *lists.args(),
-              *launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs),
-              *lse.stride(), *dk.stride()[:3], *dv.stride()[:3], *lists.strides(),
-              *plan.sizes, scale)
+    plan.main(*hopper_args(plan, query, key, value, grad_out, lse, delta, dq_acc, dk, dv, lists, score, score_bufs,
+                           mask, mask_bufs, scale))
     dq = dq_acc.to(query.dtype)
     if not plan.kv_batched:  # K/V broadcast over the batch: their gradient sums over it
         dk = dk.sum(0, keepdim=True).to(key.dtype)

@@ -201,9 +201,11 @@ def output_by_tma(dtype: torch.dtype) -> bool:
 
 class Descriptors:
     """Builds the TMA descriptors of one call's Q, K, V (block shapes and layouts fixed per plan),
-    and the forward's output where `with_out` (16-bit inputs: the consumers store their rows
-    through the Q tile's shared memory), else the backward's dO and dQ accumulator. float8 V is
-    read through its [B, H, Ev, L] view (stored KV-innermost) in [Ev, BLOCK_N] tiles.
+    the backward's dO and dQ accumulator, and where `with_out` the kernel's 16-bit outputs (the
+    forward's output, the backward's dK and dV; ``outputs`` False: they are not 16-bit), which each
+    consumer stages in its own shared memory (forward: its rows of the Q tile; backward: dV in its
+    rows of the V tile, dK in its dQ buffer) for the TMA unit to store. float8 V is read through its
+    [B, H, Ev, L] view (stored KV-innermost) in [Ev, BLOCK_N] tiles.
 
     The first call builds each through Triton's constructor, which validates it (alignment, strides,
     block shape against the layout). A later call of the same plan has the same dtypes, shapes,
@@ -213,7 +215,7 @@ class Descriptors:
 
     __slots__ = ("make", "blocks", "layouts", "v_k_major", "with_out", "first")
 
-    def __init__(self, dtype: torch.dtype, head_dim: int, backward: bool = False):
+    def __init__(self, dtype: torch.dtype, head_dim: int, backward: bool = False, outputs: bool = True):
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -221,29 +223,35 @@ class Descriptors:
         self.make = TensorDescriptor
         self.first = None  # the fields of the first call's validated descriptors, but the tensors
         self.v_k_major = dtype == torch.float8_e4m3fn
-        self.with_out = not backward and output_by_tma(dtype)
-        if backward:  # Q, K, V, dO, and the float32 dQ accumulator (a consumer's half of the head dim)
+        self.with_out = outputs and output_by_tma(dtype)
+        if backward:  # Q, K, V, dO, the float32 dQ accumulator (a consumer's half of the head dim), dK
+            # and dV (a consumer's rows)
             q, kv = [1, 1, BWD_BLOCK_M, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
             blocks = ((q, gdt), (kv, gdt), (kv, gdt), (q, gdt), ([1, 1, BWD_BLOCK_M, head_dim // 2], gl.float32))
+            if self.with_out:
+                blocks += (([1, 1, BWD_BLOCK_N // 2, head_dim], gdt), ) * 2
         else:
             block_n = BLOCK_N[head_dim]
-            # (Q and the output: a consumer's rows, BLOCK_M / 2)
-            blocks = (([1, 1, BLOCK_M // 2, head_dim], gdt), ([1, 1, block_n, head_dim], gdt),
+            blocks = (([1, 1, BLOCK_M, head_dim], gdt), ([1, 1, block_n, head_dim], gdt),
                       ([1, 1, head_dim, block_n] if self.v_k_major else [1, 1, block_n, head_dim], gdt))
-            if self.with_out:
+            if self.with_out:  # (a consumer's rows)
                 blocks += (([1, 1, BLOCK_M // 2, head_dim], gdt), )
         self.blocks = tuple(b for b, _ in blocks)
         layouts = [gl.NVMMASharedLayout.get_default_for(b, t) for b, t in blocks]
-        if self.with_out:  # (staged in the Q tile's rows: its layout)
-            layouts[3] = layouts[0]
         if backward:  # K's column halves (dQ = dS K per consumer) must each be whole swizzle rows:
             # 64-byte swizzle at head dim 64 (16-bit elements: a half row is head_dim bytes)
             layouts[1] = gl.NVMMASharedLayout(swizzle_byte_width=min(128, head_dim), element_bitwidth=16, rank=4)
+        if self.with_out:  # the output staged in the Q tile's rows, dV in the V tile's: their layouts
+            # (dK, staged in a dQ buffer viewed with any layout, takes K's)
+            if backward:
+                layouts[5:7] = layouts[1:3]
+            else:
+                layouts[3] = layouts[0]
         self.layouts = tuple(layouts)
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *more: torch.Tensor) -> tuple:
-        """Descriptors of query, key, value and ``more``: the forward's output (`with_out`), the
-        backward's grad_out and dQ accumulator."""
+        """Descriptors of query, key, value and ``more``: the forward's output (`with_out`); the
+        backward's grad_out, dQ accumulator, and dK and dV (`with_out`)."""
         if self.v_k_major:
             value = value.transpose(2, 3)
         tensors = (query, key, value, *more)

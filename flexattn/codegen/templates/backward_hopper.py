@@ -28,7 +28,11 @@
 # read a step after they are written: a step waits (ds_free) until both consumers' dQ products
 # have read the buffer its dS store takes.
 # The preprocess zeroes DQ_ACC and the host converts it to the query's dtype afterwards; dK is
-# scaled in-program.
+# scaled in-program. 16-bit dK and dV (DKV_TMA: K/V not broadcast over the batch, whose gradients
+# the host sums in float32) leave through the TMA unit, each consumer's staged in its own shared
+# memory (dV in its rows of the V tile, dK in its dQ buffer): 16 documents 7-10% faster, S=2k 3-5%
+# (docs/performance.md). Staging dK in the K tile's rows instead needs both consumers past their
+# last dQ product (which reads all of K), and that wait cost sliding window 2-5%.
 # Why TMA: one thread's relaxed atomics per element of dQ (four billion at B=4 H=16 S=8k D=128)
 # saturate the L2's reduction units (the same kernel without their memory traffic ran 1.45x
 # faster); the TMA unit's bulk reduce-add does the same adds at line granularity.
@@ -60,6 +64,13 @@ def _tma_add_36(tensor_desc, coord, src, _semantic=None):
 
 
 _tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
+
+
+@builtin
+def _reinterpret(mem, dtype, shape, layout, _semantic=None):
+    # shared memory viewed as another dtype, shape and layout (triton 3.6 _reinterpret, 3.9 reinterpret)
+    view = getattr(mem, "reinterpret", None) or mem._reinterpret
+    return view(dtype, shape, layout, _semantic=_semantic)
 
 
 @gluon.jit
@@ -173,7 +184,7 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
              SPARSE_Q_BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
              BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr,
              SCORE_AFFINE: gl.constexpr, LATE_DP_WAIT: gl.constexpr, SCORE_DTYPE: gl.constexpr,
-             DEFER_DQ: gl.constexpr):
+             DEFER_DQ: gl.constexpr, DKV_TMA: gl.constexpr):
     NUM_BUFFERS: gl.constexpr = q_bufs.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[3]
@@ -348,15 +359,29 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
             dq = warpgroup_mma_wait(0, deps=(dq, ))
             dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, prev_h, prev_start, DQ_COL0)
 
-    tma.store_wait(0)
     # -- dK (scaled) and dV of this consumer's rows
-    rows_o = gl.expand_dims(my_n + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout)), 1)
-    cols_o = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout)), 0)
-    keep = rows_o < KV_LEN
-    gl.store(DK + b64 * stride_dkz + h_kv.to(gl.int64) * stride_dkh + rows_o.to(gl.int64) * stride_dkn + cols_o,
-             (dk * SM_SCALE).to(DK.dtype.element_ty), mask=keep)
-    gl.store(DV + b64 * stride_dvz + h_kv.to(gl.int64) * stride_dvh + rows_o.to(gl.int64) * stride_dvn + cols_o,
-             dv.to(DV.dtype.element_ty), mask=keep)
+    if DKV_TMA:
+        # through the TMA unit (rows past KV_LEN clipped), staged in this consumer's own shared
+        # memory: dV in its rows of the V tile (only its dP products read them), dK in its dQ buffer
+        # (as many bytes) once the last dQ add has read that
+        v_w.store(dv.to(dtype))
+        tma.store_wait(0)
+        dk_s = _reinterpret(dq_smem, dtype, DK.block_type.shape, DK.layout)
+        dk_s.reshape([ROWS, HEAD_DIM]).store((dk * SM_SCALE).to(dtype))
+        fence_async_shared()
+        _sync_warps()
+        _tma_store(DV, [b, h_kv, my_n, 0], v_smem.slice(WG * ROWS, ROWS, dim=2))
+        _tma_store(DK, [b, h_kv, my_n, 0], dk_s)
+        tma.store_wait(0)
+    else:
+        tma.store_wait(0)
+        rows_o = gl.expand_dims(my_n + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout)), 1)
+        cols_o = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout)), 0)
+        keep = rows_o < KV_LEN
+        gl.store(DK + b64 * stride_dkz + h_kv.to(gl.int64) * stride_dkh + rows_o.to(gl.int64) * stride_dkn + cols_o,
+                 (dk * SM_SCALE).to(DK.dtype.element_ty), mask=keep)
+        gl.store(DV + b64 * stride_dvz + h_kv.to(gl.int64) * stride_dvh + rows_o.to(gl.int64) * stride_dvn + cols_o,
+                 dv.to(DV.dtype.element_ty), mask=keep)
 
 
 @gluon.jit
@@ -375,7 +400,7 @@ def flex_attention_backward(
     GQA_SHARED_HEADS: gl.constexpr, KV_BATCH_BROADCAST: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
     BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr,
     SCORE_AFFINE: gl.constexpr, LATE_DP_WAIT: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    SCORE_DTYPE: gl.constexpr, DEFER_DQ: gl.constexpr,
+    SCORE_DTYPE: gl.constexpr, DEFER_DQ: gl.constexpr, DKV_TMA: gl.constexpr,
 ):
     gl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M == 0)
     gl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N == 0)
@@ -424,7 +449,7 @@ def flex_attention_backward(
                     b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
                     0, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
                     BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT, SCORE_DTYPE,
-                    DEFER_DQ)),
+                    DEFER_DQ, DKV_TMA)),
         (consumer, (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, q_ready, q_empty, do_ready, do_empty,
                     ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
                     $score_mod_params $mask_mod_params
@@ -435,7 +460,7 @@ def flex_attention_backward(
                     b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
                     1, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
                     BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT, SCORE_DTYPE,
-                    DEFER_DQ)),
+                    DEFER_DQ, DKV_TMA)),
         (loader, (Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
                   Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
                   stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,

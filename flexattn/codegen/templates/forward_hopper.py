@@ -3,9 +3,9 @@
 # scheduled by hand the way FlashAttention-3 schedules it.
 #
 # One program per (query tile of BLOCK_M = 128 rows, batch x query head), three partitions:
-#   loader      1 warp: TMA copies of the Q tile once (one per consumer's half), then of each K and
-#               V tile into a ring of NUM_BUFFERS shared-memory slots (k_ready / v_ready: "the copy
-#               landed"; k_empty / v_empty: "both consumers are done with the slot")
+#   loader      1 warp: TMA copies of the Q tile once, then of each K and V tile into a ring of
+#               NUM_BUFFERS shared-memory slots (k_ready / v_ready: "the copy landed";
+#               k_empty / v_empty: "both consumers are done with the slot")
 #   consumer 0  4 warps (a warp group): query rows 0..63 of the tile
 #   consumer 1  4 warps: rows 64..127
 # Each consumer runs the online softmax over the same KV tiles. Per tile j it issues q.k_j^T and
@@ -47,9 +47,8 @@ def loader(Q, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_
            BLOCKS_ARE_CONTIGUOUS: gl.constexpr, V_K_MAJOR: gl.constexpr):
     NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
     if n_tiles > 0:  # (no copy left in flight when the program ends)
-        mbarrier.expect(q_bar, 2 * Q.block_type.nbytes)  # (the consumers' halves of the Q tile)
-        _tma_load(Q, [b, h, off_m, 0], q_bar, q_smem.index(0))
-        _tma_load(Q, [b, h, off_m + Q.block_type.shape[2], 0], q_bar, q_smem.index(1))
+        mbarrier.expect(q_bar, Q.block_type.nbytes)
+        _tma_load(Q, [b, h, off_m, 0], q_bar, q_smem)
     for j in range(n_tiles):
         slot = j % NUM_BUFFERS
         phase = (j // NUM_BUFFERS) & 1
@@ -184,7 +183,7 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
         KV_FACTOR = aff_k * LOG2E
         KV_BIAS = ((aff_k + aff_q) * my_m.to(gl.float32) + aff_c) * LOG2E
     q_idx = gl.expand_dims(my_m + gl.arange(0, ROWS, layout=row_s), 1)
-    q = q_smem.index(WG).reshape([ROWS, QK_HEAD_DIM])
+    q = q_smem.reshape([BLOCK_M, QK_HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
     m_i = gl.full([ROWS], -float("inf"), gl.float32, layout=row_s)
     l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)
     acc = gl.zeros([ROWS, V_HEAD_DIM], gl.float32, layout=o_layout)
@@ -252,11 +251,10 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
         # this consumer's rows of the Q tile (no q.k^T reads them after the last scores' wait)
         # stage the output for the TMA unit, which clips rows past Q_LEN; the store is waited for
         # (its reads of shared memory) at the end
-        o_s = q_smem.index(WG)
-        o_s.reshape([ROWS, V_HEAD_DIM]).store(out.to(dtype))
+        q.store(out.to(dtype))
         fence_async_shared()
         _sync_warps()
-        _tma_store(Out, [b, h, my_m, 0], o_s)
+        _tma_store(Out, [b, h, my_m, 0], q_smem.slice(WG * ROWS, ROWS, dim=2))
     else:
         rows_o = gl.expand_dims(my_m + gl.arange(0, ROWS, layout=row_o), 1)
         cols_o = gl.expand_dims(gl.arange(0, V_HEAD_DIM, layout=gl.SliceLayout(0, o_layout)), 0)
@@ -297,7 +295,6 @@ def flex_attention_forward(
     gl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N == 0)
     TILES_PER_BLOCK: gl.constexpr = SPARSE_KV_BLOCK_SIZE // BLOCK_N
     V_HEAD_DIM: gl.constexpr = Q.block_type.shape[3]  # (== Ev)
-    gl.static_assert(2 * Q.block_type.shape[2] == BLOCK_M)  # (Q's descriptor: a consumer's rows)
     if IS_FP8:  # scores of the dequantised inputs: (q dq)(k dk)^T scale = q k^T (scale dq dk)
         SM_SCALE = SM_SCALE * gl.load(DESCALE_Q) * gl.load(DESCALE_K)
         if SCORES_IN_BASE2:  # the fold needs a positive factor: descales that are not give NaN
@@ -324,7 +321,7 @@ def flex_attention_forward(
     if HAS_FULL_BLOCKS:
         n_tiles += gl.load(FULL_KV_NUM_BLKS + b64 * stride_fnz + h * stride_fnh + q_blk * stride_fnm) * TILES_PER_BLOCK
 
-    q_smem = gl.allocate_shared_memory(Q.dtype, [2] + Q.block_type.shape, Q.layout)
+    q_smem = gl.allocate_shared_memory(Q.dtype, Q.block_type.shape, Q.layout)
     k_bufs = gl.allocate_shared_memory(K.dtype, [NUM_BUFFERS] + K.block_type.shape, K.layout)
     v_bufs = gl.allocate_shared_memory(V.dtype, [NUM_BUFFERS] + V.block_type.shape, V.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
