@@ -217,6 +217,8 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     kv_batched = Bkv == B
     raw = launch.raw_scores(score, torch.float32)
     affine = launch.affine_scores(score, dtype, max(Q_LEN, KV_LEN))
+    # (16-bit dK and dV through descriptors; K/V broadcast over the batch: float32, summed by the host)
+    descriptors = hopper.Descriptors(dtype, E, backward=True, outputs=kv_batched)
     constexprs = dict(
         BLOCK_M=block_m, BLOCK_N=block_n, SPARSE_Q_BLOCK_SIZE=sparse_q, SPARSE_KV_BLOCK_SIZE=sparse_kv,
         GQA_SHARED_HEADS=Hq // Hkv, KV_BATCH_BROADCAST=not kv_batched,
@@ -232,7 +234,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         NUM_BUFFERS=hopper.BWD_NUM_BUFFERS[E], CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
         DEFER_DQ=defer_dq(E, affine, mask),
-        DKV_TMA=kv_batched,  # (16-bit dK and dV; summed over the batch in float32 otherwise)
+        DKV_TMA=descriptors.with_out,
         num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS,
     )
     fast_math = opts.fast_math(explicit, device, dtype)
@@ -245,8 +247,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     group = hopper.head_group(device, Q_LEN * E * (2 * query.element_size() + 4) * (Hq // Hkv), B * Hkv,
                               grid[0] * grid[1], tables is not None,
                               explicit.get("HEAD_GROUP"))
-    return HopperPlan(pre, main, hopper.Descriptors(dtype, E, backward=True, outputs=kv_batched),
-                      launch.contiguous_or_order(query),
+    return HopperPlan(pre, main, descriptors, launch.contiguous_or_order(query),
                       key.dtype if kv_batched else torch.float32, kv_batched, lists,
                       (Hq, Hkv, Q_LEN, KV_LEN, group))
 

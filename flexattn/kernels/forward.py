@@ -153,6 +153,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     else:
         sparse_q, sparse_kv = tables.q_block, tables.kv_block
     options = {**opts.forward_defaults(device, dtype, E, Ev), **explicit}
+    descriptors = hopper.Descriptors(dtype, E)
     constexprs = dict(
         BLOCK_M=block_m, BLOCK_N=block_n, SPARSE_Q_BLOCK_SIZE=sparse_q, SPARSE_KV_BLOCK_SIZE=sparse_kv,
         GQA_SHARED_HEADS=Hq // Hkv, KV_BATCH_BROADCAST=Bkv == 1 and B > 1,
@@ -164,7 +165,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         LONGEST_FIRST=options["LONGEST_FIRST"], NUM_BUFFERS=hopper.NUM_BUFFERS, CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
         IS_FP8=fp8,
-        O_TMA=hopper.output_by_tma(dtype),
+        O_TMA=descriptors.with_out,
         num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS,
     )
     out_shape = (B, Hq, Q_LEN, Ev)
@@ -186,7 +187,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         out_shape=out_shape, stat_shape=(B, Hq, Q_LEN), out_order=out_order, stat_dtype=torch.float32,
         out_dtype=out_dtype, out_like_query=launch.empty_like_gives(query, out_shape, out_dtype, out_order),
         strides=strides, dense_rows=dense_rows, sizes=(Hq, Q_LEN, KV_LEN, group), want_max=want_max,
-        is_empty=B * Hq * Q_LEN * Ev == 0, descriptors=hopper.Descriptors(dtype, E),
+        is_empty=B * Hq * Q_LEN * Ev == 0, descriptors=descriptors,
     )
 
 
