@@ -193,12 +193,6 @@ def backward_reason(query, key, value, grad_out, tables, options: dict, buffer_g
             or _knobs_reason(options, _TRITON_BWD_KNOBS, "Triton backward"))
 
 
-def output_by_tma(dtype: torch.dtype) -> bool:
-    """Whether the forward's consumers store the output through the TMA unit, staged in their rows
-    of the Q tile: 16-bit inputs (a float8 Q tile has half the room of its bfloat16 output)."""
-    return dtype != torch.float8_e4m3fn
-
-
 class Descriptors:
     """Builds the TMA descriptors of one call's Q, K, V (block shapes and layouts fixed per plan),
     the backward's dO and dQ accumulator, and where `with_out` the kernel's 16-bit outputs (the
@@ -223,7 +217,8 @@ class Descriptors:
         self.make = TensorDescriptor
         self.first = None  # the fields of the first call's validated descriptors, but the tensors
         self.v_k_major = dtype == torch.float8_e4m3fn
-        self.with_out = outputs and output_by_tma(dtype)
+        # (float8 inputs: a Q tile has half the room of its bfloat16 output, stored from the registers)
+        self.with_out = outputs and dtype != torch.float8_e4m3fn
         if backward:  # Q, K, V, dO, the float32 dQ accumulator (a consumer's half of the head dim), dK
             # and dV (a consumer's rows)
             q, kv = [1, 1, BWD_BLOCK_M, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
