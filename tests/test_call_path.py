@@ -416,6 +416,91 @@ def test_static_launch_arguments_from_fixed_and_per_call_ones():
     assert every((off, 99, t, 4)) is None
 
 
+class PyCUtensorMap:
+    """Stands for Triton's encoded TMA descriptor (its launcher's type of that name)."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+def _fake_launcher_wrapper(raw, metas, encoded: list):
+    """A launcher wrapper laid out as triton 3.6's (`wrap_handle_tensordesc`): it expands each
+    descriptor argument into its map, shape and strides and calls the C function ``raw`` after
+    the fixed launch arguments; its encoder records what it encoded in ``encoded``."""
+    import types
+
+    def make_tensordesc_arg(desc, meta):
+        encoded.append(desc.base.data_ptr())
+        return [PyCUtensorMap(desc.base.data_ptr()), *desc.shape, *desc.strides]
+
+    def closure():
+        launcher, tensordesc_meta = raw, metas
+
+        def inner(*args):
+            out, k = list(args[:13]), 0
+            for a in args[13:]:
+                if hasattr(a, "base"):
+                    out += make_tensordesc_arg(a, tensordesc_meta[k])
+                    k += 1
+                else:
+                    out.append(a)
+            return launcher(*out)
+        return inner
+
+    inner = closure()
+    return types.FunctionType(inner.__code__, {"make_tensordesc_arg": make_tensordesc_arg, "list": list,
+                                               "hasattr": hasattr}, "inner", None, inner.__closure__)
+
+
+def test_tensor_map_launch_keeps_a_map_per_address_and_refuses_what_it_cannot_launch():
+    """The Hopper kernels' direct launch (`TensorMapLaunch`; the C launcher needs a GPU, its
+    argument lists do not): a call's tensors land as addresses, its numbers in place, each
+    descriptor's map is encoded once per address; a misaligned tensor, a descriptor of other
+    strides, or a recorded layout it does not know launch nothing."""
+    from types import SimpleNamespace
+
+    from flexattn.kernels import launch
+
+    def desc(t):
+        return SimpleNamespace(base=t, shape=list(t.shape), strides=list(t.stride()), padding="zero")
+
+    kinds = {"Q": "tensordesc<bf16[1,1,64,16]>", "LSE": "*fp32", "N": "i32", "SCALE": "fp32",
+             "O": "tensordesc<bf16[1,1,32,16]>", "BLOCK": "constexpr"}
+    compiled = SimpleNamespace(metadata=SimpleNamespace(tensordesc_meta=[{"swizzle": 3}] * 2),
+                               src=SimpleNamespace(signature=kinds))
+    calls, encoded = [], []
+    wrapper = _fake_launcher_wrapper(lambda *a: calls.append(a), [{"swizzle": 3}] * 2, encoded)
+    q, o, lse = torch.zeros(2, 2, 64, 16), torch.zeros(2, 2, 64, 16), torch.zeros(2, 2, 64)
+    args = (desc(q), lse, 64, 0.25, desc(o))
+    fixed = (2, 1, 1, 7, "function", False, False, None, None, (4, 1, 0), None, None, None)
+    wrapper(*fixed, *args, 128)  # Triton's launch, as recorded
+    recorded = calls.pop()
+    assert encoded == [q.data_ptr(), o.data_ptr()]
+    site = launch.TensorMapLaunch.plan(compiled, wrapper, lambda *a: calls.append(a), recorded, (*args, 128), 5,
+                                       None, (2, 1, 1), 7)
+    assert site is not None
+
+    q2, lse2 = torch.zeros(2, 2, 64, 16), torch.zeros(2, 2, 64)
+    for step, (qq, ll, scale) in enumerate([(q, lse2, 0.5), (q2, lse, 0.125), (q2, lse2, 1.0)]):
+        assert site((desc(qq), ll, 64, scale, desc(o)), stream=99)
+        got = calls.pop()
+        assert got[:13] == (2, 1, 1, 99, *fixed[4:])
+        tensor_map, *dims = got[13:22]
+        assert tensor_map.ptr == qq.data_ptr() and dims == [2, 2, 64, 16, 2048, 1024, 16, 1]
+        assert got[22:25] == (ll.data_ptr(), 64, scale) and got[25].ptr == o.data_ptr() and got[-1] == 128
+    # (the plan re-encoded the recorded two once; then only q2's address was new)
+    assert encoded == [q.data_ptr(), o.data_ptr(), q.data_ptr(), o.data_ptr(), q2.data_ptr()]
+
+    misaligned = torch.zeros(2 * 2 * 64 + 1)[1:].view(2, 2, 64)
+    assert not site((desc(q), misaligned, 64, 0.5, desc(o)), stream=99)
+    assert not site((desc(q.transpose(2, 3).contiguous().transpose(2, 3)), lse, 64, 0.5, desc(o)), stream=99)
+    assert not calls
+
+    # a launcher passing the kernel's arguments in one trailing tuple (newer Triton): not taken
+    nested = (*recorded[:13], tuple(recorded[13:]))
+    assert launch.TensorMapLaunch.plan(compiled, wrapper, print, nested, (*args, 128), 5, None, (2, 1, 1), 7) is None
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "heads inside", "Ev differs", "other dtype"])
 def test_outputs_from_empty_like_only_where_it_gives_the_same_tensor(layout):
     from flexattn.kernels import launch

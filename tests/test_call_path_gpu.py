@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import triton
 
 import flexattn
 from flexattn.reference import attention_reference
@@ -99,6 +100,10 @@ def test_compiled_model_on_the_gpu():
     torch.testing.assert_close(out, layer(q, k, v, mask), atol=0, rtol=0)
 
 
+# Triton up to 3.6 (torch 2.11's) lays its launcher out the way `TensorMapLaunch` knows.
+_FLAT_LAUNCHER = tuple(int(x) for x in triton.__version__.split(".")[:2]) <= (3, 6)
+
+
 def _takes_descriptors(site) -> bool:
     return any(isinstance(t, str) and t.startswith("tensordesc") for t in site.compiled.src.signature.values())
 
@@ -155,6 +160,39 @@ def test_direct_launches_match_the_reference(case, nan_outputs):
                 # (it has no code for TMA descriptor arguments: the Hopper forward's Q, K, V)
                 assert all(s.static is not None or _takes_descriptors(s) for s in sites), \
                     "torch's static launcher was not used"
+            if _FLAT_LAUNCHER:
+                assert all(s.tensormaps is not None for s in sites if _takes_descriptors(s)), \
+                    "the descriptors' direct launch was not used"
         for got, want in zip(run(), expected):
             assert not got.isnan().any()
             torch.testing.assert_close(got.double(), want.double(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Hopper kernels need an sm_90 GPU")
+def test_hopper_launches_across_addresses(monkeypatch, nan_outputs):
+    """The Hopper kernels' direct launch keeps each descriptor's map by its tensor's address, a
+    few per descriptor: calls that cycle through more input and output addresses than it keeps
+    must each read and write their own tensors."""
+    from flexattn.kernels import launch
+
+    monkeypatch.setattr(launch.TensorMapLaunch, "MAPS_PER_DESCRIPTOR", 2)
+    taken = []
+    real = launch.TensorMapLaunch.__call__
+    monkeypatch.setattr(launch.TensorMapLaunch, "__call__", lambda self, *a: taken.append(real(self, *a)) or taken[-1])
+    B, H, S, D = 1, 4, 700, 128
+    mask = flexattn.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device=DEV)
+    torch.manual_seed(0)
+    sets = [tuple(torch.randn(B, H, S, D, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(4))
+            for _ in range(3)]
+    for step in range(8):
+        *qkv, g = sets[step % 3]
+        out = flexattn.flex_attention(*qkv, block_mask=mask)
+        grads = torch.autograd.grad(out, qkv, g)
+        ref_qkv = [t.detach().double().requires_grad_() for t in qkv]
+        ref = attention_reference(*ref_qkv, block_mask=mask)
+        ref_grads = torch.autograd.grad(ref, ref_qkv, g.double())
+        for got, want in zip((out, *grads), (ref, *ref_grads)):
+            torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2)
+    if _FLAT_LAUNCHER:
+        assert taken.count(True) >= 2 * 5, taken  # (the forward's and the backward's, from their third calls)

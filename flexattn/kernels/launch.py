@@ -271,20 +271,21 @@ class Launch:
     16-byte alignment, which Triton also specialises on, can differ, and it is checked (a
     misaligned tensor takes Triton's path). The direct launch is torch's static C++ launcher
     (what torch.compile's kernels use) when it can launch the kernel and no Triton launch hook is
-    set, else the compiled kernel's own launcher called the way Triton calls it. With fixed
+    set; for a kernel with TMA descriptor arguments, which it cannot launch, `TensorMapLaunch`;
+    else the compiled kernel's own launcher called the way Triton calls it. With fixed
     arguments the static launcher's argument list is built once, with the fixed pointers and
     numbers in place, and a call writes its own values into a copy. If the launcher's calling
     convention is not the one expected (another Triton version), every launch takes Triton's path.
     """
 
     __slots__ = ("kernel", "grid", "constexprs", "device", "calls", "compiled", "launcher", "tail", "pointers",
-                 "grid3", "static", "fixed", "slots")
+                 "grid3", "static", "tensormaps", "fixed", "slots")
 
     def __init__(self, kernel, grid: tuple, constexprs: dict, device: torch.device, fixed: tuple | None = None):
         self.kernel, self.grid, self.constexprs, self.device = kernel, tuple(grid), constexprs, device
         self.grid3 = self.grid + (1,) * (3 - len(self.grid))
         self.calls = 0
-        self.compiled = self.launcher = self.static = None
+        self.compiled = self.launcher = self.static = self.tensormaps = None
         self.tail = self.pointers = ()
         self.fixed = None if fixed is None else tuple(fixed)
         # positions of the per-call arguments; None: all of them
@@ -296,7 +297,7 @@ class Launch:
         (`Counters` returns it), so that it is not asked for twice."""
         launcher = self.launcher
         if launcher is not None:
-            static = self.static
+            static, tensormaps = self.static, self.tensormaps
             if static is not None and _no_launch_hooks():
                 run, function, (g0, g1, g2), warps, shared, types, fill = static
                 flat = fill(args)
@@ -304,6 +305,11 @@ class Launch:
                     if stream is None:
                         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
                     run(function, g0, g1, g2, warps, shared, types, flat, stream)
+                    return
+            elif tensormaps is not None and _no_launch_hooks():
+                if stream is None:
+                    stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+                if tensormaps(args, stream):
                     return
             args = self._fill(self._full(args))
             for i in self.pointers:
@@ -351,17 +357,30 @@ class Launch:
         compiled._init_handles()
         attr = "_run" if "_run" in vars(compiled) else "run"
         launcher = getattr(compiled, attr)
-        seen = []
+        seen, seen_raw = [], []
 
         def spy(*a):
             seen.append(a)
             return launcher(*a)
 
+        # (a kernel with TMA descriptors: also how the launcher calls its C function once it has
+        # expanded them)
+        cell = _raw_launch_cell(launcher) if getattr(compiled.metadata, "tensordesc_meta", None) else None
+        raw = None if cell is None else cell.cell_contents
+
+        def raw_spy(*a):
+            seen_raw.append(a)
+            return raw(*a)
+
         setattr(compiled, attr, spy)
+        if cell is not None:
+            cell.cell_contents = raw_spy
         try:
             self.kernel[self.grid](*args, **self.constexprs)
         finally:
             setattr(compiled, attr, launcher)
+            if cell is not None:
+                cell.cell_contents = raw
         if len(seen) != 1:
             return
         # triton 3.x: (grid x3, stream, function, packed metadata, launch metadata, enter hook,
@@ -377,6 +396,146 @@ class Launch:
             self.pointers = tuple(i for i, t in enumerate(args) if isinstance(t, torch.Tensor))
             self.launcher = launcher
             self.static = _static_plan(compiled, args, self.grid3, self.slots, _placeholder(self.device))
+            if self.static is None and len(seen_raw) == 1 and _no_launch_hooks():
+                self.tensormaps = TensorMapLaunch.plan(compiled, launcher.launch, raw, seen_raw[0],
+                                                       (*args, *self.tail), len(args), self.slots, self.grid3,
+                                                       a[3])
+
+
+def _raw_launch_cell(launcher):
+    """The closure cell of the C function that Triton's launcher of a kernel with TMA descriptor
+    arguments calls once its Python wrapper (``launcher.launch``, triton 3.x) has expanded them,
+    or None."""
+    inner = getattr(launcher, "launch", None)
+    code, cells = getattr(inner, "__code__", None), getattr(inner, "__closure__", None)
+    if code is None or not cells:
+        return None
+    cell = dict(zip(code.co_freevars, cells)).get("launcher")
+    return cell if cell is not None and callable(cell.cell_contents) else None
+
+
+class TensorMapLaunch:
+    """The direct launch of a kernel with TMA descriptor arguments (the Hopper kernels), which
+    torch's static launcher cannot launch.
+
+    Triton's launcher (triton 3.6, torch 2.11's) expands each descriptor in Python on every call:
+    it encodes the descriptor's CUtensorMap and spreads its shape and strides, then its C function
+    parses ~100 arguments: a Hopper forward's launch took 24-35 µs of the H100's host, this one
+    11 µs (docs/performance.md). A plan fixes every descriptor's
+    shape, strides, block and swizzle, so a descriptor's map depends on its tensor's address only:
+    this keeps each descriptor's maps by address (a loop's tensors come back to the same few
+    addresses from the caching allocator), encodes one for a new address with Triton's own
+    function, and writes a call's values into a copy of the C function's arguments recorded from
+    Triton's launch (pointers as integers, which it takes without a driver query).
+
+    `plan` builds one where the recorded arguments have the layout it knows (the launch's fixed
+    arguments, then the kernel's arguments with each descriptor expanded in place to its map, shape
+    and strides) and re-encoding the recorded descriptors gives their recorded shapes and strides;
+    else None, and the launch keeps Triton's launcher."""
+
+    __slots__ = ("raw", "template", "pointers", "values", "descriptors", "make")
+
+    MAPS_PER_DESCRIPTOR = 64  # addresses kept per descriptor before its maps are dropped
+
+    def __init__(self, raw, template, pointers, values, descriptors, make):
+        self.raw, self.template, self.make = raw, template, make
+        self.pointers = pointers        # ((call argument, template position), ...): tensors
+        self.values = values            # the same for numbers
+        # (call argument, template position of its map, shape, strides, Triton's metadata, {address: map})
+        self.descriptors = descriptors
+
+    @classmethod
+    def plan(cls, compiled, wrapper, raw, recorded: tuple, args: tuple, n: int, slots, grid3: tuple,
+             stream: int) -> "TensorMapLaunch | None":
+        """From the C function's arguments ``recorded`` in Triton's launch of ``compiled`` on
+        ``grid3`` and ``stream`` with ``args`` (with its constexprs; the first ``n`` are the
+        kernel's arguments): the direct launch, or None. ``wrapper``: the launcher's
+        descriptor-expanding wrapper, whose metadata and encoder this reuses; ``slots``: the
+        positions of the arguments a call supplies (None: all ``n``)."""
+        meta = compiled.metadata
+        if any(getattr(meta, size, 0) for size in ("global_scratch_size", "profile_scratch_size")):
+            return None  # (scratch Triton's launcher allocates per call)
+        kinds = list(compiled.src.signature.values())
+        cells = dict(zip(wrapper.__code__.co_freevars, (c.cell_contents for c in wrapper.__closure__)))
+        metas = cells.get("tensordesc_meta")
+        make = wrapper.__globals__.get("make_tensordesc_arg")
+        if len(kinds) != len(args) or make is None or not isinstance(metas, (list, tuple)) or None in metas:
+            return None
+        expanded, where = [], {}  # the kernel's arguments as the C function takes them; where each starts
+        descriptor_of = {}
+        for i, (a, kind) in enumerate(zip(args, kinds)):
+            where[i] = len(expanded)
+            if isinstance(kind, str) and kind.startswith("tensordesc"):
+                descriptor_of[i] = len(descriptor_of)
+                expanded += [None, *a.shape, *a.strides]
+            else:
+                expanded.append(a)
+        base = len(recorded) - len(expanded)
+        if base < 4 or len(descriptor_of) != len(metas):
+            return None
+        for e, r in zip(expanded, recorded[base:]):
+            if e is None:
+                if type(r).__name__ != "PyCUtensorMap":
+                    return None
+            elif not (r is e or (type(r) is int and type(e) is int and r == e)):
+                return None
+        if tuple(recorded[:3]) != grid3 or recorded[3] != stream:
+            return None
+        template = list(recorded)
+        per_call = range(n) if slots is None else slots
+        for i in set(range(n)) - set(per_call):  # fixed tensors (the plan keeps them) as addresses
+            if isinstance(args[i], torch.Tensor):
+                template[base + where[i]] = args[i].data_ptr()
+        pointers, values, descriptors = [], [], []
+        for j, i in enumerate(per_call):
+            k = base + where[i]
+            if i in descriptor_of:
+                d, m = args[i], metas[descriptor_of[i]]
+                try:
+                    tensor_map, *rest = make(d, m)
+                except TypeError:  # (another encoder signature)
+                    return None
+                if type(tensor_map) is not type(recorded[k]) or rest != [*d.shape, *d.strides]:
+                    return None
+                descriptors.append((j, k, list(d.shape), list(d.strides), m, {d.base.data_ptr(): tensor_map}))
+            elif isinstance(args[i], torch.Tensor):
+                pointers.append((j, k))
+            elif type(args[i]) in (int, float, bool):
+                values.append((j, k))
+            else:
+                return None
+        return cls(raw, template, tuple(pointers), tuple(values), tuple(descriptors), make)
+
+    def __call__(self, args, stream: int) -> bool:
+        """Launch with a call's ``args`` on ``stream``; False (nothing launched) where a tensor is
+        not 16-byte aligned or a descriptor's shape or strides are not the plan's."""
+        flat = self.template.copy()
+        flat[3] = stream
+        for j, k in self.pointers:
+            a = args[j]
+            if a is UNUSED:
+                flat[k] = 0
+                continue
+            ptr = flat[k] = a.data_ptr()
+            if ptr & 15:
+                return False
+        for j, k in self.values:
+            flat[k] = args[j]
+        for j, k, shape, strides, meta, maps in self.descriptors:
+            d = args[j]
+            if d.shape != shape or d.strides != strides:
+                return False
+            ptr = d.base.data_ptr()
+            tensor_map = maps.get(ptr)
+            if tensor_map is None:
+                if ptr & 15:
+                    return False
+                if len(maps) >= self.MAPS_PER_DESCRIPTOR:
+                    maps.clear()
+                tensor_map = maps[ptr] = self.make(d, meta)[0]
+            flat[k] = tensor_map
+        self.raw(*flat)
+        return True
 
 
 def _static_plan(compiled, args, grid3, slots, placeholder) -> tuple | None:
