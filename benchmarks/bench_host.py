@@ -104,24 +104,25 @@ def main(argv=None) -> int:
             atol=2e-2, rtol=2e-2)
     table_row(f"decoding step B={B} Hq={Hq} Hkv={Hkv} KV={KV} D={D}", fa, t_us, s_us, bare)
 
-    # -- 2. tiny forward: B=1, H=4, S=256, D=64, score_mod with a closure constant
-    S, H, D = (256, 4, 64) if gpu else (64, 2, 32)
-    q, k, v = (torch.randn(1, H, S, D, device=device, dtype=dtype) for _ in range(3))
+    # -- 2. tiny forward: B=1, H=4, S=256, score_mod with a closure constant; on the GPU at D=64
+    # (the Triton template) and D=128 (on an H100/H200, the Hopper kernel: TMA descriptor arguments)
+    for S, H, D in [(256, 4, 64), (256, 4, 128)] if gpu else [(64, 2, 32)]:
+        q, k, v = (torch.randn(1, H, S, D, device=device, dtype=dtype) for _ in range(3))
 
-    def fa_tiny():
-        cap = 30.0
-        return flexattn.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: cap * torch.tanh(s / cap))
+        def fa_tiny():
+            cap = 30.0
+            return flexattn.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: cap * torch.tanh(s / cap))
 
-    def torch_tiny():
-        cap = 30.0
-        return compiled_flex(q, k, v, score_mod=lambda s, b, h, qi, ki: cap * torch.tanh(s / cap))
+        def torch_tiny():
+            cap = 30.0
+            return compiled_flex(q, k, v, score_mod=lambda s, b, h, qi, ki: cap * torch.tanh(s / cap))
 
-    r = per_call_side_by_side({"fa": fa_tiny, "bare": bare_launch(fa_tiny), "torch": torch_tiny if gpu else None},
-                              calls, device)
-    fa, bare, t_us = r["fa"], r["bare"], r.get("torch")
-    if gpu:
-        torch.testing.assert_close(fa_tiny().float(), torch_tiny().float(), atol=2e-2, rtol=2e-2)
-    table_row(f"tiny forward B=1 H={H} S={S} D={D}", fa, t_us, None, bare)
+        r = per_call_side_by_side({"fa": fa_tiny, "bare": bare_launch(fa_tiny),
+                                   "torch": torch_tiny if gpu else None}, calls, device)
+        fa, bare, t_us = r["fa"], r["bare"], r.get("torch")
+        if gpu:
+            torch.testing.assert_close(fa_tiny().float(), torch_tiny().float(), atol=2e-2, rtol=2e-2)
+        table_row(f"tiny forward B=1 H={H} S={S} D={D}", fa, t_us, None, bare)
 
     # -- 3. training step: B=8, H=16, S=1024, D=64, causal, forward + backward
     B, H, S, D = (8, 16, 1024, 64) if gpu else (1, 2, 64, 16)
