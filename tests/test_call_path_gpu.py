@@ -15,8 +15,9 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 
-def test_cuda_graph_forward_with_fresh_lambda_per_call():
-    B, H, S, D = 2, 8, 1000, 64
+@pytest.mark.parametrize("D", [64, 128])  # (128 on an H100/H200: the Hopper kernel, its TMA descriptors)
+def test_cuda_graph_forward_with_fresh_lambda_per_call(D):
+    B, H, S = 2, 8, 1000
     q, k, v = (torch.randn(B, H, S, D, device=DEV, dtype=torch.bfloat16) for _ in range(3))
     bias = torch.randn(H, device=DEV)
     mask = flexattn.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device=DEV)

@@ -511,14 +511,8 @@ class TensorMapLaunch:
         not 16-byte aligned or a descriptor's shape or strides are not the plan's."""
         flat = self.template.copy()
         flat[3] = stream
-        for j, k in self.pointers:
-            a = args[j]
-            if a is UNUSED:
-                flat[k] = 0
-                continue
-            ptr = flat[k] = a.data_ptr()
-            if ptr & 15:
-                return False
+        if not _put_addresses(flat, args, self.pointers):
+            return False
         for j, k in self.values:
             flat[k] = args[j]
         for j, k, shape, strides, meta, maps in self.descriptors:
@@ -592,9 +586,23 @@ def _static_plan(compiled, args, grid3, slots, placeholder) -> tuple | None:
     return (run, compiled.function, grid3, meta.num_warps, meta.shared, "".join(types), fill)
 
 
+def _put_addresses(flat: list, args, pairs) -> bool:
+    """``flat[k]`` = the address of ``args[j]`` for each ``(j, k)`` of ``pairs`` (`UNUSED`: 0);
+    False where one is not 16-byte aligned (Triton specialises on that)."""
+    for j, k in pairs:
+        a = args[j]
+        if a is UNUSED:
+            flat[k] = 0
+            continue
+        ptr = flat[k] = a.data_ptr()
+        if ptr & 15:
+            return False
+    return True
+
+
 def _fill_all(keep: list[int], pointer: set[int], extra: tuple) -> Callable:
     """The static launcher's arguments from all of a call's: the kept ones, pointers as integers."""
-    pointers = tuple(sorted(pointer))
+    pointers = tuple((i, i) for i in sorted(pointer))
     if len(keep) < 2:
         pick = lambda flat: tuple(flat[i] for i in keep)  # noqa: E731
     else:
@@ -602,14 +610,8 @@ def _fill_all(keep: list[int], pointer: set[int], extra: tuple) -> Callable:
 
     def fill(args):
         flat = list(args)
-        for i in pointers:
-            a = args[i]
-            if a is UNUSED:
-                flat[i] = 0
-                continue
-            ptr = flat[i] = a.data_ptr()
-            if ptr & 15:
-                return None
+        if not _put_addresses(flat, args, pointers):
+            return None
         return pick(flat) + extra
 
     return fill
