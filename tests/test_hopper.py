@@ -216,7 +216,7 @@ def _compile_backward(q, k, v, score_fn=None, mask_fn=None, block_mask=None):
 def test_backward_compiles(D):
     """Five wgmma products per step, dQ added by the TMA unit, at both head dims; a length that is
     not a multiple of the tiles. dK and dV leave through the TMA unit too (each consumer's, staged
-    in its rows of the K and V tiles)."""
+    in its rows of the V tile and in its dQ buffer)."""
     ptx = _compile_backward(*_qkv(S=300, D=D))
     assert "wgmma.mma_async" in ptx and "cp.reduce.async.bulk.tensor" in ptx and "red.global" not in ptx
     assert ptx.count(TMA_STORE) == 4
