@@ -416,6 +416,37 @@ def test_static_launch_arguments_from_fixed_and_per_call_ones():
     assert every((off, 99, t, 4)) is None
 
 
+def test_a_kernel_out_of_shared_memory_compiles_again_with_fewer_stages():
+    """The first launch of a kernel whose shared memory passes the limit retries with one
+    pipelining stage fewer, down to one (then the error stands); other resources are not retried.
+    The launch keeps the stages that fit."""
+    from triton.runtime.errors import OutOfResources
+
+    from flexattn.kernels import launch
+
+    class Kernel:
+        def __init__(self, fits_at, resource="shared memory"):
+            self.fits_at, self.resource, self.tried = fits_at, resource, []
+
+        def __getitem__(self, grid):
+            def run(*args, num_stages=None, **constexprs):
+                self.tried.append(num_stages)
+                if num_stages > self.fits_at:
+                    raise OutOfResources(1000 * num_stages, 1000 * self.fits_at, self.resource)
+            return run
+
+    t = torch.zeros(4)
+    kernel = Kernel(fits_at=2)
+    site = launch.Launch(kernel, (1,), {"num_stages": 4, "BLOCK": 16}, t.device)
+    site(t)
+    site(t)
+    assert kernel.tried == [4, 3, 2, 2] and site.constexprs == {"num_stages": 2, "BLOCK": 16}
+    for kernel in (Kernel(fits_at=0), Kernel(fits_at=1, resource="registers")):
+        with pytest.raises(OutOfResources):
+            launch.Launch(kernel, (1,), {"num_stages": 3}, t.device)(t)
+    assert kernel.tried == [3]
+
+
 class PyCUtensorMap:
     """Stands for Triton's encoded TMA descriptor (its launcher's type of that name)."""
 

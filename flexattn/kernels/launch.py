@@ -19,6 +19,7 @@ from typing import Any, Callable, Hashable
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 try:  # triton >= 3.4: the launch hooks the direct launch passes on, as Triton does
     from triton import knobs as _knobs
@@ -329,8 +330,25 @@ class Launch:
         self.calls += 1
         if self.calls == 2 and self.device.type == "cuda" and _knobs is not None:
             self._capture(args)
+        elif self.calls == 1:
+            self._first(args)
         else:
             self.kernel[self.grid](*args, **self.constexprs)
+
+    def _first(self, args) -> None:
+        """The first launch, which compiles the kernel. A Triton kernel whose shared memory passes
+        the GPU's limit (what a mod's gathers and layout changes need adds to the tiles' pipeline
+        buffers, so a config can fit one mod and not another) is compiled again with one
+        pipelining stage fewer, down to one: stages change the speed, never the result."""
+        while True:
+            try:
+                self.kernel[self.grid](*args, **self.constexprs)
+                return
+            except OutOfResources as err:
+                stages = self.constexprs.get("num_stages", 1)
+                if err.name != "shared memory" or stages <= 1:
+                    raise
+                self.constexprs = {**self.constexprs, "num_stages": stages - 1}
 
     def _full(self, args) -> tuple:
         """Every argument of the kernel: the per-call ``args`` in the fixed ones' `PER_CALL` slots."""
