@@ -440,7 +440,7 @@ def test_a_kernel_out_of_shared_memory_compiles_again_with_fewer_stages():
     site = launch.Launch(kernel, (1,), {"num_stages": 4, "BLOCK": 16}, t.device)
     site(t)
     site(t)
-    assert kernel.tried == [4, 3, 2, 2] and site.constexprs == {"num_stages": 2, "BLOCK": 16}
+    assert kernel.tried == [4, 3, 2, 2] and site.constexprs == {"enable_fp_fusion": True, "num_stages": 2, "BLOCK": 16}
     for kernel in (Kernel(fits_at=0), Kernel(fits_at=1, resource="registers")):
         with pytest.raises(OutOfResources):
             launch.Launch(kernel, (1,), {"num_stages": 3}, t.device)(t)

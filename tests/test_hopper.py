@@ -55,13 +55,14 @@ def _compile_gluon(kernel, args: list, launch_: launch.Launch):
     from triton.runtime.jit import mangle_type
 
     args = [torch.empty(1) if a is launch.UNUSED else a for a in args]
-    constexprs = {n: c for n, c in launch_.constexprs.items() if n not in ("num_warps", "maxnreg")}
+    constexprs = {n: c for n, c in launch_.constexprs.items() if n not in ("num_warps", "maxnreg", "enable_fp_fusion")}
     names = kernel.arg_names
     assert len(names) == len(args) + len(constexprs), "the launch's arguments do not match the kernel's parameters"
     signature = {n: mangle_type(a) for n, a in zip(names, args)}
     signature.update({n: "constexpr" for n in constexprs})
     compiled = triton.compile(GluonASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": hopper.NUM_WARPS, "maxnreg": hopper.MAX_REGISTERS})
+                              options={"num_warps": hopper.NUM_WARPS, "maxnreg": hopper.MAX_REGISTERS,
+                                       "enable_fp_fusion": launch_.constexprs["enable_fp_fusion"]})
     assert compiled.metadata.shared <= 227 * 1024
     return compiled
 

@@ -97,7 +97,8 @@ def build_tables(mod: Mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: i
         fq_num, fq_idx = tables(n_kv, n_q)
     else:
         fkv_num = fkv_idx = fq_num = fq_idx = kv_num  # unused by the kernels
-    common = dict(SEPARATE_FULL=separate_full, SEL=1 if separate_full else 0)
+    # (integer kernels: fp fusion is moot, set so that Triton 3.9 has no default to warn about)
+    common = dict(SEPARATE_FULL=separate_full, SEL=1 if separate_full else 0, enable_fp_fusion=False)
     module.kv_order_kernel[(n_q, BH)](
         state, kv_num, kv_idx, fkv_num, fkv_idx, state.stride(0), state.stride(1), n_q, n_kv,
         CHUNK=chunk_kv, **common,
