@@ -133,22 +133,26 @@ def decode_inner(
     per_split = (num_tiles + SPLIT_KV - 1) // SPLIT_KV
     lo = split * per_split
     hi = tl.minimum(lo + per_split, num_tiles)
-    for i in range(lo, hi):
+    # One flat loop over BLOCK_N steps, STEPS per entry: the software pipeliner then keeps
+    # num_stages copies of one step's K and V tiles, however large the blocks (an inner loop
+    # unrolled over a block's steps had all of them in flight: at head dim 256 and 256-position
+    # blocks, 520 KB of shared memory).
+    STEPS: tl.constexpr = TILE // BLOCK_N
+    for t in range(lo * STEPS, hi * STEPS):
         if IS_DENSE:
-            tile = i
+            tile = t // STEPS
         else:
-            tile = tl.load(TILE_LIST + i)
-        for j in tl.static_range(TILE // BLOCK_N):
-            start_n = tile * TILE + j * BLOCK_N
-            # Positions past kv_len (per-batch lengths) are masked loads: they cost no K/V reads.
-            acc, l_i, m_i = decode_tile(
-                acc, l_i, m_i, q, K, V, start_n, b, h, q_idx, kv_len, SM_SCALE,
-                stride_kn, stride_kk, stride_vn, stride_vk,
-                $score_params$mask_params
-                QK_HEAD_DIM, V_HEAD_DIM, APPLY_MASK, BLOCK_M, BLOCK_N,
-                QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
-                IS_DIVISIBLE_N, DOT_PRECISION, DOT_IN_FP32,
-            )
+            tile = tl.load(TILE_LIST + t // STEPS)
+        start_n = tile * TILE + (t % STEPS) * BLOCK_N
+        # Positions past kv_len (per-batch lengths) are masked loads: they cost no K/V reads.
+        acc, l_i, m_i = decode_tile(
+            acc, l_i, m_i, q, K, V, start_n, b, h, q_idx, kv_len, SM_SCALE,
+            stride_kn, stride_kk, stride_vn, stride_vk,
+            $score_params$mask_params
+            QK_HEAD_DIM, V_HEAD_DIM, APPLY_MASK, BLOCK_M, BLOCK_N,
+            QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
+            IS_DIVISIBLE_N, DOT_PRECISION, DOT_IN_FP32,
+        )
     return acc, l_i, m_i
 
 
