@@ -25,9 +25,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 FLASH = {"BACKEND": "FLASH"}
 
 
-def check(q, k, v, score_mod=None, mask_mod=None, scale=None, options=FLASH):
+def check(q, k, v, score_mod=None, mask_mod=None, scale=None, options=FLASH, block=128):
     S_Q, S_KV = q.shape[2], k.shape[2]
-    bm = None if mask_mod is None else create_block_mask(mask_mod, None, None, S_Q, S_KV, device="cuda")
+    bm = None if mask_mod is None else create_block_mask(mask_mod, None, None, S_Q, S_KV, device="cuda",
+                                                         BLOCK_SIZE=block)
     gqa = q.shape[1] != k.shape[1]
     common = dict(score_mod=score_mod, block_mask=bm, enable_gqa=gqa, scale=scale)
     out, aux = flex_attention(q, k, v, **common, kernel_options=options,
@@ -93,6 +94,23 @@ def test_fully_masked_rows():
     out, aux = check(*qkv(1, 4, 4, 2048, 2048, 128), mask_mod=late_keys)
     assert (out[:, :, :300] == 0).all() and (aux.lse[:, :, :300] == -math.inf).all()
     assert torch.isfinite(aux.lse[:, :, 300:]).all()
+
+
+@pytest.mark.parametrize("D, S_KV", [(128, 384), (256, 320)])
+def test_kv_length_inside_a_block_past_the_tiles(D, S_KV):
+    """KV blocks of 256 positions, several of the kernel's KV tiles each, and a KV length that is a
+    multiple of the tiles but not of the blocks: the last block's tiles past KV_LEN must be masked
+    (they were visited unmasked, their zero-filled keys counted in the softmax: found by
+    tests/test_fuzz_gpu.py)."""
+    q, k, v = qkv(2, 4, 2, 300, S_KV, D)
+    doc = (torch.arange(S_KV, device="cuda") // 100).to(torch.int32)
+
+    def documents(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    for mask_mod in (causal, documents):
+        check(q, k, v, mask_mod=mask_mod, block=256)
+        check(q, k, v, mask_mod=mask_mod, block=(128, 256))
 
 
 @pytest.mark.parametrize("S", [333, 2100])
