@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 # Kernels run through Triton's CPU interpreter here, so examples are slow: no deadlines.
 settings.register_profile(
@@ -14,6 +14,12 @@ settings.register_profile(
 # CI: the same examples every run (a red CI must be reproducible), printed on failure.
 settings.register_profile(
     "ci", parent=settings.get_profile("dev"), derandomize=True, print_blob=True, database=None
+)
+# explore: every distinct failure reported as found, without shrinking (a long GPU fuzz, whose
+# shrink steps compile kernels: HYPOTHESIS_PROFILE=explore).
+settings.register_profile(
+    "explore", parent=settings.get_profile("dev"), print_blob=True,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 

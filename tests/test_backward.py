@@ -302,25 +302,16 @@ def check_low_precision(dtype, *, B=1, Hq=2, Hkv=2, L=40, S=37, E=16, Ev=16, Bkv
                   (q, k, v, *tables), seed)
     ref = grads(lambda: attention_reference(q64, k64, v64, score_mod=score_mod64 or score_mod, **kw),
                 (q64, k64, v64, *tables64), seed)
-    # [Note] Flash-style backwards compute dS = P * (dP - Delta) with Delta = rowsum(dO * O) from
-    # the stored O: a cancellation eager autograd (softmax's backward on the exact P) does not
-    # have, worth a few ulp of |dP| (e.g. one visible key: dS is 0 in eager, ~eps * |dP| here).
-    # So the absolute slack scales with max |dP| = max |dO V^T|, not only with the gradient. It
-    # also recomputes P from the stored float32 LSE, whose rounding (eps |lse|) is P's relative
-    # error there: a score_mod of large scores (|lse| ~ 1e3) has slack scaled by max |lse|.
+    # The slack of a flash-style backward (testing.backward_atol): cancellation in dP - Delta and
+    # the float32 LSE's rounding.
     g = torch.Generator().manual_seed(seed)
     d_out = torch.randn(q.shape[:3] + (Ev,), generator=g, dtype=F64)
-    vv = v64.detach().repeat_interleave(Hq // Hkv, dim=1)
-    dp_max = (d_out @ vv.transpose(-2, -1)).abs().max().item() if d_out.numel() and vv.numel() else 0.0
     with torch.no_grad():
         _, lse = attention_reference(q64, k64, v64, score_mod=score_mod64 or score_mod, **kw)
-    lse_max = lse[lse.isfinite()].abs().max().item() if lse.isfinite().any() else 0.0
-    eps = torch.finfo(dtype).eps
     for name, a, e, r in zip(["dq", "dk", "dv"] + [f"d table{i}" for i in range(len(tables))], got, eager, ref):
         e = torch.zeros_like(a) if e is None else e
         r = torch.zeros_like(a, dtype=F64) if r is None else r
-        mag = max(1.0, r.abs().max().item() if r.numel() else 0.0)
-        atol = 8 * max(eps, torch.finfo(a.dtype).eps) * mag * max(1.0, dp_max, lse_max)
+        atol = testing.backward_atol(r, (dtype, a.dtype), d_out, v64, lse)
         testing.assert_close_to_reference(a, e, r, factor=factor, atol=atol, name=name)
 
 

@@ -202,6 +202,27 @@ def assert_close_to_reference(out: torch.Tensor, eager: torch.Tensor, ref: torch
             raise AssertionError(f"{name} max error {eo:.3g} > {factor} x eager max error {ee:.3g} + {atol:.3g}")
 
 
+def backward_atol(grad_ref: torch.Tensor, dtypes: Sequence[torch.dtype], d_out: torch.Tensor,
+                  value: torch.Tensor, lse: torch.Tensor) -> float:
+    """The absolute slack of a flash-style backward's gradient in low precision, against the float64
+    gradient ``grad_ref`` (``dtypes``: the inputs' and the gradient's; the largest epsilon counts).
+
+    Flash-style backwards compute dS = P * (dP - Delta) with Delta = rowsum(dO * O) from the stored
+    O: a cancellation eager autograd (softmax's backward on the exact P) does not have, worth a few
+    ulp of |dP| (one visible key: dS is 0 in eager, ~eps * |dP| here). So the slack scales with
+    max |dP| = max |dO V^T| (``d_out`` [B, Hq, L, Ev], ``value`` [B or 1, Hkv, S, Ev]), not only
+    with the gradient. P is recomputed from the stored float32 LSE, whose rounding (eps |lse|) is
+    P's relative error there: scores of large magnitude (|lse| ~ 1e3) scale it by max |lse|.
+    """
+    vv = value.detach().double().repeat_interleave(d_out.shape[1] // value.shape[1], dim=1)
+    dp_max = (d_out.double() @ vv.transpose(-2, -1)).abs().max().item() if d_out.numel() and vv.numel() else 0.0
+    finite = lse[lse.isfinite()]
+    lse_max = finite.abs().max().item() if finite.numel() else 0.0
+    mag = max(1.0, grad_ref.abs().max().item() if grad_ref.numel() else 0.0)
+    eps = max(torch.finfo(d).eps for d in dtypes)
+    return 8 * eps * mag * max(1.0, dp_max, lse_max)
+
+
 def record_calls(monkeypatch, owner: Any, name: str) -> list[tuple]:
     """Wrap ``owner.name`` (for the test's duration) so that each call's positional arguments
     are appended to the returned list; the real function still runs."""
