@@ -96,3 +96,26 @@ def test_fp8_errors_name_the_argument():
     q32 = torch.randn(1, 2, 140, 32, requires_grad=True)
     with pytest.raises(TypeError, match="key must have query's dtype"):
         flexattn.flex_attention(q32, k[:1], v[:1])
+
+
+@pytest.mark.parametrize("S, D", [(1, 64), (20, 16)])
+def test_short_and_narrow_inputs_get_float8_sized_products(S, D):
+    """Float8 tensor-core products take K >= 32 (the GPU compiler refuses less): a KV length or a
+    head dim that would shrink the KV tile or the padded head dim below it gets 32. Found by the
+    GPU fuzz (tests/test_fuzz_gpu.py): L = S = 1 at head dim 64 did not compile. A tile or block
+    size that cannot be 32 is an error that says so."""
+    from flexattn.kernels import plans
+
+    plans.FORWARD.plans.clear()
+    (q, dq), (k, dk), (v, dv) = _inputs(S=S, D=D)
+    descales = dict(descale_q=dq, descale_k=dk, descale_v=dv)
+    out = flexattn.flex_attention(q, k, v, enable_gqa=True, **descales)
+    ref = attention_reference(dequantised(q, dq), dequantised(k, dk), dequantised(v, dv), enable_gqa=True)
+    assert (out.double() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
+    (plan,) = plans.FORWARD.plans.values()
+    assert plan.kernel.constexprs["BLOCK_N"] == 32 and plan.kernel.constexprs["QK_HEAD_DIM_ROUNDED"] >= 32
+    with pytest.raises(ValueError, match=r"kernel_options\['BLOCK_N'\]=16: float8 inputs take KV tiles of at least 32"):
+        flexattn.flex_attention(q, k, v, enable_gqa=True, **descales, kernel_options={"BLOCK_N": 16})
+    bm = flexattn.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, BLOCK_SIZE=16)
+    with pytest.raises(ValueError, match=r"KV blocks are a multiple of 32 positions \(.*\); its BLOCK_SIZE gives 16"):
+        flexattn.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, **descales)

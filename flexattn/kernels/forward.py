@@ -61,6 +61,23 @@ def _tile(option: str, options: dict, explicit: dict, sparse: int | None, length
     return fit_tile(options[option], length, sparse)
 
 
+FP8_MIN_K = 32  # the smallest K of a float8 tl.dot
+
+
+def _fp8_kv_tile(block_n: int, explicit: dict, sparse_kv: int | None) -> int:
+    """A float8 forward's KV tile: at least FP8_MIN_K columns (short KV lengths shrink the default
+    below that), dividing the block mask's KV blocks."""
+    if block_n >= FP8_MIN_K:
+        return block_n
+    if "BLOCK_N" in explicit:
+        raise ValueError(f"kernel_options['BLOCK_N']={block_n}: float8 inputs take KV tiles of at least "
+                         f"{FP8_MIN_K} (the tensor cores' float8 products)")
+    if sparse_kv is not None and sparse_kv % FP8_MIN_K:
+        raise ValueError(f"float8 inputs take a block mask whose KV blocks are a multiple of {FP8_MIN_K} "
+                         f"positions (the tensor cores' float8 products); its BLOCK_SIZE gives {sparse_kv}")
+    return FP8_MIN_K
+
+
 def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score: Mod, mask: Mod,
               tables: Tables | None, explicit: dict, want_max: bool) -> Plan:
     B, Hq, Q_LEN, E = query.shape
@@ -74,11 +91,14 @@ def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     sparse_kv = tables.kv_block if tables is not None else None
     block_m = _tile("BLOCK_M", options, explicit, sparse_q, Q_LEN)
     block_n = _tile("BLOCK_N", options, explicit, sparse_kv, KV_LEN)
+    e_round, ev_round = pow2_at_least(E), pow2_at_least(Ev)
+    if fp8:  # float8 tensor-core products take K >= 32: q.k^T's is the (padded) head dim, P.V's the KV tile
+        e_round = max(e_round, FP8_MIN_K)
+        block_n = _fp8_kv_tile(block_n, explicit, sparse_kv)
     dense_rows = None
     if tables is None:
         sparse_q, sparse_kv = LARGE_BLOCK, block_n
         dense_rows = dense(device, triton.cdiv(KV_LEN, block_n))
-    e_round, ev_round = pow2_at_least(E), pow2_at_least(Ev)
     acc = launch.acc_dtype(dtype)
     out_shape = (B, Hq, Q_LEN, Ev)
     constexprs = dict(
