@@ -244,3 +244,35 @@ def check(p: dict, kernel_calls: dict | None = None):
         r = torch.zeros_like(a, dtype=F64) if r is None else r
         atol = testing.backward_atol(r, (dtype, a.dtype), d_out, v64, ref_lse)
         testing.assert_close_to_reference(a, e, r, factor=3.0, atol=atol, name=name)
+
+
+@settings(max_examples=max(1, EXAMPLES // 2), deadline=None, print_blob=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(p=problems())
+def test_random_mods_in_float8_against_float64(nan_outputs, kernel_calls, p):
+    """The float8 forward (per-tensor descales, bfloat16 output) on the same draws (dtype, the LSE
+    gradient and a table's learning aside): against float64 attention of the dequantised inputs,
+    within 6% of the output's largest magnitude (P rounded to float8's 3 mantissa bits; the bound
+    of tests/test_fp8_gpu.py)."""
+    note(str(p))
+    g = torch.Generator(device="cuda").manual_seed(p["seed"])
+    B, Bkv, Hq, Hkv, L, S, D = (p[k] for k in ("B", "Bkv", "Hq", "Hkv", "L", "S", "D"))
+
+    def make(b, h, s, x):
+        t = torch.randn(b, s, h, D, device="cuda", generator=g).transpose(1, 2) if p["heads_inside"] \
+            else torch.randn(b, h, s, D, device="cuda", generator=g)
+        return testing.quantise_fp8(t * x)
+
+    (q, dq), (k, dk), (v, dv) = make(B, Hq, L, 1.0), make(Bkv, Hkv, S, 1.0), make(Bkv, Hkv, S, 3.0)
+    score_mod, _ = _score_mod(p["score"], Hq, g, False)
+    mask_mod = _mask_mod(p["mask"], B, L, S, p["window"], g)
+    bm = None if mask_mod is None else create_block_mask(mask_mod, B, None, L, S, device="cuda",
+                                                         BLOCK_SIZE=p["block"])
+    kw = dict(score_mod=score_mod, block_mask=bm, enable_gqa=Hq != Hkv)
+    out = flex_attention(q, k, v, **kw, descale_q=dq, descale_k=dk, descale_v=dv)
+    event("float8: " + _kernels(kernel_calls))
+    ref = attention_reference(*(testing.dequantised(t, s) for t, s in ((q, dq), (k, dk), (v, dv))), **kw)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert not out.isnan().any(), "NaN in the float8 output"
+    err = (out.double() - ref).abs().max().item()
+    assert err <= 0.06 * ref.abs().max().item() + 1e-3, f"float8 error {err:.4g}, max |out| {ref.abs().max():.4g}"
