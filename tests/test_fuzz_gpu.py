@@ -7,7 +7,8 @@ may be learned, a per-head temperature and bias, soft-cap over ALiBi), a mask mo
 sliding window, documents, documents and causal, prefix-LM, sliding window within documents), a
 shape (lengths 1..1100, mostly not multiples of the tiles, cross lengths, GQA, K/V broadcast over
 the batch, head dims 64 / 128 / 256, Q/K/V laid out [B, S, H, D] or [B, H, S, D]), the block
-mask's block size, and whether the LSE takes a gradient. On an H100/H200 most draws run the Gluon
+mask's block size, the softmax scale (the default, or one given, negative too), and whether the
+LSE takes a gradient. On an H100/H200 most draws run the Gluon
 Hopper kernels (forward at head dim 128 and 256, backward at 64 and 128), which the CPU suite
 never runs; the others run the Triton ones; a no-grad call of a short query takes the decoding
 kernel. Outputs and scratch buffers start as NaN (conftest's ``nan_outputs``).
@@ -139,6 +140,7 @@ def problems(draw):
         window=draw(st.sampled_from([1, 100, 300])),
         block=draw(st.sampled_from([128, 256, (128, 256), (256, 128)])),
         lse_grad=draw(st.booleans()),
+        scale=draw(st.sampled_from([None, None, 0.05, -0.08])),  # (a negative one takes the unfolded launch)
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -212,7 +214,7 @@ def check(p: dict, kernel_calls: dict | None = None):
     mask_mod = _mask_mod(p["mask"], B, L, S, p["window"], g)
     bm = None if mask_mod is None else create_block_mask(mask_mod, B, None, L, S, device="cuda",
                                                          BLOCK_SIZE=p["block"])
-    kw = dict(score_mod=score_mod, block_mask=bm, enable_gqa=Hq != Hkv, return_lse=True)
+    kw = dict(score_mod=score_mod, block_mask=bm, enable_gqa=Hq != Hkv, return_lse=True, scale=p.get("scale"))
     d_out = torch.randn(B, Hq, L, D, device="cuda", generator=g, dtype=F64)
     d_lse = torch.randn(B, Hq, L, device="cuda", generator=g, dtype=F64) * float(p["lse_grad"])
     inputs = (q, k, v, *tables)
@@ -268,7 +270,7 @@ def test_random_mods_in_float8_against_float64(nan_outputs, kernel_calls, p):
     mask_mod = _mask_mod(p["mask"], B, L, S, p["window"], g)
     bm = None if mask_mod is None else create_block_mask(mask_mod, B, None, L, S, device="cuda",
                                                          BLOCK_SIZE=p["block"])
-    kw = dict(score_mod=score_mod, block_mask=bm, enable_gqa=Hq != Hkv)
+    kw = dict(score_mod=score_mod, block_mask=bm, enable_gqa=Hq != Hkv, scale=p.get("scale"))
     out = flex_attention(q, k, v, **kw, descale_q=dq, descale_k=dk, descale_v=dv)
     event("float8: " + _kernels(kernel_calls))
     ref = attention_reference(*(testing.dequantised(t, s) for t, s in ((q, dq), (k, dk), (v, dv))), **kw)
