@@ -642,17 +642,15 @@ def _fill_slots(template: list, slots: tuple[tuple[int, bool], ...]) -> Callable
     """The static launcher's arguments: ``template`` with a call's own values in ``slots``
     ((position, is a pointer) of each per-call argument)."""
 
+    pointers = tuple((j, k) for j, (k, is_pointer) in enumerate(slots) if is_pointer)
+    values = tuple((j, k) for j, (k, is_pointer) in enumerate(slots) if not is_pointer)
+
     def fill(args):
         out = template.copy()
-        for (k, is_pointer), a in zip(slots, args):
-            if is_pointer:
-                if a is UNUSED:
-                    a = 0
-                else:
-                    a = a.data_ptr()
-                    if a & 15:
-                        return None
-            out[k] = a
+        if not _put_addresses(out, args, pointers):
+            return None
+        for j, k in values:
+            out[k] = args[j]
         return tuple(out)
 
     return fill
