@@ -145,11 +145,6 @@ def problems(draw):
     )
 
 
-def _grads(out, lse, inputs, d_out, d_lse):
-    loss = (out.double() * d_out).sum() + torch.where(torch.isfinite(lse), lse.double() * d_lse, 0.0).sum()
-    return torch.autograd.grad(loss, inputs, allow_unused=True)
-
-
 def _kernels(calls: dict[str, list]) -> str:
     """Which kernels the calls since the last look ran (for hypothesis's statistics)."""
     ran = []
@@ -220,7 +215,7 @@ def check(p: dict, kernel_calls: dict | None = None):
     inputs = (q, k, v, *tables)
 
     out, lse = flex_attention(q, k, v, **kw)
-    got = _grads(out, lse, inputs, d_out, d_lse)
+    got = testing.weighted_grads(out, lse, inputs, d_out, d_lse)
     if kernel_calls is not None:
         event(_kernels(kernel_calls))
     with torch.no_grad():
@@ -229,11 +224,11 @@ def check(p: dict, kernel_calls: dict | None = None):
         event("no grad: " + _kernels(kernel_calls))
 
     eager_out, eager_lse = attention_reference(q, k, v, dtype=None, **kw)
-    eager = _grads(eager_out, eager_lse, inputs, d_out, d_lse)
+    eager = testing.weighted_grads(eager_out, eager_lse, inputs, d_out, d_lse)
     # float64 copies of Q, K, V; a learned table is read as it is (its gradient accumulates in float64)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref_out, ref_lse = attention_reference(q64, k64, v64, **kw)
-    ref = _grads(ref_out, ref_lse, (q64, k64, v64, *tables), d_out, d_lse)
+    ref = testing.weighted_grads(ref_out, ref_lse, (q64, k64, v64, *tables), d_out, d_lse)
 
     testing.assert_close_to_reference(out, eager_out, ref_out, factor=3.0, name="out")
     testing.assert_close_to_reference(out_ng, eager_out, ref_out, factor=3.0, name="no-grad out")

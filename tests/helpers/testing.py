@@ -202,6 +202,15 @@ def assert_close_to_reference(out: torch.Tensor, eager: torch.Tensor, ref: torch
             raise AssertionError(f"{name} max error {eo:.3g} > {factor} x eager max error {ee:.3g} + {atol:.3g}")
 
 
+def weighted_grads(out: torch.Tensor, lse: torch.Tensor, inputs: Sequence[torch.Tensor], d_out: torch.Tensor,
+                   d_lse: torch.Tensor) -> tuple:
+    """Gradients w.r.t. ``inputs`` of sum(out * d_out) + sum(lse * d_lse) over the rows of finite LSE,
+    computed in ``d_out``'s dtype (None for an input the loss does not reach)."""
+    finite_lse = torch.where(torch.isfinite(lse), lse.to(d_lse.dtype) * d_lse, 0.0)
+    loss = (out.to(d_out.dtype) * d_out).sum() + finite_lse.sum()
+    return torch.autograd.grad(loss, inputs, allow_unused=True)
+
+
 def backward_atol(grad_ref: torch.Tensor, dtypes: Sequence[torch.dtype], d_out: torch.Tensor,
                   value: torch.Tensor, lse: torch.Tensor) -> float:
     """The absolute slack of a flash-style backward's gradient in low precision, against the float64
