@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import flexattn
+from flexattn import call
 from flexattn.kernels import plans, tuning
 from flexattn.reference import attention_reference
 
@@ -22,16 +23,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture
 def fresh(tmp_path, monkeypatch):
-    """A new kernel cache directory, tuning for every size, no plans or winners in memory."""
+    """A new kernel cache directory, tuning for every size, no known calls, plans or winners in
+    memory."""
     monkeypatch.setenv("FLEXATTN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(plans, "TUNE_MIN_WORK", 0)
-    tuning.forget()
-    plans.FORWARD.plans.clear()
-    plans.BACKWARD.plans.clear()
+
+    def forget():
+        tuning.forget()
+        call.forget()
+        plans.FORWARD.plans.clear()
+        plans.BACKWARD.plans.clear()
+
+    forget()
     yield tmp_path
-    tuning.forget()
-    plans.FORWARD.plans.clear()
-    plans.BACKWARD.plans.clear()
+    forget()
 
 
 @pytest.fixture
