@@ -110,7 +110,7 @@ def test_tunes_once_and_another_process_reuses_the_winner(fresh, clock, capsys):
     assert sorted(clock) == sorted(c["BLOCK_M"] for c in candidates)  # each timed once
     assert _only_plan().kernel.constexprs["BLOCK_M"] == 32  # the fake clock's winner
     assert "flexattn: tuned forward|cpu" in capsys.readouterr().err
-    stored = json.loads((fresh / "tuning-v1.json").read_text())
+    stored = json.loads((fresh / tuning._FILE).read_text())
     (key, config), = stored.items()
     assert config["BLOCK_M"] == 32 and "E=32" in key and "score_mod" in key
 
@@ -133,7 +133,7 @@ def test_explicit_options_or_switch_skip_tuning(fresh, clock, options):
     q, k, v = _inputs()
     flexattn.flex_attention(q, k, v, score_mod=bias, kernel_options=options)
     assert clock == []
-    assert not (fresh / "tuning-v1.json").exists()
+    assert not (fresh / tuning._FILE).exists()
 
 
 def test_environment_switch(fresh, clock, monkeypatch):
@@ -159,7 +159,7 @@ def test_a_failing_candidate_is_skipped(fresh, monkeypatch, capsys):
     out = flexattn.flex_attention(q, k, v, kernel_options={"AUTOTUNE": True})
     torch.testing.assert_close(out.double(), attention_reference(q, k, v), atol=1e-5, rtol=1e-5)
     assert len(calls) == len(tuning.forward_candidates(q.device, q.dtype, 32))
-    stored = json.loads((fresh / "tuning-v1.json").read_text())
+    stored = json.loads((fresh / tuning._FILE).read_text())
     assert [c["BLOCK_M"] for c in stored.values()] == [tuning.forward_candidates(q.device, q.dtype, 32)[1]["BLOCK_M"]]
 
 
@@ -179,9 +179,25 @@ def test_masks_with_more_mask_work_are_tuned_apart(fresh, clock):
     for i, bm in enumerate(masks + masks[:1]):
         flexattn.flex_attention(q, k, v, block_mask=bm, kernel_options={"AUTOTUNE": True})
         assert len(clock) == n * min(i + 1, 2)
-    keys = list(json.loads((fresh / "tuning-v1.json").read_text()))
+    keys = list(json.loads((fresh / tuning._FILE).read_text()))
     shares = sorted(float(k_.split("|")[-2].removeprefix("partial ")) for k_ in keys)
     assert len(keys) == 2 and shares[0] < shares[1] <= 1.0, keys
+
+
+def test_grids_of_other_sizes_are_tuned_apart(fresh, clock):
+    """A winner timed on a few programs is not the winner of many: calls whose batch x heads fall
+    in another power-of-two bucket are tuned again; one in a bucket already tuned reuses it."""
+    n = len(tuning.forward_candidates(torch.device("cpu"), torch.float32, 32))
+    torch.manual_seed(0)
+    timed = []
+    for B, H in ((1, 2), (2, 2), (1, 2), (1, 3), (4, 2)):  # B x H buckets 2, 4, 2, 4, 8
+        q, k, v = (torch.randn(B, H, 150, 32) for _ in range(3))
+        out = flexattn.flex_attention(q, k, v, score_mod=bias, kernel_options={"AUTOTUNE": True})
+        torch.testing.assert_close(out.double(), attention_reference(q, k, v, score_mod=bias), atol=1e-5, rtol=1e-5)
+        timed.append(len(clock))
+    assert timed == [n, 2 * n, 2 * n, 2 * n, 3 * n]
+    keys = sorted(json.loads((fresh / tuning._FILE).read_text()))
+    assert [k_.split("|")[8] for k_ in keys] == ["BH<=2", "BH<=4", "BH<=8"], keys
 
 
 def test_the_backward_is_tuned_once_and_another_process_reuses_the_winner(fresh, clock, capsys):
@@ -200,7 +216,7 @@ def test_the_backward_is_tuned_once_and_another_process_reuses_the_winner(fresh,
     (plan,) = plans.BACKWARD.plans.values()
     assert plan.dkdv.constexprs["BLOCK_M1"] == 16  # the fake clock's winner, not the default (32)
     assert "flexattn: tuned backward|cpu" in capsys.readouterr().err
-    stored = json.loads((fresh / "tuning-v1.json").read_text())
+    stored = json.loads((fresh / tuning._FILE).read_text())
     (config,) = [c for key, c in stored.items() if key.startswith("backward|")]
     assert config["BLOCK_M1"] == 16
 
@@ -228,5 +244,5 @@ def test_explicit_backward_options_or_switch_skip_backward_tuning(fresh, clock, 
     torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     # Only the forward may have been tuned (when the options name no forward knob).
     assert len(clock) == (len(tuning.forward_candidates(q.device, q.dtype, 32)) if options.get("AUTOTUNE") else 0)
-    stored = json.loads((fresh / "tuning-v1.json").read_text()) if (fresh / "tuning-v1.json").exists() else {}
+    stored = json.loads((fresh / tuning._FILE).read_text()) if (fresh / tuning._FILE).exists() else {}
     assert not [key for key in stored if key.startswith("backward|")]

@@ -3,14 +3,15 @@
 A plan (`flexattn.kernels.plans`) is made once per plan key. When tuning is on, making a forward
 or backward plan times a small candidate set (`forward_candidates`, `backward_candidates`: tiles,
 warps and pipelining stages for the GPU, dtype and head dims) on the call's own inputs and keeps
-the fastest. Winners are keyed by
-*tuning key*: GPU name, Triton version, dtype, head dims, the query and KV lengths rounded up to
-powers of two, and the mod features that change the kernel's cost (score mod or not, block mask
-or not, its block sizes and the share of its visited blocks that need mask work, max-score
-output, GQA group size; for the backward also whether captured tensors get gradients and
-whether the LSE has one). They are stored in
-``<cache dir>/tuning-v1.json``, so another process with the same key reuses the winner without
-timing anything.
+the fastest. Winners are keyed by *tuning key*: GPU name, Triton version, dtype, head dims, the
+query and KV lengths and the number of (batch, query head) pairs, each rounded up to a power of
+two (lengths and B x H set the grid, and a winner timed on a grid of a few waves is not the winner
+of many: see docs/performance.md, twenty-first session), and the mod features that change the
+kernel's cost (score mod or not, block mask or not, its block sizes and the share of its visited
+blocks that need mask work, max-score output, GQA group size; for the backward also whether
+captured tensors get gradients and whether the LSE has one). They are stored in ``<cache
+dir>/tuning-v2.json`` (v1's keys had no B x H), so another process with the same key reuses the
+winner without timing anything.
 
 Tuning is on by default on CUDA and off on the CPU (Triton's interpreter). It is skipped when
 ``kernel_options`` sets any of the tuned knobs (the caller's choice wins), when
@@ -33,7 +34,7 @@ import triton
 
 FORWARD_KNOBS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 BACKWARD_KNOBS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
-_FILE = "tuning-v1.json"
+_FILE = "tuning-v2.json"
 _LOCK = threading.Lock()
 _WINNERS: dict[str, dict[str, Any]] | None = None  # the disk file's content, read once per process
 
