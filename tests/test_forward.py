@@ -382,6 +382,25 @@ def test_sparse_block_walked_in_sub_tiles():
     check(q, k, v, block_mask=bm, kernel_options={"BLOCK_M": 16, "BLOCK_N": 16})
 
 
+@pytest.mark.parametrize("tiles", [{"BLOCK_M": 16, "BLOCK_N": 16}, {"BLOCK_M": 32, "BLOCK_N": 32}])
+def test_rows_of_consecutive_and_other_blocks(tiles):
+    """The block walk follows each row's lists as they are: consecutive blocks (from block 0 or
+    further on), the same blocks out of order, with gaps, one block, none, in partial and full
+    lists, in tiles of half a block and of a whole one."""
+    partial = [[0, 1, 2], [2, 3, 4], [3, 2, 4], [0, 2, 4], [5], [], [1, 3]]
+    full = [[3, 4], [0], [], [1, 5], [0, 1, 2, 3], [0, 1], [4, 5]]
+
+    def table(rows):
+        num = torch.tensor([[[len(r) for r in rows]]], dtype=torch.int32)
+        idx = torch.tensor([[[r + [c for c in range(6) if c not in r] for r in rows]]], dtype=torch.int32)
+        return num, idx
+
+    bm = BlockMask.from_kv_blocks(*table(partial), *table(full), BLOCK_SIZE=32, seq_lengths=(210, 180),
+                                  mask_mod=lambda b, h, q_idx, kv_idx: (q_idx + kv_idx) % 3 != 0)
+    q, k, v = make_qkv(1, 2, 2, 210, 180, 16, 16, torch.float32)
+    check(q, k, v, block_mask=bm, kernel_options=tiles)
+
+
 def test_int64_offsets_path(monkeypatch):
     """The 64-bit offset specialisation computes the same thing (forced on a small tensor)."""
     from flexattn.kernels import launch
