@@ -401,6 +401,47 @@ def test_rows_of_consecutive_and_other_blocks(tiles):
     check(q, k, v, block_mask=bm, kernel_options=tiles)
 
 
+def _contiguous_flags_of_plans():
+    from flexattn.kernels import plans
+    return [p.kernel.constexprs["BLOCKS_ARE_CONTIGUOUS"] for p in plans.FORWARD.plans.values()]
+
+
+def test_masks_of_consecutive_blocks_skip_reading_their_lists():
+    """A mask whose KV lists all list consecutive blocks (causal) runs the kernel that steps
+    through them without reading the lists, as if BLOCKS_ARE_CONTIGUOUS were passed; one with a
+    gap in a row (a sliding window's partial list: its first and last block) does not."""
+    from flexattn import call
+    from flexattn.kernels import plans, tables
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 80)
+
+    q, k, v = make_qkv(1, 2, 2, 150, 150, 16, 16, torch.float32)
+    for mod, consecutive in ((causal_mod(), True), (window, False)):
+        bm = make_block_mask(mod, None, None, 150, 150, 32)
+        assert tables.tables_of(bm).consecutive() is consecutive
+        call.forget()
+        plans.FORWARD.plans.clear()
+        check(q, k, v, block_mask=bm)
+        assert _contiguous_flags_of_plans() == [consecutive]
+
+
+def test_a_list_changed_in_place_is_read_again():
+    """The consecutive-blocks answer belongs to the lists it was computed from: after an in-place
+    change of kv_indices the kernel reads the lists again (a stale answer would walk the old blocks)."""
+    from flexattn.kernels import tables
+
+    num = torch.tensor([[[2, 2, 3]]], dtype=torch.int32)
+    idx = torch.tensor([[[[0, 1, 2, 3], [1, 2, 0, 3], [1, 2, 3, 0]]]], dtype=torch.int32)
+    bm = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=32, seq_lengths=(96, 128))
+    q, k, v = make_qkv(1, 1, 1, 96, 128, 16, 16, torch.float32)
+    check(q, k, v, block_mask=bm)
+    assert tables.tables_of(bm).consecutive()
+    bm.kv_indices[0, 0, 1, 1] = 3  # row 1 now lists blocks 1 and 3
+    check(q, k, v, block_mask=bm)
+    assert not tables.tables_of(bm).consecutive()
+
+
 def test_int64_offsets_path(monkeypatch):
     """The 64-bit offset specialisation computes the same thing (forced on a small tensor)."""
     from flexattn.kernels import launch

@@ -8,6 +8,8 @@ a field is noticed) and every later call with that mask costs an attribute looku
 
 from __future__ import annotations
 
+import contextlib
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +19,7 @@ import triton
 from flexattn.kernels.launch import table_strides
 
 _CACHE_ATTR = "_flexattn_tables"
+_VERSION = operator.attrgetter("_version")  # a tensor's in-place modification counter
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,24 @@ class Tables:
     kv_block: int
     seq_lengths: tuple[int, int] | None
     sig: tuple  # everything a launch plan depends on: shapes, strides, block sizes, full blocks
+
+    def consecutive(self) -> bool:
+        """Whether every row of the KV lists (partial and full) lists consecutive blocks, as a
+        causal mask's do: the kernels may then step through them without reading the lists
+        (kernel option BLOCKS_ARE_CONTIGUOUS). False until the device's answer has arrived
+        (`start_consecutive_check`; nothing waits for it), and from the moment a list tensor is
+        modified in place."""
+        check = self.__dict__.get("_consecutive")
+        if check is None or check[0] is False:
+            return False
+        if check[0] is not True:
+            event, host = check[0]
+            if torch.cuda.is_current_stream_capturing() or not event.query():
+                return False
+            check[0] = bool(host)
+            if not check[0]:
+                return False
+        return list(map(_VERSION, check[1])) == check[2]
 
 
 def _index(t: Any, name: str, ndim: int) -> torch.Tensor:
@@ -118,6 +139,40 @@ def _sources(block_mask) -> tuple:
         "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices", "BLOCK_SIZE"))
 
 
+def _rows_consecutive(num: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor: every row's ``num`` listed blocks are idx[0], idx[0] + 1, ..."""
+    steps = torch.arange(idx.shape[-1], dtype=torch.int32, device=idx.device)
+    listed = steps < num[..., None]
+    return ((idx - idx[..., :1] == steps) | ~listed).all()
+
+
+def start_consecutive_check(tables: Tables) -> None:
+    """Check the KV lists for `Tables.consecutive` on their device, without waiting: on a GPU the
+    answer is copied back behind an event (on the CPU it is there at once). Not while a CUDA graph
+    is captured or torch.compile traces (never consecutive then)."""
+    kv = tables.kv
+    device = kv.num.device
+    if device.type not in ("cuda", "cpu") or torch.compiler.is_compiling() or (
+            device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return
+    tensors = (kv.num, kv.idx) + ((kv.full_num, kv.full_idx) if kv.has_full else ())
+    versions = list(map(_VERSION, tensors))
+    # (on the lists' GPU: its current stream runs the check and the copy, and the event follows them)
+    with torch.no_grad(), (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()):
+        ok = _rows_consecutive(kv.num, kv.idx)
+        if kv.has_full:
+            ok = ok & _rows_consecutive(kv.full_num, kv.full_idx)
+        if device.type == "cpu":
+            answer = bool(ok)
+        else:
+            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            host.copy_(ok, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            answer = (event, host)
+    tables.__dict__["_consecutive"] = [answer, tensors, versions]
+
+
 def tables_of(block_mask, check=None) -> Tables:
     """The launch tables of ``block_mask``, made and checked once per mask object; ``check(mask)``
     runs then too (the caller's check of the tables' values)."""
@@ -141,6 +196,7 @@ def tables_of(block_mask, check=None) -> Tables:
     sig = (q_block, kv_block, seq, kv.has_full, kv.num.device,
            tuple((t.shape, t.stride()) for t in kv.args()))
     tables = Tables(kv, q, q_block, kv_block, seq, sig)
+    start_consecutive_check(tables)
     try:
         setattr(block_mask, _CACHE_ATTR, (sources, tables))
     except AttributeError:  # a mask type that refuses attributes: prepared again each call
