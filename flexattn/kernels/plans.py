@@ -164,12 +164,12 @@ def _tuned(family: str, knobs, candidates_for, extra: tuple[str, ...], query, ke
 
 def _tuning_features(query, key, value, score: Mod, tables: Tables | None) -> tuple[str, ...]:
     """What a tuning key holds besides the family and GPU (see tuning's docstring)."""
-    B, Hq, _, E = query.shape
+    B, Hq, Q_LEN, E = query.shape
     Ev = value.shape[3]
     return (str(query.dtype).removeprefix("torch."), f"E={E}", f"Ev={Ev}",
-            f"Q<={tuning.length_bucket(query.shape[2])}", f"KV<={tuning.length_bucket(key.shape[2])}",
+            f"Q<={tuning.length_bucket(Q_LEN)}", f"KV<={tuning.length_bucket(key.shape[2])}",
             f"BH<={tuning.length_bucket(B * Hq)}",
-            f"G={query.shape[1] // key.shape[1]}", "score_mod" if score.ir.op != "input" else "no score_mod",
+            f"G={Hq // key.shape[1]}", "score_mod" if score.ir.op != "input" else "no score_mod",
             "no block mask" if tables is None else f"blocks {tables.q_block}x{tables.kv_block}",
             _partial_share(tables))
 
