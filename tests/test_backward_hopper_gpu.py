@@ -115,6 +115,21 @@ def test_affine_score_mods(D):
                    for p in plans.BACKWARD.plans.values())
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_score_mod_of_constant_derivative_evaluated_per_score(D):
+    """A score_mod that is not affine (abs) but whose derivative in the score is a constant takes
+    LATE_DP_WAIT with its own arithmetic: the mask (one that reads a captured tensor) is evaluated
+    again after dP's wait on the partial tiles."""
+    def distance(score, b, h, q_idx, kv_idx):
+        return 0.5 * score - 0.01 * (q_idx - kv_idx).abs()
+
+    S = 1100
+    plans.BACKWARD.plans.clear()
+    check(1, 4, 4, S, S, D, score_mod=distance, mask_mod=make_document_causal(S, "cuda"))
+    mains = [p.main.constexprs for p in plans.BACKWARD.plans.values() if getattr(p, "main", None) is not None]
+    assert any(c["LATE_DP_WAIT"] and not c["SCORE_AFFINE"] for c in mains)
+
+
 def test_softcap_sliding_window_without_lse_grad():
     check(1, 8, 8, 4096, 4096, 128, score_mod=softcap, mask_mod=sliding_window_1024, with_lse=False)
 

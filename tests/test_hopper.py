@@ -233,19 +233,27 @@ def test_backward_compiles_with_mods_gqa_and_broadcast_batch():
     _compile_backward(*_qkv(S=256), score_fn=softcap)
 
 
-def test_backward_waits_for_dp_late_only_for_affine_score_mods_at_head_dim_128():
+def test_backward_waits_for_dp_late_only_for_score_mods_of_constant_derivative():
     """P's exp2 runs under dP (LATE_DP_WAIT) where that measured faster: a score_mod whose
-    derivative in the score is a constant (ALiBi-like), head dim 128; not where the derivative
-    reads the score (soft-cap), without a score_mod, nor at head dim 64."""
+    derivative in the score is a constant (ALiBi-like), at both head dims; not where the derivative
+    reads the score (soft-cap) nor without a score_mod. Both forms (affine, and a mod evaluated
+    per score) compile with a mask at both head dims."""
     alibi = alibi_with(torch.exp2(-torch.arange(1, 3, dtype=torch.float32)))
+
+    def distance(s, b, h, q, k):  # not affine (abs), derivative 0.5
+        return 0.5 * s - (q - k).abs()
 
     def late(score_fn, D=128):
         score, mask = _mod(score_fn, SCORE), _mod(lambda b, h, q, k: q >= 0, MASK)
         return bwd.hopper_plan(*_qkv(D=D), score, mask, None, {}, False).main.constexprs["LATE_DP_WAIT"]
 
-    assert late(alibi) and late(lambda s, b, h, q, k: 0.5 * s - (q - k).abs())
-    assert not late(softcap) and not late(lambda s, b, h, q, k: s) and not late(alibi, D=64)
+    assert late(alibi) and late(distance) and late(alibi, D=64) and late(distance, D=64)
+    assert not late(softcap) and not late(lambda s, b, h, q, k: s) and not late(softcap, D=64)
     assert not late(lambda s, b, h, q, k: s * s)
+    bm = create_block_mask(causal, None, None, 300, 300, device="cpu")
+    for D in (64, 128):
+        for fn in (alibi, distance):
+            assert "ex2.approx" in _compile_backward(*_qkv(S=300, D=D), score_fn=fn, mask_fn=causal, block_mask=bm)
 
 
 def test_backward_defers_dq_where_it_measured_faster(monkeypatch):
