@@ -230,7 +230,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         SCORES_IN_BASE2=raw,
         SCORE_AFFINE=affine,
         # a score_mod whose derivative in the score is a constant: P's exp2 under dP (ALiBi + causal
-        # +4-11% at head dim 128, +3% at 64; without a score_mod level or slower, docs/performance.md)
+        # +7-8% at head dim 128, +4% at 64; without a score_mod level or slower: docs/limits.md)
         LATE_DP_WAIT=not raw and score_mod_grad(score).score.op == "const",
         NUM_BUFFERS=hopper.BWD_NUM_BUFFERS[E], CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
