@@ -289,8 +289,9 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
         plans.check_inputs(query, key, value, enable_gqa)
         raise
     tables = None if block_mask is None else tables_of(block_mask, _check_foreign_mask)
-    if tables is not None and not options.get("BLOCKS_ARE_CONTIGUOUS") and tables.consecutive():
-        # (a causal mask's lists: the Triton kernels skip reading them; 2-6% of a causal forward)
+    if tables is not None and "BLOCKS_ARE_CONTIGUOUS" not in options and tables.consecutive():
+        # (a causal mask's lists: the Triton kernels skip reading them, 2-6% of a causal forward;
+        # an explicit value in kernel_options, False included, is the caller's choice)
         options = {**options, "BLOCKS_ARE_CONTIGUOUS": True}
     if mask_override is not None:
         mask, mask_bufs = mask_override

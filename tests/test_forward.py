@@ -424,6 +424,12 @@ def test_masks_of_consecutive_blocks_skip_reading_their_lists():
         plans.FORWARD.plans.clear()
         check(q, k, v, block_mask=bm)
         assert _contiguous_flags_of_plans() == [consecutive]
+    # an explicit False is the caller's choice: the lists are read
+    call.forget()
+    plans.FORWARD.plans.clear()
+    check(q, k, v, block_mask=make_block_mask(causal_mod(), None, None, 150, 150, 32),
+          kernel_options={"BLOCKS_ARE_CONTIGUOUS": False})
+    assert _contiguous_flags_of_plans() == [False]
 
 
 def test_a_list_changed_in_place_is_read_again():

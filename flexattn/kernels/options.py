@@ -32,8 +32,8 @@ OPTIONS: dict[str, tuple[str, str, str]] = {
     "PRESCALE_QK": ("forward", "bool", "scale q once per tile instead of every score tile (slightly less accurate)"),
     "ROWS_GUARANTEED_SAFE": ("forward", "bool", "promise that no query row is fully masked (skips the -inf guard)"),
     "BLOCKS_ARE_CONTIGUOUS": ("forward", "bool", "promise that each query block's KV blocks are consecutive "
-                                                 "(set by itself for a block mask whose lists all are, such as "
-                                                 "a causal one's, once the device has checked it)"),
+                                                 "(set by itself, unless given, for a block mask whose lists all "
+                                                 "are, such as a causal one's, once the device has checked it)"),
     "LONGEST_FIRST": ("forward", "bool", "launch query tiles last to first (causal masks: the longest first; "
                                          "default True)"),
     "HEAD_GROUP": ("forward", "int", "Gluon Hopper forward and backward: how many heads' tiles the programs take "
