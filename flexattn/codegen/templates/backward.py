@@ -51,7 +51,7 @@
 #   SCORES_IN_BASE2        there is no score_mod (float32 accumulators): P is exp2 of one FMA of the
 #                          raw q.k tile, the scale and 1 / ln 2 folded into one factor (p_from_lse)
 #   DOT_PRECISION          tl.dot input_precision
-#   DOT_IN_FP32            feed tl.dot float32 copies (the interpreter's bfloat16 dot is wrong)
+#   DOT_IN_FP64            (Triton's interpreter) feed tl.dot float64 copies (see tiles.mma)
 #
 # Mods (flexattn/codegen/emit.py): score_mod / mask_mod exactly as in the forward;
 # score_mod_grad(score, b, h, q_idx, kv_idx, grad, valid, ...) returns where(valid, grad * d mod /
@@ -106,12 +106,12 @@ def score_tile(
     $score_mod_params
     ROWS: tl.constexpr, COLS: tl.constexpr,
     ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr, SCORES_IN_BASE2: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP64: tl.constexpr,
 ):
     # The scaled score tile x @ y^T * SM_SCALE in SCORE_DTYPE (score_mod's derivative reads it
     # again) and the modified score s in ACC_DTYPE. SCORES_IN_BASE2 (no score_mod): both are the
     # raw x @ y^T, and p_from_lse multiplies by the scale.
-    qk = mma(x, tl.trans(y), tl.full([ROWS, COLS], 0.0, ACC_DTYPE), DOT_PRECISION, DOT_IN_FP32)
+    qk = mma(x, tl.trans(y), tl.full([ROWS, COLS], 0.0, ACC_DTYPE), DOT_PRECISION, DOT_IN_FP64)
     if SCORES_IN_BASE2:
         s = qk
     else:
@@ -211,7 +211,7 @@ def dkdv_inner(
     V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
     IS_DIVISIBLE: tl.constexpr, BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr,
     ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr, SCORES_IN_BASE2: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP64: tl.constexpr,
 ):
     # Transposed tiles: rows are this program's KV positions, columns the query positions.
     SPARSE_Q_MULTIPLE: tl.constexpr = SPARSE_Q_BLOCK_SIZE // BLOCK_M1
@@ -230,20 +230,20 @@ def dkdv_inner(
                       Q_LEN, QK_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
         qkT, sT = score_tile(k, q, b, h, q_idx, kv_idx, SM_SCALE, $score_mod_params
                              BLOCK_N1, BLOCK_M1, ACC_DTYPE, SCORE_DTYPE, SCORES_IN_BASE2,
-                             DOT_PRECISION, DOT_IN_FP32)
+                             DOT_PRECISION, DOT_IN_FP64)
         valid = visible(b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_mod_params IS_FULL_BLOCKS, IS_DIVISIBLE)
         lse = load_lse_base2(LSE + rows * stride_lm, offs_m, Q_LEN, IS_DIVISIBLE)
         pT = p_from_lse(sT, SM_SCALE, lse[None, :], valid, SCORES_IN_BASE2)
         # -- dV += P^T dO
         do = load_tile(DO + rows[:, None] * stride_dom + offs_v[None, :] * stride_dok, offs_m, offs_v,
                        Q_LEN, V_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
-        dv = mma(pT.to(do.dtype), do, dv, DOT_PRECISION, DOT_IN_FP32)
+        dv = mma(pT.to(do.dtype), do, dv, DOT_PRECISION, DOT_IN_FP64)
         # -- dS^T = P^T * (dP^T - Delta), through score_mod's derivative; dK += dS^T Q
-        dpT = mma(v, tl.trans(do), tl.full([BLOCK_N1, BLOCK_M1], 0.0, ACC_DTYPE), DOT_PRECISION, DOT_IN_FP32)
+        dpT = mma(v, tl.trans(do), tl.full([BLOCK_N1, BLOCK_M1], 0.0, ACC_DTYPE), DOT_PRECISION, DOT_IN_FP64)
         delta = load_rows(DELTA + offs_m, offs_m, Q_LEN, 0.0, IS_DIVISIBLE)
         dsT = pT * (dpT - delta[None, :])
         dsT = score_mod_dscore(qkT, b, h, q_idx, kv_idx, dsT, valid, $score_dscore_args).to(ACC_DTYPE)
-        dk = mma(dsT.to(q.dtype), q, dk, DOT_PRECISION, DOT_IN_FP32)
+        dk = mma(dsT.to(q.dtype), q, dk, DOT_PRECISION, DOT_IN_FP64)
 
         start_m = next_start(start_m, i, BLOCK_IDX, num_blocks, BLOCK_M1, SPARSE_Q_MULTIPLE,
                              SPARSE_Q_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS)
@@ -272,7 +272,7 @@ def backward_dkdv(
     IS_DIVISIBLE: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, HAS_FULL_BLOCKS: tl.constexpr,
     BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr,
     ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr, SCORES_IN_BASE2: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP64: tl.constexpr,
 ):
     tl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N1 == 0)
     pid_n = tl.program_id(0)
@@ -314,7 +314,7 @@ def backward_dkdv(
             False, BLOCK_M1, BLOCK_N1, SPARSE_Q_BLOCK_SIZE,
             QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
             IS_DIVISIBLE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64, ACC_DTYPE, SCORE_DTYPE, SCORES_IN_BASE2,
-            DOT_PRECISION, DOT_IN_FP32,
+            DOT_PRECISION, DOT_IN_FP64,
         )
         if HAS_FULL_BLOCKS:
             num_blocks = tl.load(FULL_Q_NUM_BLKS + b64 * stride_fnz + h * stride_fnh + kv_blk * stride_fnn)
@@ -327,7 +327,7 @@ def backward_dkdv(
                 True, BLOCK_M1, BLOCK_N1, SPARSE_Q_BLOCK_SIZE,
                 QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
                 IS_DIVISIBLE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64, ACC_DTYPE, SCORE_DTYPE, SCORES_IN_BASE2,
-                DOT_PRECISION, DOT_IN_FP32,
+                DOT_PRECISION, DOT_IN_FP64,
             )
 
     dk = dk * SM_SCALE
@@ -355,7 +355,7 @@ def dq_inner(
     V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
     IS_DIVISIBLE: tl.constexpr, BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr,
     ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr, SCORES_IN_BASE2: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP64: tl.constexpr,
 ):
     SPARSE_KV_MULTIPLE: tl.constexpr = SPARSE_KV_BLOCK_SIZE // BLOCK_N2
     tl.static_assert(SPARSE_KV_MULTIPLE * BLOCK_N2 == SPARSE_KV_BLOCK_SIZE)
@@ -373,16 +373,16 @@ def dq_inner(
                       KV_LEN, QK_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
         qk, s = score_tile(q, k, b, h, q_idx, kv_idx, SM_SCALE, $score_mod_params
                            BLOCK_M2, BLOCK_N2, ACC_DTYPE, SCORE_DTYPE, SCORES_IN_BASE2,
-                           DOT_PRECISION, DOT_IN_FP32)
+                           DOT_PRECISION, DOT_IN_FP64)
         valid = visible(b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_mod_params IS_FULL_BLOCKS, IS_DIVISIBLE)
         p = p_from_lse(s, SM_SCALE, lse[:, None], valid, SCORES_IN_BASE2)
         # -- dS = P * (dP - Delta) through score_mod's derivative (scatters captured grads); dQ += dS K
         v = load_tile(V + rows[:, None] * stride_vn + offs_v[None, :] * stride_vk, offs_n, offs_v,
                       KV_LEN, V_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
-        dp = mma(do, tl.trans(v), tl.full([BLOCK_M2, BLOCK_N2], 0.0, ACC_DTYPE), DOT_PRECISION, DOT_IN_FP32)
+        dp = mma(do, tl.trans(v), tl.full([BLOCK_M2, BLOCK_N2], 0.0, ACC_DTYPE), DOT_PRECISION, DOT_IN_FP64)
         ds = p * (dp - delta[:, None])
         ds = score_mod_grad(qk, b, h, q_idx, kv_idx, ds, valid, $score_grad_args).to(ACC_DTYPE)
-        dq = mma(ds.to(k.dtype), k, dq, DOT_PRECISION, DOT_IN_FP32)
+        dq = mma(ds.to(k.dtype), k, dq, DOT_PRECISION, DOT_IN_FP64)
 
         start_n = next_start(start_n, i, BLOCK_IDX, num_blocks, BLOCK_N2, SPARSE_KV_MULTIPLE,
                              SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS)
@@ -410,7 +410,7 @@ def backward_dq(
     IS_DIVISIBLE: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, HAS_FULL_BLOCKS: tl.constexpr,
     BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr,
     ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr, SCORES_IN_BASE2: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP64: tl.constexpr,
 ):
     tl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M2 == 0)
     pid_m = tl.program_id(0)
@@ -452,7 +452,7 @@ def backward_dq(
         False, BLOCK_M2, BLOCK_N2, SPARSE_KV_BLOCK_SIZE,
         QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
         IS_DIVISIBLE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64, ACC_DTYPE, SCORE_DTYPE, SCORES_IN_BASE2,
-        DOT_PRECISION, DOT_IN_FP32,
+        DOT_PRECISION, DOT_IN_FP64,
     )
     if HAS_FULL_BLOCKS:
         num_blocks = tl.load(FULL_KV_NUM_BLKS + b64 * stride_fnz + h * stride_fnh + q_blk * stride_fnm)
@@ -465,7 +465,7 @@ def backward_dq(
             True, BLOCK_M2, BLOCK_N2, SPARSE_KV_BLOCK_SIZE,
             QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
             IS_DIVISIBLE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64, ACC_DTYPE, SCORE_DTYPE, SCORES_IN_BASE2,
-            DOT_PRECISION, DOT_IN_FP32,
+            DOT_PRECISION, DOT_IN_FP64,
         )
 
     dq = dq * SM_SCALE

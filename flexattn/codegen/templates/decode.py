@@ -58,8 +58,8 @@
 #                       per-batch lengths, so no KV masks on loads and scores
 #   SAFE_HEAD_DIM       both head dims are already their rounded sizes: no column masks
 #   DOT_PRECISION       tl.dot input_precision ("ieee" for float32 inputs, "tf32" if asked)
-#   DOT_IN_FP32         feed tl.dot float32 copies of the tiles (Triton's CPU interpreter multiplies
-#                       bfloat16 bit patterns as integers); P is still rounded to V's dtype first
+#   DOT_IN_FP64         (Triton's interpreter) feed tl.dot float64 copies of the tiles (see
+#                       tiles.mma); P is still rounded to V's dtype first
 #   MERGE_M             (decode) rows the merging program handles: every real row of a row tile
 #                       (a power of two <= BLOCK_M; fewer than BLOCK_M when the tile is padded)
 #   MERGE_CHUNK         (decode) partials the merge reads per step: a [MERGE_M, MERGE_CHUNK,
@@ -82,7 +82,7 @@ def decode_tile(
     QK_HEAD_DIM, V_HEAD_DIM, APPLY_MASK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_HEAD_DIM_ROUNDED: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
-    IS_DIVISIBLE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    IS_DIVISIBLE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP64: tl.constexpr,
 ):
     # One BLOCK_N step of the walk. K/V tile pointers advance in int64 (start_n * stride can pass
     # 2**31 on long caches); offsets inside the tile (offs_t) stay int32.
@@ -99,7 +99,7 @@ def decode_tile(
     v = load_tile(V_tile + offs_t[:, None] * stride_vn + offs_v[None, :] * stride_vk, offs_n, offs_v,
                   kv_len, V_HEAD_DIM, not IS_DIVISIBLE_N, not SAFE_HEAD_DIM)
     # -- scores, score_mod, mask_mod (flex_attention's order: mods see the scaled score)
-    score = mma(q, kT, tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32), DOT_PRECISION, DOT_IN_FP32) * SM_SCALE
+    score = mma(q, kT, tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32), DOT_PRECISION, DOT_IN_FP64) * SM_SCALE
     score = ($score_call).to(tl.float32)
     if APPLY_MASK:
         keep = $mask_call
@@ -110,8 +110,8 @@ def decode_tile(
         score = tl.where(kv_idx < kv_len, score, float("-inf"))
     # -- online softmax in base 2 (rows that have seen only -inf keep l_i = 0, never NaN)
     p, alpha, l_i, m_i = online_softmax(score, m_i, l_i, False)
-    # P is rounded to V's storage dtype, as the tensor-core product needs (also under DOT_IN_FP32).
-    pv = mma(p.to(v.dtype), v, tl.full([BLOCK_M, V_HEAD_DIM_ROUNDED], 0.0, tl.float32), DOT_PRECISION, DOT_IN_FP32)
+    # P is rounded to V's storage dtype, as the tensor-core product needs (also under DOT_IN_FP64).
+    pv = mma(p.to(v.dtype), v, tl.full([BLOCK_M, V_HEAD_DIM_ROUNDED], 0.0, tl.float32), DOT_PRECISION, DOT_IN_FP64)
     acc = acc * alpha[:, None] + pv
     return acc, l_i, m_i
 
@@ -126,7 +126,7 @@ def decode_inner(
     IS_DENSE: tl.constexpr, APPLY_MASK: tl.constexpr, TILE: tl.constexpr, SPLIT_KV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_HEAD_DIM_ROUNDED: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
-    IS_DIVISIBLE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    IS_DIVISIBLE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP64: tl.constexpr,
 ):
     # This program's slice of the tile list: entries [lo, hi) of num_tiles, split evenly (cdiv
     # spelled out: the interpreter cannot call tl.cdiv from here).
@@ -151,7 +151,7 @@ def decode_inner(
             $score_params$mask_params
             QK_HEAD_DIM, V_HEAD_DIM, APPLY_MASK, BLOCK_M, BLOCK_N,
             QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
-            IS_DIVISIBLE_N, DOT_PRECISION, DOT_IN_FP32,
+            IS_DIVISIBLE_N, DOT_PRECISION, DOT_IN_FP64,
         )
     return acc, l_i, m_i
 
@@ -263,7 +263,7 @@ def decode_split_kernel(
     HAS_BLOCK_MASK: tl.constexpr, HAS_FULL_BLOCKS: tl.constexpr, APPLY_MASK_DENSE: tl.constexpr,
     HAS_KV_LENGTHS: tl.constexpr, IS_DIVISIBLE_M: tl.constexpr, IS_DIVISIBLE_N: tl.constexpr,
     SAFE_HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, MERGE_M: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    DOT_IN_FP64: tl.constexpr, MERGE_M: tl.constexpr, MERGE_CHUNK: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
     tl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N == 0)
@@ -318,7 +318,7 @@ def decode_split_kernel(
             stride_kn, stride_kk, stride_vn, stride_vk,
             $score_params$mask_params
             QK_HEAD_DIM, V_HEAD_DIM, False, True, SPARSE_KV_BLOCK_SIZE, SPLIT_KV, BLOCK_M, BLOCK_N,
-            QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM, IS_DIVISIBLE_N, DOT_PRECISION, DOT_IN_FP32,
+            QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM, IS_DIVISIBLE_N, DOT_PRECISION, DOT_IN_FP64,
         )
         # -- full tiles: score_mod only
         if HAS_FULL_BLOCKS:
@@ -330,7 +330,7 @@ def decode_split_kernel(
                 stride_kn, stride_kk, stride_vn, stride_vk,
                 $score_params$mask_params
                 QK_HEAD_DIM, V_HEAD_DIM, False, False, SPARSE_KV_BLOCK_SIZE, SPLIT_KV, BLOCK_M, BLOCK_N,
-                QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM, IS_DIVISIBLE_N, DOT_PRECISION, DOT_IN_FP32,
+                QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM, IS_DIVISIBLE_N, DOT_PRECISION, DOT_IN_FP64,
             )
     else:
         acc, l_i, m_i = decode_inner(
@@ -339,7 +339,7 @@ def decode_split_kernel(
             stride_kn, stride_kk, stride_vn, stride_vk,
             $score_params$mask_params
             QK_HEAD_DIM, V_HEAD_DIM, True, APPLY_MASK_DENSE, TILE_KV, SPLIT_KV, BLOCK_M, BLOCK_N,
-            QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM, IS_DIVISIBLE_N, DOT_PRECISION, DOT_IN_FP32,
+            QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM, IS_DIVISIBLE_N, DOT_PRECISION, DOT_IN_FP64,
         )
 
     CHECK_OUT: tl.constexpr = not (IS_DIVISIBLE_M and SAFE_HEAD_DIM)

@@ -58,10 +58,10 @@
 #   ACC_DTYPE              float32 (float64 for float64 inputs): scores, softmax state, accumulator
 #   SCORE_DTYPE            the dtype score_mod was traced with (its `score` input)
 #   DOT_PRECISION          tl.dot input_precision ("ieee", or "tf32" for float32 when torch allows it)
-#   DOT_IN_FP32            feed tl.dot float32 copies of the tiles (Triton's interpreter gets bfloat16
-#                          arithmetic wrong; the copies are exact, so results do not change); with
-#                          float8 inputs P is not rounded to float8 there (the interpreter's rounding
-#                          is wrong)
+#   DOT_IN_FP64            (Triton's interpreter) feed tl.dot float64 copies of the tiles: its dot is
+#                          the host BLAS's matmul, not float32-exact on every CPU, and it gets
+#                          bfloat16 arithmetic wrong; with float8 inputs P is not rounded to float8
+#                          there (the interpreter's rounding is wrong)
 #
 # Mods (see flexattn/codegen/emit.py): score_mod(score, b, h, q_idx, kv_idx, <buffers>) and
 # mask_mod(b, h, q_idx, kv_idx, <buffers>), with b, h int32 scalars (h is the *query* head),
@@ -92,7 +92,7 @@ def forward_inner(
     IS_DIVISIBLE: tl.constexpr, PRESCALE_QK: tl.constexpr, ROWS_GUARANTEED_SAFE: tl.constexpr,
     BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr, SCORES_IN_BASE2: tl.constexpr,
     SCORE_AFFINE: tl.constexpr, ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP64: tl.constexpr,
 ):
     # One shared loop for partial blocks (IS_FULL_BLOCKS=False: mask_mod applied) and full blocks.
     SPARSE_KV_MULTIPLE: tl.constexpr = SPARSE_KV_BLOCK_SIZE // BLOCK_N
@@ -108,7 +108,7 @@ def forward_inner(
         # -- scores: qk = q @ k^T in ACC_DTYPE
         k = load_tile(K + rows[:, None] * stride_kn + offs_k[None, :] * stride_kk, offs_n, offs_k,
                       KV_LEN, QK_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
-        qk = mma(q, tl.trans(k), tl.full([BLOCK_M, BLOCK_N], 0.0, ACC_DTYPE), DOT_PRECISION, DOT_IN_FP32)
+        qk = mma(q, tl.trans(k), tl.full([BLOCK_M, BLOCK_N], 0.0, ACC_DTYPE), DOT_PRECISION, DOT_IN_FP64)
         kv_idx = offs_n[None, :]
         if SCORES_IN_BASE2:
             s = qk  # no score_mod: the softmax below multiplies by SM_SCALE (> 0, with 1 / ln 2)
@@ -132,11 +132,11 @@ def forward_inner(
             p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, ROWS_GUARANTEED_SAFE)
         v = load_tile(V + rows[:, None] * stride_vn + offs_v[None, :] * stride_vk, offs_n, offs_v,
                       KV_LEN, V_HEAD_DIM, not IS_DIVISIBLE, not SAFE_HEAD_DIM)
-        if DOT_IN_FP32 and v.dtype == tl.float8e4nv:
+        if DOT_IN_FP64 and v.dtype == tl.float8e4nv:
             pv = p  # Triton's interpreter rounds float32 to float8 wrongly: P stays float32 on the CPU
         else:
             pv = p.to(v.dtype)
-        acc = mma(pv, v, acc * alpha[:, None], DOT_PRECISION, DOT_IN_FP32)
+        acc = mma(pv, v, acc * alpha[:, None], DOT_PRECISION, DOT_IN_FP64)
 
         # -- next tile: the next BLOCK_N columns of this sparse block, or the start of the next block
         start_n = next_start(start_n, i, BLOCK_IDX, num_blocks, BLOCK_N, SPARSE_KV_MULTIPLE,
@@ -166,7 +166,7 @@ def flex_attention_forward(
     BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr, OUTPUT_MAX: tl.constexpr,
     IS_FP8: tl.constexpr, SCORES_IN_BASE2: tl.constexpr, SCORE_AFFINE: tl.constexpr, LONGEST_FIRST: tl.constexpr,
     ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP64: tl.constexpr,
 ):
     tl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M == 0)
     if IS_FP8:  # scores of the dequantised inputs: (q dq)(k dk)^T scale = q k^T (scale dq dk)
@@ -231,7 +231,7 @@ def flex_attention_forward(
         False, BLOCK_M, BLOCK_N, SPARSE_KV_BLOCK_SIZE,
         QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
         IS_DIVISIBLE, PRESCALE_QK, ROWS_GUARANTEED_SAFE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64,
-        SCORES_IN_BASE2, SCORE_AFFINE, ACC_DTYPE, SCORE_DTYPE, DOT_PRECISION, DOT_IN_FP32,
+        SCORES_IN_BASE2, SCORE_AFFINE, ACC_DTYPE, SCORE_DTYPE, DOT_PRECISION, DOT_IN_FP64,
     )
     if HAS_FULL_BLOCKS:
         num_blocks = tl.load(FULL_KV_NUM_BLKS + b64 * stride_fnz + h * stride_fnh + q_blk * stride_fnm)
@@ -244,7 +244,7 @@ def flex_attention_forward(
             True, BLOCK_M, BLOCK_N, SPARSE_KV_BLOCK_SIZE,
             QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
             IS_DIVISIBLE, PRESCALE_QK, ROWS_GUARANTEED_SAFE, BLOCKS_ARE_CONTIGUOUS, OFFS_INT64,
-            SCORES_IN_BASE2, SCORE_AFFINE, ACC_DTYPE, SCORE_DTYPE, DOT_PRECISION, DOT_IN_FP32,
+            SCORES_IN_BASE2, SCORE_AFFINE, ACC_DTYPE, SCORE_DTYPE, DOT_PRECISION, DOT_IN_FP64,
         )
 
     if IS_FP8:

@@ -44,10 +44,22 @@ def store_tile(ptrs, x, rows, cols, N_ROWS, N_COLS, CHECK_ROWS: tl.constexpr, CH
 
 
 @triton.jit
-def mma(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
-    # acc + a @ b in acc's dtype. DOT_IN_FP32 (CPU only): float32 copies of the operands, exact.
-    if DOT_IN_FP32:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc.to(tl.float32), input_precision=DOT_PRECISION)
+def widen(x):
+    # x as float64, exactly. Narrower floats go through float32: the interpreter converts bfloat16
+    # and float8 straight to float64 with a bit-level routine that fails on zeros.
+    if x.dtype != tl.float64:
+        x = x.to(tl.float32)
+    return x.to(tl.float64)
+
+
+@triton.jit
+def mma(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_IN_FP64: tl.constexpr):
+    # acc + a @ b in acc's dtype. DOT_IN_FP64 (Triton's interpreter only): float64 copies of the
+    # operands. The interpreter's tl.dot is numpy's matmul on the host BLAS, whose float32 product
+    # need not be IEEE float32 on every CPU, and it gets bfloat16 arithmetic wrong; float64 copies
+    # make the products exact and the sums at least float32-accurate whatever the BLAS.
+    if DOT_IN_FP64:
+        out = tl.dot(widen(a), widen(b), acc.to(tl.float64), input_precision=DOT_PRECISION)
     else:
         out = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return out.to(acc.dtype)
