@@ -68,9 +68,31 @@ def main(argv=None, prog: str | None = None) -> int:
     print(f"max |out - float64 reference| = {err:.2e}, max |lse - reference| = {lse_err:.2e} (tolerance {tol:g})")
     if not err < tol or not lse_err < tol * 10:
         print("MISMATCH")
+        print(f"(for a bug report: {_platform()})")
         return 1
     print("OK")
     return 0
+
+
+def _platform() -> str:
+    """The versions and the processor a numerical result depends on: on the CPU the kernels run
+    through Triton's interpreter, i.e. numpy's SIMD math functions."""
+    import platform
+
+    import numpy
+    import triton
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    umath = getattr(getattr(numpy, "_core", None), "_multiarray_umath", None)
+    simd = getattr(umath, "__cpu_features__", {})
+    found = ",".join(k for k in ("AVX2", "AVX512F", "AVX512_SKX", "AVX512_ICL", "AVX512_SPR") if simd.get(k))
+    return (f"torch {torch.__version__}, triton {triton.__version__}, numpy {numpy.__version__} "
+            f"[{found or 'no AVX2'}], {cpu}")
 
 
 if __name__ == "__main__":

@@ -126,6 +126,23 @@ def test_demo_help_names_the_program(capsys):
     assert capsys.readouterr().out.startswith("usage: flexattn demo ")
 
 
+def test_demo_reports_a_mismatch_with_the_platform(capsys, monkeypatch):
+    import flexattn.demo as demo
+
+    exact = demo.attention_reference
+
+    def off_by_1e_3(*args, **kwargs):
+        out, lse = exact(*args, **kwargs)
+        return out + 1e-3, lse
+
+    monkeypatch.setattr(demo, "attention_reference", off_by_1e_3)
+    assert main(["demo", "--seq", "40"]) == 1
+    out = capsys.readouterr().out
+    assert "max |out - float64 reference| = 1.00e-03" in out and "MISMATCH" in out
+    report = out.split("(for a bug report: ", 1)[1]
+    assert report.startswith("torch ") and "triton " in report and "numpy " in report
+
+
 def test_bench_without_a_gpu_says_what_it_needs(capsys, monkeypatch):
     import flexattn.cli as cli
 
