@@ -59,7 +59,7 @@ def mma(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_IN_FP64: tl.constexpr):
     # need not be IEEE float32 on every CPU, and it gets bfloat16 arithmetic wrong; float64 copies
     # make the products exact and the sums at least float32-accurate whatever the BLAS.
     if DOT_IN_FP64:
-        out = tl.dot(widen(a), widen(b), acc.to(tl.float64), input_precision=DOT_PRECISION)
+        out = tl.dot(widen(a), widen(b), acc.to(tl.float64), input_precision=DOT_PRECISION, out_dtype=tl.float64)
     else:
         out = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return out.to(acc.dtype)
