@@ -19,7 +19,7 @@ from typing import Any, Callable, Hashable
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
+from triton.runtime.errors import InterpreterError, OutOfResources
 
 try:  # triton >= 3.4: the launch hooks the direct launch passes on, as Triton does
     from triton import knobs as _knobs
@@ -352,6 +352,16 @@ class Launch:
                 if err.name != "shared memory" or stages <= 1:
                     raise
                 self.constexprs = {**self.constexprs, "num_stages": stages - 1}
+            except InterpreterError as err:
+                if "only 0-dimensional arrays can be converted" not in str(err):
+                    raise
+                import numpy
+
+                raise RuntimeError(
+                    f"flexattn runs CPU tensors through Triton's interpreter, and triton "
+                    f"{triton.__version__}'s interpreter turns one-element arrays into Python ints, which "
+                    f"numpy {numpy.__version__} refuses (numpy 2.4 and newer): install 'numpy<2.4' or a "
+                    f"newer triton (3.9 works), or run on a CUDA device") from err
 
     def _full(self, args) -> tuple:
         """Every argument of the kernel: the per-call ``args`` in the fixed ones' `PER_CALL` slots."""

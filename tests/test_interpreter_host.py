@@ -1,4 +1,5 @@
-"""The CPU path's results do not depend on the host's BLAS.
+"""The CPU path against the host's numpy: its results do not depend on the BLAS, and a numpy the
+interpreter cannot work with is named in the error.
 
 Triton's interpreter runs tl.dot as numpy's matmul, so on whatever BLAS numpy was built with, and a
 BLAS may keep fewer bits than IEEE float32 in a float32 product (a CI machine once gave the demo's
@@ -10,6 +11,8 @@ move flexattn's forward, backward or decoding results.
 import numpy as np
 import pytest
 import torch
+from triton.runtime import interpreter
+from triton.runtime.errors import InterpreterError
 
 import flexattn
 from flexattn.codegen.cache import load_source
@@ -106,3 +109,23 @@ def test_the_demo(coarse_float32_blas, capsys):
 
     assert main([]) == 0, capsys.readouterr().out
     assert capsys.readouterr().out.rstrip().endswith("OK")
+
+
+def test_a_numpy_the_interpreter_cannot_use_is_named(monkeypatch):
+    # triton 3.6's interpreter calls int() on one-element arrays, which numpy 2.4 refuses; the
+    # error it raises deep in the kernel becomes one that says what to install.
+    def run(self, *args, **kwargs):
+        raise InterpreterError(repr(TypeError("only 0-dimensional arrays can be converted to Python scalars")))
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", run)
+    q, k, v = _qkv(1, 1, 23, 23, 16)  # a shape no other test runs: a first launch
+    with pytest.raises(RuntimeError, match=r"numpy .* refuses .*install 'numpy<2.4' or a newer triton"):
+        flexattn.flex_attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s * 0.75)
+
+    def run_other(self, *args, **kwargs):
+        raise InterpreterError("something else")
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", run_other)
+    q, k, v = _qkv(1, 1, 29, 29, 16)
+    with pytest.raises(InterpreterError, match="something else"):  # other errors pass through
+        flexattn.flex_attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s * 0.625)
