@@ -138,7 +138,7 @@ def make_plan(query, key, value, out, grad_out, score: Mod, mask: Mod, tables: T
                                                                                 launch.ACC_TL_DTYPE[acc]),
         SCORES_IN_BASE2=launch.raw_scores(score, acc),
         DOT_PRECISION=launch.dot_precision(device, dtype),
-        DOT_IN_FP64=device.type == "cpu",
+        DOT_IN_FP64=launch.target_for(device) == "interpret",
     )
     if device.type == "cuda":
         common.update(num_warps=o["bwd_num_warps"], num_stages=o["bwd_num_stages"])

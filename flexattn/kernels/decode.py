@@ -162,7 +162,7 @@ def make_plan(query, key, value, score: Mod | None, score_bufs, mask: Mod | None
         HAS_KV_LENGTHS=kv_lengths is not None,
         IS_DIVISIBLE_M=rows % BLOCK_M == 0 and Q_LEN == NUM_Q_BLOCKS * Q_ROWS,
         IS_DIVISIBLE_N=safe_n, SAFE_HEAD_DIM=D == E and DV == EV, DOT_PRECISION=precision,
-        DOT_IN_FP64=device.type != "cuda",
+        DOT_IN_FP64=launch.target_for(device) == "interpret",
         MERGE_M=merge_m, MERGE_CHUNK=merge_chunk,
     )
     if device.type == "cuda":

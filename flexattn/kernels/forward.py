@@ -127,7 +127,7 @@ def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
         ACC_DTYPE=launch.ACC_TL_DTYPE[acc],
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[acc]),
         DOT_PRECISION=launch.dot_precision(device, dtype),
-        DOT_IN_FP64=device.type == "cpu",
+        DOT_IN_FP64=launch.target_for(device) == "interpret",
     )
     if device.type == "cuda":
         constexprs.update(num_warps=options["num_warps"], num_stages=options["num_stages"])
