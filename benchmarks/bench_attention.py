@@ -1,19 +1,19 @@
-"""Training-attention benchmark, forward and backward: flexattn vs torch.compile(flex_attention) vs SDPA.
+"""Training attention, forward and backward: flexattn vs torch.compile(flex_attention) vs SDPA.
 
-    python benchmarks/bench_attention.py                         # B=4, H=16, D=128, S=8192, bf16, GPU
-    python benchmarks/bench_attention.py --seq 2048 --batch 1    # smaller
-    python benchmarks/bench_attention.py --device cpu            # tiny shape, flexattn only (interpreter)
+    python -m benchmarks attention                                # B=4, H=16, S=8192, D=128, bf16
+    python -m benchmarks attention --shape 1x16x2048x128 --shape 4x32x8192x64
+    python benchmarks/bench_attention.py --device cpu             # tiny shape, flexattn only (interpreter)
 
 Cases: no mask, causal, sliding window 1024 (causal), alibi + causal, tanh softcap, 16 documents
-(packed sequences of uneven lengths, causal inside each document). All
-competitors run in one process on the same tensors and print one table, with each one's output
-and gradients compared to flexattn's (max|diff|, grad diff: the largest of dQ, dK, dV). TFLOP/s counts
-4·B·H·S·S·D for the forward and 2.5x that for the backward, times the fraction of tiles the block
-mask visits (so a causal run is credited about half the work of a dense one). SDPA runs where it
-can express the case (no mask, causal).
+(packed sequences of uneven lengths, causal inside each document). All competitors run in one
+process on the same tensors, with each one's output and gradients compared to flexattn's
+(max|diff|, grad diff: the largest of dQ, dK, dV). TFLOP/s counts 4·B·H·S·S·D for the forward and
+2.5x that for the backward, times the fraction of tiles the block mask visits (so a causal run is
+credited about half the work of a dense one). SDPA (cuDNN, else flash) runs where it can express
+the case (no mask, causal).
 
 ``--rounds N`` times every competitor N times, taking turns (flexattn, torch, SDPA, flexattn, ...),
-and prints each one's median: a shared host drifts by tens of percent within a minute, and a short
+and keeps each one's median: a shared host drifts by tens of percent within a minute, and a short
 call (S=2k) can be bound by the host, so one timing per competitor reads whichever drift it met.
 """
 
@@ -21,12 +21,21 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import triton
 
+if __package__ in (None, ""):  # run as `python benchmarks/bench_attention.py`: import the package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import flexattn
-from timing import timer  # benchmarks/timing.py (scripts run from any directory)
+from benchmarks import results
+from benchmarks.timing import timer
+
+SUITE = "attention"
+IMPLS = {"flexattn": "flexattn", "torch": "torch.compile(flex)", "sdpa": "SDPA (cuDNN/flash)"}
 
 
 def document_ids(S: int, docs: int, device: str) -> torch.Tensor:
@@ -81,133 +90,162 @@ def visited_fraction(block_mask) -> float:
     return n / (b * h * triton.cdiv(q_len, q_blk) * triton.cdiv(kv_len, kv_blk))
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+def shape(text: str) -> tuple[int, int, int, int]:
+    """``BxHxSxD`` (e.g. ``4x16x8192x128``) -> (B, H, S, D)."""
+    parts = text.lower().split("x")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"a shape is BxHxSxD with four positive integers, got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], prog="python -m benchmarks attention")
+    results.add_common_arguments(p)
+    p.add_argument("--shape", type=shape, action="append", metavar="BxHxSxD",
+                   help="batch x heads x sequence x head dim, repeatable (GPU default 4x16x8192x128, CPU 1x2x96x32)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--batch", type=int, default=None, help="B (GPU default 4, CPU 1)")
-    p.add_argument("--heads", type=int, default=None, help="H (GPU default 16, CPU 2)")
-    p.add_argument("--seq", type=int, default=None, help="S = Q_LEN = KV_LEN (GPU default 8192, CPU 96)")
-    p.add_argument("--head-dim", type=int, default=None, help="D (GPU default 128, CPU 32)")
     p.add_argument("--window", type=int, default=None, help="sliding window (GPU default 1024, CPU 32)")
     p.add_argument("--docs", type=int, default=None, help="documents of the document case (GPU 16, CPU 3)")
     p.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--rep", type=int, default=None)
     p.add_argument("--rounds", type=int, default=1,
-                   help="timings per competitor, interleaved between competitors; the median is printed")
+                   help="timings per competitor, interleaved between competitors; the median is kept")
     p.add_argument("--no-torch", action="store_true", help="flexattn only")
     p.add_argument("--no-backward", action="store_true", help="forward only")
-    args = p.parse_args(argv)
+    return p
 
-    device = args.device
-    on_gpu = device != "cpu"
+
+def competitors(q, k, v, score_mod, mask_mod, sdpa_causal, S, block, torch_impls) -> tuple[dict, float]:
+    """(impl -> forward function, fraction of tiles visited) for one case; ``torch_impls`` is None
+    (flexattn only) or (compiled flex_attention, torch's create_block_mask)."""
+    bm = (flexattn.create_block_mask(mask_mod, 1, 1, S, S, device=q.device, BLOCK_SIZE=block)
+          if mask_mod is not None else None)
+    impls = {"flexattn": lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)}
+    if torch_impls is None:
+        return impls, visited_fraction(bm)
+    compiled_flex, torch_block_mask = torch_impls
+    tbm = (torch_block_mask(mask_mod, 1, 1, S, S, device=q.device, BLOCK_SIZE=block)
+           if mask_mod is not None else None)
+    impls["torch"] = lambda: compiled_flex(q, k, v, score_mod=score_mod, block_mask=tbm)
+    if sdpa_causal is not None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def sdpa():
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=sdpa_causal)
+        impls["sdpa"] = sdpa
+    return impls, visited_fraction(bm)
+
+
+def measure_case(impls: dict, q, k, v, d_out, args, warmup: int, rep: int) -> dict:
+    """impl -> {fwd_ms, bwd_ms, max_diff, grad_diff} or {error}: outputs checked against flexattn's,
+    then timed in interleaved rounds."""
+    base = base_grads = None
+    out_of = {}
+    checked = {}  # impl -> (result fields, backward closure or None)
+    for impl, fn in impls.items():
+        try:
+            with torch.no_grad():
+                out = fn()
+                base = out if base is None else base
+                fields = {"max_diff": (out.float() - base.float()).abs().max().item(), "grad_diff": None}
+            backward = None
+            if not args.no_backward:
+                out = fn()
+                grads = torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)
+                base_grads = grads if base_grads is None else base_grads
+                fields["grad_diff"] = max((a.float() - b.float()).abs().max().item()
+                                          for a, b in zip(grads, base_grads))
+                del grads
+                backward = (lambda out=out: torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True))
+            checked[impl] = (fields, backward)
+        except Exception as e:  # a competitor that cannot run a case is reported, not fatal
+            out_of[impl] = {"error": results.error_text(e)}
+    t_fwd, t_bwd = {impl: [] for impl in checked}, {impl: [] for impl in checked}
+    for _ in range(max(1, args.rounds)):
+        for impl, (_, backward) in list(checked.items()):
+            try:
+                with torch.no_grad():
+                    t_fwd[impl].append(timer(impls[impl], args.device, warmup, rep))
+                if backward is not None:
+                    t_bwd[impl].append(timer(backward, args.device, warmup, rep))
+            except Exception as e:
+                del checked[impl]
+                out_of[impl] = {"error": results.error_text(e)}
+    for impl, (fields, _) in checked.items():
+        fields["fwd_ms"] = statistics.median(t_fwd[impl]) * 1e3
+        fields["bwd_ms"] = statistics.median(t_bwd[impl]) * 1e3 if t_bwd[impl] else None
+        out_of[impl] = fields
+    checked.clear()  # (the saved graphs hold their activations)
+    return out_of
+
+
+def run(args) -> tuple[dict, list[dict]]:
+    on_gpu = args.device != "cpu"
     dtype = getattr(torch, args.dtype) if on_gpu else torch.float32
-    B = args.batch or (4 if on_gpu else 1)
-    H = args.heads or (16 if on_gpu else 2)
-    S = args.seq or (8192 if on_gpu else 96)
-    D = args.head_dim or (128 if on_gpu else 32)
+    shapes = args.shape or [(4, 16, 8192, 128) if on_gpu else (1, 2, 96, 32)]
     window = args.window or (1024 if on_gpu else 32)
     docs = args.docs or (16 if on_gpu else 3)
     warmup = args.warmup if args.warmup is not None else (5 if on_gpu else 0)
     rep = args.rep if args.rep is not None else (20 if on_gpu else 1)
-    run_torch = on_gpu and not args.no_torch
     block = 128 if on_gpu else 32
-
-    name = torch.cuda.get_device_name(device) if on_gpu else "CPU (Triton interpreter)"
-    print(f"# {name} | torch {torch.__version__} | triton {triton.__version__} | flexattn {flexattn.__version__}")
-    print(f"# {args.dtype if on_gpu else 'float32'}, B={B}, H={H}, S={S}, D={D}, block mask BLOCK_SIZE={block}, "
-          f"{max(1, args.rounds)} interleaved round(s) of {rep} timed calls (median)")
-
-    if run_torch:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+    torch_impls = None
+    if on_gpu and not args.no_torch:
         from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
         from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
-        # Five cases x (grad on/off) recompile flex_attention more than dynamo's default limit of 8;
+        # Six cases x (grad on/off) recompile flex_attention more than dynamo's default limit of 8;
         # past it dynamo silently falls back to the eager, dense implementation.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        compiled_flex = torch.compile(torch_flex, dynamic=False)
-
-    g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(B, H, S, D, device=device, generator=g).to(dtype).requires_grad_() for _ in range(3))
-    d_out = torch.randn(B, H, S, D, device=device, generator=g).to(dtype)
-
-    selected = cases(H, S, window, docs, device)
-    if args.cases:
-        wanted = {c.strip() for c in args.cases.split(",")}
-        selected = {k_: v_ for k_, v_ in selected.items() if k_ in wanted}
-
+        torch_impls = (torch.compile(torch_flex, dynamic=False), torch_block_mask)
+    config = {"dtype": str(dtype).removeprefix("torch."), "shapes": [f"{B}x{H}x{S}x{D}" for B, H, S, D in shapes],
+              "window": window, "docs": docs, "BLOCK_SIZE": block, "rounds": max(1, args.rounds), "rep": rep,
+              "backward": not args.no_backward}
     rows = []
-    for case, (score_mod, mask_mod, sdpa_causal) in selected.items():
-        bm = flexattn.create_block_mask(mask_mod, 1, 1, S, S, device=device, BLOCK_SIZE=block) \
-            if mask_mod is not None else None
-        frac = visited_fraction(bm)
-        impls = {"flexattn": lambda bm=bm, sm=score_mod: flexattn.flex_attention(q, k, v, score_mod=sm, block_mask=bm)}
-        if run_torch:
-            tbm = torch_block_mask(mask_mod, 1, 1, S, S, device=device, BLOCK_SIZE=block) \
-                if mask_mod is not None else None
-            impls["torch flex (compile)"] = lambda tbm=tbm, sm=score_mod: compiled_flex(q, k, v, score_mod=sm,
-                                                                                        block_mask=tbm)
-            if sdpa_causal is not None:
-                def sdpa(is_causal=sdpa_causal):
-                    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
-                        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
-                impls["SDPA (cuDNN/flash)"] = sdpa
-        fwd_flops = 4 * B * H * S * S * D * frac
-        base = base_grads = None
-        checked = {}  # impl -> (max|diff| of the output, of the gradients; backward closure or None)
-        for impl, fn in impls.items():
-            try:
-                with torch.no_grad():
-                    out = fn()
-                    base = out if base is None else base
-                    err = (out.float() - base.float()).abs().max().item()
-                grad_err = backward = None
-                if not args.no_backward:
-                    out = fn()
-                    grads = torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)
-                    base_grads = grads if base_grads is None else base_grads
-                    grad_err = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, base_grads))
-                    del grads
-                    backward = (lambda out=out: torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True))
-                checked[impl] = (err, grad_err, backward)
-            except Exception as e:  # a competitor that cannot run a case is reported, not fatal
-                rows.append((case, impl, frac, None, None, None, None, None, None,
-                             f"{type(e).__name__}: {str(e)[:60]}"))
-        # Timings: the competitors take turns, round after round (each one's median is printed)
-        t_fwds, t_bwds = {impl: [] for impl in checked}, {impl: [] for impl in checked}
-        for _ in range(max(1, args.rounds)):
-            for impl, (_, _, backward) in list(checked.items()):
-                try:
-                    with torch.no_grad():
-                        t_fwds[impl].append(timer(impls[impl], device, warmup, rep))
-                    if backward is not None:
-                        t_bwds[impl].append(timer(backward, device, warmup, rep))
-                except Exception as e:
-                    del checked[impl]
-                    rows.append((case, impl, frac, None, None, None, None, None, None,
-                                 f"{type(e).__name__}: {str(e)[:60]}"))
-        for impl, (err, grad_err, _) in checked.items():
-            t_fwd = statistics.median(t_fwds[impl])
-            t_bwd = statistics.median(t_bwds[impl]) if t_bwds[impl] else None
-            rows.append((case, impl, frac, t_fwd * 1e3, fwd_flops / t_fwd / 1e12,
-                         None if t_bwd is None else t_bwd * 1e3,
-                         None if t_bwd is None else 2.5 * fwd_flops / t_bwd / 1e12, err, grad_err, ""))
-        checked.clear()  # (the saved graphs hold their activations)
+    for B, H, S, D in shapes:
+        g = torch.Generator(device=args.device).manual_seed(0)
+        q, k, v = (torch.randn(B, H, S, D, device=args.device, generator=g).to(dtype).requires_grad_()
+                   for _ in range(3))
+        d_out = torch.randn(B, H, S, D, device=args.device, generator=g).to(dtype)
+        selected = cases(H, S, window, docs, args.device)
+        if args.cases:
+            wanted = {c.strip() for c in args.cases.split(",")}
+            selected = {name: case for name, case in selected.items() if name in wanted}
+        fwd_flops = 4 * B * H * S * S * D
+        for case, (score_mod, mask_mod, sdpa_causal) in selected.items():
+            impls, tiles = competitors(q, k, v, score_mod, mask_mod, sdpa_causal, S, block, torch_impls)
+            for impl, fields in measure_case(impls, q, k, v, d_out, args, warmup, rep).items():
+                row = {"shape": f"{B}x{H}x{S}x{D}", "B": B, "H": H, "S": S, "D": D, "case": case,
+                       "impl": impl, "tiles": tiles, **fields}
+                if "fwd_ms" in fields:
+                    row["fwd_tflops"] = fwd_flops * tiles / (fields["fwd_ms"] * 1e-3) / 1e12
+                    row["bwd_tflops"] = (None if fields["bwd_ms"] is None else
+                                         2.5 * fwd_flops * tiles / (fields["bwd_ms"] * 1e-3) / 1e12)
+                rows.append(row)
+        del q, k, v, d_out
+    return config, rows
 
-    head = (f"{'case':<22} {'impl':<21} {'tiles':>6} {'fwd ms':>9} {'fwd TF/s':>9} {'bwd ms':>9} "
+
+def print_table(rows: list[dict]) -> None:
+    head = (f"{'shape':<16} {'case':<22} {'impl':<20} {'tiles':>6} {'fwd ms':>9} {'fwd TF/s':>9} {'bwd ms':>9} "
             f"{'bwd TF/s':>9} {'max|diff|':>10} {'grad diff':>10}")
     print(head)
     print("-" * len(head))
-    for case, impl, frac, tf, ff, tb, fb, err, grad_err, note in rows:
-        if tf is None:
-            print(f"{case:<22} {impl:<21} {frac:>6.3f}  n/a  {note}")
+    for r in rows:
+        lead = f"{r['shape']:<16} {r['case']:<22} {IMPLS[r['impl']]:<20} {r['tiles']:>6.3f}"
+        if "error" in r:
+            print(f"{lead}  n/a  {r['error']}")
             continue
-        bwd = f"{tb:>9.3f} {fb:>9.1f}" if tb is not None else f"{'-':>9} {'-':>9}"
-        gerr = f"{grad_err:>10.2e}" if grad_err is not None else f"{'-':>10}"
-        print(f"{case:<22} {impl:<21} {frac:>6.3f} {tf:>9.3f} {ff:>9.1f} {bwd} {err:>10.2e} {gerr}")
+        bwd = (f"{r['bwd_ms']:>9.3f} {r['bwd_tflops']:>9.1f}" if r["bwd_ms"] is not None else f"{'-':>9} {'-':>9}")
+        gerr = f"{r['grad_diff']:>10.2e}" if r["grad_diff"] is not None else f"{'-':>10}"
+        print(f"{lead} {r['fwd_ms']:>9.3f} {r['fwd_tflops']:>9.1f} {bwd} {r['max_diff']:>10.2e} {gerr}")
+
+
+def main(argv=None) -> int:
+    results.run_suite(SUITE, run, print_table, parser().parse_args(argv))
     return 0
 
 

@@ -1,6 +1,6 @@
 """create_block_mask: flexattn vs torch (eager and torch.compile'd), time and peak extra memory.
 
-    python benchmarks/bench_block_mask.py                      # GPU: 32k, 128k, 1M tokens
+    python -m benchmarks block_mask                            # GPU: 32k, 128k, 1M tokens
     python benchmarks/bench_block_mask.py --sizes 2k --device cpu --no-compile
 
 Masks: causal, and a 64-document mask (uneven document lengths, ``doc[q] == doc[kv]``), B = H = 1,
@@ -20,13 +20,21 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import sys
 import time
+from pathlib import Path
 
 import torch
 import triton
 
-import flexattn
-from flexattn.block_mask import create_block_mask
+if __package__ in (None, ""):  # run as `python benchmarks/bench_block_mask.py`: import the package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import results
+from flexattn import create_block_mask
+
+SUITE = "block_mask"
+IMPLS = ("flexattn", "torch eager", "torch.compile")
 
 FIELDS = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
           "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"]
@@ -99,7 +107,7 @@ def measure(fn, device: str, reps: int):
     except torch.OutOfMemoryError:
         return "OOM", None, None
     except Exception as e:  # noqa: BLE001 - a benchmark reports, it does not stop
-        return f"error: {type(e).__name__}: {str(e).splitlines()[0][:60]}", None, None
+        return f"error: {results.error_text(e)}", None, None
     finally:
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -114,59 +122,78 @@ def same(a, b) -> str:
     return "yes" if ok else "NO"
 
 
-def cell(ms, extra) -> str:
-    if isinstance(ms, str):
-        return f"{ms:>22}"
-    mem = "" if extra is None or math.isnan(extra) else f" {extra:8.1f} MB"
-    return f"{f'{ms:.3f} ms{mem}':>22}"
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="32k,128k,1M", help="comma-separated token counts (k = 1024, M = 2**20)")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], prog="python -m benchmarks block_mask")
+    results.add_common_arguments(p)
+    p.add_argument("--sizes", default=None,
+                   help="comma-separated token counts (k = 1024, M = 2**20; GPU default 32k,128k,1M, CPU 2k)")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--docs", type=int, default=64)
     p.add_argument("--reps", type=int, default=5, help="timed calls on CPU (CUDA uses do_bench)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile(create_block_mask)")
     p.add_argument("--no-torch", action="store_true", help="skip torch entirely (flexattn only)")
-    args = p.parse_args()
-    device = args.device
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here (use --device cpu)")
+    return p
+
+
+def run(args) -> tuple[dict, list[dict]]:
     from torch.nn.attention.flex_attention import create_block_mask as torch_cbm
 
-    name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    print(f"# create_block_mask on {name}: torch {torch.__version__}, triton {triton.__version__}, "
-          f"flexattn {flexattn.__version__}; B=H=1, BLOCK_SIZE={args.block_size}")
-    compiled = None if args.no_compile or args.no_torch else torch.compile(torch_cbm)
+    device = "cuda" if args.device != "cpu" else "cpu"
+    sizes = args.sizes or ("32k,128k,1M" if device == "cuda" else "2k")
+    torch_impls = {} if args.no_torch else {"torch eager": torch_cbm}
+    if not (args.no_torch or args.no_compile or device == "cpu"):
+        torch_impls["torch.compile"] = torch.compile(torch_cbm)
+    rows = []
+    for size in [parse_size(s) for s in sizes.split(",")]:
+        for mname, mask in masks(size, args.docs, device).items():
+            def call(fn, mask=mask, size=size):
+                return lambda: fn(mask, 1, 1, size, size, device=device, BLOCK_SIZE=args.block_size)
+
+            ref = None
+            measured = {}
+            for impl, fn in {"flexattn": create_block_mask, **torch_impls}.items():
+                measured[impl] = measure(call(fn), device, args.reps)
+                if impl != "flexattn" and measured[impl][2] is not None:
+                    ref = measured[impl][2]
+            match = same(measured["flexattn"][2], ref)
+            for impl, (ms, extra, _) in measured.items():
+                row = {"mask": mname, "tokens": size, "impl": impl}
+                if isinstance(ms, str):
+                    row["error"] = ms
+                else:
+                    row.update(ms=ms, extra_mb=None if extra is None or math.isnan(extra) else extra)
+                rows.append({**row, "match": match} if impl == "flexattn" else row)
+            del measured, ref
+            print(f"# {mname} {size}: measured", flush=True)
+    return {"B": 1, "H": 1, "BLOCK_SIZE": args.block_size, "docs": args.docs, "sizes": sizes}, rows
+
+
+def cell(r: dict | None) -> str:
+    if r is None:
+        return f"{'skipped':>22}"
+    if "error" in r:
+        return f"{r['error'][:22]:>22}"
+    mem = "" if r["extra_mb"] is None else f" {r['extra_mb']:8.1f} MB"
+    text = f"{r['ms']:.3f} ms{mem}"
+    return f"{text:>22}"
+
+
+def print_table(rows: list[dict]) -> None:
     header = f"{'mask':>12} {'tokens':>8} | {'flexattn':>22} | {'torch eager':>22} | {'torch.compile':>22} | match"
     print(header)
     print("-" * len(header))
-    for size in [parse_size(s) for s in args.sizes.split(",")]:
-        for mname, mask in masks(size, args.docs, device).items():
-            def ours():
-                return create_block_mask(mask, 1, 1, size, size, device=device, BLOCK_SIZE=args.block_size)
+    by_case: dict = {}
+    for r in rows:
+        by_case.setdefault((r["mask"], r["tokens"]), {})[r["impl"]] = r
+    for (mname, size), impls in by_case.items():
+        print(f"{mname:>12} {size:>8} | " + " | ".join(cell(impls.get(i)) for i in IMPLS)
+              + f" | {impls['flexattn'].get('match', '-')}")
 
-            f_ms, f_mem, f_res = measure(ours, device, args.reps)
-            row = [cell(f_ms, f_mem)]
-            ref = None
-            for impl in ("eager", "compile"):
-                if args.no_torch or (impl == "compile" and compiled is None):
-                    row.append(f"{'skipped':>22}")
-                    continue
-                fn = torch_cbm if impl == "eager" else compiled
 
-                def theirs(fn=fn):
-                    return fn(mask, 1, 1, size, size, device=device, BLOCK_SIZE=args.block_size)
-
-                t_ms, t_mem, t_res = measure(theirs, device, args.reps)
-                row.append(cell(t_ms, t_mem))
-                ref = t_res if t_res is not None else ref
-                del t_res
-            print(f"{mname:>12} {size:>8} | " + " | ".join(row) + f" | {same(f_res, ref)}", flush=True)
-            del f_res, ref
+def main(argv=None) -> int:
+    results.run_suite(SUITE, run, print_table, parser().parse_args(argv))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

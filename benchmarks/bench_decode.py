@@ -1,25 +1,31 @@
-"""Decoding benchmark: flexattn's split-KV kernel vs torch.compile(flex_attention) vs SDPA.
+"""Decoding: flexattn's split-KV kernel vs torch.compile(flex_attention) vs SDPA.
 
-    python benchmarks/bench_decode.py                       # the four standard shapes, bf16, GPU
-    python benchmarks/bench_decode.py --device cpu          # tiny shape, flexattn only (interpreter)
-    python benchmarks/bench_decode.py --split-kv 16 --block-n 64 --num-warps 4 --num-stages 3
+    python -m benchmarks decode                                # the four standard shapes, bf16
+    python -m benchmarks decode --shapes "gqa B8 32k" --split-kv 16 --block-n 64
+    python benchmarks/bench_decode.py --device cpu             # tiny shape, flexattn only (interpreter)
 
 Decoding is memory bound: the figure of merit is K+V bytes read per second, reported against the
-GPU's own device-to-device copy bandwidth measured here (a large tensor copy: read + write bytes
-over time). Prints one table.
+GPU's own device-to-device copy bandwidth measured in the same run (a large tensor copy: read +
+write bytes over time).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
-import triton
 
-import flexattn
-from timing import timer  # benchmarks/timing.py (scripts run from any directory)
+if __package__ in (None, ""):  # run as `python benchmarks/bench_decode.py`: import the package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import results
+from benchmarks.timing import timer
 from flexattn.decode import decode_attention
 
+SUITE = "decode"
+IMPLS = {"flexattn": "flexattn", "torch": "torch.compile(flex)", "sdpa": "SDPA (cuDNN/flash)"}
 # (name, B, Hq, Hkv, KV_LEN, D)
 GPU_SHAPES = [
     ("gqa B8 32k", 8, 32, 8, 32768, 128),
@@ -39,12 +45,13 @@ def copy_bandwidth(device: str, gib: float = 2.0) -> float:
     return 2 * src.numel() * src.element_size() / t
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], prog="python -m benchmarks decode")
+    results.add_common_arguments(p)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--q-len", type=int, default=1)
-    p.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
+    p.add_argument("--shapes", default=None,
+                   help=f"comma-separated shape names (default: all of {', '.join(s[0] for s in GPU_SHAPES)})")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--rep", type=int, default=None)
     p.add_argument("--no-torch", action="store_true", help="flexattn only")
@@ -53,10 +60,28 @@ def main(argv=None) -> int:
     p.add_argument("--num-warps", type=int, default=None)
     p.add_argument("--num-stages", type=int, default=None)
     p.add_argument("--programs-per-sm", type=float, default=None)
-    args = p.parse_args(argv)
+    return p
 
-    device = args.device
-    on_gpu = device != "cpu"
+
+def competitors(q, k, v, opts: dict, compiled_flex) -> dict:
+    """impl -> function for one shape (flexattn only when ``compiled_flex`` is None)."""
+    gqa = q.shape[1] != k.shape[1]
+    impls = {"flexattn": lambda: decode_attention(q, k, v, enable_gqa=gqa, kernel_options=opts)}
+    if compiled_flex is not None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        impls["torch"] = lambda: compiled_flex(q, k, v, enable_gqa=gqa)
+
+        def sdpa():
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                              SDPBackend.EFFICIENT_ATTENTION]):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        impls["sdpa"] = sdpa
+    return impls
+
+
+def run(args) -> tuple[dict, list[dict]]:
+    on_gpu = args.device != "cpu"
     dtype = getattr(torch, args.dtype) if on_gpu else torch.float32
     shapes = GPU_SHAPES if on_gpu else CPU_SHAPES
     if args.shapes:
@@ -67,56 +92,50 @@ def main(argv=None) -> int:
     opts = {k: v for k, v in (("SPLIT_KV", args.split_kv), ("BLOCK_N", args.block_n),
                               ("num_warps", args.num_warps), ("num_stages", args.num_stages),
                               ("PROGRAMS_PER_SM", args.programs_per_sm)) if v is not None}
-    run_torch = on_gpu and not args.no_torch
-
-    copy_bw = copy_bandwidth(device, 2.0 if on_gpu else 0.05)
-    name = torch.cuda.get_device_name(device) if on_gpu else "CPU (Triton interpreter)"
-    print(f"# {name} | torch {torch.__version__} | triton {triton.__version__} | flexattn {flexattn.__version__}")
-    print(f"# {args.dtype if on_gpu else 'float32'}, Q_LEN={args.q_len}, copy bandwidth {copy_bw / 1e12:.3f} TB/s"
-          f" (device-to-device copy, read + write), kernel_options={opts}")
-
-    if run_torch:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+    compiled_flex = None
+    if on_gpu and not args.no_torch:
         from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
         compiled_flex = torch.compile(torch_flex, dynamic=False)
-
+    copy_bw = copy_bandwidth(args.device, 2.0 if on_gpu else 0.05)
+    config = {"dtype": str(dtype).removeprefix("torch."), "q_len": args.q_len, "copy_tb_s": copy_bw / 1e12,
+              "kernel_options": opts, "rep": rep}
     rows = []
     for label, B, Hq, Hkv, L, D in shapes:
-        g = torch.Generator(device=device).manual_seed(0)
-        q = torch.randn(B, Hq, args.q_len, D, device=device, generator=g).to(dtype)
-        k = torch.randn(B, Hkv, L, D, device=device, generator=g).to(dtype)
-        v = torch.randn(B, Hkv, L, D, device=device, generator=g).to(dtype)
+        g = torch.Generator(device=args.device).manual_seed(0)
+        q = torch.randn(B, Hq, args.q_len, D, device=args.device, generator=g).to(dtype)
+        k = torch.randn(B, Hkv, L, D, device=args.device, generator=g).to(dtype)
+        v = torch.randn(B, Hkv, L, D, device=args.device, generator=g).to(dtype)
         kv_bytes = (k.numel() + v.numel()) * k.element_size()
-        gqa = Hq != Hkv
-        impls = {"flexattn": lambda: decode_attention(q, k, v, enable_gqa=gqa, kernel_options=opts)}
-        if run_torch:
-            impls["torch flex (compile)"] = lambda: compiled_flex(q, k, v, enable_gqa=gqa)
-
-            def sdpa():
-                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                                  SDPBackend.EFFICIENT_ATTENTION]):
-                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-            impls["SDPA (cuDNN/flash)"] = sdpa
+        impls = competitors(q, k, v, opts, compiled_flex)
         base = impls["flexattn"]()
         for impl, fn in impls.items():
+            row = {"shape": label, "B": B, "Hq": Hq, "Hkv": Hkv, "KV_LEN": L, "D": D, "impl": impl}
             try:
-                err = (fn().float() - base.float()).abs().max().item()
-                t = timer(fn, device, warmup, rep)
+                row["max_diff"] = (fn().float() - base.float()).abs().max().item()
+                t = timer(fn, args.device, warmup, rep)
             except Exception as e:  # a competitor that cannot run this shape is reported, not fatal
-                rows.append((label, impl, None, None, None, None, f"{type(e).__name__}: {str(e)[:50]}"))
+                rows.append({**row, "error": results.error_text(e)})
                 continue
-            bw = kv_bytes / t
-            rows.append((label, impl, t * 1e6, bw / 1e12, 100 * bw / copy_bw, err, ""))
+            row.update(time_us=t * 1e6, kv_tb_s=kv_bytes / t / 1e12, pct_copy=100 * kv_bytes / t / copy_bw)
+            rows.append(row)
+    return config, rows
 
-    head = f"{'shape':<13} {'impl':<22} {'time (us)':>10} {'KV TB/s':>8} {'% copy':>7} {'max|diff|':>10}"
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'shape':<13} {'impl':<20} {'time (us)':>10} {'KV TB/s':>8} {'% copy':>7} {'max|diff|':>10}"
     print(head)
     print("-" * len(head))
-    for label, impl, t, bw, pct, err, note in rows:
-        if t is None:
-            print(f"{label:<13} {impl:<22} {'n/a':>10}  {note}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['shape']:<13} {IMPLS[r['impl']]:<20} {'n/a':>10}  {r['error']}")
         else:
-            print(f"{label:<13} {impl:<22} {t:>10.1f} {bw:>8.3f} {pct:>6.1f}% {err:>10.2e}")
+            print(f"{r['shape']:<13} {IMPLS[r['impl']]:<20} {r['time_us']:>10.1f} {r['kv_tb_s']:>8.3f} "
+                  f"{r['pct_copy']:>6.1f}% {r['max_diff']:>10.2e}")
+
+
+def main(argv=None) -> int:
+    results.run_suite(SUITE, run, print_table, parser().parse_args(argv))
     return 0
 
 

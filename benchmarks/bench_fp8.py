@@ -1,9 +1,8 @@
-"""float8 forward benchmark: flexattn float8_e4m3fn vs flexattn bfloat16 vs torch.compile(flex_attention)
-and SDPA in bfloat16, in one process on the same (dequantised) values.
+"""float8 forward: flexattn float8_e4m3fn vs flexattn bfloat16 vs torch.compile(flex_attention)
+and SDPA in bfloat16, in one process on the same (dequantised) values. CUDA only.
 
-    python benchmarks/bench_fp8.py                    # B=4, H=16, S=8192, D=128 (GPU)
-    python benchmarks/bench_fp8.py --seq 2048
-    python benchmarks/bench_fp8.py --batch 2 --heads 8 --seq 4096 --head-dim 256
+    python -m benchmarks fp8                                 # B=4, H=16, S=8192, D=128
+    python -m benchmarks fp8 --shape 2x8x4096x256
 
 flexattn's float8 runs are the default choice, then each of its two kernels by name (on an H100:
 the Gluon Hopper kernel, BACKEND='FLASH'; the block-sparse Triton template, BACKEND='TRITON').
@@ -17,12 +16,20 @@ batch 0, heads 0-1 (a float64 reference of the whole batch would not fit in memo
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
-import triton
+
+if __package__ in (None, ""):  # run as `python benchmarks/bench_fp8.py`: import the package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flexattn
-from timing import timer  # benchmarks/timing.py
+from benchmarks import results
+from benchmarks.bench_attention import shape
+from benchmarks.timing import timer
+
+SUITE = "fp8"
 
 
 def quantise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,69 +37,102 @@ def quantise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / s).to(torch.float8_e4m3fn), s
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--head-dim", type=int, default=128)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], prog="python -m benchmarks fp8")
+    results.add_common_arguments(p)
+    p.add_argument("--shape", type=shape, default=(4, 16, 8192, 128), metavar="BxHxSxD",
+                   help="batch x heads x sequence x head dim (default 4x16x8192x128)")
     p.add_argument("--rep", type=int, default=20)
-    args = p.parse_args(argv)
-    B, H, S, D = args.batch, args.heads, args.seq, args.head_dim
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
-    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+    return p
 
-    compiled_flex = torch.compile(torch_flex, dynamic=False)
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
-          f"flexattn {flexattn.__version__} | B={B} H={H} S={S} D={D}")
-    torch.manual_seed(0)
-    (q8, dq), (k8, dk), (v8, dv) = (quantise(torch.randn(B, H, S, D, device="cuda")) for _ in range(3))
-    q, k, v = ((x.float() * s).bfloat16() for x, s in ((q8, dq), (k8, dk), (v8, dv)))
+
+def competitors(q8, k8, v8, descales, q, k, v, bm, tbm, causal: bool, compiled_flex) -> dict:
+    """impl -> forward function for one case."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dq, dk, dv = descales
     # float8 P V reads V K-major: flexattn copies a row-major V into that layout each call; a V
     # stored that way (this one) skips the copy.
     v8_k_major = v8.transpose(2, 3).contiguous().transpose(2, 3)
 
+    def fa8(v_, **options):
+        return lambda: flexattn.flex_attention(q8, k8, v_, block_mask=bm, descale_q=dq, descale_k=dk,
+                                               descale_v=dv, kernel_options=options or None)
+
+    def sdpa():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return {
+        "flexattn float8": fa8(v8),
+        "flexattn float8 V K-major": fa8(v8_k_major),
+        # both float8 kernels (the default picks by head dim, see flexattn/kernels/hopper.py)
+        "flexattn float8 Gluon": fa8(v8_k_major, BACKEND="FLASH"),
+        "flexattn float8 Triton": fa8(v8_k_major, BACKEND="TRITON"),
+        "flexattn bfloat16": lambda: flexattn.flex_attention(q, k, v, block_mask=bm),
+        "torch bfloat16": lambda: compiled_flex(q, k, v, block_mask=tbm),
+        "sdpa bfloat16": sdpa,
+    }
+
+
+def reference(q, k, v, causal: bool) -> torch.Tensor:
+    """float64 attention of batch 0, heads 0-1."""
+    q, k, v = (x[:1, :2].double() for x in (q, k, v))
+    S, D = q.shape[-2], q.shape[-1]
+    scores = q @ k.transpose(-1, -2) / D ** 0.5
+    if causal:
+        scores = scores + torch.full((S, S), float("-inf"), device=q.device, dtype=torch.float64).triu(1)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def run(args) -> tuple[dict, list[dict]]:
+    if args.device == "cpu":
+        raise SystemExit("the float8 benchmark needs a CUDA GPU (float8 attention is a GPU kernel)")
+    from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    B, H, S, D = args.shape
+    compiled_flex = torch.compile(torch_flex, dynamic=False)
+    torch.manual_seed(0)
+    (q8, dq), (k8, dk), (v8, dv) = (quantise(torch.randn(B, H, S, D, device=args.device)) for _ in range(3))
+    q, k, v = ((x.float() * s).bfloat16() for x, s in ((q8, dq), (k8, dk), (v8, dv)))
+
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
 
-    print(f"{'case':<9} {'impl':<26} {'fwd ms':>8} {'TF/s':>7} {'max err (f64)':>14}")
+    rows = []
     for case in ("no mask", "causal"):
-        bm = flexattn.create_block_mask(causal, 1, 1, S, S, device="cuda") if case == "causal" else None
-        tbm = torch_block_mask(causal, 1, 1, S, S, device="cuda") if case == "causal" else None
-        impls = {
-            "flexattn float8": lambda: flexattn.flex_attention(q8, k8, v8, block_mask=bm, descale_q=dq,
-                                                               descale_k=dk, descale_v=dv),
-            "flexattn float8 V K-major": lambda: flexattn.flex_attention(q8, k8, v8_k_major, block_mask=bm,
-                                                                         descale_q=dq, descale_k=dk, descale_v=dv),
-            # both float8 kernels (the default picks by head dim, see flexattn/kernels/hopper.py)
-            "flexattn float8 Gluon": lambda: flexattn.flex_attention(
-                q8, k8, v8_k_major, block_mask=bm, descale_q=dq, descale_k=dk, descale_v=dv,
-                kernel_options={"BACKEND": "FLASH"}),
-            "flexattn float8 Triton": lambda: flexattn.flex_attention(
-                q8, k8, v8_k_major, block_mask=bm, descale_q=dq, descale_k=dk, descale_v=dv,
-                kernel_options={"BACKEND": "TRITON"}),
-            "flexattn bfloat16": lambda: flexattn.flex_attention(q, k, v, block_mask=bm),
-            "torch flex bfloat16": lambda: compiled_flex(q, k, v, block_mask=tbm),
-        }
-
-        def sdpa():
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case == "causal")
-
-        impls["SDPA bfloat16 (cuDNN)"] = sdpa
-        sl = (slice(0, 1), slice(0, 2))
-        ref = torch.softmax((q[sl].double() @ k[sl].double().transpose(-1, -2)) / D ** 0.5 + (
-            torch.full((S, S), float("-inf"), device="cuda", dtype=torch.float64).triu(1) if case == "causal"
-            else 0), dim=-1) @ v[sl].double()
-        flops = 4 * B * H * S * S * D * (0.5 if case == "causal" else 1.0)
-        for name, fn in impls.items():
-            with torch.no_grad():
-                out = fn()
-                err = (out[sl].double() - ref).abs().max().item()
-                t = timer(fn, "cuda", 5, args.rep)
-            print(f"{case:<9} {name:<26} {t * 1e3:>8.3f} {flops / t / 1e12:>7.1f} {err:>14.4f}")
+        is_causal = case == "causal"
+        bm = flexattn.create_block_mask(causal, 1, 1, S, S, device=args.device) if is_causal else None
+        tbm = torch_block_mask(causal, 1, 1, S, S, device=args.device) if is_causal else None
+        ref = reference(q, k, v, is_causal)
+        flops = 4 * B * H * S * S * D * (0.5 if is_causal else 1.0)
+        impls = competitors(q8, k8, v8, (dq, dk, dv), q, k, v, bm, tbm, is_causal, compiled_flex)
+        for impl, fn in impls.items():
+            row = {"shape": f"{B}x{H}x{S}x{D}", "case": case, "impl": impl}
+            try:
+                with torch.no_grad():
+                    row["max_err_f64"] = (fn()[:1, :2].double() - ref).abs().max().item()
+                    t = timer(fn, args.device, 5, args.rep)
+            except Exception as e:  # a kernel this GPU lacks is reported, not fatal
+                rows.append({**row, "error": results.error_text(e)})
+                continue
+            rows.append({**row, "fwd_ms": t * 1e3, "fwd_tflops": flops / t / 1e12})
         del ref
+    return {"shape": f"{B}x{H}x{S}x{D}", "rep": args.rep}, rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'case':<9} {'impl':<26} {'fwd ms':>8} {'TF/s':>7} {'max err (f64)':>14}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['case']:<9} {r['impl']:<26} {'n/a':>8}  {r['error']}")
+        else:
+            print(f"{r['case']:<9} {r['impl']:<26} {r['fwd_ms']:>8.3f} {r['fwd_tflops']:>7.1f} {r['max_err_f64']:>14.4f}")
+
+
+def main(argv=None) -> int:
+    results.run_suite(SUITE, run, print_table, parser().parse_args(argv))
     return 0
 
 

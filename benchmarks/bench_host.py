@@ -1,6 +1,6 @@
 """Per-call cost of the calls model code makes, flexattn vs torch.compile(flex_attention) vs SDPA.
 
-    python benchmarks/bench_host.py            # GPU: the three calls, host overhead, first calls
+    python -m benchmarks host                        # GPU: the three calls, host overhead, first calls
     python benchmarks/bench_host.py --device cpu --calls 20   # CPU: host work only (interpreter)
 
 Every call builds its score_mod anew, as a model's ``forward`` does. "per call" is wall-clock
@@ -18,15 +18,23 @@ import argparse
 import math
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
+if __package__ in (None, ""):  # run as `python benchmarks/bench_host.py`: import the package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import flexattn
+from benchmarks import results
 from flexattn.kernels import launch
+
+SUITE = "host"
 
 
 def per_call(fn, calls: int, device: str) -> float:
@@ -64,23 +72,18 @@ def bare_launch(run_call):
     return lambda: site.kernel[site.grid](*args, **site.constexprs)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--calls", type=int, default=None)
-    args = p.parse_args(argv)
-    device = args.device
-    gpu = device == "cuda"
-    calls = args.calls or (300 if gpu else 20)
-    dtype = torch.bfloat16 if gpu else torch.float32
-    torch.manual_seed(0)
-    compiled_flex = torch.compile(torch_flex, dynamic=False) if gpu else None
-    rows = []
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
-    def table_row(name, fa, torch_us=None, sdpa_us=None, bare=None):
-        rows.append((name, fa, torch_us, sdpa_us, bare))
 
-    # -- 1. decoding step: B=1, Hq=32, Hkv=8, KV=4096, D=128, score_mod masking past a 0-d position
+def row(call: str, r: dict, unit: str = "us") -> dict:
+    return {"call": call, "unit": unit, **{k: r.get(k) for k in ("flexattn", "torch", "sdpa", "bare_launch")}}
+
+
+def decoding_step(device, dtype, calls, compiled_flex) -> dict:
+    """B=1, Hq=32, Hkv=8, KV=4096, D=128, a score_mod masking past a 0-d position."""
+    gpu = compiled_flex is not None
     B, Hq, Hkv, KV, D = (1, 32, 8, 4096, 128) if gpu else (1, 4, 2, 256, 32)
     q = torch.randn(B, Hq, 1, D, device=device, dtype=dtype)
     k = torch.randn(B, Hkv, KV, D, device=device, dtype=dtype)
@@ -91,21 +94,25 @@ def main(argv=None) -> int:
         return flexattn.flex_attention(q, k, v, enable_gqa=True,
                                        score_mod=lambda s, b, h, qi, ki: torch.where(ki <= pos, s, -math.inf))
 
+    def torch_decode():
+        return compiled_flex(q, k, v, enable_gqa=True,
+                             score_mod=lambda s, b, h, qi, ki: torch.where(ki <= pos, s, -math.inf))
+
     r = per_call_side_by_side({
-        "fa": fa_decode, "bare": bare_launch(fa_decode),
-        "torch": (lambda: compiled_flex(q, k, v, enable_gqa=True, score_mod=lambda s, b, h, qi, ki:
-                                        torch.where(ki <= pos, s, -math.inf))) if gpu else None,
+        "flexattn": fa_decode, "bare_launch": bare_launch(fa_decode),
+        "torch": torch_decode if gpu else None,
         "sdpa": (lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)) if gpu else None,
     }, calls, device)
-    fa, bare, t_us, s_us = r["fa"], r["bare"], r.get("torch"), r.get("sdpa")
     if gpu:
-        torch.testing.assert_close(fa_decode().float(), compiled_flex(
-            q, k, v, enable_gqa=True, score_mod=lambda s, b, h, qi, ki: torch.where(ki <= pos, s, -math.inf)).float(),
-            atol=2e-2, rtol=2e-2)
-    table_row(f"decoding step B={B} Hq={Hq} Hkv={Hkv} KV={KV} D={D}", fa, t_us, s_us, bare)
+        torch.testing.assert_close(fa_decode().float(), torch_decode().float(), atol=2e-2, rtol=2e-2)
+    return row(f"decoding step B={B} Hq={Hq} Hkv={Hkv} KV={KV} D={D}", r)
 
-    # -- 2. tiny forward: B=1, H=4, S=256, score_mod with a closure constant; on the GPU at D=64
-    # (the Triton template) and D=128 (on an H100/H200, the Hopper kernel: TMA descriptor arguments)
+
+def tiny_forwards(device, dtype, calls, compiled_flex) -> list[dict]:
+    """B=1, H=4, S=256, a score_mod with a closure constant; on the GPU at D=64 (the Triton
+    template) and D=128 (on an H100/H200, the Hopper kernel: TMA descriptor arguments)."""
+    gpu = compiled_flex is not None
+    rows = []
     for S, H, D in [(256, 4, 64), (256, 4, 128)] if gpu else [(64, 2, 32)]:
         q, k, v = (torch.randn(1, H, S, D, device=device, dtype=dtype) for _ in range(3))
 
@@ -117,71 +124,98 @@ def main(argv=None) -> int:
             cap = 30.0
             return compiled_flex(q, k, v, score_mod=lambda s, b, h, qi, ki: cap * torch.tanh(s / cap))
 
-        r = per_call_side_by_side({"fa": fa_tiny, "bare": bare_launch(fa_tiny),
+        r = per_call_side_by_side({"flexattn": fa_tiny, "bare_launch": bare_launch(fa_tiny),
                                    "torch": torch_tiny if gpu else None}, calls, device)
-        fa, bare, t_us = r["fa"], r["bare"], r.get("torch")
         if gpu:
             torch.testing.assert_close(fa_tiny().float(), torch_tiny().float(), atol=2e-2, rtol=2e-2)
-        table_row(f"tiny forward B=1 H={H} S={S} D={D}", fa, t_us, None, bare)
+        rows.append(row(f"tiny forward B=1 H={H} S={S} D={D}", r))
+    return rows
 
-    # -- 3. training step: B=8, H=16, S=1024, D=64, causal, forward + backward
+
+def causal(b, h, qi, ki):
+    return qi >= ki
+
+
+def training_step(device, dtype, calls, compiled_flex) -> dict:
+    """B=8, H=16, S=1024, D=64, causal, forward + backward."""
+    gpu = compiled_flex is not None
     B, H, S, D = (8, 16, 1024, 64) if gpu else (1, 2, 64, 16)
     q, k, v = (torch.randn(B, H, S, D, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     g = torch.randn(B, H, S, D, device=device, dtype=dtype)
-
-    def causal(b, h, qi, ki):
-        return qi >= ki
-
     mask = flexattn.create_block_mask(causal, None, None, S, S, device=device)
-
-    def fa_train():
-        flexattn.flex_attention(q, k, v, block_mask=mask).backward(g)
-
     tmask = torch_create_block_mask(causal, None, None, S, S, device=device) if gpu else None
     r = per_call_side_by_side({
-        "fa": fa_train,
+        "flexattn": lambda: flexattn.flex_attention(q, k, v, block_mask=mask).backward(g),
         "torch": (lambda: compiled_flex(q, k, v, block_mask=tmask).backward(g)) if gpu else None,
         "sdpa": (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)) if gpu else None,
     }, max(calls // 3, 5), device)
-    fa, t_us, s_us = r["fa"], r.get("torch"), r.get("sdpa")
-    table_row(f"training step B={B} H={H} S={S} D={D} causal fwd+bwd", fa, t_us, s_us)
+    return row(f"training step B={B} H={H} S={S} D={D} causal fwd+bwd", r)
 
-    # -- create_block_mask: a new length after the first
-    base = 8192 if gpu else 256
+
+def new_mask_lengths(device) -> dict:
+    """create_block_mask for a new length after the first (the median of five lengths)."""
+    base = 8192 if device == "cuda" else 256
     flexattn.create_block_mask(causal, None, None, base, base, device=device)
-    new_len = []
+    times = []
     for i in range(1, 6):
         n = base + 128 * i + 7
-        if gpu:
-            torch.cuda.synchronize()
+        sync(device)
         t = time.perf_counter()
         flexattn.create_block_mask(causal, None, None, n, n, device=device)
-        if gpu:
-            torch.cuda.synchronize()
-        new_len.append((time.perf_counter() - t) * 1e3)
+        sync(device)
+        times.append((time.perf_counter() - t) * 1e3)
+    return row(f"create_block_mask, a new length after {base}", {"flexattn": statistics.median(times)}, "ms")
 
-    # -- first call of a never-seen mod (trace, codegen, Triton compile)
+
+def first_call(device, dtype) -> dict:
+    """The first call of a never-seen mod (trace, codegen, Triton compile)."""
     q, k, v = (torch.randn(1, 4, 256, 64, device=device, dtype=dtype) for _ in range(3))
     c = random.Random().random() + 1.0  # a constant no earlier run compiled
-    if gpu:
-        torch.cuda.synchronize()
+    sync(device)
     t = time.perf_counter()
     flexattn.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s * c - (qi - ki).abs() * 0.01)
-    if gpu:
-        torch.cuda.synchronize()
-    first = time.perf_counter() - t
+    sync(device)
+    return row("first call of a never-seen score_mod (trace + codegen + compile)",
+               {"flexattn": time.perf_counter() - t}, "s")
 
-    name = torch.cuda.get_device_name() if gpu else "CPU (Triton interpreter)"
-    print(f"# bench_host: {name}, torch {torch.__version__}, flexattn {flexattn.__version__}, "
-          f"{dtype}, median of 5 interleaved rounds of {calls} calls (training: {max(calls // 3, 5)})")
-    print("| call | flexattn µs/call | torch.compile(flex) | SDPA | bare Triton launch | flexattn host work over it |")
-    print("|---|---|---|---|---|---|")
-    for name_, fa, t_us, s_us, bare in rows:
-        fmt = lambda x: "—" if x is None else f"{x:.0f}"  # noqa: E731
-        over = "—" if bare is None else f"{fa - bare:.1f}"
-        print(f"| {name_} | {fa:.0f} | {fmt(t_us)} | {fmt(s_us)} | {fmt(bare)} | {over} |")
-    print(f"\ncreate_block_mask, new lengths after {base}: " + ", ".join(f"{x:.2f}" for x in new_len) + " ms")
-    print(f"first call of a never-seen score_mod (trace + codegen + compile): {first:.2f} s")
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], prog="python -m benchmarks host")
+    results.add_common_arguments(p)
+    p.add_argument("--calls", type=int, default=None, help="calls per timing (GPU default 300, CPU 20)")
+    return p
+
+
+def run(args) -> tuple[dict, list[dict]]:
+    device = args.device
+    gpu = device != "cpu"
+    calls = args.calls or (300 if gpu else 20)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    torch.manual_seed(0)
+    compiled_flex = torch.compile(torch_flex, dynamic=False) if gpu else None
+    rows = [decoding_step(device, dtype, calls, compiled_flex),
+            *tiny_forwards(device, dtype, calls, compiled_flex),
+            training_step(device, dtype, calls, compiled_flex),
+            new_mask_lengths(device), first_call(device, dtype)]
+    config = {"dtype": str(dtype).removeprefix("torch."), "calls": calls, "training_calls": max(calls // 3, 5),
+              "rounds": 5}
+    return config, rows
+
+
+def print_table(rows: list[dict]) -> None:
+    def fmt(x):
+        return "—" if x is None else f"{x:.0f}" if x >= 10 else f"{x:.2f}"
+
+    print("| call | unit | flexattn | torch.compile(flex) | SDPA | bare Triton launch | flexattn host work over it |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        over = "—" if r["bare_launch"] is None else f"{r['flexattn'] - r['bare_launch']:.1f}"
+        print(f"| {r['call']} | {r['unit']} | {fmt(r['flexattn'])} | {fmt(r['torch'])} | {fmt(r['sdpa'])} | "
+              f"{fmt(r['bare_launch'])} | {over} |")
+
+
+def main(argv=None) -> int:
+    results.run_suite(SUITE, run, print_table, parser().parse_args(argv))
     return 0
 
 

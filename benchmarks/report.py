@@ -1,0 +1,286 @@
+"""``python -m benchmarks report``: docs/performance.md and one plot per GPU from benchmarks/results/*.json.
+
+The page says what flexattn achieves on each GPU that has results, how the figures are counted and
+the command that reproduces them. Results measured on the CPU (Triton's interpreter) are left
+out: they check that a suite runs, they are not performance. The plots need matplotlib
+(``pip install 'flexattn[plot]'``); without it the page is written and the plots are not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python benchmarks/report.py`: import the package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import results
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMAND = "python -m benchmarks && python -m benchmarks report"
+TRAINING_IMPLS = {"flexattn": "flexattn", "torch": "torch.compile(flex_attention)", "sdpa": "cuDNN SDPA"}
+NONE = "—"
+
+METHOD = """\
+## Method
+
+- Every suite runs flexattn and its competitors in one process on the same seeded random inputs
+  (`benchmarks/bench_*.py`), and records each competitor's largest difference from flexattn's
+  output (and gradients) in the results JSON.
+- Kernel times are medians of CUDA-event timings after warm-up (`benchmarks/timing.py`); the
+  training suite times the competitors in turns over several rounds and keeps each one's median.
+- FLOPs: the forward counts 4·B·H·S²·D times the fraction of tiles the block mask visits (a causal
+  mask is credited about half the work of no mask); the backward counts 2.5 times the forward.
+- Ratios are the competitor's time over flexattn's: above 1, flexattn is faster. cuDNN SDPA runs
+  only where it can express the case (no mask, causal).
+- Decoding is memory bound: K+V bytes read per second, as a share of the device-to-device copy
+  bandwidth measured in the same run.
+- Per-call times are wall clock over a loop of calls (model code that builds its score_mod anew
+  each call), the median of five interleaved rounds: host work plus launch for these small shapes.
+"""
+
+
+def fmt(x, spec: str = ".0f", suffix: str = "") -> str:
+    return NONE if x is None else f"{x:{spec}}{suffix}"
+
+
+def ratio(other: dict | None, ours: dict | None, key: str) -> float | None:
+    """``other``'s time over ``ours`` (None where either did not run)."""
+    if not other or not ours or other.get(key) is None or ours.get(key) is None:
+        return None
+    return other[key] / ours[key]
+
+
+def span(values, spec: str, suffix: str = "") -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return NONE
+    lo, hi = min(values), max(values)
+    return f"{lo:{spec}}{suffix}" if f"{lo:{spec}}" == f"{hi:{spec}}" else f"{lo:{spec}}–{hi:{spec}}{suffix}"
+
+
+def env_line(record: dict) -> str:
+    return (f"{record['date']} · {record['gpu']} · torch {record.get('torch', '?')} · "
+            f"triton {record.get('triton', '?')} · CUDA {record.get('cuda') or '?'} · "
+            f"flexattn {record.get('commit') or record.get('flexattn', '?')}")
+
+
+def training_cases(record: dict) -> dict:
+    """(shape, case) -> impl -> row, in the order the suite ran them."""
+    cases: dict = {}
+    for row in record["rows"]:
+        cases.setdefault((row["shape"], row["case"]), {})[row["impl"]] = row
+    return cases
+
+
+def training_table(record: dict) -> list[str]:
+    dtype = record.get("config", {}).get("dtype", "")
+    lines = []
+    for shape in dict.fromkeys(row["shape"] for row in record["rows"]):
+        B, H, S, D = shape.split("x")
+        lines += ["", f"### Training attention: B={B} H={H} S={S} D={D}, {dtype}", "",
+                  "| case | tiles | fwd TF/s | vs torch | vs cuDNN | bwd TF/s | vs torch | vs cuDNN | torch fwd / bwd TF/s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for (row_shape, case), impls in training_cases(record).items():
+            if row_shape != shape:
+                continue
+            ours, theirs, cudnn = impls.get("flexattn"), impls.get("torch"), impls.get("sdpa")
+            ok = ours is not None and "error" not in ours
+            tiles = next(iter(impls.values()))["tiles"]
+            lines.append(
+                f"| {case} | {tiles:.2f} | {fmt(ours.get('fwd_tflops') if ok else None)} | "
+                f"{fmt(ratio(theirs, ours, 'fwd_ms'), '.2f', 'x')} | {fmt(ratio(cudnn, ours, 'fwd_ms'), '.2f', 'x')} | "
+                f"{fmt(ours.get('bwd_tflops') if ok else None)} | {fmt(ratio(theirs, ours, 'bwd_ms'), '.2f', 'x')} | "
+                f"{fmt(ratio(cudnn, ours, 'bwd_ms'), '.2f', 'x')} | "
+                f"{fmt((theirs or {}).get('fwd_tflops'))} / {fmt((theirs or {}).get('bwd_tflops'))} |")
+    return lines
+
+
+def decode_table(record: dict) -> list[str]:
+    config = record.get("config", {})
+    lines = ["", f"### Decoding: Q_LEN={config.get('q_len', 1)}, {config.get('dtype', '')}, "
+                 f"copy bandwidth {fmt(config.get('copy_tb_s'), '.2f')} TB/s", "",
+             "| shape (B, Hq, Hkv, KV, D) | flexattn µs | % of copy | torch.compile(flex) % | SDPA % |",
+             "|---|---|---|---|---|"]
+    shapes: dict = {}
+    for row in record["rows"]:
+        shapes.setdefault(row["shape"], {})[row["impl"]] = row
+    for name, impls in shapes.items():
+        ours = impls.get("flexattn", {})
+        r = next(iter(impls.values()))
+        lines.append(f"| {name} ({r['B']}, {r['Hq']}, {r['Hkv']}, {r['KV_LEN']}, {r['D']}) | "
+                     f"{fmt(ours.get('time_us'), '.1f')} | {fmt(ours.get('pct_copy'), '.1f', '%')} | "
+                     f"{fmt(impls.get('torch', {}).get('pct_copy'), '.1f', '%')} | "
+                     f"{fmt(impls.get('sdpa', {}).get('pct_copy'), '.1f', '%')} |")
+    return lines
+
+
+def fp8_table(record: dict) -> list[str]:
+    B, H, S, D = record.get("config", {}).get("shape", "?x?x?x?").split("x")
+    lines = ["", f"### float8 forward: B={B} H={H} S={S} D={D}", "",
+             "| case | run | TF/s | max error vs float64 |", "|---|---|---|---|"]
+    for row in record["rows"]:
+        lines.append(f"| {row['case']} | {row['impl']} | {fmt(row.get('fwd_tflops'))} | "
+                     f"{fmt(row.get('max_err_f64'), '.4f')} |")
+    return lines
+
+
+def host_table(record: dict) -> list[str]:
+    lines = ["", "### Per call (host work and launch)", "",
+             "| call | unit | flexattn | torch.compile(flex) | SDPA |", "|---|---|---|---|---|"]
+    for row in record["rows"]:
+        spec = ".2f" if row["unit"] == "s" else ".0f" if row["unit"] == "us" else ".1f"
+        unit = "µs" if row["unit"] == "us" else row["unit"]
+        lines.append(f"| {row['call']} | {unit} | {fmt(row['flexattn'], spec)} | {fmt(row.get('torch'), spec)} | "
+                     f"{fmt(row.get('sdpa'), spec)} |")
+    return lines
+
+
+def block_mask_table(record: dict) -> list[str]:
+    lines = ["", "### create_block_mask (B = H = 1): time, extra memory", "",
+             "| mask | tokens | flexattn | torch eager | torch.compile |", "|---|---|---|---|---|"]
+    cases: dict = {}
+    for row in record["rows"]:
+        cases.setdefault((row["mask"], row["tokens"]), {})[row["impl"]] = row
+
+    def cell(row):
+        if row is None:
+            return NONE
+        if "error" in row:
+            return "out of memory" if row["error"] == "OOM" else "error"
+        mem = "" if row.get("extra_mb") is None else f", {row['extra_mb']:.0f} MB"
+        return f"{row['ms']:.2f} ms{mem}"
+
+    for (mask, tokens), impls in cases.items():
+        lines.append(f"| {mask} | {tokens} | " + " | ".join(cell(impls.get(i)) for i in
+                                                          ("flexattn", "torch eager", "torch.compile")) + " |")
+    return lines
+
+
+TABLES = {"attention": training_table, "decode": decode_table, "fp8": fp8_table, "host": host_table,
+          "block_mask": block_mask_table}
+
+
+def summary(suites: dict) -> str:
+    """One sentence per suite of what flexattn achieves on one GPU."""
+    parts = []
+    if "attention" in suites:
+        cases = training_cases(suites["attention"]).values()
+        ours = [c["flexattn"] for c in cases if "error" not in c.get("flexattn", {"error": 1})]
+        for key, what in (("fwd", "forward"), ("bwd", "backward")):
+            tf = span([r.get(f"{key}_tflops") for r in ours], ".0f", " TF/s")
+            if tf == NONE:
+                continue
+            torch_x = span([ratio(c.get("torch"), c.get("flexattn"), f"{key}_ms") for c in cases], ".2f", "x")
+            cudnn_x = span([ratio(c.get("sdpa"), c.get("flexattn"), f"{key}_ms") for c in cases], ".2f", "x")
+            parts.append(f"the training {what} runs at {tf}, {torch_x} the speed of torch.compile(flex_attention)"
+                         + ("" if cudnn_x == NONE else f" and {cudnn_x} that of cuDNN SDPA where it runs"))
+    if "decode" in suites:
+        rows = suites["decode"]["rows"]
+        ours = span([r.get("pct_copy") for r in rows if r["impl"] == "flexattn"], ".0f", "%")
+        sdpa = span([r.get("pct_copy") for r in rows if r["impl"] == "sdpa"], ".0f", "%")
+        parts.append(f"decoding reads K and V at {ours} of the copy bandwidth"
+                     + ("" if sdpa == NONE else f" (SDPA: {sdpa})"))
+    if "fp8" in suites:
+        best = max((r["fwd_tflops"] for r in suites["fp8"]["rows"]
+                    if r["impl"].startswith("flexattn float8") and r.get("fwd_tflops") is not None), default=None)
+        if best is not None:
+            parts.append(f"the float8 forward reaches {best:.0f} TF/s")
+    return "; ".join(parts) + "." if parts else "No suite with a table ran on this GPU."
+
+
+def plot(record: dict, path: Path) -> None:
+    """TF/s per training case, forward and backward, for flexattn, torch.compile(flex) and cuDNN."""
+    import matplotlib  # optional (the plot extra): imported only when a plot is drawn
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = training_cases(record)
+    several = len({shape for shape, _ in cases}) > 1
+    labels = [f"{case}\n{shape}" if several else case for shape, case in cases]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 1.1 * len(labels) * 2), 4.2), sharey=True)
+    width = 0.8 / len(TRAINING_IMPLS)
+    for ax, key, title in zip(axes, ("fwd_tflops", "bwd_tflops"), ("forward", "backward")):
+        for i, (impl, name) in enumerate(TRAINING_IMPLS.items()):
+            values = [(impls.get(impl) or {}).get(key) or 0.0 for impls in cases.values()]
+            ax.bar([x + (i - 1) * width for x in range(len(labels))], values, width, label=name)
+        ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
+        ax.set_title(f"{title}, TFLOP/s")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{record['gpu']}, {record.get('config', {}).get('dtype', '')} "
+                 f"(torch {record.get('torch', '?')}, triton {record.get('triton', '?')}, {record['date']})")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def render(by_gpu: dict, image_of: dict) -> str:
+    """The page: ``by_gpu`` maps a GPU name to its records by suite; ``image_of`` a GPU name to
+    its plot's path relative to the page (absent: no plot)."""
+    lines = ["<!-- Generated by `python -m benchmarks report` from benchmarks/results/*.json: "
+             "edit benchmarks/report.py, not this page. -->", "", "# Performance", ""]
+    if not by_gpu:
+        lines += ["No benchmark results are recorded yet. On a machine with a CUDA GPU, from a source checkout:",
+                  "", "```bash", COMMAND, "```", "",
+                  "runs every suite, writes `benchmarks/results/<suite>-<gpu>.json` and writes this page with",
+                  "one table and one plot per GPU.", "", METHOD.rstrip()]
+        return "\n".join(lines) + "\n"
+    for gpu, suites in by_gpu.items():
+        lines.append(f"- **{gpu}**: {summary(suites)}")
+    lines += ["", "Reproduce on a CUDA machine, from a source checkout (`--preset quick` for a shorter run):",
+              "", "```bash", COMMAND, "```", "", METHOD.rstrip()]
+    for gpu, suites in by_gpu.items():
+        first = next(iter(suites.values()))
+        lines += ["", f"## {gpu}", "", env_line(first)]
+        if gpu in image_of:
+            lines += ["", f"![TFLOP/s per case on {gpu}]({image_of[gpu]})"]
+        for suite, record in suites.items():
+            table = TABLES[suite](record)
+            if env_line(record) != env_line(first):
+                table[3:3] = [env_line(record), ""]
+            lines += table
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks report", description=__doc__.splitlines()[0])
+    p.add_argument("--results", type=Path, default=results.RESULTS_DIR, help="folder of the results JSON")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "performance.md", help="the page to write")
+    p.add_argument("--no-plot", action="store_true", help="write the page without plots")
+    args = p.parse_args(argv)
+    by_gpu: dict = {}
+    for record in results.load(args.results) if args.results.is_dir() else []:
+        if record.get("device") == "cpu":
+            print(f"report: {record['suite']} results from the CPU left out (the interpreter is no measurement)")
+            continue
+        if record["suite"] not in TABLES:
+            raise ValueError(f"{args.results}: unknown suite {record['suite']!r} (known: {', '.join(TABLES)})")
+        by_gpu.setdefault(record["gpu"], {})[record["suite"]] = record
+    for suites in by_gpu.values():  # the suites in the order of TABLES
+        ordered = {s: suites[s] for s in TABLES if s in suites}
+        suites.clear()
+        suites.update(ordered)
+    image_of = {}
+    if not args.no_plot and any("attention" in s for s in by_gpu.values()):
+        try:
+            import matplotlib  # noqa: F401 - optional dependency, checked before drawing
+        except ImportError:
+            print("report: matplotlib is not installed, so no plots (pip install 'flexattn[plot]')", file=sys.stderr)
+        else:
+            for gpu, suites in by_gpu.items():
+                if "attention" in suites:
+                    path = args.out.parent / "img" / f"performance-{results.slug(gpu)}.png"
+                    plot(suites["attention"], path)
+                    image_of[gpu] = path.relative_to(args.out.parent).as_posix()
+                    print(f"report: wrote {path}")
+    args.out.write_text(render(by_gpu, image_of))
+    print(f"report: wrote {args.out} ({len(by_gpu)} GPU(s))")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,155 @@
+"""The benchmark tooling on the CPU: results files, the suite runner, and the generated page."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from benchmarks import __main__ as cli
+from benchmarks import report, results
+
+
+def env(gpu: str, date: str = "2030-01-02") -> dict:
+    return {"date": date, "device": "cuda", "gpu": gpu, "torch": "2.13.0", "triton": "3.9.0", "cuda": "13.0",
+            "flexattn": "0.1.0", "commit": "abc123"}
+
+
+def training_row(case: str, impl: str, fwd_ms: float, bwd_ms: float | None, tiles: float = 1.0) -> dict:
+    flops = 4 * 4 * 16 * 8192 * 8192 * 128 * tiles
+    return {"shape": "4x16x8192x128", "B": 4, "H": 16, "S": 8192, "D": 128, "case": case, "impl": impl,
+            "tiles": tiles, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "max_diff": 0.0, "grad_diff": 0.0,
+            "fwd_tflops": flops / fwd_ms / 1e9, "bwd_tflops": None if bwd_ms is None else 2.5 * flops / bwd_ms / 1e9}
+
+
+def write_h100(folder):
+    """An H100 with every suite; the causal case has no cuDNN row and torch failed on it."""
+    rows = [training_row("no mask", "flexattn", 2.0, 5.0), training_row("no mask", "torch", 3.0, 6.0),
+            training_row("no mask", "sdpa", 2.2, 4.5),
+            training_row("causal", "flexattn", 1.0, 2.5, tiles=0.5),
+            {"shape": "4x16x8192x128", "case": "causal", "impl": "torch", "tiles": 0.5,
+             "error": "RuntimeError: no"}]
+    results.save("attention", env("NVIDIA H100 80GB HBM3"), {"dtype": "bfloat16"}, rows, folder)
+    decode = [{"shape": "gqa B8 32k", "B": 8, "Hq": 32, "Hkv": 8, "KV_LEN": 32768, "D": 128, "impl": impl,
+               "time_us": t, "kv_tb_s": 1.0, "pct_copy": pct, "max_diff": 0.0}
+              for impl, t, pct in (("flexattn", 100.0, 99.5), ("sdpa", 101.0, 98.0))]
+    results.save("decode", env("NVIDIA H100 80GB HBM3", "2030-01-03"), {"dtype": "bfloat16", "q_len": 1,
+                                                                       "copy_tb_s": 3.0}, decode, folder)
+    fp8 = [{"shape": "4x16x8192x128", "case": "no mask", "impl": "flexattn float8", "fwd_ms": 1.0,
+            "fwd_tflops": 790.0, "max_err_f64": 0.01},
+           {"shape": "4x16x8192x128", "case": "no mask", "impl": "flexattn float8 Gluon", "error": "x"}]
+    results.save("fp8", env("NVIDIA H100 80GB HBM3"), {"shape": "4x16x8192x128"}, fp8, folder)
+    host = [{"call": "decoding step", "unit": "us", "flexattn": 35.0, "torch": 190.0, "sdpa": 36.0, "bare_launch": 9.0},
+            {"call": "first call", "unit": "s", "flexattn": 1.5, "torch": None, "sdpa": None, "bare_launch": None}]
+    results.save("host", env("NVIDIA H100 80GB HBM3"), {"calls": 300}, host, folder)
+    masks = [{"mask": "causal", "tokens": 32768, "impl": "flexattn", "ms": 0.5, "extra_mb": 1.0, "match": "yes"},
+             {"mask": "causal", "tokens": 32768, "impl": "torch eager", "error": "OOM"}]
+    results.save("block_mask", env("NVIDIA H100 80GB HBM3"), {"BLOCK_SIZE": 128}, masks, folder)
+
+
+def generate(tmp_path, *extra) -> str:
+    out = tmp_path / "docs" / "performance.md"
+    out.parent.mkdir(exist_ok=True)
+    assert report.main(["--results", str(tmp_path / "results"), "--out", str(out), *extra]) == 0
+    return out.read_text()
+
+
+def test_slug_names_a_gpu_by_its_model():
+    assert results.slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert results.slug("NVIDIA GeForce RTX 4090") == "rtx-4090"
+    with pytest.raises(ValueError, match="GPU name"):
+        results.slug("NVIDIA ()")
+
+
+def test_results_round_trip_and_bad_files_are_named(tmp_path):
+    path = results.save("decode", env("NVIDIA A100-SXM4-80GB"), {"q_len": 1}, [{"impl": "flexattn"}], tmp_path)
+    assert path.name == "decode-a100-sxm4-80gb.json"
+    (record,) = results.load(tmp_path)
+    assert record["suite"] == "decode" and record["gpu"] == "NVIDIA A100-SXM4-80GB" and record["config"] == {"q_len": 1}
+    (tmp_path / "other.json").write_text(json.dumps({"rows": []}))
+    with pytest.raises(ValueError, match="other.json: not a benchmark results file"):
+        results.load(tmp_path)
+
+
+def test_without_results_the_page_says_how_to_make_them(tmp_path):
+    page = generate(tmp_path)
+    assert "No benchmark results are recorded yet" in page and report.COMMAND in page
+    assert "## Method" in page
+
+
+def test_page_has_a_table_per_suite_with_ratios_and_missing_competitors(tmp_path):
+    write_h100(tmp_path / "results")
+    page = generate(tmp_path, "--no-plot")
+    assert len(page.splitlines()) < 200
+    assert "## NVIDIA H100 80GB HBM3" in page
+    assert "2030-01-02 · NVIDIA H100 80GB HBM3 · torch 2.13.0 · triton 3.9.0 · CUDA 13.0 · flexattn abc123" in page
+    assert "### Training attention: B=4 H=16 S=8192 D=128, bfloat16" in page
+    # no mask: torch 3.0 / 2.0 ms forward, cuDNN 2.2 / 2.0; backward 6.0 / 5.0 and 4.5 / 5.0
+    fwd_tflops = 4 * 4 * 16 * 8192 * 8192 * 128 / 2.0e-3 / 1e12
+    assert f"| no mask | 1.00 | {fwd_tflops:.0f} | 1.50x | 1.10x |" in page
+    assert "| 1.20x | 0.90x |" in page
+    # causal: torch failed and cuDNN did not run
+    assert "| causal | 0.50 |" in page and "| — | — |" in page.split("| causal | 0.50 |")[1].splitlines()[0]
+    assert "2030-01-03" in page  # the decoding run's own date, under its table
+    assert "| gqa B8 32k (8, 32, 8, 32768, 128) | 100.0 | 99.5% | — | 98.0% |" in page
+    assert "| no mask | flexattn float8 | 790 | 0.0100 |" in page
+    assert "| decoding step | µs | 35 | 190 | 36 |" in page and "| first call | s | 1.50 | — | — |" in page
+    assert "| causal | 32768 | 0.50 ms, 1 MB | out of memory | — |" in page
+    assert "1.10–1.50x the speed of torch.compile" not in page  # one ratio: no range
+    assert "1.50x the speed of torch.compile(flex_attention) and 1.10x that of cuDNN SDPA" in page
+    assert "decoding reads K and V at 100% of the copy bandwidth (SDPA: 98%)" in page
+    assert "the float8 forward reaches 790 TF/s" in page
+
+
+def test_several_gpus_each_get_a_section_and_cpu_results_are_left_out(tmp_path):
+    folder = tmp_path / "results"
+    write_h100(folder)
+    rows = [training_row("no mask", "flexattn", 4.0, 10.0)]
+    results.save("attention", env("NVIDIA H200"), {"dtype": "bfloat16"}, rows, folder)
+    results.save("attention", {**env(results.CPU_NAME), "device": "cpu"}, {}, rows, folder)
+    page = generate(tmp_path, "--no-plot")
+    assert page.count("\n## NVIDIA ") == 2 and "## NVIDIA H200" in page
+    assert "- **NVIDIA H200**: the training forward runs at" in page
+    assert results.CPU_NAME not in page
+    assert len(page.splitlines()) < 200
+
+
+def test_plot_per_gpu_is_drawn_and_shown_on_the_page(tmp_path):
+    pytest.importorskip("matplotlib")
+    write_h100(tmp_path / "results")
+    page = generate(tmp_path)
+    image = tmp_path / "docs" / "img" / "performance-h100-80gb-hbm3.png"
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![TFLOP/s per case on NVIDIA H100 80GB HBM3](img/performance-h100-80gb-hbm3.png)" in page
+
+
+def test_without_matplotlib_the_page_is_written_and_says_why_no_plot(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    write_h100(tmp_path / "results")
+    page = generate(tmp_path)
+    assert "matplotlib is not installed" in capsys.readouterr().err
+    assert "![" not in page and "### Training attention" in page
+
+
+def test_runner_rejects_an_unknown_suite(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["atention"])
+    assert "unknown suite 'atention'" in capsys.readouterr().err
+
+
+def test_presets_apply_on_the_gpu_only():
+    args = cli.parser().parse_args(["attention", "--device", "cuda", "--preset", "quick"])
+    assert cli.suite_argv("attention", args, ["--rounds", "2"])[-4:] == ["--shape", "1x16x2048x128", "--rounds", "2"]
+    args = cli.parser().parse_args(["attention", "--device", "cpu"])
+    assert "--shape" not in cli.suite_argv("attention", args, [])
+
+
+def test_attention_suite_on_the_cpu_writes_its_results(tmp_path, capsys):
+    assert cli.main(["attention", "--device", "cpu", "--results", str(tmp_path), "--",
+                     "--shape", "1x1x40x16", "--cases", "causal"]) == 0
+    (record,) = results.load(tmp_path)
+    assert record["suite"] == "attention" and record["device"] == "cpu" and record["torch"]
+    (row,) = record["rows"]
+    assert row["case"] == "causal" and row["impl"] == "flexattn" and row["fwd_ms"] > 0 and row["bwd_ms"] > 0
+    assert "causal" in capsys.readouterr().out
