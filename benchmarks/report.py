@@ -66,6 +66,11 @@ def env_line(record: dict) -> str:
             f"flexattn {record.get('commit') or record.get('flexattn', '?')}")
 
 
+def section(title: str, columns: list[str]) -> list[str]:
+    """A table's heading and header rows."""
+    return ["", f"### {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def training_cases(record: dict) -> dict:
     """(shape, case) -> impl -> row, in the order the suite ran them."""
     cases: dict = {}
@@ -79,9 +84,9 @@ def training_table(record: dict) -> list[str]:
     lines = []
     for shape in dict.fromkeys(row["shape"] for row in record["rows"]):
         B, H, S, D = shape.split("x")
-        lines += ["", f"### Training attention: B={B} H={H} S={S} D={D}, {dtype}", "",
-                  "| case | tiles | fwd TF/s | vs torch | vs cuDNN | bwd TF/s | vs torch | vs cuDNN | torch fwd / bwd TF/s |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += section(f"Training attention: B={B} H={H} S={S} D={D}, {dtype}",
+                         ["case", "tiles", "fwd TF/s", "vs torch", "vs cuDNN", "bwd TF/s", "vs torch", "vs cuDNN",
+                          "torch fwd / bwd TF/s"])
         for (row_shape, case), impls in training_cases(record).items():
             if row_shape != shape:
                 continue
@@ -99,10 +104,9 @@ def training_table(record: dict) -> list[str]:
 
 def decode_table(record: dict) -> list[str]:
     config = record.get("config", {})
-    lines = ["", f"### Decoding: Q_LEN={config.get('q_len', 1)}, {config.get('dtype', '')}, "
-                 f"copy bandwidth {fmt(config.get('copy_tb_s'), '.2f')} TB/s", "",
-             "| shape (B, Hq, Hkv, KV, D) | flexattn µs | % of copy | torch.compile(flex) % | SDPA % |",
-             "|---|---|---|---|---|"]
+    lines = section(f"Decoding: Q_LEN={config.get('q_len', 1)}, {config.get('dtype', '')}, "
+                    f"copy bandwidth {fmt(config.get('copy_tb_s'), '.2f')} TB/s",
+                    ["shape (B, Hq, Hkv, KV, D)", "flexattn µs", "% of copy", "torch.compile(flex) %", "SDPA %"])
     shapes: dict = {}
     for row in record["rows"]:
         shapes.setdefault(row["shape"], {})[row["impl"]] = row
@@ -118,8 +122,7 @@ def decode_table(record: dict) -> list[str]:
 
 def fp8_table(record: dict) -> list[str]:
     B, H, S, D = record.get("config", {}).get("shape", "?x?x?x?").split("x")
-    lines = ["", f"### float8 forward: B={B} H={H} S={S} D={D}", "",
-             "| case | run | TF/s | max error vs float64 |", "|---|---|---|---|"]
+    lines = section(f"float8 forward: B={B} H={H} S={S} D={D}", ["case", "run", "TF/s", "max error vs float64"])
     for row in record["rows"]:
         lines.append(f"| {row['case']} | {row['impl']} | {fmt(row.get('fwd_tflops'))} | "
                      f"{fmt(row.get('max_err_f64'), '.4f')} |")
@@ -127,8 +130,7 @@ def fp8_table(record: dict) -> list[str]:
 
 
 def host_table(record: dict) -> list[str]:
-    lines = ["", "### Per call (host work and launch)", "",
-             "| call | unit | flexattn | torch.compile(flex) | SDPA |", "|---|---|---|---|---|"]
+    lines = section("Per call (host work and launch)", ["call", "unit", "flexattn", "torch.compile(flex)", "SDPA"])
     for row in record["rows"]:
         spec = ".2f" if row["unit"] == "s" else ".0f" if row["unit"] == "us" else ".1f"
         unit = "µs" if row["unit"] == "us" else row["unit"]
@@ -138,8 +140,8 @@ def host_table(record: dict) -> list[str]:
 
 
 def block_mask_table(record: dict) -> list[str]:
-    lines = ["", "### create_block_mask (B = H = 1): time, extra memory", "",
-             "| mask | tokens | flexattn | torch eager | torch.compile |", "|---|---|---|---|---|"]
+    lines = section("create_block_mask (B = H = 1): time, extra memory",
+                    ["mask", "tokens", "flexattn", "torch eager", "torch.compile"])
     cases: dict = {}
     for row in record["rows"]:
         cases.setdefault((row["mask"], row["tokens"]), {})[row["impl"]] = row
