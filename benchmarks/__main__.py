@@ -1,8 +1,8 @@
 """``python -m benchmarks``: run benchmark suites, write their JSON results, print their tables.
 
-    python -m benchmarks                          # every suite, --preset issue (about 6 min on an H100)
+    python -m benchmarks                          # every suite at the shapes docs/performance.md shows
     python -m benchmarks attention decode         # some suites
-    python -m benchmarks --preset quick           # smaller shapes, a quick look (about 2 min)
+    python -m benchmarks --preset quick           # smaller shapes, a quicker look
     python -m benchmarks attention -- --cases causal --rounds 5   # arguments for the suites after --
     python -m benchmarks report                   # docs/performance.md and its plots from the results
 
