@@ -1,0 +1,87 @@
+"""Process groups and the pre-collective agreement checks: errors on every rank, not hangs.
+
+Before a collective that could deadlock on a mismatch, every rank gathers a small description of
+its call (shapes, lengths, dtype, method, mask and mod keys, and any local error) with one
+``all_gather_object``; if the descriptions differ, or any rank found a local error, every rank
+raises the same `DistributedMismatchError`. Calls check once per description: a description
+seen before (on this rank) is not gathered again.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class DistributedMismatchError(ValueError):
+    """Ranks called a collective flexattn operation with inputs that do not agree."""
+
+
+def resolve_group(group_or_mesh) -> dist.ProcessGroup:
+    """A process group from a ProcessGroup, a 1-D DeviceMesh, or None (the default group)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("flexattn.distributed needs torch.distributed initialised "
+                           "(torch.distributed.init_process_group, or torchrun)")
+    if group_or_mesh is None:
+        return dist.group.WORLD
+    if isinstance(group_or_mesh, dist.ProcessGroup):
+        return group_or_mesh
+    get_group = getattr(group_or_mesh, "get_group", None)
+    if get_group is not None:  # DeviceMesh
+        if group_or_mesh.ndim != 1:
+            raise ValueError(f"group_or_mesh: a DeviceMesh must be 1-D here (pass mesh['cp'] for its "
+                             f"context-parallel dimension), got {group_or_mesh.ndim} dimensions")
+        return get_group()
+    raise TypeError(f"group_or_mesh must be a ProcessGroup, a 1-D DeviceMesh or None, got "
+                    f"{type(group_or_mesh).__name__}")
+
+
+def backend_of(group: dist.ProcessGroup) -> str:
+    return str(dist.get_backend(group)).lower()
+
+
+def backend_error(group: dist.ProcessGroup, device: torch.device, method: str) -> str:
+    """Why ``group``'s backend cannot run ``method`` on tensors on ``device`` ("" if it can)."""
+    backend = backend_of(group)
+    if device.type == "cuda":
+        if "nccl" not in backend:
+            return (f"method={method!r} on CUDA tensors needs a process group with the NCCL backend, "
+                    f"got {backend!r}")
+    elif device.type == "cpu":
+        if "gloo" not in backend:
+            return f"method={method!r} on CPU tensors needs a process group with the gloo backend, got {backend!r}"
+    else:
+        return f"flexattn.distributed runs on CUDA (NCCL) or CPU (gloo) tensors, got {device.type}"
+    return ""
+
+
+_AGREED: set = set()
+_AGREED_LIMIT = 4096
+
+
+def agree(group: dist.ProcessGroup, what: str, fields: dict, local_error: str = "", cache: bool = True) -> None:
+    """Every rank of ``group`` passes equal ``fields`` (name -> value) and no ``local_error``,
+    else every rank raises the same `DistributedMismatchError` naming ``what``.
+
+    With ``cache``, a description this rank agreed on before skips the gather (all ranks must
+    then see the same description again, which a matching earlier agreement makes likely)."""
+    token = (id(group), what, tuple(fields.items()), local_error) if cache else None
+    if token is not None and token in _AGREED:
+        return
+    size = dist.get_world_size(group)
+    gathered: list = [None] * size
+    dist.all_gather_object(gathered, (local_error, fields), group=group)
+    errors = [f"rank {r}: {err}" for r, (err, _) in enumerate(gathered) if err]
+    if errors:
+        raise DistributedMismatchError(f"{what}: " + "; ".join(errors))
+    first = gathered[0][1]
+    for r, (_, theirs) in enumerate(gathered[1:], start=1):
+        if theirs != first:
+            diff = [k for k in first.keys() | theirs.keys() if first.get(k) != theirs.get(k)]
+            detail = ", ".join(f"{k}: rank 0 has {first.get(k)!r}, rank {r} has {theirs.get(k)!r}"
+                               for k in sorted(diff))
+            raise DistributedMismatchError(f"{what}: the ranks disagree ({detail})")
+    if token is not None:
+        if len(_AGREED) >= _AGREED_LIMIT:
+            _AGREED.clear()
+        _AGREED.add(token)

@@ -1,0 +1,166 @@
+"""Mods at global positions, and `DistributedBlockMask`: block tables per (query shard, KV shard).
+
+A rank's shard holds some global positions (`flexattn.distributed.layout`); the user's mods are
+written for global ``q_idx`` / ``kv_idx``. `at_global_positions` rewrites a mod into
+``mod(b, h, qpos[q_idx], kvpos[kv_idx])`` with ``qpos`` / ``kvpos`` captured int32 tensors, traced
+once per mod; a step binds the positions of its own query and KV shards. Each rank builds, with
+flexattn's own `create_block_mask` (no torch.compile), one BlockMask of its query shard against
+every KV shard, and the ranks share which pairs are empty so that the ring skips them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+import flexattn
+from flexattn.distributed import checks
+from flexattn.distributed.layout import Layout, as_layout
+
+SCORE, MASK = "score", "mask"
+
+# (mod key, captured tensors' metas, kind, score dtype) -> (wrapped template, slots)
+_WRAPPED: dict[tuple, tuple] = {}
+_WRAPPED_LIMIT = 1024
+
+
+def _template(mod, kind: str, score_dtype: torch.dtype):
+    """``mod`` read at global positions: (template Mod, slots); buffer i of the template is entry
+    ``slots[i]`` of ``(*mod.buffers, qpos, kvpos)``."""
+    metas = tuple((t.dtype, t.dim()) for t in mod.buffers)
+    key = (mod.key(), metas, kind, score_dtype)
+    hit = _WRAPPED.get(key)
+    if hit is not None:
+        return hit
+    stand_ins = [torch.empty((0,) * t.dim(), dtype=t.dtype, device="meta") for t in mod.buffers]
+    qpos = torch.empty(0, dtype=torch.int32, device="meta")
+    kvpos = torch.empty(0, dtype=torch.int32, device="meta")
+    inner = mod.rebind(stand_ins)
+    if kind == SCORE:
+        def at_positions(score, b, h, q_idx, kv_idx):
+            return inner(score, b, h, qpos[q_idx], kvpos[kv_idx])
+    else:
+        def at_positions(b, h, q_idx, kv_idx):
+            return inner(b, h, qpos[q_idx], kvpos[kv_idx])
+    wrapped = flexattn.trace(at_positions, kind, score_dtype=score_dtype, name=f"{mod.name}_at_global_positions")
+    by_id = {id(t): i for i, t in enumerate([*stand_ins, qpos, kvpos])}
+    hit = (wrapped, tuple(by_id[id(t)] for t in wrapped.buffers))
+    if len(_WRAPPED) >= _WRAPPED_LIMIT:
+        _WRAPPED.clear()
+    _WRAPPED[key] = hit
+    return hit
+
+
+def at_global_positions(mod, kind: str, score_dtype: torch.dtype, qpos: torch.Tensor, kvpos: torch.Tensor):
+    """``mod`` (a `flexattn.Mod` with its captured tensors) as seen from local indices whose
+    global positions are ``qpos`` / ``kvpos``; also returns, for each buffer of the result, the
+    index of the ``mod`` buffer it is (None for the position tables)."""
+    wrapped, slots = _template(mod, kind, score_dtype)
+    pool = (*mod.buffers, qpos, kvpos)
+    n = len(mod.buffers)
+    return wrapped.rebind([pool[i] for i in slots]), tuple(i if i < n else None for i in slots)
+
+
+def as_mask_mod(mask_mod) -> "flexattn.Mod":
+    if isinstance(mask_mod, flexattn.Mod):
+        return mask_mod
+    if not callable(mask_mod):
+        raise TypeError(f"mask_mod must be a function or a flexattn Mod, got {type(mask_mod).__name__}")
+    return flexattn.trace(mask_mod, MASK)
+
+
+def is_empty(block_mask) -> bool:
+    """Whether ``block_mask`` lists no KV block at all (a host sync: mask-building time only)."""
+    n = block_mask.kv_num_blocks.sum()
+    if block_mask.full_kv_num_blocks is not None:
+        n = n + block_mask.full_kv_num_blocks.sum()
+    return int(n) == 0
+
+
+class DistributedBlockMask:
+    """One rank's block tables: its query shard against each KV shard, in global positions.
+
+    ``masks[j]``: the `flexattn.BlockMask` of this rank's queries against KV shard j (None where
+    empty); ``needs[i][j]``: whether query shard i reads KV shard j (the same on every rank);
+    ``qpos`` / ``kvpos[j]``: the global positions of this rank's queries and of KV shard j.
+    Made by `create_block_mask`.
+    """
+
+    def __init__(self, group, layout: Layout, B: int, H: int, seq_lengths: tuple[int, int], block_size,
+                 mask: "flexattn.Mod", qpos, kvpos: list, masks: list, needs: tuple, token: tuple):
+        self.group, self.layout, self.B, self.H = group, layout, B, H
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.seq_lengths, self.BLOCK_SIZE, self.mask_mod = seq_lengths, block_size, mask
+        self.qpos, self.kvpos, self.masks, self.needs, self.token = qpos, kvpos, masks, needs, token
+        self._gathered = None
+
+    def gathered(self):
+        """The BlockMask of this rank's queries against all KV shards in rank order (the
+        all-gather method's; None if empty), and those KV positions; built on first use."""
+        if self._gathered is None:
+            kvpos = torch.cat(self.kvpos)
+            mod, _ = at_global_positions(self.mask_mod, MASK, torch.float32, self.qpos, kvpos)
+            bm = flexattn.create_block_mask(mod, self.B, self.H, self.qpos.numel(), kvpos.numel(),
+                                            device=self.qpos.device, BLOCK_SIZE=self.BLOCK_SIZE)
+            self._gathered = (None if is_empty(bm) else bm, kvpos)
+        return self._gathered
+
+    def sparsity(self) -> float:
+        """Percentage of (query shard, KV shard) pairs that no rank computes."""
+        P = self.world_size
+        return 100.0 * (1 - sum(map(sum, self.needs)) / (P * P))
+
+    def __repr__(self) -> str:
+        return (f"DistributedBlockMask(rank {self.rank} of {self.world_size}, {self.layout!r}, "
+                f"seq_lengths={self.seq_lengths}, BLOCK_SIZE={self.BLOCK_SIZE}, needs={self.needs})")
+
+
+_TOKENS = itertools.count()
+
+
+def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
+                      group_or_mesh=None, load_balance=None, device=None,
+                      BLOCK_SIZE: int | tuple[int, int] = 128) -> DistributedBlockMask:
+    """This rank's block tables of ``mask_mod`` (written for global ``q_idx`` / ``kv_idx``) for
+    sequences of Q_LEN queries and KV_LEN keys sharded over ``group_or_mesh`` by ``load_balance``
+    (None, "head_tail" or a layout of `flexattn.distributed`). Any lengths work; each rank's
+    tables are built with flexattn's `create_block_mask` (no torch.compile). A collective: every
+    rank calls it with the same arguments (checked: a mismatch raises on every rank).
+
+    Example (under torchrun)::
+
+        >>> causal = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx
+        >>> bm = create_block_mask(causal, None, None, 100_000, 100_000, load_balance="head_tail")  # doctest: +SKIP
+    """
+    group = checks.resolve_group(group_or_mesh)
+    layout = as_layout(load_balance)
+    P, r = dist.get_world_size(group), dist.get_rank(group)
+    mod = as_mask_mod(mask_mod)
+    B, H = B or 1, H or 1
+    device = torch.device(device) if device is not None else \
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    error = ""
+    try:
+        qpos = layout.positions(Q_LEN, P, r, device)
+        kvpos = [layout.positions(KV_LEN, P, j, device) for j in range(P)]
+    except ValueError as e:
+        error, qpos, kvpos = str(e), None, None
+    fields = {"mask_mod": mod.key(), "B": B, "H": H, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "layout": layout.key(),
+              "BLOCK_SIZE": BLOCK_SIZE, "device type": device.type}
+    checks.agree(group, "flexattn.distributed.create_block_mask", fields, error, cache=False)
+    masks = []
+    for j in range(P):
+        local, _ = at_global_positions(mod, MASK, torch.float32, qpos, kvpos[j])
+        bm = flexattn.create_block_mask(local, B, H, qpos.numel(), kvpos[j].numel(), device=device,
+                                        BLOCK_SIZE=BLOCK_SIZE)
+        masks.append(None if qpos.numel() == 0 or kvpos[j].numel() == 0 or is_empty(bm) else bm)
+    row = [m is not None for m in masks]
+    rows: list = [None] * P
+    dist.all_gather_object(rows, row, group=group)
+    # (the token names this mask in the call checks: equal on every rank, new for every mask)
+    token = (mod.key(), layout.key(), Q_LEN, KV_LEN, B, H, BLOCK_SIZE, next(_TOKENS))
+    return DistributedBlockMask(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, qpos, kvpos, masks,
+                                tuple(tuple(x) for x in rows), token)

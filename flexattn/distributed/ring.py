@@ -1,0 +1,160 @@
+"""The ring: K/V shards travel rank to rank by point-to-point sends, overlapped with the compute.
+
+At step s rank r holds KV shard j = (r - s) mod P. Shard j is last needed at step ``last[j]``
+(the largest s whose holder (j + s) mod P reads it, from the agreed ``needs`` table), so it
+travels only up to there: a step whose pair is empty computes nothing, and a transfer that no
+later rank needs is not made. Every rank derives the same schedule from ``needs``, so sends and
+receives always pair up.
+
+Forward: each step posts the next shard's transfer (double buffers), computes the current one,
+and merges the partial (out, lse) by log-sum-exp. Backward: the K/V travel again, with the dK/dV
+partial sums of each shard following them; a shard's sums go home (to the rank that owns it)
+from the last rank that reads it. On CUDA the transfers run on NCCL's own stream, so they overlap
+the kernels on the current stream.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def last_steps(needs: tuple, P: int) -> list[int]:
+    """``last[j]``: the last step at which a rank reads KV shard j (-1: none does)."""
+    last = []
+    for j in range(P):
+        steps = [s for s in range(P) if needs[(j + s) % P][j]]
+        last.append(max(steps) if steps else -1)
+    return last
+
+
+def merge(out: torch.Tensor | None, lse: torch.Tensor | None, part_out: torch.Tensor, part_lse: torch.Tensor):
+    """Merge two partial attentions by their log-sum-exp (accumulators in ``lse``'s dtype). A
+    row that neither part sees stays out = 0, lse = -inf, never NaN."""
+    part_lse = part_lse.to(torch.float64 if part_lse.dtype == torch.float64 else torch.float32)
+    if out is None:
+        return part_out.to(part_lse.dtype), part_lse
+    top = torch.maximum(lse, part_lse)
+    top = torch.where(top == -math.inf, 0.0, top)
+    a, b = torch.exp(lse - top), torch.exp(part_lse - top)
+    total = a + b
+    new_lse = top + torch.log(total)
+    inv = 1.0 / torch.where(total == 0, 1.0, total)
+    out = out * (a * inv).unsqueeze(-1) + part_out.to(out.dtype) * (b * inv).unsqueeze(-1)
+    return out, new_lse
+
+
+class Ring:
+    """The ring schedule of one group and one ``needs`` table; ``lengths[j]``: KV shard j's length."""
+
+    def __init__(self, group, needs: tuple, lengths: list[int]):
+        self.group = group
+        self.P, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.needs, self.lengths = needs, lengths
+        self.last = last_steps(needs, self.P)
+        self.peers = [dist.get_global_rank(group, (self.rank + d) % self.P) for d in (1, -1)]
+
+    def shard_at(self, s: int) -> int:
+        return (self.rank - s) % self.P
+
+    def _transfer(self, s: int, sends: list[torch.Tensor], make_recv: Callable, tag: int):
+        """After step s: send what we hold on to the next rank, receive the next step's shard;
+        ``(works, received tensors or None)``."""
+        ops, received = [], None
+        j = self.shard_at(s)
+        if s + 1 <= self.last[j]:
+            ops += [dist.P2POp(dist.isend, t, self.peers[0], self.group, tag + i) for i, t in enumerate(sends)]
+        nxt = self.shard_at(s + 1)
+        if s + 1 <= self.last[nxt]:
+            received = make_recv(nxt)
+            ops += [dist.P2POp(dist.irecv, t, self.peers[1], self.group, tag + i) for i, t in enumerate(received)]
+        return (dist.batch_isend_irecv(ops) if ops else []), received
+
+    def forward(self, k: torch.Tensor, v: torch.Tensor, compute: Callable):
+        """``compute(j, k_j, v_j) -> (out, lse)`` for every pair this rank reads, merged:
+        ``(out, lse)`` in float32 (float64 for float64), or (None, None) if it reads nothing."""
+        out = lse = None
+        k, v = k.contiguous(), v.contiguous()
+        for s in range(self.P):
+            j = self.shard_at(s)
+            works, nxt = self._transfer(s, [k, v], lambda i: self._kv_like(k, v, i), 0)
+            if self.needs[self.rank][j]:
+                out, lse = merge(out, lse, *compute(j, k, v))
+            for w in works:
+                w.wait()
+            if nxt is not None:
+                k, v = nxt
+        return out, lse
+
+    def _kv_like(self, k, v, j, dtype=None):
+        n = self.lengths[j]
+        return (k.new_empty((*k.shape[:2], n, k.shape[3]), dtype=dtype or k.dtype),
+                v.new_empty((*v.shape[:2], n, v.shape[3]), dtype=dtype or v.dtype))
+
+    def backward(self, k: torch.Tensor, v: torch.Tensor, compute: Callable, acc_dtype: torch.dtype):
+        """``compute(j, k_j, v_j) -> (dq, dk_j, dv_j, extra)`` for every pair this rank reads:
+        ``(dq sum or None, dK, dV of this rank's own shard in acc_dtype, [extra of each step])``."""
+        k, v = k.contiguous(), v.contiguous()
+        dq, extras = None, []
+        home = None                      # this rank's own shard's dK/dV sums, once complete
+        sums_works, sums_next = [], None  # the sums of the shard held at the next step, in flight
+        for s in range(self.P):
+            j = self.shard_at(s)
+            held = s <= self.last[j]     # (the shard is here and someone reads it now or later)
+            works, nxt = self._transfer(s, [k, v], lambda i: self._kv_like(k, v, i), 0)
+            part = compute(j, k, v) if held and self.needs[self.rank][j] else None
+            for w in sums_works:
+                w.wait()
+            sums = None
+            if held:
+                sums = sums_next if s > 0 else self._kv_like(k, v, j, acc_dtype)
+                if s == 0:
+                    sums[0].zero_()
+                    sums[1].zero_()
+                if part is not None:
+                    dq_s, dk_s, dv_s, extra = part
+                    dq = dq_s.to(acc_dtype) if dq is None else dq.add_(dq_s)
+                    sums[0].add_(dk_s)
+                    sums[1].add_(dv_s)
+                    extras.append(extra)
+                if j == self.rank and self.last[j] == 0:
+                    home = sums
+            sums_works, sums_next, arrived = self._send_sums(s, sums, k, v, acc_dtype)
+            if arrived is not None:
+                home = arrived
+            for w in works:
+                w.wait()
+            if nxt is not None:
+                k, v = nxt
+        for w in sums_works:
+            w.wait()
+        if home is None:  # no rank reads this shard
+            home = self._kv_like(k, v, self.rank, acc_dtype)
+            home[0].zero_()
+            home[1].zero_()
+        return dq, home[0], home[1], extras
+
+    def _send_sums(self, s: int, acc, k, v, acc_dtype):
+        """After step s's compute: the held shard's dK/dV sums go on to the next rank (while a
+        later rank reads the shard) or home (from the last one); receive the next step's sums and,
+        at the step it ends, this rank's own shard's sums. ``(works, next sums, own sums)``."""
+        ops, nxt, home = [], None, None
+        j = self.shard_at(s)
+        if acc is not None:
+            if s + 1 <= self.last[j]:
+                ops += [dist.P2POp(dist.isend, t, self.peers[0], self.group, 2 + i) for i, t in enumerate(acc)]
+            elif j != self.rank:
+                dst = dist.get_global_rank(self.group, j)
+                ops += [dist.P2POp(dist.isend, t, dst, self.group, 4 + i) for i, t in enumerate(acc)]
+        n = self.shard_at(s + 1)
+        if s + 1 <= self.last[n]:
+            nxt = self._kv_like(k, v, n, acc_dtype)
+            ops += [dist.P2POp(dist.irecv, t, self.peers[1], self.group, 2 + i) for i, t in enumerate(nxt)]
+        if s >= 1 and s == self.last[self.rank]:
+            src = dist.get_global_rank(self.group, (self.rank + s) % self.P)
+            home = self._kv_like(k, v, self.rank, acc_dtype)
+            ops += [dist.P2POp(dist.irecv, t, src, self.group, 4 + i) for i, t in enumerate(home)]
+        return (dist.batch_isend_irecv(ops) if ops else []), nxt, home

@@ -1,0 +1,51 @@
+"""One (query shard, KV shard) pair: flexattn's single-GPU forward and backward at global positions.
+
+The forward is `flexattn.flex_attention` with ``return_lse=True``; the backward is flexattn's
+backward op (``torch.ops.flexattn.backward``) given the *merged* output and LSE, which makes each
+pair's gradient exactly its share of the whole (P recomputed from the global LSE, delta from the
+global output).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import flexattn
+from flexattn import ops  # noqa: F401  (registers torch.ops.flexattn.*)
+from flexattn.call import _compiled_tables
+from flexattn.distributed.masks import SCORE, at_global_positions
+
+
+class Pair:
+    """What every step of one call shares: the score mod (a `flexattn.Mod` with its captured
+    tensors), the query positions, scale, GQA, kernel options and the score dtype."""
+
+    def __init__(self, score, qpos, scale: float, enable_gqa: bool, options: dict, stat_dtype):
+        self.score, self.qpos, self.scale = score, qpos, scale
+        self.enable_gqa, self.options, self.stat_dtype = enable_gqa, options, stat_dtype
+
+    def score_at(self, kvpos):
+        return at_global_positions(self.score, SCORE, self.stat_dtype, self.qpos, kvpos)
+
+    def forward(self, q, k, v, block_mask, kvpos):
+        score, _ = self.score_at(kvpos)
+        return flexattn.flex_attention(q, k, v, score_mod=score, block_mask=block_mask, scale=self.scale,
+                                       enable_gqa=self.enable_gqa, return_lse=True,
+                                       kernel_options=self.options or None)
+
+    def backward(self, q, k, v, out, lse, dout, dlse, block_mask, kvpos, need: tuple):
+        """``(dq, dk, dv, grads)``: ``grads[i]`` is the gradient of the score mod's captured
+        tensor i (None where ``need[i]`` is False)."""
+        score, origin = self.score_at(kvpos)
+        step_need = [o is not None and need[o] for o in origin]
+        block, tables = _compiled_tables(block_mask)
+        mask = block_mask.mod
+        spec = ops.spec(score.key(), mask.key(), block, self.enable_gqa, tuple(sorted(self.options.items())), False)
+        dq, dk, dv, step_grads = torch.ops.flexattn.backward(
+            q, k, v, out, lse, dout, dlse, list(score.buffers), list(mask.buffers), tables, spec, self.scale,
+            step_need)
+        grads = [None] * len(self.score.buffers)
+        for o, g, n in zip(origin, step_grads, step_need):
+            if n:
+                grads[o] = g
+        return dq, dk, dv, grads
