@@ -152,9 +152,32 @@ def _errors(rank, P) -> None:
         fd.flex_attention(q, q, q, block_mask=bm, method="tree")
 
 
+def _compiled(rank, P) -> None:
+    """Under torch.compile(fullgraph=True): the same output and gradients as the eager call."""
+    S = 37
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (fd.shard(torch.randn(1, 2, S, BLOCK, generator=g), load_balance="head_tail") for _ in range(3))
+    bias = torch.randn(2, S, generator=g)
+    bm = fd.create_block_mask(masks.causal, None, None, S, S, load_balance="head_tail", device="cpu",
+                              BLOCK_SIZE=BLOCK)
+
+    def attn(q, k, v, bias):
+        return fd.flex_attention(q, k, v, score_mod=_bias_score(bias), block_mask=bm)
+
+    results = []
+    for fn in (attn, torch.compile(attn, fullgraph=True, backend="aot_eager")):
+        ins = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+        out = fn(*ins)
+        results.append([out, *torch.autograd.grad(out.square().sum(), ins)])
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
 def _body(rank, P) -> None:
     _layouts_and_masks(rank, P)
     _errors(rank, P)
+    if P == 2:
+        _compiled(rank, P)
     for case in _cases(P):
         _check_case(rank, P, case)
 

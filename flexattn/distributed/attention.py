@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
+import ast
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from flexattn.call import resolve_score_mod
+from flexattn import capture
+from flexattn.call import identity_score_mod, resolve_score_mod
+from flexattn.mods import template
 from flexattn.distributed import checks
 from flexattn.distributed.allgather import AllGather
-from flexattn.distributed.masks import DistributedBlockMask
+from flexattn.distributed.masks import SCORE, DistributedBlockMask, by_name
 from flexattn.distributed.ring import Ring
 from flexattn.distributed.steps import Pair
 
 METHODS = ("ring", "allgather")
-
-
-class _Setup:
-    """One call's non-tensor inputs (kept by autograd for the backward)."""
-
-    __slots__ = ("pair", "block_mask", "method", "n_score", "acc_dtype")
-
-    def __init__(self, pair: Pair, block_mask: DistributedBlockMask, method: str, n_score: int, acc_dtype):
-        self.pair, self.block_mask, self.method, self.n_score, self.acc_dtype = \
-            pair, block_mask, method, n_score, acc_dtype
 
 
 def _ring(bm: DistributedBlockMask) -> Ring:
@@ -35,56 +28,105 @@ def _ring(bm: DistributedBlockMask) -> Ring:
     return ring
 
 
-class DistributedAttention(torch.autograd.Function):
-    """Forward and backward of one distributed call; trailing inputs: the score mod's captured
-    tensors (their gradients are summed over the ranks)."""
+@torch.compiler.assume_constant_result
+def spec(score_key: str, method: str, enable_gqa: bool, options: tuple) -> str:
+    """The constant part of a call, as the ops' string argument."""
+    return repr((score_key, method, enable_gqa, options))
 
-    @staticmethod
-    def forward(ctx, q, k, v, setup: _Setup, *score_bufs):
-        bm, pair = setup.block_mask, setup.pair
-        if setup.method == "ring":
-            out, lse = _ring(bm).forward(
-                k, v, lambda j, kj, vj: pair.forward(q, kj, vj, bm.masks[j], bm.kvpos[j]))
-        else:
-            out, lse = AllGather(bm).forward(q, k, v, pair)
-        B, Hq, L, _ = q.shape
-        if out is None:  # this rank's queries see no key at all
-            out = q.new_zeros((B, Hq, L, v.shape[-1]), dtype=setup.acc_dtype)
-            lse = q.new_full((B, Hq, L), -math.inf, dtype=setup.acc_dtype)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, *score_bufs)
-        ctx.setup = setup
-        ctx.set_materialize_grads(False)
-        return out, lse
 
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, *score_bufs = ctx.saved_tensors
-        setup = ctx.setup
-        bm, pair = setup.block_mask, setup.pair
-        if dout is None:
-            dout = torch.zeros_like(out)
-        need = tuple(ctx.needs_input_grad[4:4 + setup.n_score])
-        if setup.method == "ring":
-            def step(j, kj, vj):
-                return pair.backward(q, kj, vj, out, lse, dout, dlse, bm.masks[j], bm.kvpos[j], need)
-            dq, dk, dv, per_step = _ring(bm).backward(k, v, step, setup.acc_dtype)
-        else:
-            dq, dk, dv, per_step = AllGather(bm).backward(q, k, v, out, lse, dout, dlse, pair, need,
-                                                        setup.acc_dtype)
-        dq = torch.zeros_like(q) if dq is None else dq.to(q.dtype)
-        grads = []
-        for i, t in enumerate(score_bufs):
-            if not need[i]:
-                grads.append(None)
-                continue
-            g = torch.zeros(t.shape, dtype=setup.acc_dtype, device=t.device)
-            for step_grads in per_step:
-                if step_grads[i] is not None:
-                    g += step_grads[i]
-            dist.all_reduce(g, group=bm.group)
-            grads.append(g.to(t.dtype))
-        return (dq, dk.to(k.dtype), dv.to(v.dtype), None, *grads)
+def _setup(spec_: str, mask_name: str, score_bufs, scale: float, stat_dtype):
+    score_key, method, enable_gqa, options = ast.literal_eval(spec_)
+    bm = by_name(mask_name)
+    score = template(score_key).rebind(score_bufs)
+    return bm, method, Pair(score, bm.qpos, scale, enable_gqa, dict(options), stat_dtype)
+
+
+def _stat_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("flexattn_distributed::attention", mutates_args=())
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_bufs: list[torch.Tensor],
+              spec: str, mask_name: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``(out, lse)``; the block mask is named by ``mask_name`` (`masks.by_name`)."""
+    acc = _stat_dtype(query)
+    bm, method, pair = _setup(spec, mask_name, score_bufs, scale, acc)
+    _check_call(query, key, value, bm, method, pair)
+    if method == "ring":
+        out, lse = _ring(bm).forward(
+            key, value, lambda j, kj, vj: pair.forward(query, kj, vj, bm.masks[j], bm.kvpos[j]))
+    else:
+        out, lse = AllGather(bm).forward(query, key, value, pair)
+    B, Hq, L, _ = query.shape
+    if out is None:  # this rank's queries see no key at all
+        out = query.new_zeros((B, Hq, L, value.shape[-1]), dtype=acc)
+        lse = query.new_full((B, Hq, L), -math.inf, dtype=acc)
+    return out.to(query.dtype), lse
+
+
+@attention.register_fake
+def _(query, key, value, score_bufs, spec, mask_name, scale):
+    B, Hq, L, _ = query.shape
+    return (query.new_empty((B, Hq, L, value.shape[-1])),
+            query.new_empty((B, Hq, L), dtype=_stat_dtype(query)))
+
+
+@torch.library.custom_op("flexattn_distributed::attention_backward", mutates_args=())
+def attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
+                       score_bufs: list[torch.Tensor], spec: str, mask_name: str, scale: float,
+                       need: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Gradients of `attention`: ``(dq, dk, dv, [grad of each score-mod tensor])`` (empty where
+    ``need`` is False); the captured tensors' gradients are summed over the ranks."""
+    acc = _stat_dtype(query)
+    bm, method, pair = _setup(spec, mask_name, score_bufs, scale, acc)
+    need = tuple(need)
+    if method == "ring":
+        def step(j, kj, vj):
+            return pair.backward(query, kj, vj, out, lse, grad_out, grad_lse, bm.masks[j], bm.kvpos[j], need)
+        dq, dk, dv, per_step = _ring(bm).backward(key, value, step, acc)
+    else:
+        dq, dk, dv, per_step = AllGather(bm).backward(query, key, value, out, lse, grad_out, grad_lse, pair,
+                                                      need, acc)
+    dq = torch.zeros_like(query) if dq is None else dq.to(query.dtype)
+    grads = []
+    for i, t in enumerate(score_bufs):
+        if not need[i]:
+            grads.append(t.new_empty(0))
+            continue
+        g = torch.zeros(t.shape, dtype=acc, device=t.device)
+        for step_grads in per_step:
+            if step_grads[i] is not None:
+                g += step_grads[i]
+        dist.all_reduce(g, group=bm.group)
+        grads.append(g.to(t.dtype))
+    return dq, dk.to(key.dtype), dv.to(value.dtype), grads
+
+
+@attention_backward.register_fake
+def _(query, key, value, out, lse, grad_out, grad_lse, score_bufs, spec, mask_name, scale, need):
+    return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
+            [torch.empty_like(b) if n else b.new_empty(0) for b, n in zip(score_bufs, need)])
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, score_bufs, spec_, mask_name, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, out, lse, *score_bufs)
+    ctx.args = (spec_, mask_name, scale)
+    ctx.need = [t.requires_grad and t.dtype.is_floating_point for t in score_bufs]
+
+
+def _backward(ctx, grad_out, grad_lse):
+    query, key, value, out, lse, *score_bufs = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv, grads = torch.ops.flexattn_distributed.attention_backward(
+        query, key, value, out, lse, grad_out, grad_lse, score_bufs, *ctx.args, ctx.need)
+    return dq, dk, dv, [g if n else None for g, n in zip(grads, ctx.need)], None, None, None
+
+
+torch.library.register_autograd("flexattn_distributed::attention", _backward, setup_context=_setup_context)
 
 
 def _local_error(q, k, v, bm: DistributedBlockMask, method: str) -> str:
@@ -102,6 +144,19 @@ def _local_error(q, k, v, bm: DistributedBlockMask, method: str) -> str:
     return checks.backend_error(bm.group, q.device, method)
 
 
+def _check_call(q, k, v, bm: DistributedBlockMask, method: str, pair: Pair) -> None:
+    """Every rank agrees on the call before the first transfer (once per configuration)."""
+    error = _local_error(q, k, v, bm, method)
+    fields = {
+        "mask": bm.name, "method": method, "dtype": str(q.dtype),
+        "B, Hq, E": None if error else (*q.shape[:2], q.shape[-1]),
+        "Hkv, Ev": None if error else (k.shape[1], v.shape[-1]),
+        "score_mod": pair.score.key(), "scale": pair.scale, "enable_gqa": pair.enable_gqa,
+        "kernel_options": tuple(sorted(pair.options.items())),
+    }
+    checks.agree(bm.group, "flexattn.distributed.flex_attention", fields, error, cache=not error)
+
+
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    score_mod: Callable | None = None, block_mask: DistributedBlockMask | None = None,
                    scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
@@ -112,6 +167,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     score_mod captures get gradients summed over the ranks. ``method``: "ring" (K/V shards travel
     by point-to-point sends overlapped with compute; K/V memory O(S / P)) or "allgather" (one
     all-gather of K/V). Returns this rank's output shard (and its LSE with ``return_lse``).
+    Inside ``torch.compile(fullgraph=True)`` the call is one custom op with its backward.
 
     Example (under torchrun, ``q``, ``k``, ``v`` the whole sequence on every rank)::
 
@@ -124,29 +180,21 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         f"flexattn.distributed.create_block_mask), got {type(block_mask).__name__}")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    bm = block_mask
-    if group is not None and checks.resolve_group(group) is not bm.group:
+    if group is not None and checks.resolve_group(group) is not block_mask.group:
         raise ValueError("group: the block mask was made for another process group; pass the same group_or_mesh "
                          "to create_block_mask, or leave group=None")
-    error = _local_error(query, key, value, bm, method)
-    stat_dtype = torch.float64 if getattr(query, "dtype", None) == torch.float64 else torch.float32
-    score, score_bufs = (None, ()) if error else resolve_score_mod(score_mod, stat_dtype, query.device)
-    if score is not None:
-        score = score.rebind(score_bufs)  # (a cached template holds other tensors)
-    options = dict(kernel_options or {})
-    fields = {
-        "mask": bm.token, "method": method, "dtype": str(getattr(query, "dtype", None)),
-        "B, Hq, E": tuple(query.shape[:2]) + (query.shape[-1],) if not error else None,
-        "Hkv, Ev": (key.shape[1], value.shape[-1]) if not error else None,
-        "score_mod": None if score is None else score.key(),
-        "score_mod grads": tuple(bool(t.requires_grad) for t in score_bufs),
-        "scale": scale, "enable_gqa": bool(enable_gqa), "kernel_options": tuple(sorted(options.items())),
-        "grad": torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *score_bufs)),
-    }
-    checks.agree(bm.group, "flexattn.distributed.flex_attention", fields, error, cache=not error)
+    if not isinstance(query, torch.Tensor):
+        raise TypeError(f"query must be a tensor, got {type(query).__name__}")
+    stat_dtype = _stat_dtype(query)
+    if torch.compiler.is_compiling():
+        score_key, score_bufs = capture.capture(score_mod, SCORE, stat_dtype) if score_mod is not None else \
+            (identity_score_mod(stat_dtype).key(), [])
+    else:
+        score, score_bufs = resolve_score_mod(score_mod, stat_dtype, query.device)
+        score_key = score.key()
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    pair = Pair(score, bm.qpos, float(scale), bool(enable_gqa), options, stat_dtype)
-    setup = _Setup(pair, bm, method, len(score_bufs), stat_dtype)
-    out, lse = DistributedAttention.apply(query, key, value, setup, *score_bufs)
+    spec_ = spec(score_key, method, bool(enable_gqa), tuple(sorted((kernel_options or {}).items())))
+    out, lse = torch.ops.flexattn_distributed.attention(query, key, value, list(score_bufs), spec_,
+                                                        block_mask.name, float(scale))
     return (out, lse) if return_lse else out

@@ -11,6 +11,7 @@ every KV shard, and the ranks share which pairs are empty so that the ring skips
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Callable
 
 import torch
@@ -96,6 +97,9 @@ class DistributedBlockMask:
         self.seq_lengths, self.BLOCK_SIZE, self.mask_mod = seq_lengths, block_size, mask
         self.qpos, self.kvpos, self.masks, self.needs, self.token = qpos, kvpos, masks, needs, token
         self._gathered = None
+        # (the name the custom ops know it by; equal on every rank, new for every mask)
+        self.name = repr(token)
+        _BY_NAME[self.name] = self
 
     def gathered(self):
         """The BlockMask of this rank's queries against all KV shards in rank order (the
@@ -119,6 +123,15 @@ class DistributedBlockMask:
 
 
 _TOKENS = itertools.count()
+_BY_NAME: "weakref.WeakValueDictionary[str, DistributedBlockMask]" = weakref.WeakValueDictionary()
+
+
+def by_name(name: str) -> DistributedBlockMask:
+    """The live DistributedBlockMask called ``name`` (see `DistributedBlockMask.name`)."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"no flexattn.distributed block mask named {name[:80]!r} is alive in this process") from None
 
 
 def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
@@ -160,7 +173,6 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     row = [m is not None for m in masks]
     rows: list = [None] * P
     dist.all_gather_object(rows, row, group=group)
-    # (the token names this mask in the call checks: equal on every rank, new for every mask)
     token = (mod.key(), layout.key(), Q_LEN, KV_LEN, B, H, BLOCK_SIZE, next(_TOKENS))
     return DistributedBlockMask(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, qpos, kvpos, masks,
                                 tuple(tuple(x) for x in rows), token)
