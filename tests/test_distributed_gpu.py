@@ -1,0 +1,94 @@
+"""flexattn.distributed on NCCL: every visible GPU (at least 2), against single-GPU flexattn, and
+torch's context parallel with flexattn's flex_attention inside against torch's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flexattn
+import flexattn.distributed as fd
+from flexattn import masks
+
+pytestmark = pytest.mark.gpu
+
+
+def _world() -> int:
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < 2:
+        pytest.skip("needs 2 or more GPUs")
+    return n
+
+
+def _worker(rank, world_size, store_path, body):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", store=dist.FileStore(store_path, world_size), rank=rank,
+                            world_size=world_size, device_id=torch.device("cuda", rank))
+    try:
+        body(rank, world_size)
+    finally:
+        dist.destroy_process_group()
+
+
+def _against_one_gpu(rank, P):
+    for S, mask, lb, Hkv, method in [(4099, masks.causal, "head_tail", 4, "ring"),
+                                     (3000, masks.sliding_window(512), None, 8, "ring"),
+                                     (2500, masks.causal, "head_tail", 2, "allgather")]:
+        g = torch.Generator(device="cuda").manual_seed(S)
+        q = torch.randn(1, 8, S, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(1, Hkv, S, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        d_out = torch.randn(1, 8, S, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        ins = [t.clone().requires_grad_() for t in (q, k, v)]
+        bm1 = flexattn.create_block_mask(mask, None, None, S, S, device="cuda")
+        out1 = flexattn.flex_attention(*ins, block_mask=bm1, enable_gqa=Hkv != 8)
+        grads1 = torch.autograd.grad(out1, ins, d_out)
+        local = [fd.shard(t, load_balance=lb).requires_grad_() for t in (q, k, v)]
+        bm = fd.create_block_mask(mask, None, None, S, S, load_balance=lb, device="cuda")
+        out = fd.flex_attention(*local, block_mask=bm, enable_gqa=Hkv != 8, method=method)
+        grads = torch.autograd.grad(out, local, fd.shard(d_out, load_balance=lb))
+        for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (out1, *grads1)):
+            whole = fd.unshard(a, load_balance=lb)
+            torch.testing.assert_close(whole.float(), b.float(), atol=2e-2, rtol=2e-2, msg=f"{name} S={S}")
+
+
+def _torch_cp_parity(rank, P):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental._attention import _ContextParallel, _create_cp_block_mask
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    mesh = init_device_mesh("cuda", (P,))
+    S = 256 * P
+    bm = _create_cp_block_mask(masks.causal, 1, 4, S, S, mesh, None)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 4, S // P, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+
+    class Attention(torch.nn.Module):
+        def __init__(self, fn):
+            super().__init__()
+            self.fn = fn
+
+        def forward(self, q, k, v):
+            return self.fn(q, k, v, block_mask=bm)
+
+    results = []
+    for fn in (torch.compile(torch_flex), flexattn.flex_attention):
+        module = parallelize_module(Attention(fn), mesh, _ContextParallel(
+            seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
+        ins = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = module(*ins)
+        results.append([out, *torch.autograd.grad(out.float().square().sum(), ins)])
+    for theirs, ours in zip(*results):
+        torch.testing.assert_close(ours.float(), theirs.float(), atol=2e-2, rtol=2e-2)
+
+
+def _body(rank, P):
+    _against_one_gpu(rank, P)
+    _torch_cp_parity(rank, P)
+
+
+def test_distributed_nccl(tmp_path):
+    P = _world()
+    mp.spawn(_worker, args=(P, str(tmp_path / "store"), _body), nprocs=P, join=True)
