@@ -43,15 +43,17 @@ def mask_of(name: str, S: int):
     raise ValueError(f"unknown mask {name!r}")
 
 
-def timed(fn, iters: int, warmup: int = 2) -> tuple[float, float]:
-    """(median ms of fwd+bwd, peak GiB) with a barrier around each iteration."""
+def timed(fn, iters: int, warmup: int = 2, barrier: bool = True) -> tuple[float, float]:
+    """(median ms of fwd+bwd, peak GiB), with a barrier before each iteration unless ``barrier``
+    is False (one rank alone)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(iters):
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -101,18 +103,7 @@ def bench_one_gpu(S: int, mask_name: str, iters: int) -> dict | None:
         bm = flexattn.create_block_mask(mask, None, None, S, S, device="cuda")
         q, k, v = inputs(S, S)
         run = fwd_bwd(lambda q, k, v: flexattn.flex_attention(q, k, v, block_mask=bm), q, k, v)
-        for _ in range(2):
-            run()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        ms = statistics.median(times)
+        ms, _ = timed(run, iters, barrier=False)
         result = {"ms": ms, "tflops": 4 * B * H * S * S * D * kept * 3.5 / ms / 1e9}
         del q, k, v
         torch.cuda.empty_cache()
