@@ -23,6 +23,7 @@ called from the Gluon Hopper template: Gluon tensors carry a layout, so a consta
 
 from __future__ import annotations
 
+import functools
 import keyword
 import math
 import re
@@ -32,6 +33,7 @@ import torch
 
 from flexattn import ir
 from flexattn.codegen import affine
+from flexattn.codegen.render import template_text
 from flexattn.ir import Node
 
 TL_DTYPE = {
@@ -53,243 +55,16 @@ TARGETS = ("cuda", "interpret", "gluon")
 # far from Python's parser limits (about 200 nested brackets).
 MAX_INLINE_DEPTH = 8
 
-# Helper functions shared by all mods of one module (emitted once, by `prelude`).
-_PRELUDE_COMMON = '''
-@triton.jit
-def _fa_floordiv_int_nz(a, b):
-    # Python floor division on integers by a divisor known not to be 0 (a constant).
-    q = a // b
-    r = a - q * b
-    return tl.where((r != 0) & ((r < 0) != (b < 0)), q - 1, q)
+# The helper functions shared by all mods of one module live in templates/prelude.py, cut into
+# sections at these lines (`prelude` joins the ones a target needs).
+_PRELUDE_SECTION = re.compile(r"^# == section (\w+)\n", re.MULTILINE)
 
 
-@triton.jit
-def _fa_mod_int_nz(a, b):
-    # Python-sign modulo on integers by a divisor known not to be 0 (a constant).
-    r = a % b
-    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
-
-
-@triton.jit
-def _fa_floordiv_int(a, b):
-    # Python floor division on integers (Triton's // truncates toward zero). x // 0 is 0 on every
-    # flexattn path (docs/dsl.md); the divisor 0 is replaced by 1 so nothing traps.
-    zero = b == 0
-    d = b + zero.to(b.dtype)
-    q = a // d
-    r = a - q * d
-    q = tl.where((r != 0) & ((r < 0) != (d < 0)), q - 1, q)
-    return tl.where(zero, q * 0, q)
-
-
-@triton.jit
-def _fa_mod_int(a, b):
-    # Python-sign modulo on integers (the result takes the divisor's sign); x % 0 is x, so that
-    # (x // y) * y + x % y == x holds for every y.
-    zero = b == 0
-    d = b + zero.to(b.dtype)
-    r = a % d
-    r = tl.where((r != 0) & ((r < 0) != (d < 0)), r + d, r)
-    return tl.where(zero, a + r * 0, r)
-
-
-@triton.jit
-def _fa_mod_float(a, b):
-    # torch.remainder on floats: from the exact fmod, so 1.0 % 0.1 == 0.09999999999999995 like
-    # Python (a - b * floor(a / b) gives 0 there).
-    r = _fa_fmod(a, b)
-    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
-
-
-@triton.jit
-def _fa_floordiv_float(a, b):
-    # torch.floor_divide on floats (Python's //), step by step as torch computes it: 1.0 // 0.1
-    # is 9.0 (floor(1.0 / 0.1) would be 10.0).
-    q = a / b
-    r = _fa_fmod(a, b)
-    div = (a - r) / b
-    div = tl.where((r != 0) & ((b < 0) != (r < 0)), div - 1.0, div)
-    fl = tl.floor(div)
-    fl = tl.where(div - fl > 0.5, fl + 1.0, fl)
-    q_neg = (q < 0) | ((q == 0) & (1.0 / q < 0))  # signbit(q), -0.0 included
-    out = tl.where(div != 0, fl, tl.where(q_neg, -0.0, 0.0))
-    return tl.where(b == 0, q, out)
-
-
-@triton.jit
-def _fa_sign(x):
-    return tl.where(x > 0, 1, tl.where(x < 0, -1, 0)).to(x.dtype)
-'''
-
-_PRELUDE_CUDA = '''
-@triton.jit
-def _fa_fmod(a, b):
-    # Exact remainder (Triton's float % lowers to an inexact a - b * trunc(a / b) on NVPTX).
-    return libdevice.fmod(a, b)
-
-
-@triton.jit
-def _fa_to_bf16(x):
-    return x.to(tl.bfloat16)
-
-
-@triton.jit
-def _fa_and(a, b):
-    return a & b
-
-
-@triton.jit
-def _fa_or(a, b):
-    return a | b
-
-
-@triton.jit
-def _fa_xor(a, b):
-    return a ^ b
-
-@triton.jit
-def _fa_tanh(x):
-    return libdevice.tanh(x)
-
-
-@triton.jit
-def _fa_tan(x):
-    return libdevice.tan(x)
-
-
-@triton.jit
-def _fa_expm1(x):
-    return libdevice.expm1(x)
-
-
-@triton.jit
-def _fa_log1p(x):
-    return libdevice.log1p(x)
-
-
-@triton.jit
-def _fa_pow(a, b):
-    return libdevice.pow(a, b)
-
-
-@triton.jit
-def _fa_round(x):
-    return libdevice.rint(x)
-
-
-@triton.jit
-def _fa_trunc(x):
-    return libdevice.trunc(x)
-'''
-
-# The interpreter has no libdevice; these compositions are accurate to a few ulp on the ranges
-# mods use (they are what CPU tests run, against torch's eager results with tolerances).
-_PRELUDE_INTERPRET = '''
-@triton.jit
-def _fa_fmod(a, b):
-    # The interpreter computes float % with numpy.fmod: exact.
-    return a % b
-
-
-@triton.jit
-def _fa_to_bf16(x):
-    # float32 -> bfloat16 rounding to nearest even: the interpreter's own conversion truncates.
-    u = x.to(tl.uint32, bitcast=True)
-    r = (u + tl.full([], 0x7FFF, tl.uint32) + ((u >> 16) & tl.full([], 1, tl.uint32))) >> 16
-    r = tl.where(x != x, (u >> 16) | tl.full([], 0x40, tl.uint32), r)  # NaN stays (quiet) NaN
-    return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-# bool & | ^: the interpreter cannot combine a bool scalar (b < 1, a 0-d load) with a bool tile
-# (it broadcasts int1 scalars into int32 storage); as int8 it can.
-@triton.jit
-def _fa_and(a, b):
-    return (a.to(tl.int8) & b.to(tl.int8)) != 0
-
-
-@triton.jit
-def _fa_or(a, b):
-    return (a.to(tl.int8) | b.to(tl.int8)) != 0
-
-
-@triton.jit
-def _fa_xor(a, b):
-    return (a.to(tl.int8) ^ b.to(tl.int8)) != 0
-
-@triton.jit
-def _fa_tanh(x):
-    # tanh(x) = sign(x) * (1 - e) / (1 + e), e = exp(-2|x|); a series avoids cancellation near 0.
-    ax = tl.abs(x)
-    e = tl.exp(-2.0 * ax)
-    big = (1.0 - e) / (1.0 + e)
-    x2 = x * x
-    small = ax * (1.0 - x2 * (0.3333333333333333 - x2 * (0.13333333333333333 - x2 * 0.05396825396825397)))
-    y = tl.where(ax < 0.0625, small, big)
-    return tl.where(x < 0, -y, y)
-
-
-@triton.jit
-def _fa_tan(x):
-    return tl.sin(x) / tl.cos(x)
-
-
-@triton.jit
-def _fa_expm1(x):
-    # Series near 0, where exp(x) - 1 cancels.
-    small = x * (1.0 + x * (0.5 + x * (0.16666666666666666 + x * 0.041666666666666664)))
-    return tl.where(tl.abs(x) < 0.03125, small, tl.exp(x) - 1.0)
-
-
-@triton.jit
-def _fa_log1p(x):
-    # log1p(x) = log(u) * x / (u - 1) with u = 1 + x (Goldberg's trick), exact where u == 1.
-    u = 1.0 + x
-    d = u - 1.0
-    safe_d = tl.where(d == 0, 1.0, d)
-    return tl.where(d == 0, x, tl.log(u) * (x / safe_d))
-
-
-@triton.jit
-def _fa_pow(a, b):
-    mag = tl.exp2(b * tl.log2(tl.abs(a)))
-    b_int = tl.floor(b) == b
-    b_odd = b_int & (_fa_mod_float(b, 2.0 + 0.0 * b) == 1.0)
-    neg = tl.where(b_odd, -mag, mag)
-    out = tl.where(a < 0, tl.where(b_int, neg, float("nan")), mag)
-    one = 1.0 + 0.0 * mag
-    return tl.where(b == 0, one, tl.where(a == 1, one, out))  # (a scalar | a tile: see _fa_and)
-
-
-@triton.jit
-def _fa_round(x):
-    # Round half to even, like torch.round. x - floor(x) is exact (floor(x + 0.5) is not:
-    # 0.49999997 + 0.5 rounds up to 1.0 in float32).
-    r = tl.floor(x)
-    d = x - r
-    odd = _fa_fmod(r, 2.0 + 0.0 * r) != 0
-    return tl.where((d > 0.5) | ((d == 0.5) & odd), r + 1.0, r)
-
-
-@triton.jit
-def _fa_trunc(x):
-    return tl.where(x < 0, tl.ceil(x), tl.floor(x))
-'''
-
-
-_TANH_F32_PRECISE = '''
-@triton.jit
-def _fa_tanh_f32(x):
-    return _fa_tanh(x)
-'''
-
-# PTX tanh.approx.f32: one MUFU instruction instead of libdevice's polynomial (about twice the
-# soft-capping throughput); absolute error about 2**-11, below bfloat16/float16 score rounding.
-_TANH_F32_FAST = '''
-@triton.jit
-def _fa_tanh_f32(x):
-    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                     pack=1)
-'''
+@functools.lru_cache(maxsize=None)
+def _prelude_sections() -> dict[str, str]:
+    """templates/prelude.py's sections by name, each framed by one newline before and after."""
+    parts = _PRELUDE_SECTION.split(template_text("prelude"))
+    return {name: "\n" + body.strip("\n") + "\n" for name, body in zip(parts[1::2], parts[2::2])}
 
 
 def prelude(target: str, fast_math: bool = False) -> str:
@@ -303,8 +78,9 @@ def prelude(target: str, fast_math: bool = False) -> str:
         head += "from triton.language.extra import libdevice\n"
     if target == "gluon":
         head += "from triton.experimental.gluon import language as gl\n"
-    tanh = _TANH_F32_FAST if fast_math and gpu else _TANH_F32_PRECISE
-    return head + _PRELUDE_COMMON + (_PRELUDE_CUDA if gpu else _PRELUDE_INTERPRET) + tanh
+    sections = _prelude_sections()
+    tanh = sections["tanh_f32_fast" if fast_math and gpu else "tanh_f32_precise"]
+    return head + sections["common"] + sections["cuda" if gpu else "interpret"] + tanh
 
 
 # ---------------------------------------------------------------------------------------------
