@@ -424,102 +424,117 @@ def _emit_values(roots: list[Node], kind: str, bound: dict[int, str] | None = No
         for s in n.src:
             uses[id(s)] = uses.get(id(s), 0) + 1
 
-    lines: list[str] = []
-    expr: dict[int, str] = {}
-    depth: dict[int, int] = {}  # how deep each node's inline expression nests other nodes' (names: 0)
-    counter = [0]
+    v = _Values()
+    for n in order:
+        if id(n) in bound:
+            v.expr[id(n)] = bound[id(n)]
+            v.depth[id(n)] = 0
+            continue
+        v.expr[id(n)] = _emit_node(n, kind, v)
+        v.depth[id(n)] = 1 + max((v.depth[id(s)] for s in n.src), default=0)
+        # Values used more than once get a name; single-use ones stay inline, to a bounded depth.
+        if n.op not in ("input", "const") and (uses.get(id(n), 0) > 1 or v.depth[id(n)] >= MAX_INLINE_DEPTH):
+            v.as_name(n)
+    return v.lines, v.expr, v.as_name, axes
 
-    def fresh(prefix: str = "t") -> str:
-        counter[0] += 1
-        return f"{prefix}{counter[0] - 1}"
 
-    def as_name(n: Node) -> str:
-        e = expr[id(n)]
+class _Values:
+    """What `_emit_values` has written so far: its lines and each node's expression (by id)."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.expr: dict[int, str] = {}
+        self.depth: dict[int, int] = {}  # how deep each node's inline expression nests others' (names: 0)
+        self.count = 0
+
+    def fresh(self, prefix: str = "t") -> str:
+        self.count += 1
+        return f"{prefix}{self.count - 1}"
+
+    def as_name(self, n: Node) -> str:
+        """Bind ``n``'s expression to a temporary (once) and return its name."""
+        e = self.expr[id(n)]
         if e.isidentifier():
             return e
-        v = fresh()
-        lines.append(f"{v} = {e}")
-        expr[id(n)] = v
-        depth[id(n)] = 0
-        return v
+        name = self.bind(e)
+        self.expr[id(n)] = name
+        self.depth[id(n)] = 0
+        return name
 
-    def bind(e: str) -> str:
+    def bind(self, e: str) -> str:
         """``e`` as a name (for templates that repeat an operand)."""
         if e.isidentifier():
             return e
-        v = fresh()
-        lines.append(f"{v} = {e}")
-        return v
+        name = self.fresh()
+        self.lines.append(f"{name} = {e}")
+        return name
 
-    def up(s: Node) -> str:
+    def up(self, s: Node) -> str:
         """``s``'s expression, in float32 if it is half/bfloat16 (constants: the exact value)."""
         if s.dtype not in _LOW:
-            return expr[id(s)]
+            return self.expr[id(s)]
         if s.op == "const":
             return _lit(float(torch.tensor(s.arg, dtype=s.dtype).item()), torch.float32)
-        return f"{expr[id(s)]}.to(tl.float32)"
+        return f"{self.expr[id(s)]}.to(tl.float32)"
 
-    for n in order:
-        op = n.op
-        if id(n) in bound:
-            expr[id(n)] = bound[id(n)]
-            depth[id(n)] = 0
-            continue
-        if op == "input":
-            if kind == "mask" and n.arg == "score":
-                raise TypeError("a mask mod cannot read the score")
-            e = n.arg
-        elif op == "const":
-            e = _lit(n.arg, n.dtype)
-        elif op == "load":
-            e = _emit_load(n, [as_name(s) if s.op != "const" else expr[id(s)] for s in n.src], lines, fresh,
-                           [_non_negative(s) for s in n.src])
-        elif op == "cast":
-            s = n.src[0]
-            if n.dtype == torch.bool:
-                e = f"({up(s)} != 0)"
-            elif s.dtype in _LOW or n.dtype in _LOW:
-                # Via float32, as torch converts to and from half/bfloat16 (and the interpreter
-                # has no bfloat16 conversions of its own).
-                e = up(s)
-                if s.dtype not in _LOW and s.dtype != torch.float32:
-                    e = f"{e}.to(tl.float32)"
-                if n.dtype != torch.float32:
-                    e = _from_f32(e, n.dtype)
-            else:
-                e = f"{expr[id(n.src[0])]}.to({TL_DTYPE[n.dtype]})"
-        elif op == "where":
-            c, a, b = (expr[id(s)] for s in n.src)
-            e = f"tl.where({c}, {a}, {b})"
-        elif op in _UNARY or op in _BINARY or op == "pow":
-            # half/bfloat16 operands are computed in float32 and the result rounded once, which
-            # is what torch does (and the interpreter has no bfloat16 arithmetic at all).
-            low = n.src[0].dtype in _LOW
-            cn = _F32 if low else n
-            args = [up(s) for s in n.src]
-            if op == "pow":  # _fa_pow needs tensors, not Python literals
-                args = [f"tl.full([], {a}, {TL_DTYPE[cn.dtype]})" if _is_number(a) else a for a in args]
-            if op in _REPEATS or op == "pow":
-                args[0] = bind(args[0])
-            if op == "pow":
-                e = _pow(cn, args[0], args[1], n)
-                if e is None:
-                    e = f"tl.full([], 1, {TL_DTYPE[cn.dtype]})"  # x ** 0 == 1, even for nan
-            elif op in _UNARY:
-                e = _UNARY[op](cn, args[0])
-            else:
-                e = _BINARY[op](cn, args[0], args[1])
-            if low and n.dtype in _LOW:
-                e = _from_f32(e, n.dtype)
-        else:
-            raise NotImplementedError(f"no Triton emitter for op {op!r}")
-        expr[id(n)] = e
-        depth[id(n)] = 1 + max((depth[id(s)] for s in n.src), default=0)
-        # Values used more than once get a name; single-use ones stay inline, to a bounded depth.
-        if op not in ("input", "const") and (uses.get(id(n), 0) > 1 or depth[id(n)] >= MAX_INLINE_DEPTH):
-            as_name(n)
 
-    return lines, expr, as_name, axes
+def _emit_node(n: Node, kind: str, v: _Values) -> str:
+    """The expression of ``n`` over its operands' (lines it needs first go to ``v.lines``)."""
+    op = n.op
+    if op == "input":
+        if kind == "mask" and n.arg == "score":
+            raise TypeError("a mask mod cannot read the score")
+        return n.arg
+    if op == "const":
+        return _lit(n.arg, n.dtype)
+    if op == "load":
+        idx = [v.as_name(s) if s.op != "const" else v.expr[id(s)] for s in n.src]
+        return _emit_load(n, idx, v.lines, v.fresh, [_non_negative(s) for s in n.src])
+    if op == "cast":
+        return _emit_cast(n, v)
+    if op == "where":
+        c, a, b = (v.expr[id(s)] for s in n.src)
+        return f"tl.where({c}, {a}, {b})"
+    if op in _UNARY or op in _BINARY or op == "pow":
+        return _emit_arith(n, v)
+    raise NotImplementedError(f"no Triton emitter for op {op!r}")
+
+
+def _emit_cast(n: Node, v: _Values) -> str:
+    s = n.src[0]
+    if n.dtype == torch.bool:
+        return f"({v.up(s)} != 0)"
+    if s.dtype in _LOW or n.dtype in _LOW:
+        # Via float32, as torch converts to and from half/bfloat16 (and the interpreter has no
+        # bfloat16 conversions of its own).
+        e = v.up(s)
+        if s.dtype not in _LOW and s.dtype != torch.float32:
+            e = f"{e}.to(tl.float32)"
+        return _from_f32(e, n.dtype) if n.dtype != torch.float32 else e
+    return f"{v.expr[id(s)]}.to({TL_DTYPE[n.dtype]})"
+
+
+def _emit_arith(n: Node, v: _Values) -> str:
+    """A unary or binary op from the op table, or pow. Half/bfloat16 operands are computed in
+    float32 and the result rounded once, which is what torch does (and the interpreter has no
+    bfloat16 arithmetic at all)."""
+    op = n.op
+    low = n.src[0].dtype in _LOW
+    cn = _F32 if low else n
+    args = [v.up(s) for s in n.src]
+    if op == "pow":  # _fa_pow needs tensors, not Python literals
+        args = [f"tl.full([], {a}, {TL_DTYPE[cn.dtype]})" if _is_number(a) else a for a in args]
+    if op in _REPEATS or op == "pow":
+        args[0] = v.bind(args[0])
+    if op == "pow":
+        e = _pow(cn, args[0], args[1], n)
+        if e is None:
+            e = f"tl.full([], 1, {TL_DTYPE[cn.dtype]})"  # x ** 0 == 1, even for nan
+    elif op in _UNARY:
+        e = _UNARY[op](cn, args[0])
+    else:
+        e = _BINARY[op](cn, args[0], args[1])
+    return _from_f32(e, n.dtype) if low and n.dtype in _LOW else e
 
 
 def _non_negative(n: Node) -> bool:
