@@ -1,9 +1,12 @@
 """Host side of the block-mask kernels (templates/block_mask.py): render, launch, return tables.
 
-`build_tables` classifies every (query tile, KV tile) of a mask `Mod` with the generated
+`build_tables` classifies every (query tile, KV tile) of a mask mod with the generated
 ``classify_kernel`` (interval analysis first, element evaluation only for undecided tiles) and
 writes the eight index tensors of a BlockMask with ``kv_order_kernel`` / ``q_order_kernel``.
 Scratch memory is 2 bits per tile; nothing of size Q_LEN x KV_LEN is ever allocated.
+
+``mod`` is a mask `flexattn.mods.Mod`; only what the IR layer defines is read from it (its IR,
+captured tensors, key, name and source), so this module needs nothing from above codegen.
 """
 
 from __future__ import annotations
@@ -13,14 +16,14 @@ import triton
 
 from flexattn import interval, ir
 from flexattn.codegen import emit
+from flexattn.codegen.interval import emit_interval, summary_args, summary_params
 from flexattn.codegen.render import load_kernel_module
-from flexattn.mods import Mod
 
 
 _MODULES: dict[tuple[str, str], object] = {}
 
 
-def kernel_module(mod: Mod, target: str):
+def kernel_module(mod, target: str):
     """The rendered kernel module for ``mod`` (memoised on the mod's structural key)."""
     key = (mod.key(), target)
     module = _MODULES.get(key)
@@ -29,16 +32,16 @@ def kernel_module(mod: Mod, target: str):
     return module
 
 
-def _render(mod: Mod, target: str):
-    src = mod.emit(target, name="mask_mod")
-    interval_src, interval_params = interval.emit_interval(mod.ir, "mask_interval")
+def _render(mod, target: str):
+    src = emit.emit_mod(mod.ir, "mask", "mask_mod", target)
+    interval_src, interval_params = emit_interval(mod.ir, "mask_interval")
     params = src.param_list("")
     hooks = {
         "prelude": emit.prelude(target),
         "mod_def": src.source,
         "interval_def": interval_src,
         "mod_params": params,
-        "interval_params": "".join(f"{p}, " for p in interval.summary_params(list(src.buffers))),
+        "interval_params": "".join(f"{p}, " for p in summary_params(list(src.buffers))),
         "mod_call": f"mask_mod(b, h, q_idx, kv_idx, {params})",
         # the captured tensors' strides and sizes (a document-id table grows with the lengths)
         "classify_nospec": "".join(f'"{p}", ' for p in src.params if "_s" in p or "_n" in p),
@@ -59,7 +62,7 @@ def chunks(n_q: int, n_kv: int, interpret: bool) -> tuple[int, int, int]:
             min(1024, triton.next_power_of_2(n_kv)))
 
 
-def build_tables(mod: Mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOCK: int,
+def build_tables(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOCK: int,
                  device: torch.device, separate_full: bool = True, use_interval: bool = True):
     """(kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx), each
     shaped [BD, HD, ...] (int32); the full_* ones are None unless ``separate_full``."""
@@ -76,7 +79,7 @@ def build_tables(mod: Mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: i
     sub_q, sub_kv = (Q_BLOCK, KV_BLOCK) if interpret else (min(Q_BLOCK, 64), min(KV_BLOCK, 64))
     chunk_words, chunk_q, chunk_kv = chunks(n_q, n_kv, interpret)
     module.classify_kernel[(n_q, BH)](
-        state, *mod.launch_args(), *interval.summary_args(used, summaries),
+        state, *emit.launch_args(used, mod.buffers), *summary_args(used, summaries),
         state.stride(0), state.stride(1),
         HD, Q_LEN, KV_LEN, n_kv, n_words,
         BLOCK_Q=Q_BLOCK, BLOCK_KV=KV_BLOCK, SUB_Q=sub_q, SUB_KV=sub_kv,

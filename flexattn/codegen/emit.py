@@ -87,7 +87,7 @@ def prelude(target: str, fast_math: bool = False) -> str:
 # The op table: op -> template over operand expressions (a, b, c) and the node (for dtypes).
 
 
-def _pyval(value) -> str:
+def pyval(value) -> str:
     """A Python literal Triton's frontend accepts (inf/nan spelled as float())."""
     if isinstance(value, bool):
         return "1" if value else "0"
@@ -102,7 +102,7 @@ def _lit(value, dtype: torch.dtype) -> str:
         return repr(float(value))
     if dtype == torch.int32:
         return str(int(value))
-    return f"tl.full([], {_pyval(value)}, {TL_DTYPE[dtype]})"
+    return f"tl.full([], {pyval(value)}, {TL_DTYPE[dtype]})"
 
 
 def _fconst(value: float, n: Node) -> str:
@@ -353,7 +353,7 @@ def emit_mod(root: Node, kind: str, name: str | None = None, target: str = "cuda
         # broadcast to score's shape, keeping the IR's dtype. (tl.full: tl.zeros_like is itself a
         # jit function, which the interpreter cannot call from a nested jit function.)
         if root.op == "const":
-            result = f"tl.full(score.shape, {_pyval(root.arg)}, {TL_DTYPE[root.dtype]})"
+            result = f"tl.full(score.shape, {pyval(root.arg)}, {TL_DTYPE[root.dtype]})"
         elif axes[id(root)] != frozenset("mn"):
             result = f"({result} + tl.full(score.shape, 0, {TL_DTYPE[root.dtype]}))"
     elif root.op == "const":
@@ -380,7 +380,7 @@ def _emit_function(roots: list[Node], name: str, params: list[str], float32: boo
     for n in roots:
         e = expr[id(n)]
         if float32 and n.op == "const":
-            e = f"tl.full([], {_pyval(n.arg)}, tl.float32)"
+            e = f"tl.full([], {pyval(n.arg)}, tl.float32)"
         elif float32 and n.dtype != torch.float32:
             e = f"{e}.to(tl.float32)"
         values.append(e)
