@@ -323,10 +323,6 @@ def _weak_dtype(value: Scalar) -> torch.dtype:
     raise IRError(f"expected a Python number or an IR node, got {type(value).__name__}")
 
 
-def _example(x: Operand):
-    return torch.empty((), dtype=x.dtype) if isinstance(x, Node) else x
-
-
 def promote(*operands: Operand) -> torch.dtype:
     """torch's result dtype for these operands; Python numbers are weak scalars."""
     nodes = [x for x in operands if isinstance(x, Node)]
@@ -626,11 +622,8 @@ def _const_text(value: Scalar) -> str:
 
 def _weak_fits(c: Node, sibling_dtype: torch.dtype) -> bool:
     """Would the bare literal of ``c`` promote with a ``sibling_dtype`` operand to ``c.dtype``?"""
-    return c.dtype == sibling_dtype and c.dtype == promote(_example_node(sibling_dtype), c.arg)
-
-
-def _example_node(dtype: torch.dtype) -> Node:
-    return Node("input", dtype, (), "_")
+    sibling = Node("input", sibling_dtype, (), "_")  # any node of that dtype
+    return c.dtype == sibling_dtype and c.dtype == promote(sibling, c.arg)
 
 
 # to_text names a shared subexpression with `let` once its text is longer than this, and any

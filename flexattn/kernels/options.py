@@ -152,10 +152,6 @@ def check(kernel_options: dict | None) -> dict[str, Any]:
     return out
 
 
-def options_key(options: dict[str, Any]) -> tuple:
-    return tuple(sorted(options.items()))
-
-
 # ---------------------------------------------------------------------------------------------
 # Defaults (the tuning surface)
 
