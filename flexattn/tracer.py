@@ -548,7 +548,12 @@ def _resolve(path: str):
 
 
 def _handles(*paths: str):
-    """Register the decorated handler for each torch function / Tensor method named in ``paths``."""
+    """Register the decorated handler for each torch function / Tensor method named in ``paths``.
+
+    A handler is called as ``handler(v, *args, **kwargs)`` with the call's own arguments, where
+    ``v(x)`` turns an argument into an IR operand (a node or a Python number); it returns an IR
+    operand, and raises `ir.IRError` for a call with no per-element meaning.
+    """
     def register(handler):
         for path in paths:
             func = _resolve(path)
@@ -592,7 +597,7 @@ def _dispatch(func, args, kwargs):
             f"{_supported_list()}."
         )
     with _located():
-        out = handler(*args, **kwargs)
+        out = handler(_v, *args, **kwargs)
     return _wrap(out, trace)
 
 
@@ -610,15 +615,15 @@ def _flat(args, kwargs):
 
 
 def _unary_handler(op: str):
-    def handler(input, *, out=None):
+    def handler(v, input, *, out=None):
         _no_out(out)
-        return ir.unary(op, _v(input))
+        return ir.unary(op, v(input))
     return handler
 
 
 def _no_out(out):
     if out is not None:
-        raise _fail("out= is not supported in mods")
+        raise ir.IRError("out= is not supported in mods")
 
 
 _UNARY_FUNCS = {
@@ -652,34 +657,34 @@ del _op, _paths
 
 
 @_handles("torch.round", "Tensor.round")
-def _round(input, *, decimals=0, out=None):
+def _round(v, input, *, decimals=0, out=None):
     _no_out(out)
     if decimals != 0:
-        raise _fail(f"torch.round(decimals={decimals}) is not supported in mods; scale, round and "
-                    f"unscale instead")
-    return ir.unary("round", _v(input))
+        raise ir.IRError(f"torch.round(decimals={decimals}) is not supported in mods; scale, round and "
+                         f"unscale instead")
+    return ir.unary("round", v(input))
 
 
 @_handles("torch.relu", "Tensor.relu", "F.relu")
-def _relu(input, inplace=False):
-    return ir.unary("relu", _v(input))
+def _relu(v, input, inplace=False):
+    return ir.unary("relu", v(input))
 
 
 @_handles("F.silu")
-def _silu(input, inplace=False):
-    return ir.unary("silu", _v(input))
+def _silu(v, input, inplace=False):
+    return ir.unary("silu", v(input))
 
 
 @_handles("F.gelu")
-def _gelu(input, approximate="none"):
+def _gelu(v, input, approximate="none"):
     if approximate not in ("none", "tanh"):
-        raise _fail(f"gelu(approximate={approximate!r}): expected 'none' or 'tanh'")
-    return ir.unary("gelu" if approximate == "none" else "gelu_tanh", _v(input))
+        raise ir.IRError(f"gelu(approximate={approximate!r}): expected 'none' or 'tanh'")
+    return ir.unary("gelu" if approximate == "none" else "gelu_tanh", v(input))
 
 
 @_handles("F.softplus")
-def _softplus(input, beta=1.0, threshold=20.0):
-    x = _v(input)
+def _softplus(v, input, beta=1.0, threshold=20.0):
+    x = v(input)
     if beta == 1 and threshold == 20:
         return ir.unary("softplus", x)
     # torch: x where beta * x > threshold, else log1p(exp(beta * x)) / beta
@@ -688,57 +693,57 @@ def _softplus(input, beta=1.0, threshold=20.0):
 
 
 @_handles("F.leaky_relu")
-def _leaky_relu(input, negative_slope=0.01, inplace=False):
-    x = _v(input)
+def _leaky_relu(v, input, negative_slope=0.01, inplace=False):
+    x = v(input)
     return ir.where(ir.binary("gt", x, 0), x, ir.binary("mul", x, negative_slope))
 
 
 @_handles("F.hardtanh")
-def _hardtanh(input, min_val=-1.0, max_val=1.0, inplace=False):
-    return ir.clamp(_v(input), min_val, max_val)
+def _hardtanh(v, input, min_val=-1.0, max_val=1.0, inplace=False):
+    return ir.clamp(v(input), min_val, max_val)
 
 
 @_handles("F.relu6")
-def _relu6(input, inplace=False):
-    return ir.clamp(_v(input), 0, 6)
+def _relu6(v, input, inplace=False):
+    return ir.clamp(v(input), 0, 6)
 
 
 @_handles("torch.square", "Tensor.square")
-def _square(input, *, out=None):
+def _square(v, input, *, out=None):
     _no_out(out)
-    x = _v(input)
+    x = v(input)
     if isinstance(x, ir.Node) and x.dtype == torch.bool:
         x = ir.cast(x, torch.int64)  # torch.square promotes bool to int64
     return ir.binary("mul", x, x)
 
 
 @_handles("torch.isnan", "Tensor.isnan")
-def _isnan(input):
-    x = _v(input)
+def _isnan(v, input):
+    x = v(input)
     return ir.binary("ne", x, x)
 
 
 @_handles("torch.isinf", "Tensor.isinf")
-def _isinf(input):
-    x = _v(input)
+def _isinf(v, input):
+    x = v(input)
     return ir.binary("eq", ir.unary("abs", x), math.inf) if _is_float(x) else ir.const(False)
 
 
 @_handles("torch.isposinf", "Tensor.isposinf")
-def _isposinf(input, *, out=None):
-    x = _v(input)
+def _isposinf(v, input, *, out=None):
+    x = v(input)
     return ir.binary("eq", x, math.inf) if _is_float(x) else ir.const(False)
 
 
 @_handles("torch.isneginf", "Tensor.isneginf")
-def _isneginf(input, *, out=None):
-    x = _v(input)
+def _isneginf(v, input, *, out=None):
+    x = v(input)
     return ir.binary("eq", x, -math.inf) if _is_float(x) else ir.const(False)
 
 
 @_handles("torch.isfinite", "Tensor.isfinite")
-def _isfinite(input):
-    x = _v(input)
+def _isfinite(v, input):
+    x = v(input)
     if not _is_float(x):
         return ir.const(True)
     return ir.binary("and_", ir.binary("eq", x, x), ir.binary("ne", ir.unary("abs", x), math.inf))
@@ -752,9 +757,9 @@ def _is_float(x) -> bool:
 
 
 def _binary_handler(op: str, reflected: bool = False):
-    def handler(input, other, *, out=None):
+    def handler(v, input, other, *, out=None):
         _no_out(out)
-        a, b = _v(input), _v(other)
+        a, b = v(input), v(other)
         return ir.binary(op, b, a) if reflected else ir.binary(op, a, b)
     return handler
 
@@ -789,24 +794,24 @@ del _op, _path, _paths
 
 
 @_handles("torch.add", "Tensor.add", "Tensor.__add__", "Tensor.__radd__")
-def _add(input, other, *, alpha=1, out=None):
+def _add(v, input, other, *, alpha=1, out=None):
     _no_out(out)
-    b = _v(other)
-    return ir.binary("add", _v(input), b if alpha == 1 else ir.binary("mul", b, alpha))
+    b = v(other)
+    return ir.binary("add", v(input), b if alpha == 1 else ir.binary("mul", b, alpha))
 
 
 @_handles("torch.sub", "torch.subtract", "Tensor.sub", "Tensor.subtract", "Tensor.__sub__")
-def _sub(input, other, *, alpha=1, out=None):
+def _sub(v, input, other, *, alpha=1, out=None):
     _no_out(out)
-    b = _v(other)
-    return ir.binary("sub", _v(input), b if alpha == 1 else ir.binary("mul", b, alpha))
+    b = v(other)
+    return ir.binary("sub", v(input), b if alpha == 1 else ir.binary("mul", b, alpha))
 
 
 @_handles("torch.div", "torch.divide", "torch.true_divide", "Tensor.div", "Tensor.divide",
           "Tensor.true_divide", "Tensor.__truediv__", "Tensor.__div__")
-def _div(input, other, *, rounding_mode=None, out=None):
+def _div(v, input, other, *, rounding_mode=None, out=None):
     _no_out(out)
-    a, b = _v(input), _v(other)
+    a, b = v(input), v(other)
     if rounding_mode is None:
         return ir.binary("truediv", a, b)
     if rounding_mode == "floor":
@@ -818,13 +823,13 @@ def _div(input, other, *, rounding_mode=None, out=None):
         q, r = ir.binary("floordiv", a, b), ir.binary("mod", a, b)
         fix = ir.binary("and_", ir.binary("ne", r, 0), ir.binary("ne", ir.binary("lt", a, 0), ir.binary("lt", b, 0)))
         return ir.where(fix, ir.binary("add", q, 1), q)
-    raise _fail(f"div(rounding_mode={rounding_mode!r}): expected None, 'trunc' or 'floor'")
+    raise ir.IRError(f"div(rounding_mode={rounding_mode!r}): expected None, 'trunc' or 'floor'")
 
 
 @_handles("torch.fmod", "Tensor.fmod")
-def _fmod(input, other, *, out=None):
+def _fmod(v, input, other, *, out=None):
     _no_out(out)
-    a, b = _v(input), _v(other)
+    a, b = v(input), v(other)
     # C-style remainder (sign of the dividend) from Python-style remainder (sign of the divisor).
     r = ir.binary("mod", a, b)
     fix = ir.binary("and_", ir.binary("ne", r, 0), ir.binary("ne", ir.binary("lt", a, 0), ir.binary("lt", b, 0)))
@@ -832,25 +837,25 @@ def _fmod(input, other, *, out=None):
 
 
 @_handles("torch.max", "Tensor.max")
-def _max(input, other=None, *args, **kwargs):
-    if other is None or args or kwargs or isinstance(other, int) and not isinstance(other, (Proxy, bool)):
-        raise _fail("torch.max(x) / torch.max(x, dim) reduce over elements, which has no meaning per "
-                    "element; use torch.maximum(a, b)")
-    return ir.binary("maximum", _v(input), _v(other))
+def _max(v, input, other=None, *args, **kwargs):
+    if other is None or args or kwargs or isinstance(other, int) and not isinstance(other, bool):
+        raise ir.IRError("torch.max(x) / torch.max(x, dim) reduce over elements, which has no meaning per "
+                         "element; use torch.maximum(a, b)")
+    return ir.binary("maximum", v(input), v(other))
 
 
 @_handles("torch.min", "Tensor.min")
-def _min(input, other=None, *args, **kwargs):
-    if other is None or args or kwargs or isinstance(other, int) and not isinstance(other, (Proxy, bool)):
-        raise _fail("torch.min(x) / torch.min(x, dim) reduce over elements, which has no meaning per "
-                    "element; use torch.minimum(a, b)")
-    return ir.binary("minimum", _v(input), _v(other))
+def _min(v, input, other=None, *args, **kwargs):
+    if other is None or args or kwargs or isinstance(other, int) and not isinstance(other, bool):
+        raise ir.IRError("torch.min(x) / torch.min(x, dim) reduce over elements, which has no meaning per "
+                         "element; use torch.minimum(a, b)")
+    return ir.binary("minimum", v(input), v(other))
 
 
 def _logical(op: str):
-    def handler(input, other, *, out=None):
+    def handler(v, input, other, *, out=None):
         _no_out(out)
-        return ir.binary(op, _truth(_v(input)), _truth(_v(other)))
+        return ir.binary(op, _truth(v(input)), _truth(v(other)))
     return handler
 
 
@@ -868,34 +873,34 @@ del _op, _paths
 
 
 @_handles("torch.where")
-def _where_fn(condition, input=None, other=None, *, out=None):
+def _where_fn(v, condition, input=None, other=None, *, out=None):
     _no_out(out)
     if input is None or other is None:
-        raise _fail("torch.where(cond) with one argument returns indices; mods need torch.where(cond, a, b)")
-    return ir.where(_truth(_v(condition)), _v(input), _v(other))
+        raise ir.IRError("torch.where(cond) with one argument returns indices; mods need torch.where(cond, a, b)")
+    return ir.where(_truth(v(condition)), v(input), v(other))
 
 
 @_handles("Tensor.where")
-def _tensor_where(self, condition, other):
-    return ir.where(_truth(_v(condition)), _v(self), _v(other))
+def _tensor_where(v, self, condition, other):
+    return ir.where(_truth(v(condition)), v(self), v(other))
 
 
 @_handles("torch.clamp", "torch.clip", "Tensor.clamp", "Tensor.clip")
-def _clamp(input, min=None, max=None, *, out=None):
+def _clamp(v, input, min=None, max=None, *, out=None):
     _no_out(out)
     if min is None and max is None:
-        raise _fail("clamp() needs min= or max=")
-    return ir.clamp(_v(input), None if min is None else _v(min), None if max is None else _v(max))
+        raise ir.IRError("clamp() needs min= or max=")
+    return ir.clamp(v(input), None if min is None else v(min), None if max is None else v(max))
 
 
 @_handles("torch.clamp_min", "Tensor.clamp_min")
-def _clamp_min(input, min):
-    return ir.clamp(_v(input), _v(min), None)
+def _clamp_min(v, input, min):
+    return ir.clamp(v(input), v(min), None)
 
 
 @_handles("torch.clamp_max", "Tensor.clamp_max")
-def _clamp_max(input, max):
-    return ir.clamp(_v(input), None, _v(max))
+def _clamp_max(v, input, max):
+    return ir.clamp(v(input), None, v(max))
 
 
 # -- dtype conversion and constructors
@@ -905,70 +910,69 @@ def _as_node(x) -> ir.Node:
     return x if isinstance(x, ir.Node) else ir.const(x)
 
 
-def _cast(x, dtype) -> ir.Node:
+def _cast(v, x, dtype) -> ir.Node:
     if not isinstance(dtype, torch.dtype):
-        raise _fail(f"expected a torch.dtype, got {dtype!r}")
-    return ir.cast(_as_node(_v(x)), dtype)
+        raise ir.IRError(f"expected a torch.dtype, got {dtype!r}")
+    return ir.cast(_as_node(v(x)), dtype)
 
 
 @_handles("Tensor.to")
-def _to(self, *args, dtype=None, **kwargs):
+def _to(v, self, *args, dtype=None, **kwargs):
     # .to(dtype), .to(device), .to(device, dtype), .to(other), plus copy/non_blocking/memory_format.
     for a in args:
         if isinstance(a, torch.dtype):
             dtype = a
-        elif isinstance(a, (Proxy, torch.Tensor)):
+        elif isinstance(getattr(a, "dtype", None), torch.dtype):  # a tensor or a traced value
             dtype = a.dtype
-    x = _v(self)
-    return x if dtype is None else _cast(self, dtype)
+    x = v(self)
+    return x if dtype is None else _cast(v, self, dtype)
 
 
 @_handles("Tensor.type")
-def _type(self, dtype=None, non_blocking=False, **kwargs):
+def _type(v, self, dtype=None, non_blocking=False, **kwargs):
     if not isinstance(dtype, torch.dtype):
-        raise _fail(f".type() needs a torch.dtype while tracing, got {dtype!r}")
-    return _cast(self, dtype)
+        raise ir.IRError(f".type() needs a torch.dtype while tracing, got {dtype!r}")
+    return _cast(v, self, dtype)
 
 
 @_handles("Tensor.type_as")
-def _type_as(self, other):
-    return _cast(self, other.dtype)
+def _type_as(v, self, other):
+    return _cast(v, self, other.dtype)
 
 
 for _method, _dtype in {"float": torch.float32, "double": torch.float64, "half": torch.float16,
                         "bfloat16": torch.bfloat16, "int": torch.int32, "long": torch.int64,
                         "short": torch.int16, "char": torch.int8, "byte": torch.uint8,
                         "bool": torch.bool}.items():
-    _handles(f"Tensor.{_method}")(functools.partial(lambda self, memory_format=None, *, _d: _cast(self, _d), _d=_dtype))
+    _handles(f"Tensor.{_method}")(functools.partial(lambda v, self, memory_format=None, *, _d: _cast(v, self, _d), _d=_dtype))
 del _method, _dtype
 
 
 @_handles("Tensor.clone", "Tensor.detach", "Tensor.contiguous", "torch.clone", "torch.detach",
           "torch.positive", "Tensor.positive", "Tensor.__pos__", "Tensor.requires_grad_")
-def _identity(self, *args, **kwargs):
-    return _as_node(_v(self))
+def _identity(v, self, *args, **kwargs):
+    return _as_node(v(self))
 
 
 def _scalar_size(size, what: str):
     if size and isinstance(size[0], (tuple, list, torch.Size)):
         (size,) = size
     if len(size) != 0:
-        raise _fail(f"calls {what} with size {tuple(size)}; per element only 0-d values exist: pass size ()")
+        raise ir.IRError(f"calls {what} with size {tuple(size)}; per element only 0-d values exist: pass size ()")
 
 
 def _fill(value, dtype, like) -> ir.Node:
-    value = _v(value)
     if dtype is None:
         dtype = like
     return ir.cast(_as_node(value), dtype) if dtype is not None else _as_node(value)
 
 
 def _new_constant(value: int, what: str):
-    def handler(self, *size, dtype=None, device=None, requires_grad=False, layout=None, pin_memory=False, **kw):
+    def handler(v, self, *size, dtype=None, device=None, requires_grad=False, layout=None, pin_memory=False, **kw):
         if "size" in kw:  # torch's and_masks: b.new_ones(size=(), dtype=torch.bool, device=b.device)
             size = (kw.pop("size"),)
         if kw:
-            raise _fail(f"{what}() got unexpected keyword arguments {sorted(kw)}")
+            raise ir.IRError(f"{what}() got unexpected keyword arguments {sorted(kw)}")
         _scalar_size(size, what)
         return ir.const(value, dtype or self.dtype)
     return handler
@@ -979,44 +983,44 @@ _handles("Tensor.new_zeros")(_new_constant(0, "new_zeros"))
 
 
 @_handles("Tensor.new_full")
-def _new_full(self, size, fill_value, *, dtype=None, device=None, requires_grad=False, layout=None, pin_memory=False):
+def _new_full(v, self, size, fill_value, *, dtype=None, device=None, requires_grad=False, layout=None, pin_memory=False):
     _scalar_size((size,), "new_full")
-    return _fill(fill_value, dtype, self.dtype)
+    return _fill(v(fill_value), dtype, self.dtype)
 
 
 @_handles("Tensor.new_tensor")
-def _new_tensor(self, data, *, dtype=None, device=None, requires_grad=False):
-    return _fill(data, dtype, self.dtype)
+def _new_tensor(v, self, data, *, dtype=None, device=None, requires_grad=False):
+    return _fill(v(data), dtype, self.dtype)
 
 
 @_handles("torch.ones_like")
-def _ones_like(input, *, dtype=None, **kwargs):
+def _ones_like(v, input, *, dtype=None, **kwargs):
     return ir.const(1, dtype or input.dtype)
 
 
 @_handles("torch.zeros_like")
-def _zeros_like(input, *, dtype=None, **kwargs):
+def _zeros_like(v, input, *, dtype=None, **kwargs):
     return ir.const(0, dtype or input.dtype)
 
 
 @_handles("torch.full_like")
-def _full_like(input, fill_value, *, dtype=None, **kwargs):
-    return _fill(fill_value, dtype, input.dtype)
+def _full_like(v, input, fill_value, *, dtype=None, **kwargs):
+    return _fill(v(fill_value), dtype, input.dtype)
 
 
 @_handles("torch.tensor", "torch.as_tensor", "torch.scalar_tensor")
-def _tensor(data, *, dtype=None, device=None, requires_grad=False, pin_memory=False):
-    x = _v(data)
+def _tensor(v, data, *, dtype=None, device=None, requires_grad=False, pin_memory=False):
+    x = v(data)
     if dtype is None and not isinstance(x, ir.Node):
         dtype = ir.promote(x)  # torch.tensor(2.0) is float32, torch.tensor(2) int64
     return _fill(x, dtype, None)
 
 
-_handles("Tensor.__getitem__")(lambda self, index: _gather(_active(), self, index))
+_handles("Tensor.__getitem__")(lambda v, self, index: _gather(_active(), self, index))
 
 
 @_handles("Tensor.__setitem__")
-def _setitem(self, index, value):
+def _setitem(v, self, index, value):
     raise _fail("writes into a tensor; mods must not have side effects")
 
 
