@@ -14,13 +14,12 @@ its captured tensors (inputs of the custom ops in `flexattn.ops`).
 
 from __future__ import annotations
 
-
 import torch
-
 from torch.overrides import TorchFunctionMode
 
-from flexattn import ir
+from flexattn import ir, tracer
 from flexattn.mods import MASK, SCORE, Mod
+
 
 class _Recorder(TorchFunctionMode):
     """Active while a mod is called on probes: a torch call that involves a probe (or an earlier
@@ -87,8 +86,6 @@ def record(fn, kind: str) -> tuple[tuple, list[torch.Tensor], tuple]:
 def _template(kind: str, score_dtype: torch.dtype, ops: tuple, result: tuple, metas: tuple) -> tuple:
     """Replay a recording through the tracer (at compile time): ``(mod key, buffer slots)``, where
     slot i is the position, among the recorded tensors, of the mod's buffer i."""
-    from flexattn import tracer
-
     stand_ins = [torch.empty(shape, dtype=dtype, device="meta") for dtype, shape in metas]
 
     def decode(ref, vals):

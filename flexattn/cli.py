@@ -26,9 +26,11 @@ from pathlib import Path
 
 import torch
 
-from flexattn import __version__, ir
+from flexattn import __version__, demo, ir, viz
+from flexattn.block_mask import create_block_mask
 from flexattn.codegen.emit import TARGETS
 from flexattn.dsl import make_mod, parse
+from flexattn.tracer import trace
 
 
 def _number(text: str) -> bool | int | float:
@@ -97,8 +99,6 @@ def _load_function(path: str, name: str):
 def _mod(text: str, kind: str | None, bindings: dict):
     m = _FILE_FUNCTION.fullmatch(text.strip())
     if m:  # file.py:function -> a traced Python mod
-        from flexattn.tracer import trace
-
         if bindings:
             raise ValueError("--set / --tensor bind names in DSL text; a Python mod from a file uses its own values")
         return trace(_load_function(m["file"], m["name"]), kind=kind)
@@ -132,8 +132,6 @@ MAX_MASK_TILES = 1 << 24
 
 
 def cmd_mask(args) -> int:
-    from flexattn.block_mask import create_block_mask
-
     kv_seq = args.kv_seq or args.seq
     n_q, n_kv = -(-args.seq // args.block_size), -(-kv_seq // args.block_size)
     if n_q * n_kv > MAX_MASK_TILES:  # refuse before tracing or allocating anything
@@ -150,8 +148,6 @@ def cmd_mask(args) -> int:
     block_mask = create_block_mask(mod, 1, 1, args.seq, kv_seq, device="cpu", BLOCK_SIZE=args.block_size)
     print(str(block_mask))
     if args.png:
-        from flexattn import viz
-
         _, level = viz.picture(block_mask, level=args.level)  # cheap next to create_block_mask
         viz.to_png(block_mask, args.png, level=level)
         print(f"wrote {args.png} ({level} level)")
@@ -279,8 +275,6 @@ def _protect_text(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[lis
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["demo"]:  # the demo has its own options
-        from flexattn import demo
-
         return demo.main(argv[1:], prog="flexattn demo")
     extra: list[str] = []
     if argv[:1] == ["bench"] and "--" in argv:  # arguments for the benchmark scripts

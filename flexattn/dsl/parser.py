@@ -27,6 +27,8 @@ from lark.visitors import Transformer_NonRecursive
 
 from flexattn import ir
 from flexattn.ir import Node
+from flexattn.mods import Mod
+from flexattn.tracer import trace
 
 Value = Any  # an ir.Node or a Python bool/int/float literal
 
@@ -422,20 +424,12 @@ class _ToIR(Transformer_NonRecursive):
         return _remap(mod.ir, inputs, buffers)
 
     def _as_mod(self, name: str, meta):
-        from flexattn.mods import Mod
-
         mod = self.scope.mods.get(name)
         if mod is None:
             fn = self.scope.bindings[name]
             if isinstance(fn, Mod):
                 mod = fn
             else:
-                from flexattn import tracer
-
-                trace = getattr(tracer, "trace", None)
-                if trace is None:
-                    raise _Error(f"cannot call Python function '{name}': the tracer (flexattn.trace) is "
-                                 "not available", meta, "bind a flexattn Mod instead")
                 try:
                     mod = trace(fn, score_dtype=self.scope.score_dtype)
                 except Exception as e:  # the tracer's own message says what went wrong
@@ -702,8 +696,6 @@ def make_mod(kind: str, text: str, bindings: dict[str, Any] | None = None,
     >>> make_mod("score", "score * scale", {"scale": 0.5}, torch.float16).ir.dtype
     torch.float16
     """
-    from flexattn.mods import Mod
-
     root, tensors = parse_with_buffers(text, kind, bindings, score_dtype)
     mod = Mod(kind, root, tensors, name=f"dsl_{kind}_mod", source=text)
     # torch's flex_attention tells score from mask mods by counting positional parameters.
