@@ -245,6 +245,14 @@ def test_constant_tensor_conversions_are_allowed():
     check(mod)
 
 
+def test_tensor_of_a_traced_value_is_that_value():
+    # torch.tensor(t) copies t with its dtype; per element that is the traced value itself.
+    copied = trace(lambda b, h, q_idx, kv_idx: torch.tensor(q_idx) >= kv_idx)
+    assert copied.key() == trace(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx).key()
+    as_float = trace(lambda b, h, q_idx, kv_idx: torch.tensor(q_idx, dtype=torch.float64) > 0.5)
+    assert ir.to_text(as_float.ir) == ir.to_text(trace(lambda b, h, q_idx, kv_idx: q_idx.double() > 0.5).ir)
+
+
 def test_proxy_tensor_attributes():
     seen = {}
 
