@@ -311,20 +311,18 @@ def _fmod(v, input, other, *, out=None):
     return ir.where(fix, ir.binary("sub", r, b), r)
 
 
-@handles("torch.max", "Tensor.max")
-def _max(v, input, other=None, *args, **kwargs):
-    if other is None or args or kwargs or isinstance(other, int) and not isinstance(other, bool):
-        raise ir.IRError("torch.max(x) / torch.max(x, dim) reduce over elements, which has no meaning per "
-                         "element; use torch.maximum(a, b)")
-    return ir.binary("maximum", v(input), v(other))
+def _elementwise_extreme(name: str, op: str):
+    """torch.max / torch.min of two values; their one-argument and dim forms reduce, an error here."""
+    def handler(v, input, other=None, *args, **kwargs):
+        if other is None or args or kwargs or isinstance(other, int) and not isinstance(other, bool):
+            raise ir.IRError(f"torch.{name}(x) / torch.{name}(x, dim) reduce over elements, which has no "
+                             f"meaning per element; use torch.{op}(a, b)")
+        return ir.binary(op, v(input), v(other))
+    return handler
 
 
-@handles("torch.min", "Tensor.min")
-def _min(v, input, other=None, *args, **kwargs):
-    if other is None or args or kwargs or isinstance(other, int) and not isinstance(other, bool):
-        raise ir.IRError("torch.min(x) / torch.min(x, dim) reduce over elements, which has no meaning per "
-                         "element; use torch.minimum(a, b)")
-    return ir.binary("minimum", v(input), v(other))
+handles("torch.max", "Tensor.max")(_elementwise_extreme("max", "maximum"))
+handles("torch.min", "Tensor.min")(_elementwise_extreme("min", "minimum"))
 
 
 def _logical(op: str):
