@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
 import flexattn
-from flexattn.kernels import decode as dec, launch, options, plans
+from flexattn.kernels import decode as dec, launch, options, plans, scratch
 from flexattn.decode import causal_at, causal_at_with_length, decode_attention, valid_length
 from flexattn.reference import attention_reference
 from helpers.testing import record_calls
@@ -249,7 +249,7 @@ def test_output_follows_query_stride_order(Q_LEN):
 
 
 def _cpu_counters():
-    return launch.counters_of(torch.device("cpu"))
+    return scratch.counters_of(torch.device("cpu"))
 
 
 @pytest.mark.parametrize("split", [2, 3, 7])
@@ -300,14 +300,14 @@ def test_counters_return_to_zero_after_every_call(monkeypatch):
     """The same plan twice: both calls count on one buffer (no new one, no memset), it is all
     zeros after each call, and the second call's results are right."""
     seen = []
-    call = launch.Counters.__call__
+    call = scratch.Counters.__call__
 
     def spy(self, n):
         stream, buf = call(self, n)
         seen.append(buf)
         return stream, buf
 
-    monkeypatch.setattr(launch.Counters, "__call__", spy)
+    monkeypatch.setattr(scratch.Counters, "__call__", spy)
     q, k, v = qkv(3, 8, 2, 3, 150, 32, seed=1)
     n_plans = len(plans.DECODE)
     for seed in (2, 3):
@@ -364,10 +364,10 @@ def test_without_the_lse_only_the_output_is_allocated(split, monkeypatch):
     ref, lse = flexattn.flex_attention(q, k, v, enable_gqa=True, kernel_options=opts, return_lse=True)
     check(q, k, v, opts=opts)  # the call with the LSE is right
     made = record_calls(monkeypatch, launch, "empty")
-    scratch = launch.scratch_of(torch.device("cpu"))
+    buffers = scratch.scratch_of(torch.device("cpu"))
     for _ in range(2):
         made.clear()
-        for buf, _ in scratch.buffers.values():
+        for buf, _ in buffers.buffers.values():
             buf.fill_(math.nan)
         out = flexattn.flex_attention(q, k, v, enable_gqa=True, kernel_options=opts)
         assert torch.equal(out, ref)
@@ -380,36 +380,36 @@ def test_without_the_lse_only_the_output_is_allocated(split, monkeypatch):
 def test_scratch_per_stream_and_under_capture(monkeypatch):
     """One scratch buffer per stream, reused while large enough, grown (doubling) when not, the
     old one kept; a call under capture on a stream with none gets a buffer of its own."""
-    s = launch.Scratch(torch.device("cpu"))
+    s = scratch.Scratch(torch.device("cpu"))
     stream, a = s(10, 11)
     assert stream == 11 and a.numel() == 10 and a.dtype == torch.float32
     assert s(5, 11) == (11, a) and s(0)[0] == 0
     _, b = s(15, 11)
     assert b.numel() == 20 and s.retired == [a] and s(20, 11)[1] is b
     assert s(3, 22)[1] is not b
-    monkeypatch.setattr(launch.Scratch, "_capturing", lambda self: True)
+    monkeypatch.setattr(scratch.Scratch, "_capturing", lambda self: True)
     _, own = s(10, 33)
     assert own.numel() == 10 and 33 not in s.buffers
     assert s(20, 11)[1] is b  # a stream that has one keeps using it
 
 
 # ---------------------------------------------------------------------------------------------
-# launch.Counters: zero between launches, one buffer per stream
+# scratch.Counters: zero between launches, one buffer per stream
 
 
 def test_counters_per_stream_and_under_capture(monkeypatch):
     """One buffer per stream, grown when a plan needs more, the old one kept; a capture adopts
     the zeroed spare, or takes a buffer of its own (not kept) when there is none."""
-    c = launch.Counters(torch.device("cpu"))
+    c = scratch.Counters(torch.device("cpu"))
     a = c._grow(11, 10)
-    assert a.numel() == launch.COUNTERS_MIN and (a == 0).all()
+    assert a.numel() == scratch.COUNTERS_MIN and (a == 0).all()
     assert c._grow(22, 10) is not a and c.buffers[11][0] is a
-    big = c._grow(11, launch.COUNTERS_MIN + 1)
-    assert big.numel() == 2 * launch.COUNTERS_MIN and c.retired == [a] and c.buffers[11][0] is big
+    big = c._grow(11, scratch.COUNTERS_MIN + 1)
+    assert big.numel() == 2 * scratch.COUNTERS_MIN and c.retired == [a] and c.buffers[11][0] is big
     c.reserve(100)
     spare = c.spare
     assert spare is not None and (spare == 0).all()
-    monkeypatch.setattr(launch.Counters, "_capturing", lambda self: True)
+    monkeypatch.setattr(scratch.Counters, "_capturing", lambda self: True)
     c.reserve(10**6)
     assert c.spare is spare  # nothing is zeroed during a capture
     assert c._grow(33, 100) is spare and c.spare is None and c.buffers[33][0] is spare

@@ -7,7 +7,7 @@ import torch
 
 import flexattn
 from flexattn.decode import causal_at, decode_attention, valid_length
-from flexattn.kernels import launch
+from flexattn.kernels import scratch
 from flexattn.paged import PagedKVCache
 from flexattn.reference import attention_reference
 from helpers.testing import capture_after_warmup
@@ -121,7 +121,7 @@ def test_cuda_graph_capture_and_replay():
 
 
 def _all_counters_zero():
-    return all((buf == 0).all() for buf, _ in launch.counters_of(torch.device(DEV, 0)).buffers.values())
+    return all((buf == 0).all() for buf, _ in scratch.counters_of(torch.device(DEV, 0)).buffers.values())
 
 
 def _lengths_for(call, B, L):
@@ -160,7 +160,7 @@ def test_fused_merge_on_two_streams(nan_outputs):
         with torch.cuda.stream(streams[i % 2]):
             results.append(decode_attention(q, k, v, enable_gqa=True, return_lse=True, kernel_options={"SPLIT_KV": 5}))
     torch.cuda.synchronize()
-    counters = launch.counters_of(torch.device(DEV, 0))
+    counters = scratch.counters_of(torch.device(DEV, 0))
     assert all(s.cuda_stream in counters.buffers for s in streams) and _all_counters_zero()
     for q, (out, lse) in zip(qs, results):
         assert_close_to_reference(out, lse, q, k, v)

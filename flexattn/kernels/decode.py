@@ -3,10 +3,10 @@
 Every query head that shares a KV head is packed into one row tile, and the KV range is split
 over SPLIT_KV programs so the GPU is full. One launch does it all: each program stores its partial
 result, and the last of a row tile's programs to finish (it counts itself in on the row tile's
-counter, `launch.Counters`) merges the partials with a log-sum-exp reduction and writes the rows;
+counter, `scratch.Counters`) merges the partials with a log-sum-exp reduction and writes the rows;
 with SPLIT_KV == 1 each program writes its rows directly. A call allocates the output (and the
 LSE, where the caller wants it) and launches once; the partials, and an LSE nobody reads, go to
-the stream's scratch buffer (`launch.Scratch`).
+the stream's scratch buffer (`scratch.Scratch`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import triton
 
 from flexattn.kernels import launch, options as opts
 from flexattn.kernels.launch import pow2_at_least
+from flexattn.kernels.scratch import Counters, Scratch, counters_of, scratch_of
 from flexattn.kernels.tables import Tables, table_strides
 from flexattn.mods import Mod
 
@@ -61,8 +62,8 @@ class Plan:
     split: launch.Launch      # decode_split_kernel: the one launch of a call (fixed arguments in place)
     split_kv: int
     row_tiles: int            # counters the launch counts on (when split_kv > 1)
-    counters: launch.Counters
-    scratch_of: launch.Scratch
+    counters: Counters
+    scratch_of: Scratch
     out_shape: tuple
     out_order: tuple | None   # None: contiguous
     out_like_query: bool      # torch.empty_like(query) makes the output (a cheaper call)
@@ -168,7 +169,7 @@ def make_plan(query, key, value, score: Mod | None, score_bufs, mask: Mod | None
     if device.type == "cuda":
         constexprs.update(num_warps=o["num_warps"], num_stages=o["num_stages"])
     mod = module(score, mask, launch.target_for(device), opts.fast_math(explicit, device, query.dtype))
-    counters = launch.counters_of(device)
+    counters = counters_of(device)
     if split > 1:
         counters.reserve(programs)
     # The kernel's arguments as `run` passes them: its tensors and the scale come with each call.
@@ -184,7 +185,7 @@ def make_plan(query, key, value, score: Mod | None, score_bufs, mask: Mod | None
     return Plan(
         split=launch.Launch(mod.decode_split_kernel, (split, B * HKV, (G // G_PACK) * NUM_Q_BLOCKS * M_TILES),
                             constexprs, device, fixed),
-        split_kv=split, row_tiles=programs, counters=counters, scratch_of=launch.scratch_of(device),
+        split_kv=split, row_tiles=programs, counters=counters, scratch_of=scratch_of(device),
         out_shape=out_shape, out_order=out_order, scratch=scratch,
         out_like_query=launch.empty_like_gives(query, out_shape, query.dtype, out_order),
         is_empty=B * HQ * Q_LEN * EV == 0, lse_strides=launch.output_strides((B, HQ, Q_LEN), None),

@@ -366,7 +366,7 @@ def decode_split_kernel(
         done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         # Last = the count completes a multiple of SPLIT_KV; the merge then takes SPLIT_KV off
         # rather than storing 0: should two launches ever share the counters at once (a misuse, see
-        # flexattn.kernels.launch.Counters), their rows may be wrong but the count still ends at 0.
+        # flexattn.kernels.scratch.Counters), their rows may be wrong but the count still ends at 0.
         if done % SPLIT_KV == SPLIT_KV - 1:
             merge_rows(Out, LSE, M_part, L_part, Acc_part, b, h_kv, head_group, q_block, m_tile,
                        stride_oz, stride_oh, stride_om, stride_ok, Q_LEN, V_HEAD_DIM, N_ROWS,
