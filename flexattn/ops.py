@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, launch, plans
+from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, launch, layout, plans
 from flexattn.kernels.tables import Direction, Tables
 from flexattn.mods import template
 
@@ -94,7 +94,7 @@ def _stat_dtype(query: Tensor) -> torch.dtype:
 def _(query, key, value, score_bufs, mask_bufs, tables, spec, scale):
     B, Hq, Q_LEN, _ = query.shape
     want_max = ast.literal_eval(spec)[5]
-    out = torch.empty_permuted((B, Hq, Q_LEN, value.shape[-1]), launch.stride_order(query),
+    out = torch.empty_permuted((B, Hq, Q_LEN, value.shape[-1]), layout.stride_order(query),
                                dtype=query.dtype, device=query.device)
     lse = query.new_empty((B, Hq, Q_LEN), dtype=_stat_dtype(query))
     mx = query.new_empty((B, Hq, Q_LEN) if want_max else (0,), dtype=_stat_dtype(query))
@@ -152,7 +152,7 @@ def backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor
 
 @backward.register_fake
 def _(query, key, value, out, lse, grad_out, grad_lse, score_bufs, mask_bufs, tables, spec, scale, need):
-    dq = torch.empty_permuted(query.shape, launch.stride_order(query), dtype=query.dtype, device=query.device)
+    dq = torch.empty_permuted(query.shape, layout.stride_order(query), dtype=query.dtype, device=query.device)
     dk = key.new_empty(key.shape)
     dv = value.new_empty(value.shape)
     return dq, dk, dv, [torch.empty_like(b) if n else b.new_empty(0) for b, n in zip(score_bufs, need)]
@@ -178,6 +178,6 @@ def decode(query: Tensor, key: Tensor, value: Tensor, score_bufs: list[Tensor], 
 @decode.register_fake
 def _(query, key, value, score_bufs, mask_bufs, tables, kv_lengths, spec, scale):
     B, Hq, Q_LEN, _ = query.shape
-    out = torch.empty_permuted((B, Hq, Q_LEN, value.shape[-1]), launch.stride_order(query),
+    out = torch.empty_permuted((B, Hq, Q_LEN, value.shape[-1]), layout.stride_order(query),
                                dtype=query.dtype, device=query.device)
     return out, query.new_empty((B, Hq, Q_LEN), dtype=torch.float32)

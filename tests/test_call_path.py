@@ -534,7 +534,7 @@ def test_tensor_map_launch_keeps_a_map_per_address_and_refuses_what_it_cannot_la
 
 @pytest.mark.parametrize("layout", ["contiguous", "heads inside", "Ev differs", "other dtype"])
 def test_outputs_from_empty_like_only_where_it_gives_the_same_tensor(layout):
-    from flexattn.kernels import launch
+    from flexattn.kernels import launch, layout as layouts
 
     q = torch.randn(2, 3, 5, 8)
     shape, dtype = (2, 3, 5, 8), q.dtype
@@ -544,9 +544,9 @@ def test_outputs_from_empty_like_only_where_it_gives_the_same_tensor(layout):
         shape = (2, 3, 5, 16)
     elif layout == "other dtype":
         dtype = torch.bfloat16
-    order = launch.contiguous_or_order(q)
+    order = layouts.contiguous_or_order(q)
     expected = launch.empty(shape, dtype, q.device, order)
-    same = launch.empty_like_gives(q, shape, dtype, order)
+    same = layouts.empty_like_gives(q, shape, dtype, order)
     assert same == (layout in ("contiguous", "heads inside"))
     if same:
         made = launch.empty(shape, dtype, q.device, order, like=q)

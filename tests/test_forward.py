@@ -450,13 +450,12 @@ def test_a_list_changed_in_place_is_read_again():
 
 def test_int64_offsets_path(monkeypatch):
     """The 64-bit offset specialisation computes the same thing (forced on a small tensor)."""
-    from flexattn.kernels import launch
-    from flexattn.kernels import plans
+    from flexattn.kernels import layout, plans
     from flexattn.kernels.launch import PlanCache
 
-    monkeypatch.setattr(launch, "INT32_OFFSET_LIMIT", 0)
+    monkeypatch.setattr(layout, "INT32_OFFSET_LIMIT", 0)
     monkeypatch.setattr(plans, "FORWARD", PlanCache())  # plans made before would not see the limit
-    assert launch.needs_int64_offsets(torch.empty(2, 2))
+    assert layout.needs_int64_offsets(torch.empty(2, 2))
     q, k, v = make_qkv(2, 2, 1, 40, 50, 16, 16, torch.float16, layout="blhe")
     check(q, k, v, enable_gqa=True)
 

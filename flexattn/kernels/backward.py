@@ -19,7 +19,7 @@ import triton
 
 from flexattn import autodiff
 from flexattn.codegen import emit
-from flexattn.kernels import hopper, launch, options as opts
+from flexattn.kernels import hopper, launch, layout, options as opts
 from flexattn.kernels.launch import LARGE_BLOCK, fit_tile, pow2_at_least
 from flexattn.kernels.tables import Direction, Tables, check_block_size, dense, q_direction
 from flexattn.mods import Mod
@@ -86,7 +86,7 @@ class Plan:
     dq: launch.Launch
     grad_buffers: tuple[int, ...]   # captured tensors (by index) that get gradients
     acc: torch.dtype
-    dq_order: tuple[int, ...] | None  # dQ's layout: the query's (`launch.contiguous_or_order`)
+    dq_order: tuple[int, ...] | None  # dQ's layout: the query's (`layout.contiguous_or_order`)
     dk_dtype: torch.dtype
     kv_batched: bool
     dense: tuple[Direction, Direction] | None  # (q lists, kv lists) without a block mask
@@ -132,8 +132,8 @@ def make_plan(query, key, value, out, grad_out, score: Mod, mask: Mod, tables: T
     common = dict(
         QK_HEAD_DIM=E, QK_HEAD_DIM_ROUNDED=e_round, V_HEAD_DIM=Ev, V_HEAD_DIM_ROUNDED=ev_round,
         SAFE_HEAD_DIM=E == e_round and Ev == ev_round, GQA_SHARED_HEADS=Hq // Hkv,
-        OFFS_INT64=launch.needs_int64_offsets(query, key, value, out, grad_out)
-        or B * Hkv * KV_LEN * max(E, Ev) >= launch.INT32_OFFSET_LIMIT,
+        OFFS_INT64=layout.needs_int64_offsets(query, key, value, out, grad_out)
+        or B * Hkv * KV_LEN * max(E, Ev) >= layout.INT32_OFFSET_LIMIT,
         ACC_DTYPE=launch.ACC_TL_DTYPE[acc], SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype,
                                                                                 launch.ACC_TL_DTYPE[acc]),
         SCORES_IN_BASE2=launch.raw_scores(score, acc),
@@ -148,11 +148,11 @@ def make_plan(query, key, value, out, grad_out, score: Mod, mask: Mod, tables: T
     dq = ((triton.cdiv(Q_LEN, m2), B * Hq),
           dict(common, BLOCK_M2=m2, BLOCK_N2=n2, SPARSE_Q_BLOCK_SIZE=sq2, SPARSE_KV_BLOCK_SIZE=skv2,
                HAS_FULL_BLOCKS=has_full_kv, IS_DIVISIBLE=divisible2, BLOCKS_ARE_CONTIGUOUS=contiguous_kv))
-    strides = (*query.stride(), *launch.broadcast_strides(key, not kv_batched),
-               *launch.broadcast_strides(value, not kv_batched))
+    strides = (*query.stride(), *layout.broadcast_strides(key, not kv_batched),
+               *layout.broadcast_strides(value, not kv_batched))
     mod = module(score, mask, grad_buffers, target, opts.fast_math(explicit, device, dtype))
     return Plan(_preprocess(mod, query, value, has_grad_lse), launch.Launch(mod.backward_dkdv, *dkdv, device),
-                launch.Launch(mod.backward_dq, *dq, device), grad_buffers, acc, launch.contiguous_or_order(query),
+                launch.Launch(mod.backward_dq, *dq, device), grad_buffers, acc, layout.contiguous_or_order(query),
                 key.dtype if kv_batched else acc, kv_batched, dense_lists, strides, (Hq, Hkv, Q_LEN, KV_LEN))
 
 
@@ -163,7 +163,7 @@ class HopperPlan:
     preprocess: launch.Launch
     main: launch.Launch
     descriptors: hopper.Descriptors  # Q, K, V, dO, the float32 dQ buffer (and 16-bit dK, dV)
-    dq_order: tuple[int, ...] | None  # the dQ buffer's layout: the query's (`launch.contiguous_or_order`)
+    dq_order: tuple[int, ...] | None  # the dQ buffer's layout: the query's (`layout.contiguous_or_order`)
     dk_dtype: torch.dtype
     kv_batched: bool
     dense: Direction | None  # the query lists without a block mask
@@ -248,7 +248,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     group = hopper.head_group(device, Q_LEN * E * (2 * query.element_size() + 4) * (Hq // Hkv), B * Hkv,
                               grid[0] * grid[1], tables is not None,
                               explicit.get("HEAD_GROUP"))
-    return HopperPlan(pre, main, descriptors, launch.contiguous_or_order(query),
+    return HopperPlan(pre, main, descriptors, layout.contiguous_or_order(query),
                       key.dtype if kv_batched else torch.float32, kv_batched, lists,
                       (Hq, Hkv, Q_LEN, KV_LEN, group))
 

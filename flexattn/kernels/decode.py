@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from flexattn.kernels import launch, options as opts
+from flexattn.kernels import launch, layout, options as opts
 from flexattn.kernels.launch import pow2_at_least
 from flexattn.kernels.scratch import Counters, Scratch, counters_of, scratch_of
 from flexattn.kernels.tables import Tables, table_strides
@@ -139,7 +139,7 @@ def make_plan(query, key, value, score: Mod | None, score_bufs, mask: Mod | None
     split = min(split, max(1, walk_tiles * (kv_bs // BLOCK_N if has_block_mask else 1)))
 
     kz = BK == 1 and B > 1
-    strides = (*query.stride(), *launch.broadcast_strides(key, kz), *launch.broadcast_strides(value, kz))
+    strides = (*query.stride(), *layout.broadcast_strides(key, kz), *layout.broadcast_strides(value, kz))
     if has_block_mask:
         static = [*table_strides(num), *table_strides(idx)]
         static += ([*table_strides(tables.kv.full_num), *table_strides(tables.kv.full_idx)] if has_full else [0] * 6)
@@ -173,7 +173,7 @@ def make_plan(query, key, value, score: Mod | None, score_bufs, mask: Mod | None
     if split > 1:
         counters.reserve(programs)
     # The kernel's arguments as `run` passes them: its tensors and the scale come with each call.
-    out_order = launch.contiguous_or_order(query)
+    out_order = layout.contiguous_or_order(query)
     out_shape = (B, HQ, Q_LEN, EV)
     call, unused = launch.PER_CALL, launch.UNUSED
     score_fixed, score_slots = _buffer_template(score, score_bufs)
@@ -181,14 +181,14 @@ def make_plan(query, key, value, score: Mod | None, score_bufs, mask: Mod | None
     fixed = (call, call, call, call, call, call if split > 1 else unused,   # Q, K, V, Out, scratch, counters
              *(call if has_block_mask else unused for _ in range(4)),       # block-mask tables
              call if kv_lengths is not None else unused,
-             *score_fixed, *mask_fixed, *strides, *launch.output_strides(out_shape, out_order), *static, call)
+             *score_fixed, *mask_fixed, *strides, *layout.output_strides(out_shape, out_order), *static, call)
     return Plan(
         split=launch.Launch(mod.decode_split_kernel, (split, B * HKV, (G // G_PACK) * NUM_Q_BLOCKS * M_TILES),
                             constexprs, device, fixed),
         split_kv=split, row_tiles=programs, counters=counters, scratch_of=scratch_of(device),
         out_shape=out_shape, out_order=out_order, scratch=scratch,
-        out_like_query=launch.empty_like_gives(query, out_shape, query.dtype, out_order),
-        is_empty=B * HQ * Q_LEN * EV == 0, lse_strides=launch.output_strides((B, HQ, Q_LEN), None),
+        out_like_query=layout.empty_like_gives(query, out_shape, query.dtype, out_order),
+        is_empty=B * HQ * Q_LEN * EV == 0, lse_strides=layout.output_strides((B, HQ, Q_LEN), None),
         score_slots=score_slots, mask_slots=mask_slots,
     )
 

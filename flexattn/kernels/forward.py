@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from flexattn.kernels import hopper, launch, options as opts
+from flexattn.kernels import hopper, launch, layout, options as opts
 from flexattn.kernels.launch import LARGE_BLOCK, fit_tile, pow2_at_least
 from flexattn.kernels.tables import Direction, Tables, check_block_size, dense
 from flexattn.mods import Mod
@@ -115,8 +115,8 @@ def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
         ROWS_GUARANTEED_SAFE=options["ROWS_GUARANTEED_SAFE"],
         # Without a block mask the full blocks are consecutive by construction.
         BLOCKS_ARE_CONTIGUOUS=options["BLOCKS_ARE_CONTIGUOUS"] or tables is None,
-        OFFS_INT64=launch.needs_int64_offsets(query, key, value) or
-        (B * Hq * Q_LEN * Ev >= launch.INT32_OFFSET_LIMIT),
+        OFFS_INT64=layout.needs_int64_offsets(query, key, value) or
+        (B * Hq * Q_LEN * Ev >= layout.INT32_OFFSET_LIMIT),
         OUTPUT_MAX=want_max,
         # Without a score_mod the scale takes the softmax's 1 / ln 2 with it (not with PRESCALE_QK,
         # whose rounding of Q * scale would change). The softmax then folds it into exp2's
@@ -132,19 +132,19 @@ def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     if device.type == "cuda":
         constexprs.update(num_warps=options["num_warps"], num_stages=options["num_stages"])
     kv_b = Bkv == 1 and B > 1
-    strides = (*query.stride(), *launch.broadcast_strides(key, kv_b), *launch.broadcast_strides(value, kv_b))
+    strides = (*query.stride(), *layout.broadcast_strides(key, kv_b), *layout.broadcast_strides(value, kv_b))
     kernel = module(score, mask, launch.target_for(device),
                     opts.fast_math(explicit, device, dtype)).flex_attention_forward
-    out_order = launch.contiguous_or_order(query)
+    out_order = layout.contiguous_or_order(query)
     out_dtype = torch.bfloat16 if fp8 else dtype
-    strides += (*launch.output_strides(out_shape, out_order), *launch.output_strides((B, Hq, Q_LEN), None)[:2])
+    strides += (*layout.output_strides(out_shape, out_order), *layout.output_strides((B, Hq, Q_LEN), None)[:2])
     grid = (triton.cdiv(Q_LEN, block_m), B * Hq)
     main, any_scale = _launches(kernel, grid, constexprs, device)
     return Plan(
         kernel=main, any_scale=any_scale,
         out_shape=out_shape, stat_shape=(B, Hq, Q_LEN),
         out_order=out_order, stat_dtype=acc, out_dtype=out_dtype,
-        out_like_query=launch.empty_like_gives(query, out_shape, out_dtype, out_order),
+        out_like_query=layout.empty_like_gives(query, out_shape, out_dtype, out_order),
         strides=strides, dense_rows=dense_rows,
         sizes=(Hq, Q_LEN, KV_LEN), want_max=want_max, is_empty=B * Hq * Q_LEN * Ev == 0,
     )
@@ -191,11 +191,11 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     )
     out_shape = (B, Hq, Q_LEN, Ev)
     out_dtype = torch.bfloat16 if fp8 else dtype
-    out_order = launch.contiguous_or_order(query)
-    if launch.output_strides(out_shape, out_order)[3] != 1:  # (the kernel writes rows of Ev elements)
+    out_order = layout.contiguous_or_order(query)
+    if layout.output_strides(out_shape, out_order)[3] != 1:  # (the kernel writes rows of Ev elements)
         out_order = None
-    oz, oh, om, _ = launch.output_strides(out_shape, out_order)
-    strides = (oz, oh, om, *launch.output_strides((B, Hq, Q_LEN), None)[:2])
+    oz, oh, om, _ = layout.output_strides(out_shape, out_order)
+    strides = (oz, oh, om, *layout.output_strides((B, Hq, Q_LEN), None)[:2])
     kernel = hopper_module(score, mask, opts.fast_math(explicit, device, dtype)).flex_attention_forward
     grid = (triton.cdiv(Q_LEN, block_m), B * Hq)
     main, any_scale = _launches(kernel, grid, constexprs, device)
@@ -206,7 +206,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     return Plan(
         kernel=main, any_scale=any_scale,
         out_shape=out_shape, stat_shape=(B, Hq, Q_LEN), out_order=out_order, stat_dtype=torch.float32,
-        out_dtype=out_dtype, out_like_query=launch.empty_like_gives(query, out_shape, out_dtype, out_order),
+        out_dtype=out_dtype, out_like_query=layout.empty_like_gives(query, out_shape, out_dtype, out_order),
         strides=strides, dense_rows=dense_rows, sizes=(Hq, Q_LEN, KV_LEN, group), want_max=want_max,
         is_empty=B * Hq * Q_LEN * Ev == 0, descriptors=descriptors,
     )

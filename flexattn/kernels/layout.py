@@ -1,4 +1,6 @@
-"""Layout changes of inputs that a kernel reads faster in another layout.
+"""Tensor layouts on the host: the strides a kernel takes, the layout of the outputs a plan
+allocates, when offsets need 64 bits, and layout changes of inputs that a kernel reads faster in
+another layout.
 
 `k_major`: Hopper's float8 tensor-core instruction takes P V's V operand K-major only (the KV
 dimension innermost); a V tile of another layout is rearranged in shared memory every step,
@@ -16,6 +18,58 @@ import triton.language as tl
 
 from flexattn.kernels import launch
 from flexattn.kernels.launch import Launch, PlanCache
+
+INT32_OFFSET_LIMIT = 2**31  # tensors reaching this element offset get 64-bit tile offsets
+
+
+def max_offset(t: torch.Tensor) -> int:
+    """The largest element offset ``t`` reaches from its data pointer (decides 64-bit offsets)."""
+    return sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()) if s > 0)
+
+
+def needs_int64_offsets(*tensors: torch.Tensor) -> bool:
+    return max(max_offset(t) for t in tensors) >= INT32_OFFSET_LIMIT
+
+
+def broadcast_strides(t: torch.Tensor, batch_broadcast: bool) -> list[int]:
+    """``t``'s strides, with the batch stride 0 when it broadcasts over the query's batch."""
+    s = list(t.stride())
+    if batch_broadcast:
+        s[0] = 0
+    return s
+
+
+def table_strides(t: torch.Tensor) -> list[int]:
+    """[b, h, row] strides of a block-mask table; 0 where the mask broadcasts over B or H."""
+    return [t.stride(0) if t.shape[0] > 1 else 0, t.stride(1) if t.shape[1] > 1 else 0, t.stride(2)]
+
+
+def stride_order(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s dimensions from outermost to innermost (outputs follow the query's layout). Equal
+    strides only happen next to a size-1 dimension, whose stride means nothing: it goes inside, so
+    that an output of the query's shape gets the query's strides (as ``torch.empty_like``)."""
+    return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), t.shape[d] == 1, d)))
+
+
+def contiguous_or_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """`stride_order` of ``t``, or None when that is the contiguous order (`launch.empty` then takes the
+    cheaper ``torch.empty``)."""
+    order = stride_order(t)
+    return None if order == tuple(range(t.dim())) else order
+
+
+def empty_like_gives(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+                     order: tuple[int, ...] | None) -> bool:
+    """Whether ``torch.empty_like(t)`` is what `launch.empty` makes of ``shape``, ``dtype``, ``order``."""
+    probe = torch.empty_like(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
+    return t.dtype == dtype and tuple(probe.shape) == tuple(shape) and probe.stride() == output_strides(shape, order)
+
+
+def output_strides(shape: tuple[int, ...], order: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The strides `launch.empty` gives a tensor of ``shape`` and ``order`` (plans precompute them)."""
+    t = torch.empty(shape, device="meta") if order is None else torch.empty_permuted(shape, order, device="meta")
+    return t.stride()
+
 
 _TRANSPOSES = PlanCache()
 BLOCK_S = 64  # rows per tile (the tile is BLOCK_S x the head dim rounded up to a power of two)

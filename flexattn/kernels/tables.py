@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import triton
 
-from flexattn.kernels.launch import table_strides
+from flexattn.kernels.layout import table_strides
 
 _CACHE_ATTR = "_flexattn_tables"
 _VERSION = operator.attrgetter("_version")  # a tensor's in-place modification counter
