@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as `python benchmarks/bench_host.py`: impor
 
 import flexattn
 from benchmarks import results
-from flexattn.kernels import launch
+from tests.helpers.launches import recorded_launches
 
 SUITE = "host"
 
@@ -67,8 +67,8 @@ def bare_launch(run_call):
     """A function doing Triton's own ``kernel[grid](*args, **constexprs)`` for the first kernel
     ``run_call`` launches, with the same arguments: the floor flexattn's host work is measured
     against (flexattn itself launches the compiled kernel directly after the first calls)."""
-    site, args = launch.recorded_launches(run_call)[0]
-    args = site._fill(site._full(args))  # all arguments; launch.UNUSED -> the placeholder tensor
+    site, args = recorded_launches(run_call)[0]
+    args = site._fill(site._full(args))  # all arguments; UNUSED -> the placeholder tensor
     return lambda: site.kernel[site.grid](*args, **site.constexprs)
 
 

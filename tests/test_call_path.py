@@ -399,20 +399,20 @@ def test_the_trace_cache_holds_no_captured_tensor():
 def test_static_launch_arguments_from_fixed_and_per_call_ones():
     """With fixed arguments a call fills only its slots: pointers as integers, UNUSED as 0, a
     tensor off 16-byte alignment refuses (Triton's path then specialises on it)."""
-    from flexattn.kernels import launch
+    from flexattn.kernels import arguments, launch, triton_launcher
 
     t, other = torch.zeros(8), torch.zeros(8)
     off = torch.zeros(8)[1:]  # 4 bytes past an aligned start
-    fill = launch._fill_slots([0, 5, 0, 7, None], ((0, True), (2, True), (3, False)))
-    assert fill((t, launch.UNUSED, 2.5)) == (t.data_ptr(), 5, 0, 2.5, None)
+    fill = triton_launcher.fill_slots([0, 5, 0, 7, None], ((0, True), (2, True), (3, False)))
+    assert fill((t, arguments.UNUSED, 2.5)) == (t.data_ptr(), 5, 0, 2.5, None)
     assert fill((other, t, -1.0)) == (other.data_ptr(), 5, t.data_ptr(), -1.0, None)
     assert fill((off, t, 1.0)) is None and fill((t, off, 1.0)) is None
-    site = launch.Launch(None, (1,), {}, t.device, fixed=(launch.PER_CALL, 3, launch.PER_CALL))
+    site = launch.Launch(None, (1,), {}, t.device, fixed=(arguments.PER_CALL, 3, arguments.PER_CALL))
     assert site._full((t, 2.0)) == (t, 3, 2.0)
     with pytest.raises(TypeError, match="takes 2 per-call arguments, got 1"):
         site._full((t,))
-    every = launch._fill_all([0, 2, 3], {0, 2}, (None,))  # argument 1 was specialised away
-    assert every((t, 99, launch.UNUSED, 4)) == (t.data_ptr(), 0, 4, None)
+    every = triton_launcher.fill_all([0, 2, 3], {0, 2}, (None,))  # argument 1 was specialised away
+    assert every((t, 99, arguments.UNUSED, 4)) == (t.data_ptr(), 0, 4, None)
     assert every((off, 99, t, 4)) is None
 
 
@@ -490,7 +490,7 @@ def test_tensor_map_launch_keeps_a_map_per_address_and_refuses_what_it_cannot_la
     strides, or a recorded layout it does not know launch nothing."""
     from types import SimpleNamespace
 
-    from flexattn.kernels import launch
+    from flexattn.kernels import triton_launcher
 
     def desc(t):
         return SimpleNamespace(base=t, shape=list(t.shape), strides=list(t.stride()), padding="zero")
@@ -507,7 +507,7 @@ def test_tensor_map_launch_keeps_a_map_per_address_and_refuses_what_it_cannot_la
     wrapper(*fixed, *args, 128)  # Triton's launch, as recorded
     recorded = calls.pop()
     assert encoded == [q.data_ptr(), o.data_ptr()]
-    site = launch.TensorMapLaunch.plan(compiled, wrapper, lambda *a: calls.append(a), recorded, (*args, 128), 5,
+    site = triton_launcher.TensorMapLaunch.plan(compiled, wrapper, lambda *a: calls.append(a), recorded, (*args, 128), 5,
                                        None, (2, 1, 1), 7)
     assert site is not None
 
@@ -529,7 +529,7 @@ def test_tensor_map_launch_keeps_a_map_per_address_and_refuses_what_it_cannot_la
 
     # a launcher passing the kernel's arguments in one trailing tuple (newer Triton): not taken
     nested = (*recorded[:13], tuple(recorded[13:]))
-    assert launch.TensorMapLaunch.plan(compiled, wrapper, print, nested, (*args, 128), 5, None, (2, 1, 1), 7) is None
+    assert triton_launcher.TensorMapLaunch.plan(compiled, wrapper, print, nested, (*args, 128), 5, None, (2, 1, 1), 7) is None
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "heads inside", "Ev differs", "other dtype"])

@@ -152,7 +152,7 @@ def test_direct_launches_match_the_reference(case, nan_outputs):
     expected = ref()
     for call in range(4):
         if call == 3:
-            from flexattn.kernels.launch import recorded_launches
+            from helpers.launches import recorded_launches
 
             sites = [site for site, _ in recorded_launches(run)]
             assert sites and all(s.launcher is not None for s in sites), "the direct launch was not taken"
@@ -175,12 +175,12 @@ def test_hopper_launches_across_addresses(monkeypatch, nan_outputs):
     """The Hopper kernels' direct launch keeps each descriptor's map by its tensor's address, a
     few per descriptor: calls that cycle through more input and output addresses than it keeps
     must each read and write their own tensors."""
-    from flexattn.kernels import launch
+    from flexattn.kernels import triton_launcher
 
-    monkeypatch.setattr(launch.TensorMapLaunch, "MAPS_PER_DESCRIPTOR", 2)
+    monkeypatch.setattr(triton_launcher.TensorMapLaunch, "MAPS_PER_DESCRIPTOR", 2)
     taken = []
-    real = launch.TensorMapLaunch.__call__
-    monkeypatch.setattr(launch.TensorMapLaunch, "__call__", lambda self, *a: taken.append(real(self, *a)) or taken[-1])
+    real = triton_launcher.TensorMapLaunch.__call__
+    monkeypatch.setattr(triton_launcher.TensorMapLaunch, "__call__", lambda self, *a: taken.append(real(self, *a)) or taken[-1])
     B, H, S, D = 1, 4, 700, 128
     mask = flexattn.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device=DEV)
     torch.manual_seed(0)

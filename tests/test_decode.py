@@ -12,6 +12,7 @@ import flexattn
 from flexattn.kernels import decode as dec, launch, options, plans, scratch
 from flexattn.decode import causal_at, causal_at_with_length, decode_attention, valid_length
 from flexattn.reference import attention_reference
+from helpers.launches import recorded_launches
 from helpers.testing import record_calls
 
 
@@ -259,7 +260,7 @@ def test_forced_split_merges_in_one_launch(split, Hq, Hkv, Q_LEN, KV_LEN, Ev):
     """GQA and MHA, KV lengths and V head dims that are no multiple of the tiles, one row per tile
     (MHA, Q_LEN 1) to two row tiles per KV head (72 rows): one launch."""
     q, k, v = qkv(2, Hq, Hkv, Q_LEN, KV_LEN, 32, Ev, seed=split)
-    sites = [site for site, _ in launch.recorded_launches(lambda: check(q, k, v, opts={"SPLIT_KV": split}))]
+    sites = [site for site, _ in recorded_launches(lambda: check(q, k, v, opts={"SPLIT_KV": split}))]
     assert len(sites) == 1 and sites[0].constexprs["SPLIT_KV"] == split
 
 
@@ -337,7 +338,7 @@ def test_merge_in_several_steps(monkeypatch):
     monkeypatch.setattr(dec, "MERGE_ELEMENTS_PER_WARP", 64)
     monkeypatch.setattr(plans, "DECODE", launch.PlanCache())
     q, k, v = qkv(2, 6, 2, 3, 111, 32, seed=5)
-    sites = [s for s, _ in launch.recorded_launches(lambda: check(q, k, v, opts={"SPLIT_KV": 7}))]
+    sites = [s for s, _ in recorded_launches(lambda: check(q, k, v, opts={"SPLIT_KV": 7}))]
     assert sites[0].constexprs["MERGE_CHUNK"] == 1 and sites[0].constexprs["MERGE_M"] == 16
 
 

@@ -9,6 +9,7 @@ import torch
 import flexattn
 from flexattn.kernels import launch
 from flexattn.reference import attention_reference
+from helpers.launches import recorded_launches
 from helpers.testing import dequantised, quantise_fp8 as quantise
 
 def _inputs(S=150, D=64, Hq=4, Hkv=2, seed=0):
@@ -69,7 +70,7 @@ def test_fp8_value_goes_to_the_kernel_k_major():
     v_k_major = v.transpose(2, 3).contiguous().transpose(2, 3)
     outs = []
     for given in (v, v_k_major):
-        seen = launch.recorded_launches(lambda: outs.append(flexattn.flex_attention(
+        seen = recorded_launches(lambda: outs.append(flexattn.flex_attention(
             q, k, given, enable_gqa=True, descale_q=dq, descale_k=dk, descale_v=dv)))
         value_arg = seen[0][1][2]
         assert value_arg.stride(2) == 1

@@ -15,7 +15,7 @@ import torch
 from flexattn import tracer
 from flexattn.block_mask import create_block_mask
 from flexattn.codegen import emit
-from flexattn.kernels import backward as bwd, forward as fwd, hopper, launch, layout, options as opts
+from flexattn.kernels import arguments, backward as bwd, forward as fwd, hopper, launch, layout, options as opts
 from flexattn.kernels.tables import q_direction, tables_of
 from flexattn.mods import MASK, SCORE
 
@@ -54,7 +54,7 @@ def _compile_gluon(kernel, args: list, launch_: launch.Launch):
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    args = [torch.empty(1) if a is launch.UNUSED else a for a in args]
+    args = [torch.empty(1) if a is arguments.UNUSED else a for a in args]
     constexprs = {n: c for n, c in launch_.constexprs.items() if n not in ("num_warps", "maxnreg", "enable_fp_fusion")}
     names = kernel.arg_names
     assert len(names) == len(args) + len(constexprs), "the launch's arguments do not match the kernel's parameters"

@@ -18,6 +18,7 @@ import torch
 import triton
 
 from flexattn.kernels import launch, layout, options as opts
+from flexattn.kernels.arguments import PER_CALL, UNUSED
 from flexattn.kernels.launch import pow2_at_least
 from flexattn.kernels.scratch import Counters, Scratch, counters_of, scratch_of
 from flexattn.kernels.tables import Tables, table_strides
@@ -80,7 +81,7 @@ def _buffer_template(mod: Mod | None, buffers) -> tuple[list, tuple[int, ...] | 
     and sizes are part of the plan key. None: all of them, in order."""
     if mod is None:
         return [], ()
-    fixed = [launch.PER_CALL if isinstance(a, torch.Tensor) else a for a in launch.buffer_args(mod, buffers)]
+    fixed = [PER_CALL if isinstance(a, torch.Tensor) else a for a in launch.buffer_args(mod, buffers)]
     slots = tuple(spec.index for spec in mod.buffer_specs)
     return fixed, None if slots == tuple(range(len(buffers))) else slots
 
@@ -175,7 +176,7 @@ def make_plan(query, key, value, score: Mod | None, score_bufs, mask: Mod | None
     # The kernel's arguments as `run` passes them: its tensors and the scale come with each call.
     out_order = layout.contiguous_or_order(query)
     out_shape = (B, HQ, Q_LEN, EV)
-    call, unused = launch.PER_CALL, launch.UNUSED
+    call, unused = PER_CALL, UNUSED
     score_fixed, score_slots = _buffer_template(score, score_bufs)
     mask_fixed, mask_slots = _buffer_template(mask, mask_bufs)
     fixed = (call, call, call, call, call, call if split > 1 else unused,   # Q, K, V, Out, scratch, counters

@@ -8,6 +8,7 @@ import torch
 import triton
 
 from flexattn.kernels import hopper, launch, layout, options as opts
+from flexattn.kernels.arguments import UNUSED
 from flexattn.kernels.launch import LARGE_BLOCK, fit_tile, pow2_at_least
 from flexattn.kernels.tables import Direction, Tables, check_block_size, dense
 from flexattn.mods import Mod
@@ -212,7 +213,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     )
 
 
-_NO_DESCALE = (launch.UNUSED,) * 3
+_NO_DESCALE = (UNUSED,) * 3
 
 
 def run(plan: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score: Mod, score_bufs,
@@ -238,7 +239,7 @@ def launch_args(plan: Plan, query, key, value, out, lse, mx, score: Mod, score_b
     rows = plan.dense_rows if tables is None else tables.kv
     mods = (*launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs))
     tail = (*plan.strides, *rows.strides(), *plan.sizes, scale)
-    mx = launch.UNUSED if mx is None else mx
+    mx = UNUSED if mx is None else mx
     if plan.descriptors is None:
         qkv = (query, key, value)
     elif plan.descriptors.with_out:
