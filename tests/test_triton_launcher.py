@@ -1,0 +1,69 @@
+"""What kernels/triton_launcher.py relies on in Triton and torch, checked without a GPU: a Triton
+that changes it fails here instead of quietly sending every launch down Triton's slower path."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import triton
+from triton.compiler.compiler import ASTSource, CompiledKernel
+
+from flexattn.kernels import triton_launcher
+
+nvidia = pytest.importorskip("triton.backends.nvidia.driver", reason="Triton without its CUDA backend")
+TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2])
+
+
+def test_the_launch_hooks_are_knobs():
+    """`no_launch_hooks` reads both hooks off ``triton.knobs.runtime``; a direct launch passes them on."""
+    assert triton_launcher.AVAILABLE
+    runtime = triton.knobs.runtime
+    assert hasattr(runtime, "launch_enter_hook") and hasattr(runtime, "launch_exit_hook")
+    assert triton_launcher.no_launch_hooks()
+
+
+def test_the_compiled_kernel_has_what_capture_reads():
+    """`capture` calls ``_init_handles`` and swaps ``run``; `call` and `static_plan` read
+    ``function``, ``packed_metadata``, ``launch_metadata(grid, stream, *args)`` and the source's
+    ``fn.arg_names``, ``signature`` and ``constants``."""
+    assert callable(CompiledKernel._init_handles) and hasattr(CompiledKernel, "run")
+    assert list(inspect.signature(CompiledKernel.launch_metadata).parameters) == ["self", "grid", "stream", "args"]
+    assert "self.packed_metadata" in inspect.getsource(CompiledKernel)
+    assert "self.function" in inspect.getsource(CompiledKernel._init_handles)
+    init = inspect.getsource(ASTSource.__init__)
+    assert all(f"self.{a}" in init for a in ("fn", "signature", "constants"))
+
+
+def test_the_launcher_takes_the_recorded_layout():
+    """`capture` checks a recorded call against (grid x3, stream, function, packed metadata,
+    launch metadata, enter hook, exit hook, *args); `call` calls the launcher that way."""
+    params = list(inspect.signature(nvidia.CudaLauncher.__call__).parameters)
+    assert params == ["self", "gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata",
+                      "launch_metadata", "launch_enter_hook", "launch_exit_hook", "args"]
+
+
+@pytest.mark.xfail(TRITON > (3, 6), strict=True,
+                   reason="Triton 3.7+ passes the kernel's arguments to the C launcher as one tuple and keeps "
+                          "make_tensordesc_arg in a closure: TensorMapLaunch knows Triton 3.6's layout only, "
+                          "so the Hopper kernels launch through Triton's launcher there")
+def test_the_descriptor_wrapper_has_the_cells_tensormaps_reuse():
+    """`TensorMapLaunch.plan` reuses the wrapper's ``tensordesc_meta`` cell and its module's
+    ``make_tensordesc_arg``, and `raw_launch_cell` swaps its ``launcher`` cell."""
+    def raw(*args):
+        return args
+
+    wrapper = nvidia.wrap_handle_tensordesc(raw, {"a": "tensordesc<bf16[64,16]>", "n": "i32"}, [{"swizzle": 3}])
+    holder = type("Launcher", (), {"launch": staticmethod(wrapper)})
+    cell = triton_launcher.raw_launch_cell(holder)
+    assert cell is not None and cell.cell_contents is raw
+    assert "tensordesc_meta" in wrapper.__code__.co_freevars
+    assert callable(wrapper.__globals__.get("make_tensordesc_arg"))
+
+
+def test_the_static_launcher_types_cover_the_kernels_arguments():
+    """`static_plan` maps every scalar type the kernels take to torch's static launcher's codes."""
+    assert {"i1", "i32", "i64", "fp32", "fp64"} <= triton_launcher._STATIC_TYPES.keys()
+    if torch.cuda.is_available() and not torch.version.hip:
+        assert triton_launcher._static_launcher() is not None
