@@ -94,9 +94,11 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
 
 @functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
+    """Programs ``device`` runs at once, per wave: its streaming multiprocessors; 1 on the CPU,
+    where Triton's interpreter runs one program at a time."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2  # the interpreter runs programs one by one; a couple of splits keeps tests honest
+    return 1
 
 
 # ---------------------------------------------------------------------------------------------
