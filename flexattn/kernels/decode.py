@@ -86,6 +86,42 @@ def _buffer_template(mod: Mod | None, buffers) -> tuple[list, tuple[int, ...] | 
     return fixed, None if slots == tuple(range(len(buffers))) else slots
 
 
+def _geometry(tables: Tables | None, explicit: dict, BLOCK_N: int, G: int, Q_LEN: int, KV_LEN: int,
+              kv_lengths) -> tuple:
+    """(q block, KV block, BLOCK_N, query heads packed per tile, query rows per head and tile,
+    query blocks, no KV bounds checks, KV tiles or blocks a row walks) with or without a block mask."""
+    if tables is None:
+        safe_n = kv_lengths is None and KV_LEN % BLOCK_N == 0
+        return max(Q_LEN, 1), BLOCK_N, BLOCK_N, G, Q_LEN, 1, safe_n, triton.cdiv(KV_LEN, BLOCK_N)
+    num, idx = tables.kv.num, tables.kv.idx
+    q_bs, kv_bs = tables.q_block, tables.kv_block
+    NKV = idx.shape[3]
+    if NKV * kv_bs < KV_LEN:
+        raise ValueError(f"block_mask covers {NKV * kv_bs} kv positions but KV_LEN is {KV_LEN}")
+    if "BLOCK_N" in explicit and kv_bs % BLOCK_N:
+        raise ValueError(f"kernel_options['BLOCK_N']={BLOCK_N} must divide the block mask's KV block size {kv_bs}")
+    BLOCK_N = min(BLOCK_N, kv_bs & -kv_bs)  # a power of two that divides the block size
+    G_PACK = G if num.shape[1] == 1 else 1
+    safe_n = kv_lengths is None and NKV * kv_bs == KV_LEN
+    return q_bs, kv_bs, BLOCK_N, G_PACK, min(Q_LEN, q_bs), triton.cdiv(Q_LEN, q_bs), safe_n, NKV
+
+
+def _split_kv(explicit: dict, o: dict, device: torch.device, programs: int, walk_tiles: int, sub: int) -> int:
+    """SPLIT_KV: enough programs to fill the GPU, each still walking a few tiles (``sub`` tiles per
+    walked block)."""
+    if "SPLIT_KV" in explicit:
+        split = explicit["SPLIT_KV"]
+    else:
+        want = math.ceil(o["PROGRAMS_PER_SM"] * launch.num_sms(device) / max(programs, 1))
+        cap = max(1, (walk_tiles * sub) // max(o["MIN_TILES_PER_SPLIT"], 1) // sub)
+        # A power of two: a KV cache that grows a token per step then meets a handful of SPLIT_KV
+        # values (each a kernel to compile), not a new one every MIN_TILES_PER_SPLIT tiles.
+        split = max(1, min(want, cap, 256))
+        split = 1 << (split.bit_length() - 1)
+    # More splits than KV tiles only adds programs with nothing to do.
+    return min(split, max(1, walk_tiles * sub))
+
+
 def make_plan(query, key, value, score: Mod | None, score_bufs, mask: Mod | None, mask_bufs,
               tables: Tables | None, explicit: dict, kv_lengths: torch.Tensor | None) -> Plan:
     """Inputs were validated by the caller (shapes, dtypes, devices, GQA)."""
@@ -98,50 +134,20 @@ def make_plan(query, key, value, score: Mod | None, score_bufs, mask: Mod | None
     o = {**opts.decode_defaults(device, D, DV), **explicit}
     BLOCK_N = o["BLOCK_N"]
     has_block_mask = tables is not None
-    if has_block_mask:
-        num, idx = tables.kv.num, tables.kv.idx
-        q_bs, kv_bs = tables.q_block, tables.kv_block
-        MH = num.shape[1]
-        NKV = idx.shape[3]
-        if NKV * kv_bs < KV_LEN:
-            raise ValueError(f"block_mask covers {NKV * kv_bs} kv positions but KV_LEN is {KV_LEN}")
-        if "BLOCK_N" in explicit and kv_bs % BLOCK_N:
-            raise ValueError(f"kernel_options['BLOCK_N']={BLOCK_N} must divide the block mask's KV block size {kv_bs}")
-        BLOCK_N = min(BLOCK_N, kv_bs & -kv_bs)  # a power of two that divides the block size
-        has_full = tables.kv.has_full
-        G_PACK = G if MH == 1 else 1
-        Q_ROWS = min(Q_LEN, q_bs)
-        NUM_Q_BLOCKS = triton.cdiv(Q_LEN, q_bs)
-        safe_n = kv_lengths is None and NKV * kv_bs == KV_LEN
-        walk_tiles = NKV
-    else:
-        has_full = False
-        q_bs, kv_bs = max(Q_LEN, 1), BLOCK_N
-        G_PACK, Q_ROWS, NUM_Q_BLOCKS = G, Q_LEN, 1
-        safe_n = kv_lengths is None and KV_LEN % BLOCK_N == 0
-        walk_tiles = triton.cdiv(KV_LEN, BLOCK_N)
+    q_bs, kv_bs, BLOCK_N, G_PACK, Q_ROWS, NUM_Q_BLOCKS, safe_n, walk_tiles = _geometry(
+        tables, explicit, BLOCK_N, G, Q_LEN, KV_LEN, kv_lengths)
+    has_full = has_block_mask and tables.kv.has_full
     rows = G_PACK * Q_ROWS
     BLOCK_M = min(pow2_at_least(rows), max(16, o["BLOCK_M"]))
     M_TILES = triton.cdiv(rows, BLOCK_M)
     programs = B * HKV * (G // G_PACK) * NUM_Q_BLOCKS * M_TILES
-
-    # -- SPLIT_KV: enough programs to fill the GPU, each still walking a few tiles
-    if "SPLIT_KV" in explicit:
-        split = explicit["SPLIT_KV"]
-    else:
-        want = math.ceil(o["PROGRAMS_PER_SM"] * launch.num_sms(device) / max(programs, 1))
-        sub = kv_bs // BLOCK_N if has_block_mask else 1
-        cap = max(1, (walk_tiles * sub) // max(o["MIN_TILES_PER_SPLIT"], 1) // sub)
-        # A power of two: a KV cache that grows a token per step then meets a handful of SPLIT_KV
-        # values (each a kernel to compile), not a new one every MIN_TILES_PER_SPLIT tiles.
-        split = max(1, min(want, cap, 256))
-        split = 1 << (split.bit_length() - 1)
-    # More splits than KV tiles only adds programs with nothing to do.
-    split = min(split, max(1, walk_tiles * (kv_bs // BLOCK_N if has_block_mask else 1)))
+    # (a block mask's KV blocks are walked as kv_bs // BLOCK_N tiles each)
+    split = _split_kv(explicit, o, device, programs, walk_tiles, kv_bs // BLOCK_N if has_block_mask else 1)
 
     kz = BK == 1 and B > 1
     strides = (*query.stride(), *layout.broadcast_strides(key, kz), *layout.broadcast_strides(value, kz))
     if has_block_mask:
+        num, idx = tables.kv.num, tables.kv.idx
         static = [*table_strides(num), *table_strides(idx)]
         static += ([*table_strides(tables.kv.full_num), *table_strides(tables.kv.full_idx)] if has_full else [0] * 6)
     else:
