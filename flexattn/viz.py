@@ -64,7 +64,7 @@ def token_grid(block_mask, batch: int = 0, head: int = 0) -> torch.Tensor:
 
 
 def _has_mask_mod(block_mask) -> bool:
-    from flexattn.block_mask import _sliced_mask_mod_error
+    from flexattn.block_mask.mask_mods import _sliced_mask_mod_error
 
     return getattr(block_mask, "mask_mod", None) not in (None, _sliced_mask_mod_error)
 

@@ -293,9 +293,13 @@ def test_docstring_examples():
 
     import flexattn.block_mask
     import flexattn.interval
+    import flexattn.kernels.tables
+    from flexattn.block_mask import blockmask, create, mask_mods
 
-    for module in (flexattn.block_mask, flexattn.interval):
-        result = doctest.testmod(module, raise_on_error=False)
+    # The examples use the package's public names, wherever in the package they are written.
+    public = {name: getattr(flexattn.block_mask, name) for name in flexattn.block_mask.__all__}
+    for module in (blockmask, create, mask_mods, flexattn.kernels.tables, flexattn.interval):
+        result = doctest.testmod(module, raise_on_error=False, extraglobs=public)
         assert result.failed == 0 and result.attempted > 0, module.__name__
 
 

@@ -280,3 +280,160 @@ def dense(device: torch.device, n: int) -> Direction:
             _DENSE.clear()
         _DENSE[key] = d
     return d
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout: index tables from tile flags and back (torch ops; any device)
+
+# Rows handled at once by `_ordered` (tiles per step).
+_TILES_PER_STEP = 1 << 16
+
+
+def _ordered(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counts and torch's index layout for 0/1 tile rows ``sel[..., R, C]``.
+
+    Each row of the index table lists the selected columns ascending, then the others ascending:
+    the same permutation as torch's ``argsort(descending=True, stable=True)``, computed with a
+    cumulative sum and a scatter, a chunk of rows at a time.
+    """
+    *lead, R, C = sel.shape
+    flat = sel.reshape(-1, C)
+    num = torch.empty(flat.shape[0], dtype=torch.int32, device=sel.device)
+    idx = torch.empty(flat.shape[0], C, dtype=torch.int32, device=sel.device)
+    cols = torch.arange(C, dtype=torch.int32, device=sel.device)
+    step = max(1, _TILES_PER_STEP // max(C, 1))
+    for r0 in range(0, flat.shape[0], step):
+        s = flat[r0:r0 + step].to(torch.int32)
+        before = torch.cumsum(s, -1, dtype=torch.int32) - s
+        n = s.sum(-1, dtype=torch.int32)
+        pos = torch.where(s.bool(), before, n[:, None] + cols - before)
+        idx[r0:r0 + step].scatter_(-1, pos.long(), cols.expand_as(pos).contiguous())
+        num[r0:r0 + step] = n
+    return num.view(*lead, R), idx.view(*lead, R, C)
+
+
+def _flags(num: torch.Tensor, idx: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """The 0/1 tile rows listed by (num, idx): [..., R, n_cols] bool (tile level, not elements)."""
+    valid = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
+    cols = torch.where(valid, idx.long(), n_cols)
+    flags = torch.zeros(*idx.shape[:-1], n_cols + 1, dtype=torch.bool, device=idx.device)
+    flags.scatter_(-1, cols, True)
+    return flags[..., :n_cols]
+
+
+def _transpose_ordered(num: torch.Tensor, idx: torch.Tensor, n_cols: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transposed tables; ``n_cols`` is the number of KV tiles (default: idx's columns)."""
+    return _ordered(_flags(num, idx, idx.shape[-1] if n_cols is None else n_cols).transpose(-2, -1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Table validation
+
+
+def block_size_pair(BLOCK_SIZE, arg: str = "BLOCK_SIZE") -> tuple[int, int]:
+    if isinstance(BLOCK_SIZE, int) and not isinstance(BLOCK_SIZE, bool):
+        pair = (BLOCK_SIZE, BLOCK_SIZE)
+    elif (isinstance(BLOCK_SIZE, (tuple, list)) and len(BLOCK_SIZE) == 2
+          and all(isinstance(x, int) and not isinstance(x, bool) for x in BLOCK_SIZE)):
+        pair = (int(BLOCK_SIZE[0]), int(BLOCK_SIZE[1]))
+    else:
+        raise TypeError(f"{arg} must be an int or a (Q_BLOCK, KV_BLOCK) pair of ints, got {BLOCK_SIZE!r}")
+    return pair
+
+
+_TABLE_DTYPES = (torch.int32, torch.int64)
+
+
+def _entry(index) -> str:
+    return "[" + ", ".join(str(int(i)) for i in index) + "]"
+
+
+def validate_block_tables(kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor,
+                          full_kv_num_blocks: torch.Tensor | None = None,
+                          full_kv_indices: torch.Tensor | None = None,
+                          q_num_blocks: torch.Tensor | None = None, q_indices: torch.Tensor | None = None,
+                          full_q_num_blocks: torch.Tensor | None = None,
+                          full_q_indices: torch.Tensor | None = None, *,
+                          seq_lengths: tuple[int, int], BLOCK_SIZE: int | tuple[int, int]) -> None:
+    """Raise a ValueError unless the tables are safe for the kernels to follow.
+
+    Checks what a kernel reads: every table is an int32/int64 tensor on one (non-meta) device;
+    ``*_num_blocks`` has the shape of ``*_indices`` without its last dimension, the full twins
+    the shape of the partial ones; every count is in ``[0, min(columns, tiles)]`` and the first
+    ``count`` indices of each row are in ``[0, tiles)`` (entries past the count are never read and
+    may hold anything). The error names the table and the first offending entry. A row per query
+    tile is checked by `BlockMask.check_shape` when the mask meets its inputs (a sliced mask may
+    have fewer rows). It does not check that a tile is listed once (a repeat is counted twice, as
+    in torch). One host sync: call it once per mask, not per call.
+
+    >>> nb = torch.tensor([[[4]]], dtype=torch.int32); idx = torch.tensor([[[[0, 1, 2, 3]]]], dtype=torch.int32)
+    >>> validate_block_tables(nb, idx, seq_lengths=(16, 40), BLOCK_SIZE=16)
+    Traceback (most recent call last):
+    ...
+    ValueError: kv_num_blocks[0, 0, 0] = 4 is out of range: expected 0 <= count <= 3 (KV_LEN 40 has 3 KV blocks of 16; kv_indices has 4 columns)
+    """
+    q_block, kv_block = block_size_pair(BLOCK_SIZE)
+    q_len, kv_len = (int(x) for x in seq_lengths)
+    n_q, n_kv = -(-q_len // q_block), -(-kv_len // kv_block)
+    tables = {"kv_num_blocks": kv_num_blocks, "kv_indices": kv_indices,
+              "full_kv_num_blocks": full_kv_num_blocks, "full_kv_indices": full_kv_indices,
+              "q_num_blocks": q_num_blocks, "q_indices": q_indices,
+              "full_q_num_blocks": full_q_num_blocks, "full_q_indices": full_q_indices}
+    device = None
+    for name, t in tables.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _TABLE_DTYPES:
+            raise ValueError(f"{name} must be an int32 (or int64) tensor, got {t.dtype}")
+        if t.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device, which holds no values; block tables must be "
+                             "on the device of the attention inputs (cpu or cuda)")
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise ValueError(f"{name} is on {t.device} but kv_num_blocks is on {device}; all block tables "
+                             "must be on one device")
+
+    # (counts, indices, tiles a row may list, what the tiles are)
+    kv_what = f"KV_LEN {kv_len} has {n_kv} KV blocks of {kv_block}"
+    q_what = f"Q_LEN {q_len} has {n_q} query blocks of {q_block}"
+    groups = [("kv_num_blocks", "kv_indices", n_kv, kv_what), ("full_kv_num_blocks", "full_kv_indices", n_kv, kv_what),
+              ("q_num_blocks", "q_indices", n_q, q_what), ("full_q_num_blocks", "full_q_indices", n_q, q_what)]
+    checks = []
+    for num_name, idx_name, tiles, what in groups:
+        num, idx = tables[num_name], tables[idx_name]
+        if (num is None) != (idx is None):
+            raise ValueError(f"{num_name} and {idx_name} must both be given or both be None")
+        if num is None:
+            continue
+        if idx.dim() < 2:
+            raise ValueError(f"{idx_name} must have at least 2 dimensions ([..., rows, columns]), got shape "
+                             f"{tuple(idx.shape)}")
+        if num.shape != idx.shape[:-1]:
+            raise ValueError(f"{num_name} must have shape {tuple(idx.shape[:-1])} ({idx_name} without its last "
+                             f"dimension), got {tuple(num.shape)}")
+        if num.shape[:-1] != kv_num_blocks.shape[:-1]:
+            raise ValueError(f"{num_name} has batch dimensions {tuple(num.shape[:-1])} but kv_num_blocks has "
+                             f"{tuple(kv_num_blocks.shape[:-1])}")
+        limit = min(idx.shape[-1], tiles)
+        bad_num = (num < 0) | (num > limit)
+        listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
+        bad_idx = listed & ((idx < 0) | (idx >= tiles))
+        checks.append((num_name, idx_name, num, idx, bad_num, bad_idx, limit, tiles, what))
+    if not checks:
+        return
+    # One host sync for every table.
+    flags = torch.stack([torch.stack([c[4].any(), c[5].any()]) for c in checks]).tolist()
+    for (num_name, idx_name, num, idx, bad_num, bad_idx, limit, tiles, what), (nb, ib) in zip(checks, flags):
+        if nb:
+            at = bad_num.nonzero()[0].tolist()
+            raise ValueError(f"{num_name}{_entry(at)} = {int(num[tuple(at)])} is out of range: expected 0 <= count "
+                             f"<= {limit} ({what}; {idx_name} has {idx.shape[-1]} columns)")
+        if ib:
+            at = bad_idx.nonzero()[0].tolist()
+            raise ValueError(f"{idx_name}{_entry(at)} = {int(idx[tuple(at)])} is out of range: expected a block "
+                             f"index in [0, {tiles}) ({what}; the entry is among the first "
+                             f"{num_name}{_entry(at[:-1])} = {int(num[tuple(at[:-1])])} of its row)")

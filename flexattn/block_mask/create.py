@@ -1,0 +1,273 @@
+"""`create_block_mask` and `create_mask`: tile classification (interval analysis, then exact
+evaluation of the undecided tiles), the tables built from it, and their custom op for torch.compile."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+
+from flexattn import interval, ir
+from flexattn.block_mask.blockmask import BlockMask
+from flexattn.block_mask.mask_mods import as_mod
+from flexattn.block_mask.sizes import _DEFAULT_SPARSE_BLOCK_SIZE, _check_block_sizes, _check_positive
+from flexattn.kernels.tables import _ordered, block_size_pair
+from flexattn.mods import MASK, SCORE, Mod
+
+# Elements evaluated at once on the CPU path (the evaluator keeps every intermediate alive).
+_CPU_ELEMENTS_PER_STEP = 1 << 18
+# Tiles handled at once by the chunked CPU interval analysis / ordering.
+_CPU_TILES_PER_STEP = 1 << 16
+
+
+def _positional_arity(fn) -> int:
+    if isinstance(fn, Mod):
+        return 5 if fn.kind == SCORE else 4
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        return code.co_argcount - len(getattr(fn, "__defaults__", None) or ())
+    return sum(1 for p in inspect.signature(fn).parameters.values()
+               if p.default is inspect.Parameter.empty
+               and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def _tables_from_states(states: torch.Tensor, separate_full: bool):
+    partial = states == interval.PARTIAL
+    full = states == interval.FULL
+    if not separate_full:
+        partial = partial | full
+    kv = _ordered(partial)
+    q = _ordered(partial.transpose(-2, -1))
+    if not separate_full:
+        return (*kv, None, None, *q, None, None)
+    fkv = _ordered(full)
+    fq = _ordered(full.transpose(-2, -1))
+    return (*kv, *fkv, *q, *fq)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile classification on the CPU (chunked torch ops)
+
+
+def _classify_torch(mod: Mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, QB: int, KVB: int,
+                    device: torch.device, use_interval: bool = True) -> torch.Tensor:
+    """int8 tile states [BD, HD, nQ, nKV]: interval analysis, then exact evaluation of the rest."""
+    n_q, n_kv = -(-Q_LEN // QB), -(-KV_LEN // KVB)
+    i64 = torch.int64
+    states = torch.empty(BD, HD, n_q, n_kv, dtype=torch.int8, device=device)
+    b = torch.arange(BD, dtype=i64, device=device).view(BD, 1, 1, 1)
+    h = torch.arange(HD, dtype=i64, device=device).view(1, HD, 1, 1)
+    kv_lo = torch.arange(n_kv, dtype=i64, device=device) * KVB
+    kv_hi = torch.clamp(kv_lo + KVB, max=KV_LEN) - 1
+    kv_whole = (kv_lo + KVB <= KV_LEN).view(1, 1, 1, n_kv)
+    summaries = {buf.index: interval.Summary.of(mod.buffers[buf.index]) for buf in ir.buffers_of(mod.ir)}
+    rows_per_step = max(1, _CPU_TILES_PER_STEP // (n_kv * BD * HD))
+    for r0 in range(0, n_q, rows_per_step):
+        r1 = min(n_q, r0 + rows_per_step)
+        q_lo = torch.arange(r0, r1, dtype=i64, device=device) * QB
+        q_hi = torch.clamp(q_lo + QB, max=Q_LEN) - 1
+        shape = (BD, HD, r1 - r0, n_kv)
+        if use_interval:
+            st = interval.tile_states(mod.ir, {
+                "b": (b, b), "h": (h, h),
+                "q_idx": (q_lo.view(1, 1, -1, 1), q_hi.view(1, 1, -1, 1)),
+                "kv_idx": (kv_lo.view(1, 1, 1, -1), kv_hi.view(1, 1, 1, -1)),
+            }, mod.buffers, summaries).expand(shape).clone()
+            # Tiles cut by the sequence end hold padding (false): never full.
+            whole = (q_lo + QB <= Q_LEN).view(1, 1, -1, 1) & kv_whole
+            st[(st == interval.FULL) & ~whole] = interval.PARTIAL
+        else:
+            st = torch.full(shape, interval.UNKNOWN, dtype=torch.int8, device=device)
+        _evaluate_unknown(mod, st, r0, Q_LEN, KV_LEN, QB, KVB)
+        states[:, :, r0:r1] = st
+    return states
+
+
+def _evaluate_unknown(mod: Mod, st: torch.Tensor, r0: int, Q_LEN: int, KV_LEN: int, QB: int, KVB: int):
+    """Evaluate the UNKNOWN tiles of ``st`` element by element (in place), a batch at a time."""
+    unknown = (st == interval.UNKNOWN).nonzero()
+    if unknown.numel() == 0:
+        return
+    device = st.device
+    oq = torch.arange(QB, device=device).view(1, QB, 1)
+    okv = torch.arange(KVB, device=device).view(1, 1, KVB)
+    per_step = max(1, _CPU_ELEMENTS_PER_STEP // (QB * KVB))
+    for u0 in range(0, unknown.shape[0], per_step):
+        bb, hh, rr, cc = unknown[u0:u0 + per_step].unbind(1)
+        q = (rr + r0).view(-1, 1, 1) * QB + oq
+        kv = cc.view(-1, 1, 1) * KVB + okv
+        keep = ir.evaluate(mod.ir, {
+            "b": bb.view(-1, 1, 1).int(), "h": hh.view(-1, 1, 1).int(),
+            "q_idx": q.clamp(max=Q_LEN - 1).int(), "kv_idx": kv.clamp(max=KV_LEN - 1).int(),
+        }, mod.buffers, device=device)
+        if Q_LEN % QB or KV_LEN % KVB:
+            keep = keep & (q < Q_LEN) & (kv < KV_LEN)  # padding counts as masked out
+        count = keep.expand(len(bb), QB, KVB).reshape(len(bb), -1).sum(1, dtype=torch.int32)
+        new = torch.where(count == QB * KVB, interval.FULL, torch.where(count > 0, interval.PARTIAL, interval.EMPTY))
+        st[bb, hh, rr, cc] = new.to(torch.int8)
+
+# ---------------------------------------------------------------------------------------------
+# Public constructors
+
+
+def _default_device(device) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
+                      device: Any = None, BLOCK_SIZE: int | tuple[int, int] = _DEFAULT_SPARSE_BLOCK_SIZE,
+                      _compile: bool = False, separate_full_blocks: bool = True,
+                      compute_dq_write_order: bool = False, dq_kv_order: bool = True,
+                      *, backend: str | None = None, use_interval: bool = True) -> BlockMask:
+    """The BlockMask of ``mask_mod`` (torch 2.13's signature; ``device=None``: CUDA when available).
+
+    ``B`` / ``H`` of None mean 1 (broadcast over batch / heads). A mask that ignores ``b`` or ``h``
+    is classified once and repeated. ``backend``: "triton" (generated kernels; the GPU default,
+    on CPU tensors it runs in Triton's interpreter) or "torch" (chunked torch ops, the CPU
+    default). ``use_interval=False`` evaluates every tile element by element (for testing).
+    ``_compile`` is accepted for torch compatibility and ignored: this path is already compiled.
+    ``compute_dq_write_order`` / ``dq_kv_order`` are torch's metadata for its deterministic FLASH
+    backward; flexattn's dQ pass is deterministic without them, so ``compute_dq_write_order=True``
+    is refused (build the mask with torch's ``create_block_mask`` if torch's kernel needs them).
+
+    Example::
+
+        >>> def sliding_window(b, h, q_idx, kv_idx):
+        ...     return (q_idx >= kv_idx) & (q_idx - kv_idx < 256)
+        >>> bm = create_block_mask(sliding_window, None, None, 1000, 1000, device="cpu")  # doctest: +SKIP
+    """
+    if compute_dq_write_order:
+        raise NotImplementedError(
+            "create_block_mask(compute_dq_write_order=True): flexattn does not build torch's dQ write-order "
+            "tables; its own dQ pass (one program per query tile, no atomics) is already deterministic. "
+            "Leave it False, or use torch.nn.attention.flex_attention.create_block_mask for torch's FLASH backward")
+    if not isinstance(dq_kv_order, bool):
+        raise TypeError(f"dq_kv_order must be a bool (torch's create_block_mask takes no tensor), got {dq_kv_order!r}")
+    Q_BLOCK, KV_BLOCK = block_size_pair(BLOCK_SIZE)
+    _check_block_sizes((Q_BLOCK, KV_BLOCK))
+    B = _check_positive("B", B, allow_none=True)
+    H = _check_positive("H", H, allow_none=True)
+    Q_LEN = _check_positive("Q_LEN", Q_LEN)
+    KV_LEN = _check_positive("KV_LEN", KV_LEN)
+    device = _default_device(device)
+    if device.type == "meta":
+        raise ValueError("device='meta' cannot hold a block mask: its tables are computed from the mask's "
+                         "values; pass the device of the attention inputs ('cpu' or 'cuda')")
+    if backend is None:
+        backend = "triton" if device.type == "cuda" else "torch"
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+    if torch.compiler.is_compiling():
+        # In a compiled graph the tables come from a custom op; the mask_mod is captured for it.
+        from flexattn import capture
+
+        key, bufs = capture.capture(mask_mod, MASK, torch.float32)
+        tables = _tables_op(bufs, key, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, separate_full_blocks,
+                            device, backend, use_interval)
+        if not separate_full_blocks:
+            tables = [tables[0], tables[1], None, None, tables[2], tables[3], None, None]
+        bm = BlockMask((Q_LEN, KV_LEN), *tables, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod, validate=False)
+        bm._flexattn_compiled_mask = (key, bufs)
+        return bm
+    mod = _resolve_mask(mask_mod, device)
+    mod.check_device(device, arg="the block mask's device")
+    tables = _build_tables(mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, separate_full_blocks, backend,
+                           use_interval)
+    bm = BlockMask((Q_LEN, KV_LEN), *tables, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod, validate=False)
+    bm._mod = mod
+    return bm
+
+
+def _resolve_mask(mask_mod, device: torch.device) -> Mod:
+    """The traced mask, through the trace cache (a lambda made anew each call is traced once)."""
+    from flexattn import modcache
+
+    if isinstance(mask_mod, Mod) or not callable(mask_mod):
+        return as_mod(mask_mod)  # checks the kind / raises the error that names the argument
+    template, buffers = modcache.resolve(mask_mod, MASK, torch.float32, device, lambda f, kind, **kw: as_mod(f))
+    return template if buffers is template.buffers else template.rebind(buffers)
+
+
+def _build_tables(mod: Mod, B, H, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOCK: int, device: torch.device,
+                  separate_full: bool, backend: str, use_interval: bool) -> tuple:
+    """The eight tables of ``mod``'s BlockMask (the full_* ones None unless ``separate_full``)."""
+    used = {n.arg for n in ir.toposort(mod.ir) if n.op == "input"}
+    BD = B if "b" in used else 1
+    HD = H if "h" in used else 1
+    if backend == "triton":
+        from flexattn.codegen.block_mask_kernel import build_tables
+
+        tables = build_tables(mod, BD, HD, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device,
+                              separate_full=separate_full, use_interval=use_interval)
+    else:
+        states = _classify_torch(mod, BD, HD, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, use_interval)
+        tables = _tables_from_states(states, separate_full)
+    if (BD, HD) != (B, H):
+        tables = tuple(None if t is None else t.expand(B, H, *t.shape[2:]).contiguous() for t in tables)
+    return tables
+
+
+@torch.library.custom_op("flexattn::block_mask_tables", mutates_args=())
+def _tables_op(buffers: list[torch.Tensor], mask_key: str, B: int, H: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int,
+               KV_BLOCK: int, separate_full: bool, device: torch.device, backend: str,
+               use_interval: bool) -> list[torch.Tensor]:
+    """`create_block_mask`'s tables as a custom op (torch.compile): the 8 tables, or the 4
+    partial ones without ``separate_full``."""
+    from flexattn.mods import template
+
+    mod = template(mask_key).rebind(buffers)
+    return [t for t in _build_tables(mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, separate_full, backend,
+                                     use_interval) if t is not None]
+
+
+@_tables_op.register_fake
+def _(buffers, mask_key, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, separate_full, device, backend, use_interval):
+    n_q, n_kv = -(-Q_LEN // Q_BLOCK), -(-KV_LEN // KV_BLOCK)
+
+    def table(*shape):
+        return torch.empty(B, H, *shape, dtype=torch.int32, device=device)
+
+    def pair(rows, cols):  # counts and indices
+        return [table(rows), table(rows, cols)]
+
+    if separate_full:
+        return pair(n_q, n_kv) + pair(n_q, n_kv) + pair(n_kv, n_q) + pair(n_kv, n_q)
+    return pair(n_q, n_kv) + pair(n_kv, n_q)
+
+
+def create_mask(mod_fn: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
+                device: Any = None) -> torch.Tensor:
+    """The dense [B, H, Q_LEN, KV_LEN] bool mask of a mask_mod or score_mod (tests, debugging).
+
+    For a score_mod, True where the modified score of a zero score is not -inf (as torch).
+
+    Example::
+
+        >>> create_mask(flexattn_mod, 1, 1, 4, 4, device="cpu")  # doctest: +SKIP
+    """
+    B = _check_positive("B", B, allow_none=True)
+    H = _check_positive("H", H, allow_none=True)
+    Q_LEN = _check_positive("Q_LEN", Q_LEN)
+    KV_LEN = _check_positive("KV_LEN", KV_LEN)
+    device = _default_device(device)
+    arity = _positional_arity(mod_fn)
+    if arity not in (4, 5):
+        raise TypeError(f"mod_fn must take 4 (mask_mod) or 5 (score_mod) positional arguments, got {arity}")
+    kind = SCORE if arity == 5 else MASK
+    mod = as_mod(mod_fn, kind, arg="mod_fn")
+    idx = torch.int32
+    inputs = {
+        "b": torch.arange(B, dtype=idx, device=device).view(B, 1, 1, 1),
+        "h": torch.arange(H, dtype=idx, device=device).view(1, H, 1, 1),
+        "q_idx": torch.arange(Q_LEN, dtype=idx, device=device).view(1, 1, Q_LEN, 1),
+        "kv_idx": torch.arange(KV_LEN, dtype=idx, device=device).view(1, 1, 1, KV_LEN),
+    }
+    if kind == SCORE:
+        inputs["score"] = torch.zeros(B, H, Q_LEN, KV_LEN, dtype=mod.score_dtype or torch.float32, device=device)
+        out = ir.evaluate(mod.ir, inputs, mod.buffers, device=device)
+        return ~torch.isneginf(out.expand(B, H, Q_LEN, KV_LEN))
+    out = ir.evaluate(mod.ir, inputs, mod.buffers, device=device)
+    return out.expand(B, H, Q_LEN, KV_LEN).clone()
