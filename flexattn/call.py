@@ -20,8 +20,9 @@ from typing import Callable
 import torch
 
 from flexattn import capture, ir, modcache
+from flexattn.block_mask import BlockMask, as_mod, is_noop_mask
 from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, layout, options as opts, plans
-from flexattn.kernels.tables import tables_of
+from flexattn.kernels.tables import tables_of, validate_mask
 from flexattn.mods import ARITY, MASK, SCORE, Mod
 from flexattn.tracer import trace
 
@@ -80,14 +81,8 @@ def _trace_score(fn, kind, **kw) -> Mod:
 def _check_foreign_mask(block_mask) -> None:
     """The kernels follow a BlockMask's tables without bounds checks. flexattn's BlockMask checked
     them where it was made; another one (torch's) is checked here, once per mask object."""
-    from flexattn.block_mask import BlockMask, validate_block_tables
-
-    if isinstance(block_mask, BlockMask):
-        return
-    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-             "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
-    validate_block_tables(*(getattr(block_mask, n, None) for n in names),
-                          seq_lengths=tuple(block_mask.seq_lengths), BLOCK_SIZE=block_mask.BLOCK_SIZE)
+    if not isinstance(block_mask, BlockMask):
+        validate_mask(block_mask)
 
 
 def resolve_mask_mod(block_mask, device: torch.device) -> tuple[Mod, tuple]:
@@ -101,8 +96,6 @@ def resolve_mask_mod(block_mask, device: torch.device) -> tuple[Mod, tuple]:
         return noop_mask_mod(), ()
     if isinstance(fn, Mod):
         return fn, fn.buffers
-    from flexattn.block_mask import as_mod
-
     return modcache.resolve(fn, MASK, torch.float32, device, lambda f, kind, **kw: as_mod(f, MASK, "block_mask.mask_mod"))
 
 
@@ -389,8 +382,6 @@ def _compiled_mask(block_mask, mask_override) -> tuple[str, list[torch.Tensor]]:
     fn = getattr(block_mask, "mask_mod", None)
     if fn is None:
         return noop_mask_mod().key(), []
-    from flexattn.block_mask import is_noop_mask
-
     if is_noop_mask(fn):
         return noop_mask_mod().key(), []
     return capture.capture(fn, MASK, torch.float32)

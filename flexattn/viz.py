@@ -19,6 +19,9 @@ import os
 
 import torch
 
+from flexattn.kernels.tables import tile_states, validate_mask
+from flexattn.reference import dense_block_mask
+
 #: Largest Q_LEN * KV_LEN drawn token by token with ``level="auto"``.
 TOKEN_LEVEL_MAX_ELEMENTS = 1024 * 1024
 #: Longest side of a written picture, in pixels (small masks are scaled up to about this).
@@ -26,6 +29,8 @@ TARGET_PIXELS = 512
 # Grey levels: tile states 0 empty, 1 partial, 2 full; tokens False, True.
 _TILE_GREY = torch.tensor([255, 150, 0], dtype=torch.uint8)
 _TOKEN_GREY = torch.tensor([255, 0], dtype=torch.uint8)
+# The mask_mod torch's and flexattn's sliced BlockMasks carry: it only raises.
+_SLICED_MASK_MOD = "_sliced_mask_mod_error"
 
 
 def _select(t: torch.Tensor, batch: int, head: int) -> torch.Tensor:
@@ -41,10 +46,10 @@ def _select(t: torch.Tensor, batch: int, head: int) -> torch.Tensor:
 
 def tile_grid(block_mask, batch: int = 0, head: int = 0) -> torch.Tensor:
     """uint8 [nQ, nKV] grey levels of the tiles of (batch, head): 0 full, 150 partial, 255 skipped."""
-    from flexattn.block_mask import BlockMask
-
-    bm = BlockMask.from_torch(block_mask)
-    return _TILE_GREY[_select(bm.tile_states(), batch, head).long().cpu()]
+    validate_mask(block_mask)
+    states = tile_states(block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+                         block_mask.full_kv_indices)
+    return _TILE_GREY[_select(states, batch, head).long().cpu()]
 
 
 def token_grid(block_mask, batch: int = 0, head: int = 0) -> torch.Tensor:
@@ -53,8 +58,6 @@ def token_grid(block_mask, batch: int = 0, head: int = 0) -> torch.Tensor:
     Evaluates the mask_mod on the tiles the block mask visits (a dense Q_LEN x KV_LEN tensor:
     meant for small lengths).
     """
-    from flexattn.reference import dense_block_mask
-
     Q_LEN, KV_LEN = block_mask.seq_lengths
     B, H = block_mask.kv_num_blocks.shape[:2]
     b, h = min(batch, B - 1), min(head, H - 1)
@@ -64,9 +67,8 @@ def token_grid(block_mask, batch: int = 0, head: int = 0) -> torch.Tensor:
 
 
 def _has_mask_mod(block_mask) -> bool:
-    from flexattn.block_mask.mask_mods import _sliced_mask_mod_error
-
-    return getattr(block_mask, "mask_mod", None) not in (None, _sliced_mask_mod_error)
+    mask_mod = getattr(block_mask, "mask_mod", None)
+    return mask_mod is not None and getattr(mask_mod, "__name__", None) != _SLICED_MASK_MOD
 
 
 def picture(block_mask, batch: int = 0, head: int = 0, level: str = "auto") -> tuple[torch.Tensor, str]:

@@ -23,6 +23,7 @@ from flexattn import ir
 from flexattn.block_mask import (BlockMask, and_masks, create_block_mask, create_mask, noop_mask,
                                  or_masks)
 from flexattn.mods import Mod
+from helpers.testing import tile_states_of_dense
 from test_interval import mask_irs
 
 FIELDS = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
@@ -167,15 +168,15 @@ def test_random_ir_matches_torch(root, shape):
 @settings(max_examples=12, deadline=None)
 @given(mask_irs, st.tuples(st.integers(1, 120), st.integers(1, 120), st.sampled_from([16, (16, 32), 32])))
 def test_interval_fast_path_equals_exact_evaluation(root, shape):
-    # The staged (Triton) interval analysis and the eager one decide tiles; with it off every tile
-    # is evaluated element by element. All three must agree, and agree with torch.
+    # The staged (Triton) interval analysis and the eager one decide tiles; the oracle evaluates
+    # every element. Both must agree with it, and with torch.
     Q, KV, bs = shape
     mod = _ir_mod(root)
-    fast = create_block_mask(mod, 2, 2, Q, KV, "cpu", bs, backend="triton")
-    exact = create_block_mask(mod, 2, 2, Q, KV, "cpu", bs, backend="triton", use_interval=False)
-    eager = create_block_mask(mod, 2, 2, Q, KV, "cpu", bs, backend="torch")
+    exact = tile_states_of_dense(create_mask(mod, 2, 2, Q, KV, "cpu"), *((bs, bs) if isinstance(bs, int) else bs))
     theirs = torch_create_block_mask(mod, 2, 2, Q, KV, "cpu", bs)
-    for ours in (fast, exact, eager):
+    for backend in ("triton", "torch"):
+        ours = create_block_mask(mod, 2, 2, Q, KV, "cpu", bs, backend=backend)
+        assert torch.equal(ours.tile_states(), exact), backend
         assert_same(ours, theirs)
 
 
@@ -241,13 +242,14 @@ def test_to_moves_mod_buffers():
 def test_check_shape_errors():
     bm = create_block_mask(per_head, 2, 3, 256, 256, "cpu", 64)
     bm.check_shape(2, 3, 256, 256)
-    with pytest.raises(ValueError, match=r"created for \(Q_LEN, KV_LEN\) = \(256, 256\).*\(128, 256\).*_adjust"):
+    with pytest.raises(ValueError, match=r"built for \(Q_LEN, KV_LEN\) = \(256, 256\), but query has Q_LEN=128 "
+                                         r"and key KV_LEN=256; crop it with block_mask._adjust\(Q_LEN, KV_LEN\)"):
         bm.check_shape(2, 3, 128, 256)
-    with pytest.raises(ValueError, match="create a new block mask"):
+    with pytest.raises(ValueError, match="KV_LEN=256; build the block mask for these lengths"):
         bm.check_shape(2, 3, 512, 256)
-    with pytest.raises(ValueError, match="batch size 2, expected 1 or the inputs' batch size 4"):
+    with pytest.raises(ValueError, match="block_mask has B=2, H=3; it must have B of 1 or query's 4"):
         bm.check_shape(4, 3, 256, 256)
-    with pytest.raises(ValueError, match="3 heads, expected 1 or the query's 6 heads"):
+    with pytest.raises(ValueError, match="block_mask has B=2, H=3; .* and H of 1 or query's 6"):
         bm.check_shape(2, 6, 256, 256)
     create_block_mask(causal, None, None, 256, 256, "cpu", 64).check_shape(8, 16, 256, 256)
 

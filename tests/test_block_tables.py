@@ -90,8 +90,8 @@ def test_shapes_rows_and_devices():
                                          r"last dimension\), got \(1, 1, 2\)"):
         BlockMask.from_kv_blocks(num[..., :2], idx, BLOCK_SIZE=BS, seq_lengths=SEQ)
     sliced = BlockMask.from_kv_blocks(num[..., :2], idx[..., :2, :], BLOCK_SIZE=BS, seq_lengths=SEQ)
-    with pytest.raises(ValueError, match=r"block_mask has 2 query-block rows but Q_LEN 40 with query blocks of 16 "
-                                         r"needs 3"):
+    with pytest.raises(ValueError, match=r"block_mask has 2 query blocks of 16, Q_LEN=40 needs 3 \(a sliced block "
+                                         r"mask cannot be used for attention\)"):
         sliced.check_shape(1, 1, 40, 40)
     with pytest.raises(ValueError, match=r"kv_indices must have at least 2 dimensions"):
         BlockMask.from_kv_blocks(num[0, 0, 0], idx[0, 0, 0], BLOCK_SIZE=BS, seq_lengths=SEQ)

@@ -43,6 +43,10 @@ def test_auto_level_and_errors(tmp_path):
     assert viz.picture(sliced)[1] == "tile"
     with pytest.raises(ValueError, match="level='token' needs the block mask's mask_mod"):
         viz.picture(sliced, level="token")
+    from torch.nn.attention import flex_attention as torch_flex
+
+    torch_sliced = torch_flex.create_block_mask(masks.causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)[0, 0]
+    assert viz.picture(torch_sliced)[1] == "tile"  # torch's sliced masks carry a mask_mod that only raises
     with pytest.raises(ValueError, match="level must be 'auto', 'token' or 'tile', got 'pixels'"):
         viz.picture(big, level="pixels")
     with pytest.raises(IndexError, match=r"batch must be in \[0, 2\), got 5"):

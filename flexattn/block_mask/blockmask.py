@@ -8,10 +8,11 @@ from typing import Callable
 
 import torch
 
-from flexattn import interval
-from flexattn.block_mask.mask_mods import _sliced_mask_mod_error, as_mod, noop_mask
+from flexattn import viz
+from flexattn.block_mask.mask_mods import as_mod, noop_mask, _sliced_mask_mod_error
 from flexattn.block_mask.sizes import _DEFAULT_SPARSE_BLOCK_SIZE, _check_positive, _seq_pair
-from flexattn.kernels.tables import _flags, _ordered, _transpose_ordered, block_size_pair, validate_block_tables
+from flexattn.kernels.tables import (block_size_pair, check_against, flags, ordered, tables_of, tile_states, transpose,
+                                     validate_block_tables)
 from flexattn.mods import Mod
 
 
@@ -92,9 +93,9 @@ class BlockMask:
         n_kv = -(-seq_lengths[1] // block[1])  # the q_* tables have a row per KV block
         q_num = q_idx = fq_num = fq_idx = None
         if compute_q_blocks:
-            q_num, q_idx = _transpose_ordered(kv_num_blocks, kv_indices, n_kv)
+            q_num, q_idx = transpose(kv_num_blocks, kv_indices, n_kv)
             if full_kv_num_blocks is not None:
-                fq_num, fq_idx = _transpose_ordered(full_kv_num_blocks, full_kv_indices, n_kv)
+                fq_num, fq_idx = transpose(full_kv_num_blocks, full_kv_indices, n_kv)
         return cls(seq_lengths, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                    q_num, q_idx, fq_num, fq_idx, BLOCK_SIZE=block,
                    mask_mod=mask_mod if mask_mod is not None else noop_mask, validate=False)
@@ -171,19 +172,14 @@ class BlockMask:
     def to_dense(self) -> torch.Tensor:
         """Tile-level dense mask [..., nQ, nKV] (int32 0/1): 1 where a tile is visited."""
         n_cols = self.kv_indices.shape[-1]
-        dense = _flags(self.kv_num_blocks, self.kv_indices, n_cols)
+        dense = flags(self.kv_num_blocks, self.kv_indices, n_cols)
         if self.full_kv_num_blocks is not None:
-            dense = dense | _flags(self.full_kv_num_blocks, self.full_kv_indices, self.full_kv_indices.shape[-1])
+            dense = dense | flags(self.full_kv_num_blocks, self.full_kv_indices, self.full_kv_indices.shape[-1])
         return dense.to(torch.int32)
 
     def tile_states(self) -> torch.Tensor:
         """[..., nQ, nKV] int8: 0 empty, 1 partial, 2 full."""
-        n_cols = self.kv_indices.shape[-1]
-        st = _flags(self.kv_num_blocks, self.kv_indices, n_cols).to(torch.int8)
-        if self.full_kv_num_blocks is not None:
-            full = _flags(self.full_kv_num_blocks, self.full_kv_indices, n_cols)
-            st = torch.where(full, interval.FULL, st).to(torch.int8)
-        return st
+        return tile_states(self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices)
 
     def to_string(self, grid_size: int | tuple[int, int] = (20, 20), limit: int = 4) -> str:
         """A text picture of the visited tiles, one per (batch, head) (torch's format).
@@ -274,8 +270,7 @@ class BlockMask:
         cols = -(-new_kv_len // self.BLOCK_SIZE[1])
 
         def crop(num, idx):
-            flags = _flags(num[..., :rows], idx[..., :rows, :], max(idx.shape[-1], cols))[..., :cols]
-            return _ordered(flags)
+            return ordered(flags(num[..., :rows], idx[..., :rows, :], max(idx.shape[-1], cols))[..., :cols])
 
         kv = crop(self.kv_num_blocks, self.kv_indices)
         full = (None, None)
@@ -304,31 +299,12 @@ class BlockMask:
         return out
 
     def check_shape(self, B: int, H: int, Q_LEN: int, KV_LEN: int) -> None:
-        """Raise a ValueError unless this mask fits attention over [B, H, Q_LEN] x [.., KV_LEN]."""
-        if self.kv_num_blocks.dim() != 3:
-            raise ValueError(f"block_mask must have [B, H, n_q_tiles] tables, got kv_num_blocks of shape "
-                             f"{tuple(self.kv_num_blocks.shape)}")
-        if (Q_LEN, KV_LEN) != self.seq_lengths:
-            hint = ("call block_mask._adjust(Q_LEN, KV_LEN) to crop it, or create a new one"
-                    if Q_LEN <= self.seq_lengths[0] and KV_LEN <= self.seq_lengths[1]
-                    else "create a new block mask for these lengths")
-            raise ValueError(f"block_mask was created for (Q_LEN, KV_LEN) = {self.seq_lengths} but the "
-                             f"inputs have ({Q_LEN}, {KV_LEN}); {hint}")
-        n_q = -(-Q_LEN // self.BLOCK_SIZE[0])
-        if self.kv_indices.shape[-2] < n_q:
-            raise ValueError(f"block_mask has {self.kv_indices.shape[-2]} query-block rows but Q_LEN {Q_LEN} with "
-                             f"query blocks of {self.BLOCK_SIZE[0]} needs {n_q} (a sliced mask cannot be used "
-                             "for attention)")
-        bm_b, bm_h = self.kv_num_blocks.shape[:2]
-        if bm_b not in (1, B):
-            raise ValueError(f"block_mask has batch size {bm_b}, expected 1 or the inputs' batch size {B}")
-        if bm_h not in (1, H):
-            raise ValueError(f"block_mask has {bm_h} heads, expected 1 or the query's {H} heads")
+        """Raise a ValueError unless this mask fits attention over [B, H, Q_LEN] x [.., KV_LEN]
+        (the check `flexattn.flex_attention` makes)."""
+        check_against(tables_of(self), B, H, Q_LEN, KV_LEN, self.kv_num_blocks.device)
 
     # -- pictures ---------------------------------------------------------------------------------
 
     def to_png(self, path: str, batch: int = 0, head: int = 0, level: str = "auto") -> str:
         """Write a picture of (batch, head) to ``path``; see `flexattn.viz.to_png` (needs Pillow)."""
-        from flexattn import viz
-
         return viz.to_png(self, path, batch=batch, head=head, level=level)

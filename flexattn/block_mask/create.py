@@ -8,12 +8,13 @@ from typing import Any, Callable
 
 import torch
 
-from flexattn import interval, ir
+from flexattn import capture, interval, ir, modcache
 from flexattn.block_mask.blockmask import BlockMask
 from flexattn.block_mask.mask_mods import as_mod
 from flexattn.block_mask.sizes import _DEFAULT_SPARSE_BLOCK_SIZE, _check_block_sizes, _check_positive
-from flexattn.kernels.tables import _ordered, block_size_pair
-from flexattn.mods import MASK, SCORE, Mod
+from flexattn.codegen.block_mask_kernel import build_tables
+from flexattn.kernels.tables import block_size_pair, ordered
+from flexattn.mods import MASK, SCORE, Mod, template
 
 # Elements evaluated at once on the CPU path (the evaluator keeps every intermediate alive).
 _CPU_ELEMENTS_PER_STEP = 1 << 18
@@ -37,12 +38,12 @@ def _tables_from_states(states: torch.Tensor, separate_full: bool):
     full = states == interval.FULL
     if not separate_full:
         partial = partial | full
-    kv = _ordered(partial)
-    q = _ordered(partial.transpose(-2, -1))
+    kv = ordered(partial)
+    q = ordered(partial.transpose(-2, -1))
     if not separate_full:
         return (*kv, None, None, *q, None, None)
-    fkv = _ordered(full)
-    fq = _ordered(full.transpose(-2, -1))
+    fkv = ordered(full)
+    fq = ordered(full.transpose(-2, -1))
     return (*kv, *fkv, *q, *fq)
 
 
@@ -51,7 +52,7 @@ def _tables_from_states(states: torch.Tensor, separate_full: bool):
 
 
 def _classify_torch(mod: Mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, QB: int, KVB: int,
-                    device: torch.device, use_interval: bool = True) -> torch.Tensor:
+                    device: torch.device) -> torch.Tensor:
     """int8 tile states [BD, HD, nQ, nKV]: interval analysis, then exact evaluation of the rest."""
     n_q, n_kv = -(-Q_LEN // QB), -(-KV_LEN // KVB)
     i64 = torch.int64
@@ -68,17 +69,14 @@ def _classify_torch(mod: Mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, QB: int
         q_lo = torch.arange(r0, r1, dtype=i64, device=device) * QB
         q_hi = torch.clamp(q_lo + QB, max=Q_LEN) - 1
         shape = (BD, HD, r1 - r0, n_kv)
-        if use_interval:
-            st = interval.tile_states(mod.ir, {
-                "b": (b, b), "h": (h, h),
-                "q_idx": (q_lo.view(1, 1, -1, 1), q_hi.view(1, 1, -1, 1)),
-                "kv_idx": (kv_lo.view(1, 1, 1, -1), kv_hi.view(1, 1, 1, -1)),
-            }, mod.buffers, summaries).expand(shape).clone()
-            # Tiles cut by the sequence end hold padding (false): never full.
-            whole = (q_lo + QB <= Q_LEN).view(1, 1, -1, 1) & kv_whole
-            st[(st == interval.FULL) & ~whole] = interval.PARTIAL
-        else:
-            st = torch.full(shape, interval.UNKNOWN, dtype=torch.int8, device=device)
+        st = interval.tile_states(mod.ir, {
+            "b": (b, b), "h": (h, h),
+            "q_idx": (q_lo.view(1, 1, -1, 1), q_hi.view(1, 1, -1, 1)),
+            "kv_idx": (kv_lo.view(1, 1, 1, -1), kv_hi.view(1, 1, 1, -1)),
+        }, mod.buffers, summaries).expand(shape).clone()
+        # Tiles cut by the sequence end hold padding (false): never full.
+        whole = (q_lo + QB <= Q_LEN).view(1, 1, -1, 1) & kv_whole
+        st[(st == interval.FULL) & ~whole] = interval.PARTIAL
         _evaluate_unknown(mod, st, r0, Q_LEN, KV_LEN, QB, KVB)
         states[:, :, r0:r1] = st
     return states
@@ -121,13 +119,13 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
                       device: Any = None, BLOCK_SIZE: int | tuple[int, int] = _DEFAULT_SPARSE_BLOCK_SIZE,
                       _compile: bool = False, separate_full_blocks: bool = True,
                       compute_dq_write_order: bool = False, dq_kv_order: bool = True,
-                      *, backend: str | None = None, use_interval: bool = True) -> BlockMask:
+                      *, backend: str | None = None) -> BlockMask:
     """The BlockMask of ``mask_mod`` (torch 2.13's signature; ``device=None``: CUDA when available).
 
     ``B`` / ``H`` of None mean 1 (broadcast over batch / heads). A mask that ignores ``b`` or ``h``
     is classified once and repeated. ``backend``: "triton" (generated kernels; the GPU default,
     on CPU tensors it runs in Triton's interpreter) or "torch" (chunked torch ops, the CPU
-    default). ``use_interval=False`` evaluates every tile element by element (for testing).
+    default).
     ``_compile`` is accepted for torch compatibility and ignored: this path is already compiled.
     ``compute_dq_write_order`` / ``dq_kv_order`` are torch's metadata for its deterministic FLASH
     backward; flexattn's dQ pass is deterministic without them, so ``compute_dq_write_order=True``
@@ -162,11 +160,9 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
     if torch.compiler.is_compiling():
         # In a compiled graph the tables come from a custom op; the mask_mod is captured for it.
-        from flexattn import capture
-
         key, bufs = capture.capture(mask_mod, MASK, torch.float32)
         tables = _tables_op(bufs, key, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, separate_full_blocks,
-                            device, backend, use_interval)
+                            device, backend)
         if not separate_full_blocks:
             tables = [tables[0], tables[1], None, None, tables[2], tables[3], None, None]
         bm = BlockMask((Q_LEN, KV_LEN), *tables, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod, validate=False)
@@ -174,8 +170,7 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         return bm
     mod = _resolve_mask(mask_mod, device)
     mod.check_device(device, arg="the block mask's device")
-    tables = _build_tables(mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, separate_full_blocks, backend,
-                           use_interval)
+    tables = _build_tables(mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, separate_full_blocks, backend)
     bm = BlockMask((Q_LEN, KV_LEN), *tables, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod, validate=False)
     bm._mod = mod
     return bm
@@ -183,8 +178,6 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
 
 def _resolve_mask(mask_mod, device: torch.device) -> Mod:
     """The traced mask, through the trace cache (a lambda made anew each call is traced once)."""
-    from flexattn import modcache
-
     if isinstance(mask_mod, Mod) or not callable(mask_mod):
         return as_mod(mask_mod)  # checks the kind / raises the error that names the argument
     template, buffers = modcache.resolve(mask_mod, MASK, torch.float32, device, lambda f, kind, **kw: as_mod(f))
@@ -192,18 +185,15 @@ def _resolve_mask(mask_mod, device: torch.device) -> Mod:
 
 
 def _build_tables(mod: Mod, B, H, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOCK: int, device: torch.device,
-                  separate_full: bool, backend: str, use_interval: bool) -> tuple:
+                  separate_full: bool, backend: str) -> tuple:
     """The eight tables of ``mod``'s BlockMask (the full_* ones None unless ``separate_full``)."""
     used = {n.arg for n in ir.toposort(mod.ir) if n.op == "input"}
     BD = B if "b" in used else 1
     HD = H if "h" in used else 1
     if backend == "triton":
-        from flexattn.codegen.block_mask_kernel import build_tables
-
-        tables = build_tables(mod, BD, HD, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device,
-                              separate_full=separate_full, use_interval=use_interval)
+        tables = build_tables(mod, BD, HD, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, separate_full=separate_full)
     else:
-        states = _classify_torch(mod, BD, HD, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, use_interval)
+        states = _classify_torch(mod, BD, HD, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device)
         tables = _tables_from_states(states, separate_full)
     if (BD, HD) != (B, H):
         tables = tuple(None if t is None else t.expand(B, H, *t.shape[2:]).contiguous() for t in tables)
@@ -212,19 +202,16 @@ def _build_tables(mod: Mod, B, H, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOC
 
 @torch.library.custom_op("flexattn::block_mask_tables", mutates_args=())
 def _tables_op(buffers: list[torch.Tensor], mask_key: str, B: int, H: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int,
-               KV_BLOCK: int, separate_full: bool, device: torch.device, backend: str,
-               use_interval: bool) -> list[torch.Tensor]:
+               KV_BLOCK: int, separate_full: bool, device: torch.device, backend: str) -> list[torch.Tensor]:
     """`create_block_mask`'s tables as a custom op (torch.compile): the 8 tables, or the 4
     partial ones without ``separate_full``."""
-    from flexattn.mods import template
-
     mod = template(mask_key).rebind(buffers)
-    return [t for t in _build_tables(mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, separate_full, backend,
-                                     use_interval) if t is not None]
+    return [t for t in _build_tables(mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, separate_full, backend)
+            if t is not None]
 
 
 @_tables_op.register_fake
-def _(buffers, mask_key, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, separate_full, device, backend, use_interval):
+def _(buffers, mask_key, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, separate_full, device, backend):
     n_q, n_kv = -(-Q_LEN // Q_BLOCK), -(-KV_LEN // KV_BLOCK)
 
     def table(*shape):

@@ -8,6 +8,12 @@ import torch
 
 from flexattn import ir
 from flexattn.mods import MASK, Mod
+from flexattn.tracer import trace
+
+try:
+    from torch.nn.attention.flex_attention import noop_mask as _torch_noop_mask
+except ImportError:  # pragma: no cover - a torch without flex_attention
+    _torch_noop_mask = None
 
 
 def noop_mask(batch, head, token_q, token_kv):
@@ -16,6 +22,8 @@ def noop_mask(batch, head, token_q, token_kv):
 
 
 def _sliced_mask_mod_error(batch, head, token_q, token_kv):
+    """The mask_mod of a sliced BlockMask: it only raises. Named as torch's, whose sliced masks
+    carry one of this name too (`flexattn.viz` tells both apart from real mask_mods by it)."""
     raise RuntimeError(
         "Cannot use mask_mod from a sliced BlockMask: slicing resets mask_mod. Take the mask_mod "
         "from the original (unsliced) BlockMask instead."
@@ -23,13 +31,8 @@ def _sliced_mask_mod_error(batch, head, token_q, token_kv):
 
 
 def is_noop_mask(fn) -> bool:
-    if fn is noop_mask:
-        return True
-    try:
-        from torch.nn.attention import flex_attention as torch_flex
-    except ImportError:  # pragma: no cover - old torch
-        return False
-    return fn is getattr(torch_flex, "noop_mask", None)
+    """Whether ``fn`` is flexattn's or torch's ``noop_mask``."""
+    return fn is noop_mask or (_torch_noop_mask is not None and fn is _torch_noop_mask)
 
 
 def _shift_buffers(root: ir.Node, offset: int) -> ir.Node:
@@ -111,7 +114,6 @@ def or_masks(*mask_mods: Callable) -> Callable:
     return or_mask
 
 
-
 def as_mod(fn, kind: str = MASK, arg: str = "mask_mod") -> Mod:
     """``fn`` (a `Mod`, a Python mod, or ``noop_mask``) as a traced `Mod` of ``kind``."""
     if isinstance(fn, Mod):
@@ -124,12 +126,4 @@ def as_mod(fn, kind: str = MASK, arg: str = "mask_mod") -> Mod:
         return Mod(MASK, ir.const(True), (), name="noop_mask", fn=fn)
     if fn is _sliced_mask_mod_error:
         _sliced_mask_mod_error(None, None, None, None)
-    from flexattn import tracer
-
-    trace = getattr(tracer, "trace", None)
-    if trace is None:
-        raise NotImplementedError(
-            f"{arg}: tracing Python mods needs flexattn.trace, which is not available in this "
-            "build; pass a flexattn Mod (e.g. from flexattn.mask_mod(text)) instead"
-        )
     return trace(fn, kind=kind)

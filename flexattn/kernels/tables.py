@@ -16,9 +16,13 @@ from typing import Any
 import torch
 import triton
 
+from flexattn import interval
 from flexattn.kernels.layout import table_strides
 
 _CACHE_ATTR = "_flexattn_tables"
+#: A BlockMask's tables (flexattn's and torch's), in torch's order.
+TABLE_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 _VERSION = operator.attrgetter("_version")  # a tensor's in-place modification counter
 
 
@@ -134,9 +138,7 @@ def _direction(block_mask, prefix: str) -> Direction | None:
 
 
 def _sources(block_mask) -> tuple:
-    return tuple(getattr(block_mask, n, None) for n in (
-        "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-        "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices", "BLOCK_SIZE"))
+    return tuple(getattr(block_mask, n, None) for n in (*TABLE_FIELDS, "BLOCK_SIZE"))
 
 
 def _rows_consecutive(num: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -205,10 +207,14 @@ def tables_of(block_mask, check=None) -> Tables:
 
 
 def check_against(tables: Tables, B: int, Hq: int, Q_LEN: int, KV_LEN: int, device: torch.device) -> None:
-    """A BlockMask used with inputs of these sizes (once per launch plan)."""
-    if tables.seq_lengths is not None and tables.seq_lengths != (Q_LEN, KV_LEN):
-        raise ValueError(f"block_mask was built for (Q_LEN, KV_LEN) = {tables.seq_lengths}, but query has "
-                         f"Q_LEN={Q_LEN} and key KV_LEN={KV_LEN}; build the block mask for these lengths")
+    """Raise a ValueError unless a BlockMask fits inputs of these sizes on ``device`` (once per
+    launch plan, and `BlockMask.check_shape`)."""
+    seq = tables.seq_lengths
+    if seq is not None and seq != (Q_LEN, KV_LEN):
+        hint = ("crop it with block_mask._adjust(Q_LEN, KV_LEN) or build the block mask for these lengths"
+                if Q_LEN <= seq[0] and KV_LEN <= seq[1] else "build the block mask for these lengths")
+        raise ValueError(f"block_mask was built for (Q_LEN, KV_LEN) = {seq}, but query has "
+                         f"Q_LEN={Q_LEN} and key KV_LEN={KV_LEN}; {hint}")
     num, idx = tables.kv.num, tables.kv.idx
     if num.device != device:
         raise ValueError(f"block_mask is on {num.device} but query is on {device}; use "
@@ -219,32 +225,14 @@ def check_against(tables: Tables, B: int, Hq: int, Q_LEN: int, KV_LEN: int, devi
                          f"query's {Hq}")
     need_q, need_kv = triton.cdiv(Q_LEN, tables.q_block), triton.cdiv(KV_LEN, tables.kv_block)
     if nQ < need_q:
-        raise ValueError(f"block_mask has {nQ} query blocks of {tables.q_block}, Q_LEN={Q_LEN} needs {need_q}")
+        raise ValueError(f"block_mask has {nQ} query blocks of {tables.q_block}, Q_LEN={Q_LEN} needs {need_q} "
+                         "(a sliced block mask cannot be used for attention)")
     if idx.shape[3] < need_kv and tables.seq_lengths is None:
         raise ValueError(f"block_mask.kv_indices has {idx.shape[3]} KV blocks of {tables.kv_block}, "
                          f"KV_LEN={KV_LEN} needs {need_kv}")
     if tables.q is not None and tables.q.num.shape[2] < need_kv:
         raise ValueError(f"block_mask.q_num_blocks has {tables.q.num.shape[2]} KV blocks, KV_LEN={KV_LEN} "
                          f"needs {need_kv}")
-
-
-def transpose(num: torch.Tensor, idx: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The column-major twin of a (num, idx) block list: for each column block, the rows listing it.
-
-    Used when a block mask carries no ``q_*`` lists. Rows come out in increasing order.
-    >>> n, i = transpose(torch.tensor([[[1, 2]]]), torch.tensor([[[[1, 0], [0, 1]]]]), 2)
-    >>> n.tolist(), i[..., :1].tolist(), i[0, 0, 1].tolist()
-    ([[[1, 2]]], [[[[1], [0]]]], [0, 1])
-    """
-    listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None].long()
-    grid = torch.zeros(*idx.shape[:3], n_cols, dtype=torch.int32, device=idx.device)
-    grid.scatter_add_(-1, torch.where(listed, idx.long(), 0), listed.to(torch.int32))
-    seen = (grid > 0).transpose(-1, -2)  # [B, H, n_cols, n_rows]
-    count = seen.sum(-1).to(torch.int32)
-    rows = torch.arange(seen.shape[-1], device=idx.device)
-    # Listed rows first, in increasing order: sort keys put unlisted rows at the end.
-    order = torch.where(seen, rows, rows + seen.shape[-1]).argsort(-1).to(torch.int32)
-    return count.contiguous(), order.contiguous()
 
 
 def q_direction(tables: Tables, KV_LEN: int) -> Direction:
@@ -285,11 +273,11 @@ def dense(device: torch.device, n: int) -> Direction:
 # ---------------------------------------------------------------------------------------------
 # Layout: index tables from tile flags and back (torch ops; any device)
 
-# Rows handled at once by `_ordered` (tiles per step).
+# Tiles handled at once by `ordered`.
 _TILES_PER_STEP = 1 << 16
 
 
-def _ordered(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def ordered(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Counts and torch's index layout for 0/1 tile rows ``sel[..., R, C]``.
 
     Each row of the index table lists the selected columns ascending, then the others ascending:
@@ -312,7 +300,7 @@ def _ordered(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num.view(*lead, R), idx.view(*lead, R, C)
 
 
-def _flags(num: torch.Tensor, idx: torch.Tensor, n_cols: int) -> torch.Tensor:
+def flags(num: torch.Tensor, idx: torch.Tensor, n_cols: int) -> torch.Tensor:
     """The 0/1 tile rows listed by (num, idx): [..., R, n_cols] bool (tile level, not elements)."""
     valid = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
     cols = torch.where(valid, idx.long(), n_cols)
@@ -321,10 +309,27 @@ def _flags(num: torch.Tensor, idx: torch.Tensor, n_cols: int) -> torch.Tensor:
     return flags[..., :n_cols]
 
 
-def _transpose_ordered(num: torch.Tensor, idx: torch.Tensor, n_cols: int | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The transposed tables; ``n_cols`` is the number of KV tiles (default: idx's columns)."""
-    return _ordered(_flags(num, idx, idx.shape[-1] if n_cols is None else n_cols).transpose(-2, -1))
+def transpose(num: torch.Tensor, idx: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The column-major twin of a (num, idx) block list, in the same layout: for each of the
+    ``n_cols`` column blocks, the rows listing it ascending, then the other rows ascending (the
+    ``q_*`` tables of a BlockMask from its ``kv_*`` tables, as torch makes them).
+
+    >>> n, i = transpose(torch.tensor([[[1, 2]]]), torch.tensor([[[[1, 0], [0, 1]]]]), 2)
+    >>> n.tolist(), i.tolist()
+    ([[[1, 2]]], [[[[1, 0], [0, 1]]]])
+    """
+    return ordered(flags(num, idx, n_cols).transpose(-2, -1))
+
+
+def tile_states(kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor, full_kv_num_blocks: torch.Tensor | None,
+                full_kv_indices: torch.Tensor | None) -> torch.Tensor:
+    """[..., nQ, nKV] int8 tile states of the KV lists: 0 empty, 1 partial, 2 full (`flexattn.interval`'s)."""
+    n_cols = kv_indices.shape[-1]
+    st = flags(kv_num_blocks, kv_indices, n_cols).to(torch.int8)
+    if full_kv_num_blocks is not None:
+        full = flags(full_kv_num_blocks, full_kv_indices, n_cols)
+        st = torch.where(full, interval.FULL, st).to(torch.int8)
+    return st
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,8 +368,8 @@ def validate_block_tables(kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor,
     the shape of the partial ones; every count is in ``[0, min(columns, tiles)]`` and the first
     ``count`` indices of each row are in ``[0, tiles)`` (entries past the count are never read and
     may hold anything). The error names the table and the first offending entry. A row per query
-    tile is checked by `BlockMask.check_shape` when the mask meets its inputs (a sliced mask may
-    have fewer rows). It does not check that a tile is listed once (a repeat is counted twice, as
+    tile is checked by `check_against` when the mask meets its inputs (a sliced mask may have fewer
+    rows). It does not check that a tile is listed once (a repeat is counted twice, as
     in torch). One host sync: call it once per mask, not per call.
 
     >>> nb = torch.tensor([[[4]]], dtype=torch.int32); idx = torch.tensor([[[[0, 1, 2, 3]]]], dtype=torch.int32)
@@ -376,10 +381,35 @@ def validate_block_tables(kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor,
     q_block, kv_block = block_size_pair(BLOCK_SIZE)
     q_len, kv_len = (int(x) for x in seq_lengths)
     n_q, n_kv = -(-q_len // q_block), -(-kv_len // kv_block)
-    tables = {"kv_num_blocks": kv_num_blocks, "kv_indices": kv_indices,
-              "full_kv_num_blocks": full_kv_num_blocks, "full_kv_indices": full_kv_indices,
-              "q_num_blocks": q_num_blocks, "q_indices": q_indices,
-              "full_q_num_blocks": full_q_num_blocks, "full_q_indices": full_q_indices}
+    tables = dict(zip(TABLE_FIELDS, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                                     q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)))
+    _check_kinds(tables)
+    kv_what = f"KV_LEN {kv_len} has {n_kv} KV blocks of {kv_block}"
+    q_what = f"Q_LEN {q_len} has {n_q} query blocks of {q_block}"
+    checks = []
+    for i, (tiles, what) in enumerate(((n_kv, kv_what), (n_kv, kv_what), (n_q, q_what), (n_q, q_what))):
+        num_name, idx_name = TABLE_FIELDS[2 * i], TABLE_FIELDS[2 * i + 1]
+        check = _range_check(num_name, tables[num_name], idx_name, tables[idx_name], kv_num_blocks, tiles, what)
+        if check is not None:
+            checks.append(check)
+    if not checks:
+        return
+    # One host sync for every table.
+    found = torch.stack([torch.stack([c[4].any(), c[5].any()]) for c in checks]).tolist()
+    for (num_name, idx_name, num, idx, bad_num, bad_idx, limit, tiles, what), (nb, ib) in zip(checks, found):
+        if nb:
+            at = bad_num.nonzero()[0].tolist()
+            raise ValueError(f"{num_name}{_entry(at)} = {int(num[tuple(at)])} is out of range: expected 0 <= count "
+                             f"<= {limit} ({what}; {idx_name} has {idx.shape[-1]} columns)")
+        if ib:
+            at = bad_idx.nonzero()[0].tolist()
+            raise ValueError(f"{idx_name}{_entry(at)} = {int(idx[tuple(at)])} is out of range: expected a block "
+                             f"index in [0, {tiles}) ({what}; the entry is among the first "
+                             f"{num_name}{_entry(at[:-1])} = {int(num[tuple(at[:-1])])} of its row)")
+
+
+def _check_kinds(tables: dict[str, Any]) -> None:
+    """Every given table is an int32/int64 tensor, all on one device that holds values."""
     device = None
     for name, t in tables.items():
         if t is None:
@@ -397,43 +427,32 @@ def validate_block_tables(kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor,
             raise ValueError(f"{name} is on {t.device} but kv_num_blocks is on {device}; all block tables "
                              "must be on one device")
 
-    # (counts, indices, tiles a row may list, what the tiles are)
-    kv_what = f"KV_LEN {kv_len} has {n_kv} KV blocks of {kv_block}"
-    q_what = f"Q_LEN {q_len} has {n_q} query blocks of {q_block}"
-    groups = [("kv_num_blocks", "kv_indices", n_kv, kv_what), ("full_kv_num_blocks", "full_kv_indices", n_kv, kv_what),
-              ("q_num_blocks", "q_indices", n_q, q_what), ("full_q_num_blocks", "full_q_indices", n_q, q_what)]
-    checks = []
-    for num_name, idx_name, tiles, what in groups:
-        num, idx = tables[num_name], tables[idx_name]
-        if (num is None) != (idx is None):
-            raise ValueError(f"{num_name} and {idx_name} must both be given or both be None")
-        if num is None:
-            continue
-        if idx.dim() < 2:
-            raise ValueError(f"{idx_name} must have at least 2 dimensions ([..., rows, columns]), got shape "
-                             f"{tuple(idx.shape)}")
-        if num.shape != idx.shape[:-1]:
-            raise ValueError(f"{num_name} must have shape {tuple(idx.shape[:-1])} ({idx_name} without its last "
-                             f"dimension), got {tuple(num.shape)}")
-        if num.shape[:-1] != kv_num_blocks.shape[:-1]:
-            raise ValueError(f"{num_name} has batch dimensions {tuple(num.shape[:-1])} but kv_num_blocks has "
-                             f"{tuple(kv_num_blocks.shape[:-1])}")
-        limit = min(idx.shape[-1], tiles)
-        bad_num = (num < 0) | (num > limit)
-        listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
-        bad_idx = listed & ((idx < 0) | (idx >= tiles))
-        checks.append((num_name, idx_name, num, idx, bad_num, bad_idx, limit, tiles, what))
-    if not checks:
-        return
-    # One host sync for every table.
-    flags = torch.stack([torch.stack([c[4].any(), c[5].any()]) for c in checks]).tolist()
-    for (num_name, idx_name, num, idx, bad_num, bad_idx, limit, tiles, what), (nb, ib) in zip(checks, flags):
-        if nb:
-            at = bad_num.nonzero()[0].tolist()
-            raise ValueError(f"{num_name}{_entry(at)} = {int(num[tuple(at)])} is out of range: expected 0 <= count "
-                             f"<= {limit} ({what}; {idx_name} has {idx.shape[-1]} columns)")
-        if ib:
-            at = bad_idx.nonzero()[0].tolist()
-            raise ValueError(f"{idx_name}{_entry(at)} = {int(idx[tuple(at)])} is out of range: expected a block "
-                             f"index in [0, {tiles}) ({what}; the entry is among the first "
-                             f"{num_name}{_entry(at[:-1])} = {int(num[tuple(at[:-1])])} of its row)")
+
+def _range_check(num_name: str, num: torch.Tensor | None, idx_name: str, idx: torch.Tensor | None,
+                 kv_num_blocks: torch.Tensor, tiles: int, what: str) -> tuple | None:
+    """Shape checks of one (counts, indices) pair, and its out-of-range flags (tensors: not synced
+    here); None when the pair is absent. A row may list ``tiles`` tiles; ``what`` says why."""
+    if (num is None) != (idx is None):
+        raise ValueError(f"{num_name} and {idx_name} must both be given or both be None")
+    if num is None:
+        return None
+    if idx.dim() < 2:
+        raise ValueError(f"{idx_name} must have at least 2 dimensions ([..., rows, columns]), got shape "
+                         f"{tuple(idx.shape)}")
+    if num.shape != idx.shape[:-1]:
+        raise ValueError(f"{num_name} must have shape {tuple(idx.shape[:-1])} ({idx_name} without its last "
+                         f"dimension), got {tuple(num.shape)}")
+    if num.shape[:-1] != kv_num_blocks.shape[:-1]:
+        raise ValueError(f"{num_name} has batch dimensions {tuple(num.shape[:-1])} but kv_num_blocks has "
+                         f"{tuple(kv_num_blocks.shape[:-1])}")
+    limit = min(idx.shape[-1], tiles)
+    bad_num = (num < 0) | (num > limit)
+    listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
+    bad_idx = listed & ((idx < 0) | (idx >= tiles))
+    return num_name, idx_name, num, idx, bad_num, bad_idx, limit, tiles, what
+
+
+def validate_mask(block_mask) -> None:
+    """`validate_block_tables` of a BlockMask object (flexattn's or torch's)."""
+    validate_block_tables(*(getattr(block_mask, n, None) for n in TABLE_FIELDS),
+                          seq_lengths=tuple(block_mask.seq_lengths), BLOCK_SIZE=block_mask.BLOCK_SIZE)

@@ -156,3 +156,21 @@ def backward_atol(grad_ref: torch.Tensor, dtypes: Sequence[torch.dtype], d_out: 
     mag = max(1.0, grad_ref.abs().max().item() if grad_ref.numel() else 0.0)
     eps = max(torch.finfo(d).eps for d in dtypes)
     return 8 * eps * mag * max(1.0, dp_max, lse_max)
+
+
+def tile_states_of_dense(keep: torch.Tensor, Q_BLOCK: int, KV_BLOCK: int) -> torch.Tensor:
+    """int8 [..., nQ, nKV] tile states of a dense [..., Q_LEN, KV_LEN] bool mask, element by
+    element: 0 nothing kept, 2 every element kept, 1 otherwise; a tile cut by the sequence end
+    holds padding (masked out), so it is never full.
+
+    >>> keep = torch.tensor([[True, True, True], [False, True, True]])
+    >>> tile_states_of_dense(keep, 1, 2).tolist()
+    [[2, 1], [1, 1]]
+    """
+    *lead, Q_LEN, KV_LEN = keep.shape
+    n_q, n_kv = -(-Q_LEN // Q_BLOCK), -(-KV_LEN // KV_BLOCK)
+    padded = torch.zeros(*lead, n_q * Q_BLOCK, n_kv * KV_BLOCK, dtype=torch.bool)
+    padded[..., :Q_LEN, :KV_LEN] = keep
+    tiles = padded.view(*lead, n_q, Q_BLOCK, n_kv, KV_BLOCK)
+    kept = tiles.sum(dim=(-3, -1))
+    return torch.where(kept == Q_BLOCK * KV_BLOCK, 2, (kept > 0).to(torch.int64)).to(torch.int8)
