@@ -28,7 +28,7 @@ import torch
 
 from flexattn import __version__, demo, ir, viz
 from flexattn.block_mask import create_block_mask
-from flexattn.codegen.emit import TARGETS
+from flexattn.codegen.emit import TARGETS, emit_mod
 from flexattn.dsl import make_mod, parse
 from flexattn.tracer import trace
 
@@ -109,7 +109,7 @@ def _mod(text: str, kind: str | None, bindings: dict):
 
 def cmd_show(args) -> int:
     mod = _mod(args.text, args.kind, _bindings(args))
-    src = mod.emit(args.target)
+    src = emit_mod(mod.ir, mod.kind, target=args.target)
     print(f"kind:   {mod.kind}")
     print(f"source: {args.text}")
     print(f"IR:     {ir.to_text(mod.ir)}")

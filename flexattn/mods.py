@@ -14,7 +14,6 @@ from typing import Any, Sequence
 import torch
 
 from flexattn import ir
-from flexattn.codegen import affine, emit
 
 SCORE, MASK = "score", "mask"
 ARITY = {SCORE: 5, MASK: 4}
@@ -89,14 +88,6 @@ class Mod:
                 return n.dtype
         return None
 
-    @property
-    def affine(self) -> "affine.Affine | None":
-        """A score mod's coefficients when it is affine in the score and the positions
-        (codegen/affine.py: the kernels then skip its per-score arithmetic), else None."""
-        if "_affine" not in self.__dict__:
-            self.__dict__["_affine"] = affine.split(self.ir) if self.kind == SCORE else None
-        return self.__dict__["_affine"]
-
     def key(self) -> str:
         """Structural cache key: equal for mods that generate the same kernel code."""
         return self._key
@@ -107,13 +98,6 @@ class Mod:
         mod.__dict__.update(self.__dict__)
         mod.buffers, mod.fn = tuple(buffers), None
         return mod
-
-    def emit(self, target: str = "cuda", name: str | None = None, hoist_kv: bool = False) -> emit.ModSource:
-        return emit.emit_mod(self.ir, self.kind, name or f"{self.kind}_mod", target, hoist_kv)
-
-    def launch_args(self) -> list:
-        """Kernel arguments for the captured tensors (pointer, strides, sizes each)."""
-        return emit.launch_args(self.buffer_specs, self.buffers)
 
     def check_device(self, device: torch.device, arg: str = "query", buffers=None) -> None:
         """Every captured tensor (``buffers``: a call's own, else the Mod's) is on ``device``."""

@@ -50,7 +50,7 @@ def check_linear_walks(mod):
     text = str(mod.ir)
     assert len(text) < 200 * n_nodes  # shared nodes written once (let), not repeated
     assert parse(text, "score") is mod.ir  # and the text still means the same IR
-    src = mod.emit("interpret").source
+    src = emit.emit_mod(mod.ir, mod.kind, target="interpret").source
     ast.parse(src)  # bounded nesting: Python can parse it
     assert max(len(line) for line in src.splitlines()) < 2000
     autodiff.differentiate(mod.ir)

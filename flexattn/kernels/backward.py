@@ -36,8 +36,8 @@ def module(score: Mod, mask: Mod, grad_buffers: tuple[int, ...], target: str, fa
     def hooks():
         d = score_mod_grad(score)
         scatters = [(g.load, g.grad) for g in d.loads if g.buffer.index in grad_buffers]
-        score_src = score.emit(target, "score_mod")
-        mask_src = mask.emit(target, "mask_mod")
+        score_src = emit.emit_mod(score.ir, score.kind, "score_mod", target)
+        mask_src = emit.emit_mod(mask.ir, mask.kind, "mask_mod", target)
         grad_src = emit.emit_score_grad(d.score, scatters, "score_mod_grad", target, q_axis=0)
         dscore_src = emit.emit_score_grad(d.score, (), "score_mod_dscore", target, q_axis=1)
         grads = {g.buffer.index: g.buffer for g in d.loads if g.buffer.index in grad_buffers}
@@ -67,7 +67,7 @@ def hopper_module(score: Mod, mask: Mod, fast_math: bool):
     """The Gluon Hopper backward (templates/backward_hopper.py) with the mods inlined."""
     def hooks():
         score_def, score_params = launch.mod_hooks(score, "gluon", "score_mod", "score_")
-        mask_src = mask.emit("gluon", "mask_mod", hoist_kv=True)
+        mask_src = emit.emit_mod(mask.ir, mask.kind, "mask_mod", "gluon", hoist_kv=True)
         dscore = emit.emit_score_grad(score_mod_grad(score).score, (), "score_mod_dscore", "gluon", q_axis=1)
         return {"score_mod_def": score_def, "mask_mod_def": mask_src.source, "score_dscore_def": dscore.source,
                 "score_mod_params": score_params, "mask_mod_params": mask_src.param_list("mask_"),

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from flexattn.codegen import emit
 from flexattn.kernels import launch, layout, options as opts
 from flexattn.kernels.arguments import PER_CALL, UNUSED
 from flexattn.kernels.launch import pow2_at_least
@@ -44,7 +45,7 @@ def module(score: Mod | None, mask: Mod | None, target: str, fast_math: bool = F
             if mod is None:
                 h.update({f"{kind}_mod_def": "", f"{kind}_params": "", f"{kind}_call": default_call})
                 continue
-            src = mod.emit(target, name=f"{kind}_mod")
+            src = emit.emit_mod(mod.ir, mod.kind, f"{kind}_mod", target)
             first = "score, " if kind == "score" else ""
             h[f"{kind}_mod_def"] = src.source
             h[f"{kind}_params"] = src.param_list(prefix)

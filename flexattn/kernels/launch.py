@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import InterpreterError, OutOfResources
 
-from flexattn.codegen import emit
+from flexattn.codegen import affine, emit
 from flexattn.codegen.render import load_kernel_module, template_text
 from flexattn.kernels import triton_launcher
 from flexattn.kernels.arguments import PER_CALL, UNUSED
@@ -66,7 +66,7 @@ def affine_scores(score, dtype: torch.dtype, length: int) -> bool:
     value of the mod can wrap at positions below ``length`` (max of Q_LEN and KV_LEN). The form's
     rounding (a few float32 ulp of |Q| times a tile's rows) is far below those inputs'; float32
     and float64 inputs keep the mod's own arithmetic."""
-    form = score.affine
+    form = affine.split(score.ir) if score.kind == "score" else None
     return (form is not None and score.ir.op != "input" and dtype in _AFFINE_DTYPES
             and form.exact_below(length))
 
@@ -110,7 +110,7 @@ _MODULES: dict[Hashable, Any] = {}
 
 def mod_hooks(mod, target: str, name: str, prefix: str) -> tuple[str, str]:
     """(definition, parameter list) of a mod inlined into a template."""
-    src = mod.emit(target, name)
+    src = emit.emit_mod(mod.ir, mod.kind, name, target)
     return src.source, src.param_list(prefix)
 
 

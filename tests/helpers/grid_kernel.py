@@ -61,7 +61,7 @@ def elementwise_kernel(
 def kernel_module(mod: Mod, target: str, hoist_kv: bool = False):
     """``hoist_kv``: a mask's KV-only values come from its ``_kv`` function (`emit.emit_mod`), called
     before the mask as the Hopper backward calls it once per KV tile."""
-    src = mod.emit(target, hoist_kv=hoist_kv)
+    src = emit.emit_mod(mod.ir, mod.kind, target=target, hoist_kv=hoist_kv)
     call_args = "score, " if mod.kind == SCORE else ""
     call = f"{src.name}({call_args}b, h, q_idx, kv_idx, {src.pre_arg_list()}{src.param_list('')})"
     hooks = {
@@ -101,7 +101,7 @@ def evaluate_grid(mod: Mod, B: int, H: int, Q_LEN: int, KV_LEN: int, score: torc
                          f"{out.dtype} {tuple(out.shape)}")
     grid = (triton.cdiv(Q_LEN, BLOCK_M), triton.cdiv(KV_LEN, BLOCK_N), B * H)
     module.elementwise_kernel[grid](
-        out, score, *mod.launch_args(), *score.stride(), *out.stride(), H, Q_LEN, KV_LEN,
+        out, score, *emit.launch_args(mod.buffer_specs, mod.buffers), *score.stride(), *out.stride(), H, Q_LEN, KV_LEN,
         IS_SCORE=mod.kind == SCORE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
     return out
