@@ -191,12 +191,12 @@ def preprocess_args(out, grad_out, dlse, delta, dq_acc, Hq: int, Q_LEN: int) -> 
 
 def defer_dq(head_dim: int, affine: bool, mask: Mod) -> bool:
     """Whether the Hopper backward issues each step's dQ in the next step (DEFER_DQ) instead of
-    having its consumers meet every step: where that measured faster (docs/performance.md,
-    sixteenth session). Head dim 128 unless the mask reads captured tensors (causal, sliding
-    window +2-5%, no mask +0-4%, score_mods level; 16 documents 4-6% slower: their programs are
-    short, and the first and last steps' dQ cost more there); head dim 64 with an affine
-    score_mod (ALiBi +5%) or a mask that reads captured tensors (16 documents +5%), not without
-    them (no mask, causal, soft-cap 4-5% slower)."""
+    having its consumers meet every step: where that measured faster (`python -m benchmarks
+    attention`). Head dim 128 unless the mask reads captured tensors (causal, sliding window
+    +2-5%, no mask +0-4%, score_mods level; 16 documents 4-6% slower: their programs are short,
+    and the first and last steps' dQ cost more there); head dim 64 with an affine score_mod
+    (ALiBi +5%) or a mask that reads captured tensors (16 documents +5%), not without them (no
+    mask, causal, soft-cap 4-5% slower)."""
     reads_memory = bool(mask.buffer_specs)
     if head_dim == 64:
         return affine or reads_memory
@@ -230,7 +230,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         SCORES_IN_BASE2=raw,
         SCORE_AFFINE=affine,
         # a score_mod whose derivative in the score is a constant: P's exp2 under dP (ALiBi + causal
-        # +7-8% at head dim 128, +4% at 64; without a score_mod level or slower: docs/limits.md)
+        # +7-8% at head dim 128, +4% at 64; without a score_mod level or slower: python -m benchmarks attention)
         LATE_DP_WAIT=not raw and score_mod_grad(score).score.op == "const",
         NUM_BUFFERS=hopper.BWD_NUM_BUFFERS[E], CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),

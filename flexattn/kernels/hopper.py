@@ -21,7 +21,7 @@ from flexattn.kernels import launch
 BLOCK_M = 128  # query rows per program: 64 per consumer warp group
 # KV columns per tile, by head dim (at 256, two buffers of 128-row K and V tiles would not fit in
 # shared memory). Head dim 64 stays on the Triton template: level without mods, faster with them
-# (H200, B=4 H=32 S=8k: sliding window 1.1x, ALiBi 1.25x, documents 1.37x; docs/performance.md).
+# (H200, B=4 H=32 S=8k: sliding window 1.1x, ALiBi 1.25x, documents 1.37x; python -m benchmarks attention).
 BLOCK_N = {128: 128, 256: 64}
 HEAD_DIMS = tuple(BLOCK_N)
 # float8 takes this kernel by default at these head dims only: at D=128 the Triton template's
@@ -61,7 +61,7 @@ def _l2_bytes(device: torch.device) -> int:
 # Programs take their tiles a head group at a time (templates/gluon_tiles.py: program_tile) when a
 # block mask makes their lengths differ and the grid is at most this many waves of one program
 # per SM; a group's heads' tensors take at most L2_SHARE of the L2. Measured on an H200
-# (docs/performance.md, seventeenth session), against the grid's order: B=4 H=16 D=128 S=2k causal
+# (python -m benchmarks attention), against the grid's order: B=4 H=16 D=128 S=2k causal
 # forward and backward 6% faster, ALiBi 9% / 8%, S=4k 3% / 3% and 5% / 3%; D=256 B=2 H=8 S=4k
 # causal and ALiBi forward 19-20%; sliding window and documents within 2%. Without a block mask
 # the programs' lengths are equal (nothing to gain), and at S=8k (31 waves) groups of 7 heads
@@ -165,7 +165,7 @@ BWD_BLOCK_M = 64
 BWD_BLOCK_N = 128
 # Q and dO tiles in flight (the ring's slots), by head dim. Head dim 64 has the shared memory for a
 # third, and its shorter steps use it: no mask 378 -> 397 TF/s at B=4 H=32 S=8k on the H100, level
-# elsewhere (docs/performance.md, twelfth session); head dim 128 has room for two.
+# elsewhere (python -m benchmarks attention); head dim 128 has room for two.
 BWD_NUM_BUFFERS = {64: 3, 128: 2}
 BWD_HEAD_DIMS = tuple(BWD_NUM_BUFFERS)
 # The backward's own knobs: a call that sets one means the Triton backward.
@@ -205,7 +205,7 @@ class Descriptors:
     block shape against the layout). A later call of the same plan has the same dtypes, shapes,
     strides and 16-byte alignment (the plan key holds them), so its descriptors are copies of the
     first ones with this call's tensors in place: 1.1 against 2.6 µs each on the H200's host
-    (docs/performance.md). A descriptor class without an instance dict keeps the constructor."""
+    (python -m benchmarks host). A descriptor class without an instance dict keeps the constructor."""
 
     __slots__ = ("make", "blocks", "layouts", "v_k_major", "with_out", "first")
 

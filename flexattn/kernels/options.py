@@ -173,9 +173,9 @@ def forward_defaults(device: torch.device, dtype: torch.dtype, qk_head_dim: int,
     elif dtype == torch.float32:
         block_m, block_n, warps, stages = (64, 32, 4, 3) if d <= 64 else (32, 32, 4, 2)
     elif dtype == torch.float8_e4m3fn and 64 < d <= 128:
-        # float8 (V K-major) on the H100: 4 warps beat 8 by 10% or more (docs/raw/2026-11-23e_h100_fp8_sweep.log)
+        # float8 (V K-major) on the H100: 4 warps beat 8 by 10% or more (python -m benchmarks fp8)
         block_m, block_n, warps, stages = 128, 128, 4, 3
-    # bf16/fp16 on Hopper, from benchmarks/sweep_attention.py (docs/raw/*_sweep_attention.log):
+    # bf16/fp16 on Hopper (python -m benchmarks attention):
     # 8 warps beat 4 at D=64 by 2-3%; 128x128 tiles beat 128x64 at D=128 causal by 4%; at D=256
     # 128x64 with 8 warps beats 64x32 with 4 by 22-25%.
     elif d <= 64:
@@ -206,7 +206,7 @@ def backward_defaults(device: torch.device, dtype: torch.dtype, qk_head_dim: int
         m1, n1, m2, n2, warps, stages = 16, 32, 32, 16, 4, 1
     elif dtype == torch.float32:
         m1, n1, m2, n2, warps, stages = 32, 64, 64, 32, 4, 1
-    # bf16/fp16 on Hopper, from benchmarks/sweep_attention.py (docs/raw/*_sweep_attention.log):
+    # bf16/fp16 on Hopper (python -m benchmarks attention):
     # at D=64, 64x128 tiles with 4 warps spill (107 TF/s) where 64x64 runs at 326-353; at D=128,
     # 3 stages beat 2 by 5-8%; at D=256, 64x64 tiles with 8 warps and 2 stages run at 181-195
     # TF/s where 32x64 with 4 warps and 1 stage ran at 58-70.
@@ -227,7 +227,7 @@ def decode_defaults(device: torch.device, qk_head_dim_rounded: int, v_head_dim_r
     # 128-wide KV steps with 3 stages keep 192 KB of K/V tiles in flight (D = 128): one program
     # then streams at the SM's share of the bandwidth, and one program per SM (SPLIT_KV the power
     # of two at or below that target) beats 4 with 64-wide steps by 1-3 points of copy bandwidth
-    # on the four shapes of benchmarks/bench_decode.py (H100, docs/raw/2026-11-23f_h100_decode_sweep*.log).
+    # on the H100 (python -m benchmarks decode).
     # GPUs with less shared memory per block keep 64-wide steps.
     wide = on_gpu and d <= 128 and _shared_memory_per_block(device) >= 200 * 1024
     return {

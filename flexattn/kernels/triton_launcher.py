@@ -139,7 +139,7 @@ class TensorMapLaunch:
     Triton's launcher (triton 3.6, torch 2.11's) expands each descriptor in Python on every call:
     it encodes the descriptor's CUtensorMap and spreads its shape and strides, then its C function
     parses ~100 arguments: a Hopper forward's launch took 24-35 µs of the H100's host, this one
-    11 µs (docs/performance.md). A plan fixes every descriptor's shape, strides, block and
+    11 µs (python -m benchmarks host). A plan fixes every descriptor's shape, strides, block and
     swizzle, so a descriptor's map depends on its tensor's address only: this keeps each
     descriptor's maps by address (a loop's tensors come back to the same few addresses from the
     caching allocator), encodes one for a new address with Triton's own function, and writes a

@@ -6,7 +6,7 @@ warps and pipelining stages for the GPU, dtype and head dims) on the call's own 
 the fastest. Winners are keyed by *tuning key*: GPU name, Triton version, dtype, head dims, the
 query and KV lengths and the number of (batch, query head) pairs, each rounded up to a power of
 two (lengths and B x H set the grid, and a winner timed on a grid of a few waves is not the winner
-of many: see docs/performance.md, twenty-first session), and the mod features that change the
+of many: python -m benchmarks attention), and the mod features that change the
 kernel's cost (score mod or not, block mask or not, its block sizes and the share of its visited
 blocks that need mask work, max-score output, GQA group size; for the backward also whether
 captured tensors get gradients and whether the LSE has one). They are stored in ``<cache
@@ -58,7 +58,7 @@ def forward_candidates(device: torch.device, dtype: torch.dtype, head_dim: int) 
                 dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)]
     if dtype == torch.float8_e4m3fn:
         # The three best of 20 configs at D=128 S=8k on the H100 (V K-major): within 1% of each
-        # other without a mask, within 5% causal (docs/raw/2026-11-23e_h100_fp8_sweep.log); other
+        # other without a mask, within 5% causal (python -m benchmarks fp8); other
         # head dims keep the default, not measured in float8.
         if 64 < head_dim <= 128:
             return [dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3),
@@ -87,11 +87,10 @@ def forward_candidates(device: torch.device, dtype: torch.dtype, head_dim: int) 
 def backward_candidates(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[dict[str, int]]:
     """The backward configs worth timing (the default first, see options.backward_defaults):
     (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, warps, stages), the ones within a few percent of the
-    best for some mask in benchmarks/sweep_attention.py on the H100
-    (docs/raw/2026-11-23d_h100_sweep_backward.log). At D=128, (32, 64, 64, 32, 4, 4) is 5-6%
-    faster than the default on 16 documents at S=2k, 6% slower causal and 18% slower without a
-    mask (docs/raw/2026-11-23g_h100_docs2k_bwd_ab.log); at D=64 (32, 128, 128, 32) is level with
-    the default. At D=256 every other config is 28% slower or does not fit: no tuning."""
+    best for some mask on the H100 (python -m benchmarks attention). At D=128, (32, 64, 64, 32,
+    4, 4) is 5-6% faster than the default on 16 documents at S=2k, 6% slower causal and 18%
+    slower without a mask; at D=64 (32, 128, 128, 32) is level with the default. At D=256 every
+    other config is 28% slower or does not fit: no tuning."""
     def config(*values):
         return dict(zip(BACKWARD_KNOBS, values))
 

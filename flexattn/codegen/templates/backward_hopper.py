@@ -31,7 +31,7 @@
 # scaled in-program. 16-bit dK and dV (DKV_TMA: K/V not broadcast over the batch, whose gradients
 # the host sums in float32) leave through the TMA unit, each consumer's staged in its own shared
 # memory (dV in its rows of the V tile, dK in its dQ buffer): 16 documents 7-10% faster, S=2k 3-5%
-# (docs/performance.md). Staging dK in the K tile's rows instead needs both consumers past their
+# (python -m benchmarks attention). Staging dK in the K tile's rows instead needs both consumers past their
 # last dQ product (which reads all of K), and that wait cost sliding window 2-5%.
 # Why TMA: one thread's relaxed atomics per element of dQ (four billion at B=4 H=16 S=8k D=128)
 # saturate the L2's reduction units (the same kernel without their memory traffic ran 1.45x
@@ -193,7 +193,7 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
     # both consumers' dS (they meet at ds_ready). The host lays K out so that a half is whole
     # swizzle rows (64-byte swizzle at head dim 64). Split by KV rows instead (each consumer dS_w
     # K_w over its own rows) the TMA unit adds twice as much: 285 against 500 TF/s at head dim
-    # 128, level to 7% slower at 64 (docs/performance.md)
+    # 128, level to 7% slower at 64 (python -m benchmarks attention)
     DQ_COLS: gl.constexpr = HEAD_DIM // 2
     DQ_COL0: gl.constexpr = WG * DQ_COLS  # this consumer's first dQ column
     dtype: gl.constexpr = k_smem.dtype

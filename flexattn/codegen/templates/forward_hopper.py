@@ -11,8 +11,8 @@
 # Each consumer runs the online softmax over the same KV tiles. Per tile j it issues q.k_j^T and
 # P_{j-1}.v_{j-1} on the tensor cores (asynchronous wgmma), waits for the scores, runs the softmax
 # of tile j, waits for P.V, then rescales the accumulator (ptxas moves that second wait up to the
-# top of its basic block, before the softmax; putting it back measured level or slower, see
-# docs/limits.md). The two consumers take turns to issue their matrix multiplies (the `turns`
+# top of its basic block, before the softmax; putting it back measured level or slower:
+# python -m benchmarks attention). The two consumers take turns to issue their matrix multiplies (the `turns`
 # barriers): while one runs its softmax, the other's multiplies keep the tensor cores busy
 # ("ping-pong").
 #
@@ -21,7 +21,7 @@
 # leaves through a TMA descriptor too: each consumer writes its rows into its half of the Q tile,
 # which nothing reads any more, and the TMA unit stores them (the epilogue and the gap to the next
 # program on the SM take about 1 us less each than with stores from the registers: 16 documents
-# 9-14% faster, causal at S=2k 11%; docs/performance.md); head dim 128 or 256 for both (E == Ev;
+# 9-14% faster, causal at S=2k 11%; python -m benchmarks attention); head dim 128 or 256 for both (E == Ev;
 # KV tiles of BLOCK_N = 128 or 64 columns, see kernels/hopper.py); no PRESCALE_QK; the mask work of
 # a tile (mask_mod and the KV_LEN bound) is done only for partial blocks and for the tile that
 # holds KV_LEN; SCORE_AFFINE (forward.py) takes positions relative to each consumer's first row.
