@@ -18,6 +18,7 @@ the layout expected, no direct launch is planned and every launch keeps Triton's
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Callable
 
@@ -53,7 +54,8 @@ def capture(kernel, grid: tuple, constexprs: dict, args: tuple, slots, placehold
 
     # (a kernel with TMA descriptors: also how the launcher calls its C function once it has
     # expanded them)
-    cell = raw_launch_cell(launcher) if getattr(compiled.metadata, "tensordesc_meta", None) else None
+    cell = (raw_launch_cell(launcher) if getattr(compiled.metadata, "tensordesc_meta", None)
+            and descriptor_launch_supported() else None)
     raw = None if cell is None else cell.cell_contents
 
     def raw_spy(*a):
@@ -130,6 +132,28 @@ def raw_launch_cell(launcher):
         return None
     cell = dict(zip(code.co_freevars, cells)).get("launcher")
     return cell if cell is not None and callable(cell.cell_contents) else None
+
+
+@functools.lru_cache(maxsize=None)
+def descriptor_launch_supported() -> bool:
+    """Whether the installed Triton's descriptor-expanding wrapper has the layout `TensorMapLaunch`
+    reads (Triton 3.6's: the C function in a ``launcher`` cell, the metadata in a
+    ``tensordesc_meta`` cell, the encoder ``make_tensordesc_arg`` a global of its module). Where it
+    has not (Triton 3.7 and newer keep the encoder in a cell and pass the kernel's arguments as
+    one tuple), kernels with TMA descriptors launch through Triton's launcher (`call`)."""
+    try:
+        from triton.backends.nvidia.driver import wrap_handle_tensordesc
+    except ImportError:  # (a Triton without its CUDA backend: no Hopper kernels to launch)
+        return False
+
+    def raw(*args):
+        return args
+
+    wrapper = wrap_handle_tensordesc(raw, {"desc": "tensordesc<bf16[64,16]>", "n": "i32"}, [{"swizzle": 3}])
+    cell = raw_launch_cell(type("Launcher", (), {"launch": staticmethod(wrapper)}))
+    return (cell is not None and cell.cell_contents is raw
+            and "tensordesc_meta" in wrapper.__code__.co_freevars
+            and callable(wrapper.__globals__.get("make_tensordesc_arg")))
 
 
 class TensorMapLaunch:
