@@ -13,6 +13,7 @@ import string
 from pathlib import Path
 from types import ModuleType
 
+from flexattn.codegen import signatures
 from flexattn.codegen.cache import load_source
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
@@ -50,12 +51,16 @@ def comment_block(title: str, text: str) -> str:
 
 
 def render(template: str, hooks: dict[str, str], provenance: dict[str, str] | None = None) -> str:
-    """Fill ``template``'s ``$hooks``; a missing or unknown hook is an error, not a blank."""
+    """Fill ``template``'s ``$hooks``, and its kernels' ``$<kernel>_params`` from their declared
+    signatures (`flexattn.codegen.signatures`, which read the mods' parameter hooks); a missing or
+    unknown hook is an error, not a blank."""
     text = template_text(template)
     tmpl = string.Template(text)
     wanted = {m.group("named") or m.group("braced") for m in tmpl.pattern.finditer(text)} - {None}
+    declared = {h for sig in signatures.TEMPLATES.get(template, ()) for h in sig.hooks()}
+    hooks = {**hooks, **signatures.param_hooks(template, hooks)}
     missing = wanted - hooks.keys()
-    extra = hooks.keys() - wanted
+    extra = hooks.keys() - wanted - declared
     if missing or extra:
         raise KeyError(f"template {template!r}: missing hooks {sorted(missing)}, unknown {sorted(extra)}")
     # Two fixed lines first: Python reads a coding declaration from line 1 or 2, never from user text.

@@ -234,8 +234,9 @@ def run(plan: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def launch_args(plan: Plan, query, key, value, out, lse, mx, score: Mod, score_bufs, mask: Mod, mask_bufs,
                 tables: Tables | None, scale: float, descale: tuple | None = None) -> tuple:
-    """The kernel's arguments, in its order (the Hopper kernel reads Q, K, V and writes the output
-    through descriptors)."""
+    """The kernel's arguments, group by group in the order `signatures.FORWARD` (or
+    `FORWARD_HOPPER`) declares: tensors, descale, tables, mods, strides, table strides, sizes,
+    scalars (the Hopper kernel reads Q, K, V and writes the output through descriptors)."""
     rows = plan.dense_rows if tables is None else tables.kv
     mods = (*launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs))
     tail = (*plan.strides, *rows.strides(), *plan.sizes, scale)

@@ -146,27 +146,7 @@ def forward_inner(
 
 @triton.jit
 def flex_attention_forward(
-    Q, K, V, Out, LSE, MaxScores, DESCALE_Q, DESCALE_K, DESCALE_V,
-    KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX,
-    $score_mod_params $mask_mod_params
-    stride_qz, stride_qh, stride_qm, stride_qk,
-    stride_kz, stride_kh, stride_kn, stride_kk,
-    stride_vz, stride_vh, stride_vn, stride_vk,
-    stride_oz, stride_oh, stride_om, stride_ok,
-    stride_lz, stride_lh,
-    stride_nz, stride_nh, stride_nm, stride_iz, stride_ih, stride_im,
-    stride_fnz, stride_fnh, stride_fnm, stride_fiz, stride_fih, stride_fim,
-    HQ, Q_LEN, KV_LEN, SM_SCALE,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPARSE_Q_BLOCK_SIZE: tl.constexpr, SPARSE_KV_BLOCK_SIZE: tl.constexpr,
-    QK_HEAD_DIM: tl.constexpr, QK_HEAD_DIM_ROUNDED: tl.constexpr,
-    V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
-    IS_DIVISIBLE: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, HAS_FULL_BLOCKS: tl.constexpr,
-    PRESCALE_QK: tl.constexpr, ROWS_GUARANTEED_SAFE: tl.constexpr,
-    BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr, OUTPUT_MAX: tl.constexpr,
-    IS_FP8: tl.constexpr, SCORES_IN_BASE2: tl.constexpr, SCORE_AFFINE: tl.constexpr, LONGEST_FIRST: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_IN_FP64: tl.constexpr,
+$flex_attention_forward_params
 ):
     tl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M == 0)
     if IS_FP8:  # scores of the dequantised inputs: (q dq)(k dk)^T scale = q k^T (scale dq dk)

@@ -275,21 +275,7 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
 
 @gluon.jit
 def flex_attention_forward(
-    Q, K, V, Out, LSE, MaxScores, DESCALE_Q, DESCALE_K, DESCALE_V,
-    KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX,
-    $score_mod_params $mask_mod_params
-    stride_oz, stride_oh, stride_om,
-    stride_lz, stride_lh,
-    stride_nz, stride_nh, stride_nm, stride_iz, stride_ih, stride_im,
-    stride_fnz, stride_fnh, stride_fnm, stride_fiz, stride_fih, stride_fim,
-    HQ, Q_LEN, KV_LEN, HEAD_GROUP, SM_SCALE,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    SPARSE_Q_BLOCK_SIZE: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr,
-    GQA_SHARED_HEADS: gl.constexpr, KV_BATCH_BROADCAST: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
-    BLOCKS_ARE_CONTIGUOUS: gl.constexpr,
-    IS_DIVISIBLE: gl.constexpr, OUTPUT_MAX: gl.constexpr, SCORES_IN_BASE2: gl.constexpr, SCORE_AFFINE: gl.constexpr,
-    LONGEST_FIRST: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    SCORE_DTYPE: gl.constexpr, IS_FP8: gl.constexpr, O_TMA: gl.constexpr,
+$flex_attention_forward_params
 ):
     gl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M == 0)
     gl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N == 0)

@@ -1,0 +1,136 @@
+"""Each launched kernel's parameter list, declared once.
+
+A template writes ``def <kernel>(\n$<kernel>_params\n):`` and `render` fills that hook from the
+declaration here; the host builds the kernel's argument tuple group by group in the same order
+(``kernels/forward.py``'s `launch_args`, ...), and tests/test_signatures.py checks both, name by
+name, for every kernel. A group is a name and its parameters; `MODS` stands for the hooks that
+list the mods' captured-tensor parameters (pointer, strides, sizes of each), which the host's
+``launch.buffer_args`` gives in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODS = "mods"  # a group whose parameters are hooks ("score_mod_params", ...) filled by the mods' emitters
+
+_WIDTH = 100  # rendered lines wrap before this column
+
+
+@dataclass(frozen=True)
+class Signature:
+    """``groups``: (group name, parameter names) in order; a `MODS` group names hooks instead.
+    ``constexprs``: the compile-time parameters, last (the launch passes them by keyword)."""
+
+    kernel: str
+    groups: tuple[tuple[str, tuple[str, ...]], ...]
+    constexprs: tuple[str, ...]
+    constexpr_type: str = "tl.constexpr"  # "gl.constexpr" in Gluon templates
+
+    def group(self, name: str) -> tuple[str, ...]:
+        """The parameters of group ``name``."""
+        for group, params in self.groups:
+            if group == name:
+                return params
+        raise KeyError(f"{self.kernel} has no parameter group {name!r}")
+
+    def hooks(self) -> tuple[str, ...]:
+        """The template hooks this declaration reads (the mods' parameter lists)."""
+        return tuple(h for group, params in self.groups if group == MODS for h in params)
+
+    def names(self, hooks: dict[str, str]) -> list[str]:
+        """Every parameter name in order, the mods' from ``hooks`` (each "name, ...")."""
+        out: list[str] = []
+        for group, params in self.groups:
+            if group == MODS:
+                out += [p for h in params for p in _split(hooks[h])]
+            else:
+                out += params
+        return out + list(self.constexprs)
+
+    def render(self, hooks: dict[str, str]) -> str:
+        """The ``def`` line's parameter list (without the parentheses), one group per line."""
+        lines = []
+        for group, params in self.groups:
+            if group == MODS:
+                text = "".join(hooks[h] for h in params).rstrip()
+                if text:
+                    lines.append(f"    {text}")
+            else:
+                lines += _wrapped([f"{p}," for p in params])
+        lines += _wrapped([f"{c}: {self.constexpr_type}," for c in self.constexprs])
+        return "\n".join(lines)
+
+
+def _split(param_list: str) -> list[str]:
+    return [p.strip() for p in param_list.split(",") if p.strip()]
+
+
+def _wrapped(items: list[str]) -> list[str]:
+    lines, line = [], "   "
+    for item in items:
+        if len(line) + 1 + len(item) > _WIDTH and line.strip():
+            lines.append(line)
+            line = "   "
+        line += " " + item
+    if line.strip():
+        lines.append(line)
+    return lines
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(_split(text))
+
+
+_FORWARD_CONSTEXPRS = _names("""
+    BLOCK_M, BLOCK_N, SPARSE_Q_BLOCK_SIZE, SPARSE_KV_BLOCK_SIZE,
+    QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
+    IS_DIVISIBLE, GQA_SHARED_HEADS, HAS_FULL_BLOCKS, PRESCALE_QK, ROWS_GUARANTEED_SAFE,
+    BLOCKS_ARE_CONTIGUOUS, OFFS_INT64, OUTPUT_MAX, IS_FP8, SCORES_IN_BASE2, SCORE_AFFINE, LONGEST_FIRST,
+    ACC_DTYPE, SCORE_DTYPE, DOT_PRECISION, DOT_IN_FP64""")
+
+_KV_TABLES = ("tables", _names("KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX"))
+_KV_TABLE_STRIDES = ("table_strides", _names("""
+    stride_nz, stride_nh, stride_nm, stride_iz, stride_ih, stride_im,
+    stride_fnz, stride_fnh, stride_fnm, stride_fiz, stride_fih, stride_fim"""))
+_FORWARD_MODS = (MODS, ("score_mod_params", "mask_mod_params"))
+
+FORWARD = Signature("flex_attention_forward", (
+    ("tensors", _names("Q, K, V, Out, LSE, MaxScores")),
+    ("descale", _names("DESCALE_Q, DESCALE_K, DESCALE_V")),
+    _KV_TABLES,
+    _FORWARD_MODS,
+    ("strides", _names("""
+        stride_qz, stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk,
+        stride_vz, stride_vh, stride_vn, stride_vk, stride_oz, stride_oh, stride_om, stride_ok,
+        stride_lz, stride_lh""")),
+    _KV_TABLE_STRIDES,
+    ("sizes", _names("HQ, Q_LEN, KV_LEN")),
+    ("scalars", ("SM_SCALE",)),
+), _FORWARD_CONSTEXPRS)
+
+FORWARD_HOPPER = Signature("flex_attention_forward", (
+    ("tensors", _names("Q, K, V, Out, LSE, MaxScores")),
+    ("descale", _names("DESCALE_Q, DESCALE_K, DESCALE_V")),
+    _KV_TABLES,
+    _FORWARD_MODS,
+    ("strides", _names("stride_oz, stride_oh, stride_om, stride_lz, stride_lh")),
+    _KV_TABLE_STRIDES,
+    ("sizes", _names("HQ, Q_LEN, KV_LEN, HEAD_GROUP")),
+    ("scalars", ("SM_SCALE",)),
+), _names("""
+    BLOCK_M, BLOCK_N, SPARSE_Q_BLOCK_SIZE, SPARSE_KV_BLOCK_SIZE,
+    GQA_SHARED_HEADS, KV_BATCH_BROADCAST, HAS_FULL_BLOCKS, BLOCKS_ARE_CONTIGUOUS,
+    IS_DIVISIBLE, OUTPUT_MAX, SCORES_IN_BASE2, SCORE_AFFINE,
+    LONGEST_FIRST, NUM_BUFFERS, CONSUMER_REGS, SCORE_DTYPE, IS_FP8, O_TMA"""), "gl.constexpr")
+
+# template -> the signatures of the kernels it defines (each filled through its $<kernel>_params hook)
+TEMPLATES: dict[str, tuple[Signature, ...]] = {
+    "forward": (FORWARD,),
+    "forward_hopper": (FORWARD_HOPPER,),
+}
+
+
+def param_hooks(template: str, hooks: dict[str, str]) -> dict[str, str]:
+    """The ``<kernel>_params`` hooks of ``template``'s declared kernels, from the other ``hooks``."""
+    return {f"{sig.kernel}_params": sig.render(hooks) for sig in TEMPLATES.get(template, ())}
