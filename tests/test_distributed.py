@@ -1,9 +1,13 @@
-"""flexattn.distributed on CPU: gloo over 2 and 3 spawned processes, against single-process
-flexattn and a float64 reference (forward, LSE, and the gradients of q, k, v and a captured bias).
+"""flexattn.distributed on CPU: gloo over 2 and 3 processes, against single-process flexattn and a
+float64 reference (forward, LSE, and the gradients of q, k, v and a captured bias).
 
-Each spawned run goes through many cases (spawning and the interpreter are slow): odd lengths,
-GQA, every load balance, causal / sliding window / documents / a score_mod with a captured bias
-that requires grad, both methods, and the errors raised on every rank before a collective.
+One spawn of 3 processes serves both world sizes (spawning and the Triton interpreter are slow):
+the cases run on the group of ranks 1 and 2 (P = 2, group ranks differ from global ranks), then
+on all three (P = 3). Between them they cover odd lengths, GQA, every load balance, causal /
+sliding window / documents / a score_mod with a captured bias that requires grad, both methods,
+torch.compile, the errors raised on every rank before a collective, and torch's own context
+parallel with flexattn's flex_attention inside. Each case's single-process and reference results
+are computed on one rank of the group only, a different one per case.
 """
 
 from __future__ import annotations
@@ -23,13 +27,10 @@ from flexattn.reference import attention_reference
 from tests.helpers.testing import assert_close_to_reference, backward_atol, weighted_grads
 
 BLOCK = 16
+DOCS = [19, 13, 20]  # odd lengths, not multiples of P x BLOCK
 
 
-def _spawn(world_size: int, tmp_path, body) -> None:
-    mp.spawn(_worker, args=(world_size, str(tmp_path / "store"), body), nprocs=world_size, join=True)
-
-
-def _worker(rank: int, world_size: int, store_path: str, body) -> None:
+def _worker(rank: int, world_size: int, store_path: str) -> None:
     torch.set_num_threads(1)
     from flexattn.kernels import launch
 
@@ -40,10 +41,13 @@ def _worker(rank: int, world_size: int, store_path: str, body) -> None:
         return t.fill_(math.nan) if t.dtype.is_floating_point else t
 
     launch.empty = poisoned
-    store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
+                            world_size=world_size)
     try:
-        body(rank, world_size)
+        pair = dist.new_group([1, 2])  # (a collective: every rank creates it)
+        if rank in (1, 2):
+            _body(pair)
+        _body(dist.group.WORLD)
     finally:
         dist.destroy_process_group()
 
@@ -54,25 +58,28 @@ def _bias_score(bias):
     return biased
 
 
-# name, S, Hq, Hkv, mask_mod (given S), layout (given S), score bias?, method, use the LSE in the loss
-def _cases(P: int):
-    docs = [19, 13, 17 + P]  # odd lengths, not multiples of P x BLOCK
-
-    def doc_mask(S):
-        return masks.document(lengths=docs, causal=True)
-    return [
-        ("causal head_tail GQA", 45, 4, 2, lambda S: masks.causal, lambda S: "head_tail", False, "ring", True),
-        ("sliding window none", 53, 2, 2, lambda S: masks.sliding_window(9), lambda S: None, False, "ring", False),
-        ("documents per_document", sum(docs), 2, 1, doc_mask, lambda S: fd.PerDocument(docs), False, "ring", False),
-        ("bias causal", 41, 2, 2, lambda S: masks.causal, lambda S: "head_tail", True, "ring", True),
-        ("bias sliding allgather", 47, 2, 1, lambda S: masks.sliding_window(11), lambda S: None, True,
-         "allgather", True),
-    ]
+def _doc_layout():
+    return fd.PerDocument(DOCS)
 
 
-def _check_case(rank, P, case) -> None:
-    name, S, Hq, Hkv, make_mask, make_layout, with_bias, method, use_lse = case
-    mask, layout = make_mask(S), make_layout(S)
+# name, S, Hq, Hkv, mask_mod, layout, score bias?, method, use the LSE in the loss; per world size
+# every layout and both methods, GQA with each method, a captured bias with each method.
+CASES = {
+    2: [("causal head_tail GQA bias", 45, 4, 2, masks.causal, "head_tail", True, "ring", True),
+        ("documents per_document GQA", sum(DOCS), 2, 1, masks.document(lengths=DOCS, causal=True), _doc_layout,
+         False, "allgather", False),
+        ("sliding window none", 53, 2, 2, masks.sliding_window(9), None, False, "ring", False)],
+    3: [("documents per_document GQA", sum(DOCS), 2, 1, masks.document(lengths=DOCS, causal=True), _doc_layout,
+         False, "ring", True),
+        ("sliding window none bias", 47, 2, 1, masks.sliding_window(11), None, True, "allgather", True),
+        ("causal head_tail", 41, 2, 2, masks.causal, "head_tail", False, "ring", False)],
+}
+
+
+def _check_case(group, index, case) -> None:
+    name, S, Hq, Hkv, mask, layout, with_bias, method, use_lse = case
+    layout = layout() if callable(layout) else layout
+    P, rank = dist.get_world_size(group), dist.get_rank(group)
     g = torch.Generator().manual_seed(S)
     q = torch.randn(1, Hq, S, BLOCK, generator=g)
     k = torch.randn(1, Hkv, S, BLOCK, generator=g)
@@ -81,35 +88,34 @@ def _check_case(rank, P, case) -> None:
     d_lse = torch.randn(1, Hq, S, generator=g) if use_lse else torch.zeros(1, Hq, S)
     bias = torch.randn(Hq, S, generator=g) if with_bias else None
     gqa = Hq != Hkv
-
-    def leaves(ts, dtype):
-        return [t.to(dtype).requires_grad_() for t in ts]
-
-    # float64 reference
-    ins64 = leaves([q, k, v] + ([bias] if with_bias else []), torch.float64)
-    score64 = _bias_score(ins64[3]) if with_bias else None
-    out64, lse64 = attention_reference(*ins64[:3], score_mod=score64, mask_mod=mask, enable_gqa=gqa,
-                                       return_lse=True)
+    # distributed, on every rank
+    local = [fd.shard(t, group, seq_dim=2, load_balance=layout).requires_grad_() for t in (q, k, v)]
+    dbias = bias.clone().requires_grad_() if with_bias else None
+    bm = fd.create_block_mask(mask, None, None, S, S, group, load_balance=layout, device="cpu", BLOCK_SIZE=BLOCK)
+    out, lse = fd.flex_attention(*local, score_mod=_bias_score(dbias) if with_bias else None, block_mask=bm,
+                                 enable_gqa=gqa, return_lse=True, method=method)
+    grads = weighted_grads(out, lse, local + ([dbias] if with_bias else []),
+                           fd.shard(d_out, group, seq_dim=2, load_balance=layout),
+                           fd.shard(d_lse, group, seq_dim=2, load_balance=layout))
+    whole = [fd.unshard(t, group, seq_dim=2, load_balance=layout) for t in (out, lse, *grads[:3])]
+    if with_bias:  # summed over the ranks already: each rank checks its own
+        where = f"{name} (P={P}, rank {rank})"
+        torch.testing.assert_close(*_all_equal(group, grads[3]), rtol=0, atol=0, msg=f"{where} dbias per rank")
+    if rank != index % P:
+        return
+    # the float64 reference and single-process flexattn, on one rank
+    ins64 = [t.double().requires_grad_() for t in [q, k, v] + ([bias] if with_bias else [])]
+    out64, lse64 = attention_reference(*ins64[:3], score_mod=_bias_score(ins64[3]) if with_bias else None,
+                                       mask_mod=mask, enable_gqa=gqa, return_lse=True)
     grads64 = weighted_grads(out64, lse64, ins64, d_out.double(), d_lse.double())
-    # single-process flexattn
-    ins = leaves([q, k, v] + ([bias] if with_bias else []), torch.float32)
+    ins = [t.clone().requires_grad_() for t in [q, k, v] + ([bias] if with_bias else [])]
     bm1 = flexattn.create_block_mask(mask, None, None, S, S, device="cpu", BLOCK_SIZE=BLOCK)
     out1, lse1 = flexattn.flex_attention(*ins[:3], score_mod=_bias_score(ins[3]) if with_bias else None,
                                          block_mask=bm1, enable_gqa=gqa, return_lse=True)
     grads1 = weighted_grads(out1, lse1, ins, d_out, d_lse)
-    # distributed
-    local = [fd.shard(t, seq_dim=2, load_balance=layout).detach().requires_grad_() for t in (q, k, v)]
-    dbias = bias.clone().requires_grad_() if with_bias else None
-    bm = fd.create_block_mask(mask, None, None, S, S, load_balance=layout, device="cpu", BLOCK_SIZE=BLOCK)
-    out, lse = fd.flex_attention(*local, score_mod=_bias_score(dbias) if with_bias else None, block_mask=bm,
-                                 enable_gqa=gqa, return_lse=True, method=method)
-    grads = weighted_grads(out, lse, local + ([dbias] if with_bias else []),
-                           fd.shard(d_out, seq_dim=2, load_balance=layout),
-                           fd.shard(d_lse, seq_dim=2, load_balance=layout))
-    whole = [fd.unshard(t, seq_dim=2, load_balance=layout) for t in (out, lse, *grads[:3])]
     if with_bias:
-        whole.append(grads[3])  # summed over the ranks already
-    where = f"{name} (P={P}, rank {rank})"
+        whole.append(grads[3])
+    where = f"{name} (P={P})"
     assert_close_to_reference(whole[0], out1, out64, name=f"{where} out")
     assert_close_to_reference(whole[1], lse1, lse64, name=f"{where} lse")
     for i, label in enumerate(["dq", "dk", "dv", "dbias"][:len(grads64)]):
@@ -117,26 +123,31 @@ def _check_case(rank, P, case) -> None:
         assert_close_to_reference(whole[2 + i], grads1[i], grads64[i], atol=atol, name=f"{where} {label}")
 
 
-def _layouts_and_masks(rank, P) -> None:
+def _all_equal(group, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's ``t``, group rank 0's)."""
+    first = t.detach().clone()
+    dist.broadcast(first, dist.get_global_rank(group, 0), group=group)
+    return t.detach(), first
+
+
+def _layouts_and_masks(group) -> None:
+    P = dist.get_world_size(group)
     x = torch.arange(2 * 47).view(1, 2, 47).float()
     for layout in (None, "head_tail", fd.PerDocument([20, 27])):
-        part = fd.shard(x, seq_dim=2, load_balance=layout)
-        assert torch.equal(fd.unshard(part, seq_dim=-1, load_balance=layout), x), layout
-    # ranks hold disjoint positions covering the sequence
-    for layout in (fd.Contiguous(), fd.HeadTail(), fd.PerDocument([5, 30, 12])):
-        allpos = torch.cat([layout.positions(47, P, r) for r in range(P)])
-        assert torch.equal(allpos.sort().values, torch.arange(47, dtype=torch.int32)), layout
+        part = fd.shard(x, group, seq_dim=2, load_balance=layout)
+        assert torch.equal(fd.unshard(part, group, seq_dim=-1, load_balance=layout), x), layout
     # sliding window 9 over contiguous shards of 53 / P: far shards are never read, and skipped
-    bm = fd.create_block_mask(masks.sliding_window(9), None, None, 53, 53, device="cpu", BLOCK_SIZE=BLOCK)
+    bm = fd.create_block_mask(masks.sliding_window(9), None, None, 53, 53, group, device="cpu", BLOCK_SIZE=BLOCK)
     expect = tuple(tuple(j in (i - 1, i) for j in range(P)) for i in range(P))
     assert bm.needs == expect, (bm.needs, expect)
 
 
-def _errors(rank, P) -> None:
+def _errors(group) -> None:
+    P, rank = dist.get_world_size(group), dist.get_rank(group)
     # lengths that differ between ranks: the same clear error on every rank, no hang
     with pytest.raises(fd.DistributedMismatchError, match="Q_LEN: rank 0 has 40"):
-        fd.create_block_mask(masks.causal, None, None, 40 + rank, 40 + rank, device="cpu", BLOCK_SIZE=BLOCK)
-    bm = fd.create_block_mask(masks.causal, None, None, 40, 40, device="cpu", BLOCK_SIZE=BLOCK)
+        fd.create_block_mask(masks.causal, None, None, 40 + rank, 40 + rank, group, device="cpu", BLOCK_SIZE=BLOCK)
+    bm = fd.create_block_mask(masks.causal, None, None, 40, 40, group, device="cpu", BLOCK_SIZE=BLOCK)
     n = bm.qpos.numel()
     q = torch.randn(1, 2, n, BLOCK)
     # one rank's shard does not match the mask's layout: every rank raises
@@ -150,15 +161,19 @@ def _errors(rank, P) -> None:
         fd.flex_attention(x, x, x, block_mask=bm)
     with pytest.raises(ValueError, match="method must be one of"):
         fd.flex_attention(q, q, q, block_mask=bm, method="tree")
+    if group is not dist.group.WORLD:
+        with pytest.raises(ValueError, match="the block mask was made for another process group"):
+            fd.flex_attention(q, q, q, block_mask=bm, group=dist.group.WORLD)
 
 
-def _compiled(rank, P) -> None:
+def _compiled(group) -> None:
     """Under torch.compile(fullgraph=True): the same output and gradients as the eager call."""
     S = 37
     g = torch.Generator().manual_seed(3)
-    q, k, v = (fd.shard(torch.randn(1, 2, S, BLOCK, generator=g), load_balance="head_tail") for _ in range(3))
+    q, k, v = (fd.shard(torch.randn(1, 2, S, BLOCK, generator=g), group, load_balance="head_tail")
+               for _ in range(3))
     bias = torch.randn(2, S, generator=g)
-    bm = fd.create_block_mask(masks.causal, None, None, S, S, load_balance="head_tail", device="cpu",
+    bm = fd.create_block_mask(masks.causal, None, None, S, S, group, load_balance="head_tail", device="cpu",
                               BLOCK_SIZE=BLOCK)
 
     def attn(q, k, v, bias):
@@ -173,16 +188,87 @@ def _compiled(rank, P) -> None:
         torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
 
 
-def _body(rank, P) -> None:
-    _layouts_and_masks(rank, P)
-    _errors(rank, P)
+def _torch_context_parallel(group) -> None:
+    """A module under torch's own context parallel (`_ContextParallel`, FLEX attention type, a
+    DeviceMesh on gloo) with `flexattn.flex_attention` inside gives the output of the same module
+    with torch's FlexAttention inside, and the gradients of the float64 reference. torch 2.13
+    runs its context parallel on CPU (its block mask through ``torch.compile(create_block_mask)``
+    with Inductor's C++ back end), but not torch's FlexAttention backward: "FlexAttention does not
+    support backward on CPU", so the gradient parity with torch is the GPU test's
+    (tests/test_distributed_gpu.py)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.experimental._context_parallel._attention import (
+        _ContextParallel, _create_cp_block_mask)
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    P = dist.get_world_size(group)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    S = 128 * P  # torch's smallest: a multiple of P x its block size 128
+    bm = _create_cp_block_mask(masks.causal, 1, 2, S, S, mesh, _HeadTailLoadBalancer(S, P, "cpu"))
+    g = torch.Generator().manual_seed(5)
+    q, k, v, d_out = (torch.randn(1, 2, S, BLOCK, generator=g) for _ in range(4))
+    local = [fd.shard(t, group, load_balance="head_tail") for t in (q, k, v, d_out)]
+
+    class Attention(torch.nn.Module):
+        def __init__(self, fn):
+            super().__init__()
+            self.fn = fn
+
+        def forward(self, q, k, v):
+            return self.fn(q, k, v, block_mask=bm)
+
+    def parallel(fn):
+        return parallelize_module(Attention(fn), mesh, _ContextParallel(
+            seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
+
+    theirs = parallel(torch_flex)(*local[:3])
+    ins = [t.clone().requires_grad_() for t in local[:3]]
+    ours = parallel(flexattn.flex_attention)(*ins)
+    grads = torch.autograd.grad(ours, ins, local[3])
+    assert_close_to_reference(ours, theirs, theirs.double(), name="flexattn in torch's context parallel out")
+    ins64 = [t.double().requires_grad_() for t in (q, k, v)]
+    out64 = attention_reference(*ins64, mask_mod=masks.causal)
+    grads64 = torch.autograd.grad(out64, ins64, d_out.double())
+    whole_out = fd.unshard(ours.detach(), group, load_balance="head_tail")
+    torch.testing.assert_close(whole_out, out64.float(), rtol=0, atol=1e-5)
+    for label, mine, ref in zip(("dq", "dk", "dv"), grads, grads64):
+        whole = fd.unshard(mine, group, load_balance="head_tail")
+        atol = backward_atol(ref, (torch.float32,), d_out, v, torch.zeros(1))
+        torch.testing.assert_close(whole, ref.float(), rtol=0, atol=atol, msg=f"{label} in torch's context parallel")
+
+
+def _body(group) -> None:
+    P = dist.get_world_size(group)
+    _layouts_and_masks(group)
+    _errors(group)
     if P == 2:
-        _compiled(rank, P)
-    for case in _cases(P):
-        _check_case(rank, P, case)
+        _compiled(group)
+        _torch_context_parallel(group)
+    for index, case in enumerate(CASES[P]):
+        _check_case(group, index, case)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_distributed_gloo(world_size, tmp_path):
+def test_distributed_gloo(tmp_path):
     os.environ.setdefault("FLEXATTN_CACHE_DIR", str(tmp_path / "cache"))
-    _spawn(world_size, tmp_path, _body)
+    mp.spawn(_worker, args=(3, str(tmp_path / "store")), nprocs=3, join=True)
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_layouts_match_torch(P):
+    """Every rank's positions together cover the sequence once; head-tail in the order of torch's
+    `_HeadTailLoadBalancer`, per-document head-tail as torch's `_PerDocumentHeadTailLoadBalancer`
+    documents it (its drawing of documents 4, 8, 4 on 2 ranks). (torch 2.13's per-document index
+    list is document-major, so its contiguous shards of it hold whole documents, unlike its
+    drawing: flexattn follows the drawing, which balances every document.)"""
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+
+    S = 8 * P * 3
+    order = torch.cat([fd.HeadTail().positions(S, P, r) for r in range(P)]).long()
+    assert torch.equal(order, _HeadTailLoadBalancer(S, P, "cpu")._generate_indices()[0])
+    drawn = [[0, 3, 4, 5, 10, 11, 12, 15], [1, 2, 6, 7, 8, 9, 13, 14]]
+    assert [fd.PerDocument([4, 8, 4]).positions(16, 2, r).tolist() for r in range(2)] == drawn
+    for layout in (fd.Contiguous(), fd.HeadTail(), fd.PerDocument([5, 30, 12])):  # uneven lengths
+        allpos = torch.cat([layout.positions(47, P, r) for r in range(P)])
+        assert torch.equal(allpos.sort().values, torch.arange(47, dtype=torch.int32)), layout

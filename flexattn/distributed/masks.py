@@ -122,7 +122,8 @@ class DistributedBlockMask:
                 f"seq_lengths={self.seq_lengths}, BLOCK_SIZE={self.BLOCK_SIZE}, needs={self.needs})")
 
 
-_TOKENS = itertools.count()
+# group name -> counter of the masks made on it (a collective: equal on every rank of the group)
+_TOKENS: dict[str, itertools.count] = {}
 _BY_NAME: "weakref.WeakValueDictionary[str, DistributedBlockMask]" = weakref.WeakValueDictionary()
 
 
@@ -173,6 +174,7 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     row = [m is not None for m in masks]
     rows: list = [None] * P
     dist.all_gather_object(rows, row, group=group)
-    token = (mod.key(), layout.key(), Q_LEN, KV_LEN, B, H, BLOCK_SIZE, next(_TOKENS))
+    counter = _TOKENS.setdefault(group.group_name, itertools.count())
+    token = (mod.key(), layout.key(), Q_LEN, KV_LEN, B, H, BLOCK_SIZE, group.group_name, next(counter))
     return DistributedBlockMask(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, qpos, kvpos, masks,
                                 tuple(tuple(x) for x in rows), token)
