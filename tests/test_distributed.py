@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import traceback
 
 import pytest
 import torch
@@ -48,6 +50,9 @@ def _worker(rank: int, world_size: int, store_path: str) -> None:
         if rank in (1, 2):
             _body(pair)
         _body(dist.group.WORLD)
+    except BaseException:  # the other ranks then fail on a closed connection: say which rank failed first
+        print(f"rank {rank} of {world_size}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise
     finally:
         dist.destroy_process_group()
 
