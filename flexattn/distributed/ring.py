@@ -9,8 +9,20 @@ receives always pair up.
 Forward: each step posts the next shard's transfer (double buffers), computes the current one,
 and merges the partial (out, lse) by log-sum-exp. Backward: the K/V travel again, with the dK/dV
 partial sums of each shard following them; a shard's sums go home (to the rank that owns it)
-from the last rank that reads it. On CUDA the transfers run on NCCL's own stream, so they overlap
-the kernels on the current stream.
+from the last rank that reads it.
+
+[Note] Overlap and buffer lifetimes. On CUDA, ``batch_isend_irecv`` runs the transfers on NCCL's
+own stream (the second stream), which first waits for the work already on the current stream, so
+the shard being sent is complete. Each step posts its transfers, then enqueues its compute on the
+current stream, and only then calls ``Work.wait()``: for NCCL that makes the current stream (not
+the host) wait for the transfer, so the kernels of step s run while shard s + 1 travels, and step
+s + 1's kernels are ordered after its shard arrived. Two K/V buffers are alive at a time (the
+held shard and the one arriving; double buffers), plus in the backward the dK/dV sums of both:
+O(S / P) per rank. A buffer being sent stays referenced by the loop until after its ``wait()``
+(and by NCCL's work object), and once the current stream waits for the transfer, freeing it
+there is ordered after the send: no ``record_stream`` is needed. In the backward, the sums of
+step s are sent after step s's compute (they include it), and waited on after step s + 1's
+compute is enqueued. On gloo (CPU) the transfers run on gloo's threads while the host computes.
 """
 
 from __future__ import annotations
