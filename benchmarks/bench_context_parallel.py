@@ -2,26 +2,34 @@
 
     torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py
     torchrun --nproc-per-node 4 benchmarks/bench_context_parallel.py --seq 131072,524288
+    torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --seq 131072 --iters 3   (short)
 
 B=1, H=16, D=128, bfloat16, forward + backward; masks: causal, 16 documents, sliding window 4096.
 Prints per-GPU TFLOP/s, scaling efficiency (time of the whole sequence on one GPU / (P x time on P
 GPUs)), peak memory per GPU, and torch's context parallel (all-gathered K/V,
 ``torch.compile(flex_attention)``) at the same shapes; also a length torch refuses (not a multiple
-of P x 128). Rank 0 writes ``benchmarks/results/context_parallel-<gpu>.json``.
+of P x 128). The one-GPU baseline (flexattn's single-GPU flex_attention on the whole sequence)
+runs up to ``--one-gpu-max-seq``. Rank 0 writes ``benchmarks/results/context_parallel-<P>gpu-<gpu>.json``
+(the record format of `benchmarks.results`; `benchmarks.report` makes its table).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+if __package__ in (None, ""):  # run as `torchrun benchmarks/bench_context_parallel.py`: import the packages
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import flexattn
 import flexattn.distributed as fd
+from benchmarks import results
 from flexattn import masks
 
 B, H, D = 1, 16, 128
@@ -79,54 +87,60 @@ def inputs(L: int, Lkv: int):
     return q, k, v
 
 
+def flops(S: int, kept: float) -> float:
+    """Forward + backward FLOPs of the whole sequence (the backward counted as 2.5 forwards)."""
+    return 4 * B * H * S * S * D * kept * 3.5
+
+
 def bench_flexattn(S: int, mask_name: str, method: str, iters: int) -> dict:
     mask, lb, kept = mask_of(mask_name, S)
     bm = fd.create_block_mask(mask, None, None, S, S, load_balance=lb, device="cuda")
     q, k, v = inputs(bm.qpos.numel(), bm.kvpos[bm.rank].numel())
     ms, gib = timed(fwd_bwd(lambda q, k, v: fd.flex_attention(q, k, v, block_mask=bm, method=method), q, k, v),
                     iters)
-    flops = 4 * B * H * S * S * D * kept * 3.5 / dist.get_world_size()
-    return {"ms": ms, "peak_gib": gib, "tflops_per_gpu": flops / ms / 1e9, "kv_shard_gib": _kv_gib(k, v, method)}
+    return {"impl": method, "ms": ms, "peak_gib": gib, "tflops_per_gpu": flops(S, kept) / dist.get_world_size() / ms / 1e9,
+            "kv_gib": _kv_gib(k, v, method)}
 
 
 def _kv_gib(k, v, method) -> float:
-    """K/V bytes a rank holds at once: two shards (double buffers) for the ring, all for the all-gather."""
+    """K/V bytes a rank holds at once: its own shard and two travelling (double buffers) for the
+    ring, all shards for the all-gather."""
     per = (k.numel() + v.numel()) * k.element_size() / 2**30
-    return per * (2 if method == "ring" else dist.get_world_size())
+    return per * (3 if method == "ring" else dist.get_world_size())
 
 
 def bench_one_gpu(S: int, mask_name: str, iters: int) -> dict | None:
-    """The whole sequence on rank 0's GPU alone (other ranks wait)."""
+    """The whole sequence on rank 0's GPU alone with flexattn's flex_attention (other ranks wait)."""
     result = None
     if dist.get_rank() == 0:
         mask, _, kept = mask_of(mask_name, S)
         bm = flexattn.create_block_mask(mask, None, None, S, S, device="cuda")
         q, k, v = inputs(S, S)
         run = fwd_bwd(lambda q, k, v: flexattn.flex_attention(q, k, v, block_mask=bm), q, k, v)
-        ms, _ = timed(run, iters, barrier=False)
-        result = {"ms": ms, "tflops": 4 * B * H * S * S * D * kept * 3.5 / ms / 1e9}
-        del q, k, v
+        ms, gib = timed(run, iters, barrier=False)
+        result = {"impl": "one_gpu", "ms": ms, "peak_gib": gib, "tflops_per_gpu": flops(S, kept) / ms / 1e9}
+        del q, k, v, run
         torch.cuda.empty_cache()
     dist.barrier()
     return result
 
 
-def bench_torch_cp(S: int, mask_name: str, iters: int) -> dict:
-    """torch's context parallel for FlexAttention: all-gathered K/V, compiled flex_attention."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental._attention import _ContextParallel, _create_cp_block_mask
+def bench_torch_cp(mesh, S: int, mask_name: str, iters: int) -> dict:
+    """torch's context parallel for FlexAttention: all-gathered K/V, compiled flex_attention (its
+    compilation is in the warm-up calls)."""
+    from torch.distributed.tensor.experimental._context_parallel._attention import (
+        _ContextParallel, _create_cp_block_mask)
     from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
     from torch.distributed.tensor.parallel import parallelize_module
     from torch.nn.attention.flex_attention import flex_attention
 
     P = dist.get_world_size()
-    mesh = init_device_mesh("cuda", (P,))
     mask, lb, kept = mask_of(mask_name, S)
     balancer = _HeadTailLoadBalancer(S, P, "cuda") if lb == "head_tail" else None
     try:
         bm = _create_cp_block_mask(mask, B, H, S, S, mesh, balancer)
     except (NotImplementedError, AssertionError) as e:
-        return {"error": str(e).splitlines()[0]}
+        return {"impl": "torch_cp", "error": results.error_text(e)}
     compiled = torch.compile(flex_attention)
 
     class Attention(torch.nn.Module):
@@ -137,7 +151,48 @@ def bench_torch_cp(S: int, mask_name: str, iters: int) -> dict:
         seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
     q, k, v = inputs(S // P, S // P)
     ms, gib = timed(fwd_bwd(module, q, k, v), iters)
-    return {"ms": ms, "peak_gib": gib, "tflops_per_gpu": 4 * B * H * S * S * D * kept * 3.5 / P / ms / 1e9}
+    return {"impl": "torch_cp", "ms": ms, "peak_gib": gib, "tflops_per_gpu": flops(S, kept) / P / ms / 1e9}
+
+
+def run(args) -> list[dict]:
+    """Every (S, mask): one row per competitor, with P, S and the mask."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    P = dist.get_world_size()
+    mesh = None if args.no_torch else init_device_mesh("cuda", (P,))
+    seqs = [int(s) for s in args.seq.split(",")]
+    refused = seqs[0] + 3 * 64 + 1  # not a multiple of P x 128: torch refuses it
+    rows = []
+    for S in seqs + [refused]:
+        for mask_name in args.masks.split(","):
+            if S == refused and mask_name != "causal":
+                continue
+            case = {"P": P, "S": S, "mask": mask_name}
+            found = [bench_flexattn(S, mask_name, method, args.iters) for method in ("ring", "allgather")]
+            if S > args.one_gpu_max_seq:
+                found.append({"impl": "one_gpu", "skipped": f"S > --one-gpu-max-seq {args.one_gpu_max_seq}"})
+            elif S != refused:
+                one = bench_one_gpu(S, mask_name, args.iters)
+                found += [one] if one is not None else []
+            if mesh is not None:
+                found.append(bench_torch_cp(mesh, S, mask_name, args.iters))
+            rows += [{**case, **r} for r in found]
+            if dist.get_rank() == 0:
+                print(line(rows[-len(found):]), flush=True)
+    return rows
+
+
+def line(rows: list[dict]) -> str:
+    """One printed line for the rows of one (P, S, mask)."""
+    by = {r["impl"]: r for r in rows}
+    ring, ag, one, theirs = by["ring"], by["allgather"], by.get("one_gpu", {}), by.get("torch_cp", {})
+    eff = f"{one['ms'] / (ring['P'] * ring['ms']):.2f}" if "ms" in one else one.get("skipped", "-")
+    torch_txt = f"{theirs['ms']:8.1f} ms (ring x{theirs['ms'] / ring['ms']:.2f}) peak {theirs['peak_gib']:5.1f} GiB" \
+        if "ms" in theirs else theirs.get("error", "-")
+    return (f"P={ring['P']} S={ring['S']:>7} {ring['mask']:<15} ring {ring['ms']:8.1f} ms "
+            f"{ring['tflops_per_gpu']:6.1f} TF/s/GPU peak {ring['peak_gib']:5.1f} GiB KV {ring['kv_gib']:.2f} GiB | "
+            f"allgather {ag['ms']:8.1f} ms peak {ag['peak_gib']:5.1f} GiB KV {ag['kv_gib']:.2f} GiB | "
+            f"one GPU {one['ms'] if 'ms' in one else '-'} ms, efficiency {eff} | torch CP {torch_txt}")
 
 
 def main() -> None:
@@ -145,54 +200,22 @@ def main() -> None:
     parser.add_argument("--seq", default="131072,524288")
     parser.add_argument("--masks", default="causal,documents,sliding_window")
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--one-gpu-max-seq", type=int, default=262144,
+                        help="longest sequence for the one-GPU baseline (longer: skipped, no efficiency)")
     parser.add_argument("--no-torch", action="store_true", help="skip torch's context parallel")
+    parser.add_argument("--results", type=Path, default=results.RESULTS_DIR, help="folder of the results JSON")
+    parser.add_argument("--no-save", action="store_true", help="print the lines only")
     args = parser.parse_args()
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
-    P, rank = dist.get_world_size(), dist.get_rank()
-    rows = []
-    seqs = [int(s) for s in args.seq.split(",")]
-    refused = seqs[0] + 3 * 64 + 1  # not a multiple of P x 128: torch refuses it
-    for S in seqs + [refused]:
-        for mask_name in args.masks.split(","):
-            if S == refused and mask_name != "causal":
-                continue
-            row = {"S": S, "mask": mask_name, "P": P}
-            for method in ("ring", "allgather"):
-                row[method] = bench_flexattn(S, mask_name, method, args.iters)
-            one = bench_one_gpu(S, mask_name, args.iters) if S != refused else None
-            if one is not None:
-                row["one_gpu"] = one
-                row["efficiency"] = one["ms"] / (P * row["ring"]["ms"])
-            if not args.no_torch:
-                row["torch_cp"] = bench_torch_cp(S, mask_name, args.iters)
-                if "ms" in row["torch_cp"]:
-                    row["speedup_vs_torch_cp"] = row["torch_cp"]["ms"] / row["ring"]["ms"]
-            rows.append(row)
-            if rank == 0:
-                print(_line(row), flush=True)
-    if rank == 0:
-        name = torch.cuda.get_device_name().replace(" ", "_")
-        os.makedirs("benchmarks/results", exist_ok=True)
-        path = f"benchmarks/results/context_parallel-{name}.json"
-        with open(path, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "P": P, "torch": torch.__version__,
-                       "flexattn": flexattn.__version__, "B": B, "H": H, "D": D, "dtype": str(DTYPE),
-                       "rows": rows}, f, indent=1)
-        print(f"wrote {path}")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    P = dist.get_world_size()
+    env = results.environment("cuda")
+    rows = run(args)
+    if dist.get_rank() == 0 and not args.no_save:
+        config = {"P": P, "B": B, "H": H, "D": D, "dtype": str(DTYPE).removeprefix("torch."), "iters": args.iters}
+        path = results.save("context_parallel", env, config, rows, args.results, tag=f"{P}gpu")
+        print(f"# results: {path}")
     dist.destroy_process_group()
-
-
-def _line(row: dict) -> str:
-    ring, ag = row["ring"], row["allgather"]
-    torch_cp = row.get("torch_cp", {})
-    torch_txt = f"{torch_cp['ms']:8.1f} ms x{row['speedup_vs_torch_cp']:.2f}" if "ms" in torch_cp else \
-        f"torch: {torch_cp.get('error', '-')[:40]}"
-    eff = f"{row['efficiency']:.2f}" if "efficiency" in row else "-"
-    return (f"P={row['P']} S={row['S']:>7} {row['mask']:<15} ring {ring['ms']:8.1f} ms {ring['tflops_per_gpu']:6.1f} "
-            f"TF/s/GPU peak {ring['peak_gib']:5.1f} GiB KV {ring['kv_shard_gib']:.2f} GiB | allgather "
-            f"{ag['ms']:8.1f} ms peak {ag['peak_gib']:5.1f} GiB KV {ag['kv_shard_gib']:.2f} GiB | eff {eff} | "
-            f"{torch_txt}")
 
 
 if __name__ == "__main__":

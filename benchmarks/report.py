@@ -36,6 +36,10 @@ METHOD = """\
   only where it can express the case (no mask, causal).
 - Decoding is memory bound: K+V bytes read per second, as a share of the device-to-device copy
   bandwidth measured in the same run.
+- Context parallelism runs under `torchrun --nproc-per-node P benchmarks/bench_context_parallel.py`
+  (one results file per P): times are per training step on every GPU, FLOPs count the (q, kv)
+  pairs the mask keeps; efficiency is the one-GPU time of the whole sequence (flexattn) over P times
+  the ring's; torch CP is torch's context parallel with `torch.compile(flex_attention)`.
 - Per-call times are wall clock over a loop of calls (model code that builds its score_mod anew
   each call), the median of five interleaved rounds: host work plus launch for these small shapes.
 """
@@ -160,8 +164,42 @@ def block_mask_table(record: dict) -> list[str]:
     return lines
 
 
+def context_parallel_cases(record: dict) -> dict:
+    """(P, S, mask) -> impl -> row, by P, then in the order the runs made them."""
+    cases: dict = {}
+    for row in sorted(record["rows"], key=lambda r: r["P"]):
+        cases.setdefault((row["P"], row["S"], row["mask"]), {})[row["impl"]] = row
+    return cases
+
+
+def efficiency(impls: dict) -> float | None:
+    """Scaling efficiency of the ring: one GPU's time / (P x the ring's time)."""
+    one, ring = impls.get("one_gpu") or {}, impls.get("ring") or {}
+    if one.get("ms") is None or ring.get("ms") is None:
+        return None
+    return one["ms"] / (ring["P"] * ring["ms"])
+
+
+def context_parallel_table(record: dict) -> list[str]:
+    config = record.get("config", {})
+    lines = section(f"Context parallelism: B={config.get('B', '?')} H={config.get('H', '?')} D={config.get('D', '?')}, "
+                    f"{config.get('dtype', '')}, forward + backward, times per step",
+                    ["P", "S", "mask", "ring ms", "all-gather ms", "torch CP ms", "one GPU ms", "ring TF/s per GPU",
+                     "efficiency", "vs torch CP", "peak GiB ring / all-gather / torch CP"])
+    for (P, S, mask), impls in context_parallel_cases(record).items():
+        ring, ag, one, theirs = (impls.get(i) or {} for i in ("ring", "allgather", "one_gpu", "torch_cp"))
+        torch_ms = fmt(theirs.get("ms"), ".1f") if "error" not in theirs else "refused"
+        peaks = " / ".join(fmt(r.get("peak_gib"), ".1f") for r in (ring, ag, theirs))
+        lines.append(f"| {P} | {S} | {mask} | {fmt(ring.get('ms'), '.1f')} | {fmt(ag.get('ms'), '.1f')} | {torch_ms} | "
+                     f"{fmt(one.get('ms'), '.1f')} | {fmt(ring.get('tflops_per_gpu'))} | "
+                     f"{fmt(efficiency(impls), '.2f')} | {fmt(ratio(theirs, ring, 'ms'), '.2f', 'x')} | {peaks} |")
+    return lines
+
+
 TABLES = {"attention": training_table, "decode": decode_table, "fp8": fp8_table, "host": host_table,
-          "block_mask": block_mask_table}
+          "block_mask": block_mask_table, "context_parallel": context_parallel_table}
+# suites with one results file per number of GPUs: their records on one GPU model make one table
+BY_GPU_COUNT = ("context_parallel",)
 
 
 def summary(suites: dict) -> str:
@@ -189,6 +227,12 @@ def summary(suites: dict) -> str:
                     if r["impl"].startswith("flexattn float8") and r.get("fwd_tflops") is not None), default=None)
         if best is not None:
             parts.append(f"the float8 forward reaches {best:.0f} TF/s")
+    if "context_parallel" in suites:
+        cases = context_parallel_cases(suites["context_parallel"]).values()
+        eff = span([efficiency(c) for c in cases], ".2f")
+        torch_x = span([ratio(c.get("torch_cp"), c.get("ring"), "ms") for c in cases], ".2f", "x")
+        parts.append(f"context parallelism (ring) scales with efficiency {eff}, {torch_x} the speed of torch's "
+                     "context parallel")
     return "; ".join(parts) + "." if parts else "No suite with a table ran on this GPU."
 
 
@@ -261,7 +305,11 @@ def main(argv=None) -> int:
             continue
         if record["suite"] not in TABLES:
             raise ValueError(f"{args.results}: unknown suite {record['suite']!r} (known: {', '.join(TABLES)})")
-        by_gpu.setdefault(record["gpu"], {})[record["suite"]] = record
+        suites = by_gpu.setdefault(record["gpu"], {})
+        earlier = suites.get(record["suite"])
+        if earlier is not None and record["suite"] in BY_GPU_COUNT:
+            record = {**earlier, "rows": earlier["rows"] + record["rows"]}
+        suites[record["suite"]] = record
     for suites in by_gpu.values():  # the suites in the order of TABLES
         ordered = {s: suites[s] for s in TABLES if s in suites}
         suites.clear()

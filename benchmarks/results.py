@@ -59,11 +59,12 @@ def environment(device: str) -> dict:
     }
 
 
-def save(suite: str, env: dict, config: dict, rows: list[dict], folder: Path | None = None) -> Path:
-    """Write one suite's results to ``<folder>/<suite>-<gpu slug>.json`` and return the path."""
+def save(suite: str, env: dict, config: dict, rows: list[dict], folder: Path | None = None, tag: str = "") -> Path:
+    """Write one suite's results to ``<folder>/<suite>[-<tag>]-<gpu slug>.json`` and return the path
+    (``tag`` tells apart runs of one suite on one GPU model, e.g. the number of GPUs)."""
     folder = RESULTS_DIR if folder is None else Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{suite}-{slug(env['gpu'])}.json"
+    path = folder / f"{suite}{'-' + tag if tag else ''}-{slug(env['gpu'])}.json"
     record = {"suite": suite, **env, "config": config, "rows": rows}
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path

@@ -115,6 +115,36 @@ def test_several_gpus_each_get_a_section_and_cpu_results_are_left_out(tmp_path):
     assert len(page.splitlines()) < 200
 
 
+def context_parallel_rows(P: int, ring_ms: float) -> list[dict]:
+    case = {"P": P, "S": 131072, "mask": "causal"}
+    rows = [{**case, "impl": "ring", "ms": ring_ms, "peak_gib": 3.0, "tflops_per_gpu": 400.0, "kv_gib": 0.4},
+            {**case, "impl": "allgather", "ms": ring_ms * 1.1, "peak_gib": 5.0, "tflops_per_gpu": 360.0,
+             "kv_gib": 1.0},
+            {**case, "impl": "one_gpu", "ms": 1.8 * P * ring_ms / 2, "peak_gib": 9.0, "tflops_per_gpu": 420.0},
+            {**case, "impl": "torch_cp", "ms": ring_ms * 1.5, "peak_gib": 6.0, "tflops_per_gpu": 270.0}]
+    refused = {"P": P, "S": 131265, "mask": "causal"}
+    return rows + [{**refused, "impl": "ring", "ms": ring_ms, "peak_gib": 3.0, "tflops_per_gpu": 400.0, "kv_gib": 0.4},
+                   {**refused, "impl": "one_gpu", "skipped": "S > --one-gpu-max-seq 65536"},
+                   {**refused, "impl": "torch_cp", "error": "NotImplementedError: Q_LEN 131265 is not divisible"}]
+
+
+def test_context_parallel_runs_on_2_and_4_gpus_make_one_table(tmp_path):
+    folder = tmp_path / "results"
+    config = {"B": 1, "H": 16, "D": 128, "dtype": "bfloat16"}
+    for P, ring_ms in ((4, 50.0), (2, 100.0)):
+        path = results.save("context_parallel", env("NVIDIA H100 80GB HBM3"), {**config, "P": P},
+                            context_parallel_rows(P, ring_ms), folder, tag=f"{P}gpu")
+        assert path.name == f"context_parallel-{P}gpu-h100-80gb-hbm3.json"
+    page = generate(tmp_path, "--no-plot")
+    assert "### Context parallelism: B=1 H=16 D=128, bfloat16, forward + backward" in page
+    table = page.split("### Context parallelism")[1]
+    # by P; efficiency = one GPU / (P x ring) = 0.90; torch CP 1.5x the ring's time
+    assert table.index("| 2 | 131072 |") < table.index("| 4 | 131072 |")
+    assert "| 2 | 131072 | causal | 100.0 | 110.0 | 150.0 | 180.0 | 400 | 0.90 | 1.50x | 3.0 / 5.0 / 6.0 |" in table
+    assert "| 4 | 131265 | causal | 50.0 | — | refused | — | 400 | — | — | 3.0 / — / — |" in table
+    assert "context parallelism (ring) scales with efficiency 0.90, 1.50x the speed of torch's context parallel" in page
+
+
 def test_plot_per_gpu_is_drawn_and_shown_on_the_page(tmp_path):
     pytest.importorskip("matplotlib")
     write_h100(tmp_path / "results")

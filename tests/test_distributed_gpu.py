@@ -55,7 +55,7 @@ def _against_one_gpu(rank, P):
 
 def _torch_cp_parity(rank, P):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental._attention import _ContextParallel, _create_cp_block_mask
+    from torch.distributed.tensor.experimental._context_parallel._attention import _ContextParallel, _create_cp_block_mask
     from torch.distributed.tensor.parallel import parallelize_module
     from torch.nn.attention.flex_attention import flex_attention as torch_flex
 

@@ -17,7 +17,8 @@ the shard being sent is complete. Each step posts its transfers, then enqueues i
 current stream, and only then calls ``Work.wait()``: for NCCL that makes the current stream (not
 the host) wait for the transfer, so the kernels of step s run while shard s + 1 travels, and step
 s + 1's kernels are ordered after its shard arrived. Two K/V buffers are alive at a time (the
-held shard and the one arriving; double buffers), plus in the backward the dK/dV sums of both:
+held shard and the one arriving; double buffers) besides the rank's own shard, plus in the
+backward the dK/dV sums of both:
 O(S / P) per rank. A buffer being sent stays referenced by the loop until after its ``wait()``
 (and by NCCL's work object), and once the current stream waits for the transfer, freeing it
 there is ordered after the send: no ``record_stream`` is needed. In the backward, the sums of
