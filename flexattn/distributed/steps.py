@@ -12,7 +12,7 @@ import torch
 
 import flexattn
 from flexattn import ops  # noqa: F401  (registers torch.ops.flexattn.*)
-from flexattn.call import _compiled_tables
+from flexattn.call import _compiled_tables  # private: a BlockMask's tables as the backward op takes them
 from flexattn.distributed.masks import SCORE, at_global_positions
 
 
