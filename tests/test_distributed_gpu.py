@@ -55,15 +55,18 @@ def _against_one_gpu(rank, P):
 
 def _torch_cp_parity(rank, P):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental._context_parallel._attention import _ContextParallel, _create_cp_block_mask
+    from torch.distributed.tensor.experimental._context_parallel._attention import (
+        _ContextParallel, _create_cp_block_mask)
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
     from torch.distributed.tensor.parallel import parallelize_module
     from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
     mesh = init_device_mesh("cuda", (P,))
     S = 256 * P
-    bm = _create_cp_block_mask(masks.causal, 1, 4, S, S, mesh, None)
+    bm = _create_cp_block_mask(masks.causal, 1, 4, S, S, mesh, _HeadTailLoadBalancer(S, P, "cuda"))
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, 4, S // P, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    whole = [torch.randn(1, 4, S, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
+    q, k, v = (fd.shard(t, load_balance="head_tail") for t in whole)
 
     class Attention(torch.nn.Module):
         def __init__(self, fn):
@@ -80,8 +83,8 @@ def _torch_cp_parity(rank, P):
         ins = [t.clone().requires_grad_() for t in (q, k, v)]
         out = module(*ins)
         results.append([out, *torch.autograd.grad(out.float().square().sum(), ins)])
-    for theirs, ours in zip(*results):
-        torch.testing.assert_close(ours.float(), theirs.float(), atol=2e-2, rtol=2e-2)
+    for name, theirs, ours in zip(("out", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(ours.float(), theirs.float(), atol=2e-2, rtol=2e-2, msg=name)
 
 
 def _body(rank, P):
