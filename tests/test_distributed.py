@@ -193,6 +193,25 @@ def _compiled(group) -> None:
         torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
 
 
+class _Attention(torch.nn.Module):
+    def __init__(self, fn, block_mask):
+        super().__init__()
+        self.fn, self.block_mask = fn, block_mask
+
+    def forward(self, q, k, v):
+        return self.fn(q, k, v, block_mask=self.block_mask)
+
+
+def context_parallel_module(fn, block_mask, mesh) -> torch.nn.Module:
+    """A module calling ``fn(q, k, v, block_mask=block_mask)`` under torch's context parallel
+    (`_ContextParallel`, FLEX attention type) over ``mesh``: it all-gathers K/V on the way in."""
+    from torch.distributed.tensor.experimental._context_parallel._attention import _ContextParallel
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    return parallelize_module(_Attention(fn, block_mask), mesh, _ContextParallel(
+        seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
+
+
 def _torch_context_parallel(group) -> None:
     """A module under torch's own context parallel (`_ContextParallel`, FLEX attention type, a
     DeviceMesh on gloo) with `flexattn.flex_attention` inside gives the output of the same module
@@ -202,10 +221,8 @@ def _torch_context_parallel(group) -> None:
     support backward on CPU", so the gradient parity with torch is the GPU test's
     (tests/test_distributed_gpu.py)."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.experimental._context_parallel._attention import (
-        _ContextParallel, _create_cp_block_mask)
+    from torch.distributed.tensor.experimental._context_parallel._attention import _create_cp_block_mask
     from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
-    from torch.distributed.tensor.parallel import parallelize_module
     from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
     P = dist.get_world_size(group)
@@ -216,21 +233,9 @@ def _torch_context_parallel(group) -> None:
     q, k, v, d_out = (torch.randn(1, 2, S, BLOCK, generator=g) for _ in range(4))
     local = [fd.shard(t, group, load_balance="head_tail") for t in (q, k, v, d_out)]
 
-    class Attention(torch.nn.Module):
-        def __init__(self, fn):
-            super().__init__()
-            self.fn = fn
-
-        def forward(self, q, k, v):
-            return self.fn(q, k, v, block_mask=bm)
-
-    def parallel(fn):
-        return parallelize_module(Attention(fn), mesh, _ContextParallel(
-            seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
-
-    theirs = parallel(torch_flex)(*local[:3])
+    theirs = context_parallel_module(torch_flex, bm, mesh)(*local[:3])
     ins = [t.clone().requires_grad_() for t in local[:3]]
-    ours = parallel(flexattn.flex_attention)(*ins)
+    ours = context_parallel_module(flexattn.flex_attention, bm, mesh)(*ins)
     grads = torch.autograd.grad(ours, ins, local[3])
     assert_close_to_reference(ours, theirs, theirs.double(), name="flexattn in torch's context parallel out")
     ins64 = [t.double().requires_grad_() for t in (q, k, v)]

@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 import flexattn
 import flexattn.distributed as fd
 from flexattn import masks
+from tests.test_distributed import context_parallel_module
 
 pytestmark = pytest.mark.gpu
 
@@ -55,10 +56,8 @@ def _against_one_gpu(rank, P):
 
 def _torch_cp_parity(rank, P):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental._context_parallel._attention import (
-        _ContextParallel, _create_cp_block_mask)
+    from torch.distributed.tensor.experimental._context_parallel._attention import _create_cp_block_mask
     from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
-    from torch.distributed.tensor.parallel import parallelize_module
     from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
     mesh = init_device_mesh("cuda", (P,))
@@ -68,18 +67,9 @@ def _torch_cp_parity(rank, P):
     whole = [torch.randn(1, 4, S, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
     q, k, v = (fd.shard(t, load_balance="head_tail") for t in whole)
 
-    class Attention(torch.nn.Module):
-        def __init__(self, fn):
-            super().__init__()
-            self.fn = fn
-
-        def forward(self, q, k, v):
-            return self.fn(q, k, v, block_mask=bm)
-
     results = []
     for fn in (torch.compile(torch_flex), flexattn.flex_attention):
-        module = parallelize_module(Attention(fn), mesh, _ContextParallel(
-            seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
+        module = context_parallel_module(fn, bm, mesh)
         ins = [t.clone().requires_grad_() for t in (q, k, v)]
         out = module(*ins)
         results.append([out, *torch.autograd.grad(out.float().square().sum(), ins)])
