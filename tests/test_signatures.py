@@ -5,6 +5,7 @@ one named sentinel per parameter, lines up with them name by name."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import types
 
 import pytest
@@ -12,7 +13,9 @@ import torch
 
 import flexattn
 from flexattn.codegen import emit, render, signatures
-from flexattn.kernels import forward as fwd, launch
+from flexattn.kernels import decode as dec, forward as fwd, launch
+from flexattn.kernels.arguments import PER_CALL, UNUSED
+from flexattn.kernels.tables import tables_of
 
 BIAS = torch.randn(8)
 SCORE = flexattn.trace(lambda score, b, h, q_idx, kv_idx: score + BIAS[q_idx], kind="score")
@@ -57,14 +60,18 @@ def def_params(source: str, kernel: str) -> list[str]:
     raise AssertionError(f"no def {kernel} in the rendered source")
 
 
-def mod_hooks(target: str) -> dict[str, str]:
-    return {f"{kind}_mod_params": emit.emit_mod(mod.ir, kind, f"{kind}_mod", target).param_list(f"{kind}_")
-            for kind, mod in (("score", SCORE), ("mask", MASK))}
+def mod_hooks(target: str, hook: str = "{kind}_mod_params", prefix: str = "{kind}_") -> dict[str, str]:
+    """The mods' parameter hooks as a template reads them (``hook`` and ``prefix`` per kind)."""
+    return {hook.format(kind=kind): emit.emit_mod(mod.ir, kind, f"{kind}_mod", target).param_list(
+        prefix.format(kind=kind, K=kind[0].upper())) for kind, mod in (("score", SCORE), ("mask", MASK))}
 
+
+DECODE_HOOKS = dict(hook="{kind}_params", prefix="{K}M_")
 
 FAMILIES = {
-    "forward": (lambda: fwd.module(SCORE, MASK, "cuda"), "cuda"),
-    "forward_hopper": (lambda: fwd.hopper_module(SCORE, MASK, False), "gluon"),
+    "forward": (lambda: fwd.module(SCORE, MASK, "cuda"), lambda: mod_hooks("cuda")),
+    "forward_hopper": (lambda: fwd.hopper_module(SCORE, MASK, False), lambda: mod_hooks("gluon")),
+    "decode": (lambda: dec.module(SCORE, MASK, "cuda"), lambda: mod_hooks("cuda", **DECODE_HOOKS)),
 }
 
 
@@ -74,10 +81,10 @@ def test_every_declared_template_is_checked_here():
 
 @pytest.mark.parametrize("template", list(FAMILIES))
 def test_the_rendered_def_is_the_declaration(template, monkeypatch):
-    make_module, target = FAMILIES[template]
+    make_module, hooks = FAMILIES[template]
     source = rendered(template, make_module, monkeypatch)
     for sig in signatures.TEMPLATES[template]:
-        assert def_params(source, sig.kernel) == sig.names(mod_hooks(target))
+        assert def_params(source, sig.kernel) == sig.names(hooks())
 
 
 def forward_plan(sig: signatures.Signature, descriptors=None) -> fwd.Plan:
@@ -120,3 +127,95 @@ def test_the_hopper_forward_host_arguments_follow_the_declaration(with_out):
     descriptors.with_out = with_out
     sig = signatures.FORWARD_HOPPER
     assert forward_args(sig, descriptors) == runtime_params(sig, "gluon")
+
+
+# -- host arguments of plans made from real tensors: each argument's value is the one its name says
+
+def permuted(shape, order) -> torch.Tensor:
+    """A tensor of ``shape`` whose dimensions lie in memory in ``order`` (outermost first), so that
+    its strides differ from a contiguous tensor's and from each other."""
+    return torch.randn([shape[d] for d in order]).permute(*[order.index(d) for d in range(len(shape))])
+
+
+def strides_of(prefix: str, t: torch.Tensor, dims: str) -> dict:
+    return {f"stride_{prefix}{d}": s for d, s in zip(dims, t.stride())}
+
+
+def buffer_values(prefix: str, buffers) -> dict:
+    """A mod's captured tensors' parameters (``prefix`` + "B<i>", its strides, its sizes) and values."""
+    out = {}
+    for i, t in enumerate(buffers):
+        out[f"{prefix}B{i}"] = t
+        out.update({f"{prefix}B{i}_s{d}": s for d, s in enumerate(t.stride())})
+        out.update({f"{prefix}B{i}_n{d}": n for d, n in enumerate(t.shape)})
+    return out
+
+
+def table_values(tables, names) -> dict:
+    """The four KV tables and their [b, h, row] strides (0 where a table broadcasts), by name."""
+    out = dict(zip(names.group("tables"), tables))
+    strides = [s for t in tables for s in (t.stride(0) if t.shape[0] > 1 else 0,
+                                           t.stride(1) if t.shape[1] > 1 else 0, t.stride(2))]
+    return {**out, **dict(zip(names.group("table_strides"), strides))}
+
+
+class Recorder:
+    """Stands for a plan's `launch.Launch`: keeps the whole argument list of the call made through
+    it (the fixed arguments with the call's own in their `PER_CALL` places)."""
+
+    def __init__(self, fixed=None):
+        self.fixed, self.args = fixed, None
+
+    def __call__(self, *args, stream=None):
+        if self.fixed is None:
+            self.args = list(args)
+            return
+        given = iter(args)
+        self.args = [next(given) if a is PER_CALL else a for a in self.fixed]
+        assert next(given, None) is None, "more per-call arguments than PER_CALL slots"
+
+
+def assert_lands(sig: signatures.Signature, hooks: dict, args: list, expected: dict) -> None:
+    """Every runtime parameter of ``sig`` got ``expected[name]`` (a tensor: that very object)."""
+    names = sig.names(hooks)[:-len(sig.constexprs)]
+    assert len(args) == len(names)
+    assert set(expected) == set(names)
+    for name, arg in zip(names, args):
+        want = expected[name]
+        if isinstance(want, torch.Tensor) or want is UNUSED or isinstance(arg, torch.Tensor):
+            assert arg is want, name
+        else:
+            assert arg == want, name
+
+
+@pytest.mark.parametrize("block_mask", [False, True])
+def test_the_decode_arguments_land_at_their_names(block_mask):
+    B, HQ, HKV, Q_LEN, KV_LEN, E, EV = 2, 4, 2, 3, 32, 16, 8
+    query = permuted((B, HQ, Q_LEN, E), (2, 0, 3, 1))
+    key = permuted((B, HKV, KV_LEN, E), (1, 2, 0, 3))
+    value = permuted((B, HKV, KV_LEN, EV), (0, 2, 1, 3))
+    kv_lengths = torch.tensor([5, 32], dtype=torch.int32)
+    tables = None
+    if block_mask:
+        tables = tables_of(flexattn.create_block_mask(lambda b, h, q, kv: kv <= q + 20, B, HKV, Q_LEN, KV_LEN,
+                                                      device="cpu", BLOCK_SIZE=16))
+    plan = dec.make_plan(query, key, value, SCORE, (BIAS,), MASK, (BIAS,), tables, {"SPLIT_KV": 2}, kv_lengths)
+    recorder = Recorder(plan.split.fixed)
+    out, lse = dec.run(dataclasses.replace(plan, split=recorder), query, key, value, (BIAS,), (BIAS,), tables,
+                       0.25, kv_lengths)
+    sig = signatures.DECODE_SPLIT
+    args = recorder.args
+    scratch, done = args[4], args[5]   # the LSE (and partials) buffer and the split counters
+    assert lse.data_ptr() == scratch.data_ptr() and done.dtype == torch.int32
+    kv_tables = tables.kv.args() if block_mask else [UNUSED] * 4
+    expected = {
+        "Q": query, "K": key, "V": value, "Out": out, "LSE": scratch, "SPLITS_DONE": done, "KV_LENGTHS": kv_lengths,
+        **buffer_values("SM_", (BIAS,)), **buffer_values("MM_", (BIAS,)),
+        **strides_of("q", query, "zhmk"), **strides_of("k", key, "zhnk"), **strides_of("v", value, "zhnk"),
+        **strides_of("o", out, "zhmk"),
+        **(table_values(kv_tables, sig) if block_mask else {**dict(zip(sig.group("tables"), kv_tables)),
+                                                             **dict.fromkeys(sig.group("table_strides"), 0)}),
+        "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "QK_HEAD_DIM": E, "V_HEAD_DIM": EV, "N_ROWS": B * HQ * Q_LEN,
+        "SM_SCALE": 0.25,
+    }
+    assert_lands(sig, mod_hooks("cuda", **DECODE_HOOKS), args, expected)

@@ -124,10 +124,29 @@ FORWARD_HOPPER = Signature("flex_attention_forward", (
     IS_DIVISIBLE, OUTPUT_MAX, SCORES_IN_BASE2, SCORE_AFFINE,
     LONGEST_FIRST, NUM_BUFFERS, CONSUMER_REGS, SCORE_DTYPE, IS_FP8, O_TMA"""), "gl.constexpr")
 
+DECODE_SPLIT = Signature("decode_split_kernel", (
+    ("tensors", _names("Q, K, V, Out, LSE, SPLITS_DONE")),
+    _KV_TABLES,
+    ("lengths", ("KV_LENGTHS",)),
+    (MODS, ("score_params", "mask_params")),
+    ("strides", _names("""
+        stride_qz, stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk,
+        stride_vz, stride_vh, stride_vn, stride_vk""")),
+    ("out_strides", _names("stride_oz, stride_oh, stride_om, stride_ok")),
+    _KV_TABLE_STRIDES,
+    ("sizes", _names("Q_LEN, KV_LEN, QK_HEAD_DIM, V_HEAD_DIM, N_ROWS")),
+    ("scalars", ("SM_SCALE",)),
+), _names("""
+    HKV, GQA_SHARED_HEADS, PACKED_HEADS, Q_ROWS, NUM_Q_BLOCKS, M_TILES, BLOCK_M, BLOCK_N,
+    QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED, SPLIT_KV, TILE_KV, SPARSE_Q_BLOCK_SIZE, SPARSE_KV_BLOCK_SIZE,
+    HAS_BLOCK_MASK, HAS_FULL_BLOCKS, APPLY_MASK_DENSE, HAS_KV_LENGTHS, IS_DIVISIBLE_M, IS_DIVISIBLE_N,
+    SAFE_HEAD_DIM, DOT_PRECISION, DOT_IN_FP64, MERGE_M, MERGE_CHUNK"""))
+
 # template -> the signatures of the kernels it defines (each filled through its $<kernel>_params hook)
 TEMPLATES: dict[str, tuple[Signature, ...]] = {
     "forward": (FORWARD,),
     "forward_hopper": (FORWARD_HOPPER,),
+    "decode": (DECODE_SPLIT,),
 }
 
 

@@ -149,14 +149,14 @@ def make_plan(query, key, value, score: Mod | None, score_bufs, mask: Mod | None
     strides = (*query.stride(), *layout.broadcast_strides(key, kz), *layout.broadcast_strides(value, kz))
     if has_block_mask:
         num, idx = tables.kv.num, tables.kv.idx
-        static = [*table_strides(num), *table_strides(idx)]
-        static += ([*table_strides(tables.kv.full_num), *table_strides(tables.kv.full_idx)] if has_full else [0] * 6)
+        tables_strides = [*table_strides(num), *table_strides(idx)]
+        tables_strides += ([*table_strides(tables.kv.full_num), *table_strides(tables.kv.full_idx)] if has_full
+                           else [0] * 6)
     else:
-        static = [0] * 12
+        tables_strides = [0] * 12
     # LSE + partials in one float32 buffer: LSE [n], M and L [split, n], Acc [split, n, EV]
     n = B * HQ * Q_LEN
     scratch = n + 2 * n * split + n * split * EV if split > 1 else n
-    static += [Q_LEN, KV_LEN, E, EV, n]
     # The merge: every real row of a row tile at once, as many partials a step as registers allow.
     merge_m = min(BLOCK_M, triton.next_power_of_2(max(rows, 1)))
     per_step = MERGE_ELEMENTS_PER_WARP * o["num_warps"] // (merge_m * DV)
@@ -186,10 +186,12 @@ def make_plan(query, key, value, score: Mod | None, score_bufs, mask: Mod | None
     call, unused = PER_CALL, UNUSED
     score_fixed, score_slots = _buffer_template(score, score_bufs)
     mask_fixed, mask_slots = _buffer_template(mask, mask_bufs)
+    # (group by group in the order `signatures.DECODE_SPLIT` declares)
     fixed = (call, call, call, call, call, call if split > 1 else unused,   # Q, K, V, Out, scratch, counters
              *(call if has_block_mask else unused for _ in range(4)),       # block-mask tables
              call if kv_lengths is not None else unused,
-             *score_fixed, *mask_fixed, *strides, *layout.output_strides(out_shape, out_order), *static, call)
+             *score_fixed, *mask_fixed, *strides, *layout.output_strides(out_shape, out_order), *tables_strides,
+             Q_LEN, KV_LEN, E, EV, n, call)
     return Plan(
         split=launch.Launch(mod.decode_split_kernel, (split, B * HKV, (G // G_PACK) * NUM_Q_BLOCKS * M_TILES),
                             constexprs, device, fixed),

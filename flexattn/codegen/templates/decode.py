@@ -242,28 +242,7 @@ def merge_rows(
 
 @triton.jit
 def decode_split_kernel(
-    Q, K, V, Out, LSE, SPLITS_DONE,
-    KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX, KV_LENGTHS,
-    $score_params$mask_params
-    stride_qz, stride_qh, stride_qm, stride_qk,
-    stride_kz, stride_kh, stride_kn, stride_kk,
-    stride_vz, stride_vh, stride_vn, stride_vk,
-    stride_oz, stride_oh, stride_om, stride_ok,
-    stride_nz, stride_nh, stride_nm,
-    stride_iz, stride_ih, stride_im,
-    stride_fnz, stride_fnh, stride_fnm,
-    stride_fiz, stride_fih, stride_fim,
-    Q_LEN, KV_LEN, QK_HEAD_DIM, V_HEAD_DIM, N_ROWS, SM_SCALE,
-    HKV: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, PACKED_HEADS: tl.constexpr,
-    Q_ROWS: tl.constexpr, NUM_Q_BLOCKS: tl.constexpr, M_TILES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    QK_HEAD_DIM_ROUNDED: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr,
-    SPLIT_KV: tl.constexpr, TILE_KV: tl.constexpr,
-    SPARSE_Q_BLOCK_SIZE: tl.constexpr, SPARSE_KV_BLOCK_SIZE: tl.constexpr,
-    HAS_BLOCK_MASK: tl.constexpr, HAS_FULL_BLOCKS: tl.constexpr, APPLY_MASK_DENSE: tl.constexpr,
-    HAS_KV_LENGTHS: tl.constexpr, IS_DIVISIBLE_M: tl.constexpr, IS_DIVISIBLE_N: tl.constexpr,
-    SAFE_HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_IN_FP64: tl.constexpr, MERGE_M: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+$decode_split_kernel_params
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
     tl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N == 0)
