@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import flexattn
-from flexattn.codegen import emit, render, signatures
+from flexattn import interval as summaries, ir
+from flexattn.codegen import block_mask_kernel, emit, interval, render, signatures
 from flexattn.kernels import decode as dec, forward as fwd, launch
 from flexattn.kernels.arguments import PER_CALL, UNUSED
 from flexattn.kernels.tables import tables_of
@@ -47,6 +48,9 @@ def rendered(template: str, make_module, monkeypatch) -> str:
         return types.SimpleNamespace(flex_attention_forward=None)
 
     monkeypatch.setattr(render, "load_source", capture)
+    monkeypatch.setattr(block_mask_kernel, "load_kernel_module",
+                        lambda name, hooks, provenance, interpret: capture(render.render(name, hooks, provenance),
+                                                                           name, interpret))
     monkeypatch.setattr(launch, "_MODULES", {})
     make_module()
     return seen[template]
@@ -72,7 +76,15 @@ FAMILIES = {
     "forward": (lambda: fwd.module(SCORE, MASK, "cuda"), lambda: mod_hooks("cuda")),
     "forward_hopper": (lambda: fwd.hopper_module(SCORE, MASK, False), lambda: mod_hooks("gluon")),
     "decode": (lambda: dec.module(SCORE, MASK, "cuda"), lambda: mod_hooks("cuda", **DECODE_HOOKS)),
+    "block_mask": (lambda: block_mask_kernel._render(MASK, "cuda"), lambda: block_mask_hooks()),
 }
+
+
+def block_mask_hooks() -> dict[str, str]:
+    src = emit.emit_mod(MASK.ir, "mask", "mask_mod", "cuda")
+    return {"mod_params": src.param_list(""),
+            "interval_params": "".join(f"{p}, " for p in interval.summary_params(list(src.buffers)))}
+
 
 
 def test_every_declared_template_is_checked_here():
@@ -175,6 +187,13 @@ class Recorder:
         assert next(given, None) is None, "more per-call arguments than PER_CALL slots"
 
 
+class Equal:
+    """An expected tensor that the host makes anew: compared by value."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
 def assert_lands(sig: signatures.Signature, hooks: dict, args: list, expected: dict) -> None:
     """Every runtime parameter of ``sig`` got ``expected[name]`` (a tensor: that very object)."""
     names = sig.names(hooks)[:-len(sig.constexprs)]
@@ -182,7 +201,12 @@ def assert_lands(sig: signatures.Signature, hooks: dict, args: list, expected: d
     assert set(expected) == set(names)
     for name, arg in zip(names, args):
         want = expected[name]
-        if isinstance(want, torch.Tensor) or want is UNUSED or isinstance(arg, torch.Tensor):
+        if isinstance(want, Equal):
+            assert torch.equal(arg, want.tensor), name
+        elif isinstance(want, torch.Tensor) and want._base is not None:  # a view: of the same memory
+            assert isinstance(arg, torch.Tensor) and (arg.data_ptr(), arg.shape, arg.stride()) == (
+                want.data_ptr(), want.shape, want.stride()), name
+        elif isinstance(want, torch.Tensor) or want is UNUSED or isinstance(arg, torch.Tensor):
             assert arg is want, name
         else:
             assert arg == want, name
@@ -219,3 +243,41 @@ def test_the_decode_arguments_land_at_their_names(block_mask):
         "SM_SCALE": 0.25,
     }
     assert_lands(sig, mod_hooks("cuda", **DECODE_HOOKS), args, expected)
+
+
+class Grid:
+    """Stands for a kernel launched as ``kernel[grid](...)``: records the arguments."""
+
+    def __init__(self):
+        self.recorder = Recorder()
+
+    def __getitem__(self, grid):
+        return lambda *args, **constexprs: self.recorder(*args)
+
+
+@pytest.mark.parametrize("separate_full", [True, False])
+def test_the_block_mask_arguments_land_at_their_names(separate_full, monkeypatch):
+    kernels = types.SimpleNamespace(**{sig.kernel: Grid() for sig in signatures.TEMPLATES["block_mask"]})
+    monkeypatch.setattr(block_mask_kernel, "kernel_module", lambda mod, target: kernels)
+    BD, HD, Q_LEN, KV_LEN = 2, 3, 40, 72
+    tables = block_mask_kernel.build_tables(MASK, BD, HD, Q_LEN, KV_LEN, 16, 8, torch.device("cpu"), separate_full)
+    n_q, n_kv = 3, 9
+    calls = {name: grid.recorder.args for name, grid in vars(kernels).items()}
+    state = calls["classify_kernel"][0]
+    assert state.shape == (BD * HD, n_q, 1)
+    used = ir.buffers_of(MASK.ir)
+    hooks = block_mask_hooks()
+    states = {"State": state, "stride_sbh": state.stride(0), "stride_sm": state.stride(1)}
+    made = interval.summary_args(used, {b.index: summaries.Summary.of(MASK.buffers[b.index]) for b in used})
+    interval_values = dict(zip(interval.summary_params(used),
+                               [Equal(v) if isinstance(v, torch.Tensor) else v for v in made]))
+    assert_lands(signatures.CLASSIFY, hooks, calls["classify_kernel"], {
+        **states, **buffer_values("", MASK.buffers), **interval_values,
+        "HD": HD, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "N_KV_TILES": n_kv, "N_WORDS": 1})
+    flat = [None if t is None else t.view(BD * HD, *t.shape[2:]) for t in tables]
+    for sig, lists, full in ((signatures.KV_ORDER, flat[0:2], flat[2:4]), (signatures.Q_ORDER, flat[4:6], flat[6:8])):
+        args = calls[sig.kernel]
+        if not separate_full:  # no full lists: both kernels get the KV counts in their (unread) place
+            full = [flat[0], flat[0]]
+        tensors = dict(zip(sig.group("tensors")[1:], [*lists, *full]))
+        assert_lands(sig, hooks, args, {**states, **tensors, "N_Q_TILES": n_q, "N_KV_TILES": n_kv})

@@ -78,6 +78,7 @@ def build_tables(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, K
     # of 64 x 64 keep registers in check.
     sub_q, sub_kv = (Q_BLOCK, KV_BLOCK) if interpret else (min(Q_BLOCK, 64), min(KV_BLOCK, 64))
     chunk_words, chunk_q, chunk_kv = chunks(n_q, n_kv, interpret)
+    # (each launch's arguments in the order `signatures.CLASSIFY`, `KV_ORDER`, `Q_ORDER` declare)
     module.classify_kernel[(n_q, BH)](
         state, *emit.launch_args(used, mod.buffers), *summary_args(used, summaries),
         state.stride(0), state.stride(1),

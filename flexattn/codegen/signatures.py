@@ -142,11 +142,34 @@ DECODE_SPLIT = Signature("decode_split_kernel", (
     HAS_BLOCK_MASK, HAS_FULL_BLOCKS, APPLY_MASK_DENSE, HAS_KV_LENGTHS, IS_DIVISIBLE_M, IS_DIVISIBLE_N,
     SAFE_HEAD_DIM, DOT_PRECISION, DOT_IN_FP64, MERGE_M, MERGE_CHUNK"""))
 
+_STATE_STRIDES = ("state_strides", _names("stride_sbh, stride_sm"))
+_ORDER_CONSTEXPRS = _names("SEPARATE_FULL, SEL, CHUNK")
+
+CLASSIFY = Signature("classify_kernel", (
+    ("tensors", ("State",)),
+    (MODS, ("mod_params", "interval_params")),
+    _STATE_STRIDES,
+    ("sizes", _names("HD, Q_LEN, KV_LEN, N_KV_TILES, N_WORDS")),
+), _names("BLOCK_Q, BLOCK_KV, SUB_Q, SUB_KV, CHUNK_WORDS, USE_INTERVAL"))
+
+KV_ORDER = Signature("kv_order_kernel", (
+    ("tensors", _names("State, KvNum, KvIdx, FullNum, FullIdx")),
+    _STATE_STRIDES,
+    ("sizes", _names("N_Q_TILES, N_KV_TILES")),
+), _ORDER_CONSTEXPRS)
+
+Q_ORDER = Signature("q_order_kernel", (
+    ("tensors", _names("State, QNum, QIdx, FullNum, FullIdx")),
+    _STATE_STRIDES,
+    ("sizes", _names("N_Q_TILES, N_KV_TILES")),
+), _ORDER_CONSTEXPRS)
+
 # template -> the signatures of the kernels it defines (each filled through its $<kernel>_params hook)
 TEMPLATES: dict[str, tuple[Signature, ...]] = {
     "forward": (FORWARD,),
     "forward_hopper": (FORWARD_HOPPER,),
     "decode": (DECODE_SPLIT,),
+    "block_mask": (CLASSIFY, KV_ORDER, Q_ORDER),
 }
 
 

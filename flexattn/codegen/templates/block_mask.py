@@ -79,11 +79,7 @@ def _exact_tile(
 # new sequence length: a BlockMask of new lengths reuses the compiled kernels).
 @triton.jit(do_not_specialize=[$classify_nospec"stride_sbh", "stride_sm", "HD", "Q_LEN", "KV_LEN", "N_KV_TILES", "N_WORDS"])
 def classify_kernel(
-    State, $mod_params $interval_params
-    stride_sbh, stride_sm,
-    HD, Q_LEN, KV_LEN, N_KV_TILES, N_WORDS,
-    BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, SUB_Q: tl.constexpr, SUB_KV: tl.constexpr,
-    CHUNK_WORDS: tl.constexpr, USE_INTERVAL: tl.constexpr,
+$classify_kernel_params
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -180,9 +176,7 @@ def _order(Words, N, stride, lane, Num, Idx,
 
 @triton.jit(do_not_specialize=["stride_sbh", "stride_sm", "N_Q_TILES", "N_KV_TILES"])
 def kv_order_kernel(
-    State, KvNum, KvIdx, FullNum, FullIdx,
-    stride_sbh, stride_sm, N_Q_TILES, N_KV_TILES,
-    SEPARATE_FULL: tl.constexpr, SEL: tl.constexpr, CHUNK: tl.constexpr,
+$kv_order_kernel_params
 ):
     # SEL: the state listed in KvIdx (PARTIAL, or 0 = any non-empty when not SEPARATE_FULL)
     pid_m = tl.program_id(0)
@@ -196,9 +190,7 @@ def kv_order_kernel(
 
 @triton.jit(do_not_specialize=["stride_sbh", "stride_sm", "N_Q_TILES", "N_KV_TILES"])
 def q_order_kernel(
-    State, QNum, QIdx, FullNum, FullIdx,
-    stride_sbh, stride_sm, N_Q_TILES, N_KV_TILES,
-    SEPARATE_FULL: tl.constexpr, SEL: tl.constexpr, CHUNK: tl.constexpr,
+$q_order_kernel_params
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
