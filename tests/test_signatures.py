@@ -281,3 +281,22 @@ def test_the_block_mask_arguments_land_at_their_names(separate_full, monkeypatch
             full = [flat[0], flat[0]]
         tensors = dict(zip(sig.group("tensors")[1:], [*lists, *full]))
         assert_lands(sig, hooks, args, {**states, **tensors, "N_Q_TILES": n_q, "N_KV_TILES": n_kv})
+
+
+def test_the_forward_plan_strides_and_sizes_land_at_their_names():
+    """`make_plan` builds the strides and sizes the sentinel test above passes through (the output
+    takes the query's layout, the LSE is contiguous)."""
+    B, HQ, HKV, Q_LEN, KV_LEN, E = 2, 4, 2, 24, 40, 16
+    query = permuted((B, HQ, Q_LEN, E), (2, 0, 3, 1))
+    key = permuted((B, HKV, KV_LEN, E), (1, 2, 0, 3))
+    value = permuted((B, HKV, KV_LEN, E), (0, 2, 1, 3))
+    out = permuted((B, HQ, Q_LEN, E), (1, 2, 0, 3))
+    lse = permuted((B, HQ, Q_LEN), (2, 1, 0))
+    plan = fwd.make_plan(query, key, value, SCORE, MASK, None, {}, False)
+    sig = signatures.FORWARD
+    args = fwd.launch_args(plan, query, key, value, out, lse, None, SCORE, (BIAS,), MASK, (BIAS,), None, 0.5)
+    got = dict(zip(runtime_params(sig, "cuda"), args))
+    expected = {**strides_of("q", query, "zhmk"), **strides_of("k", key, "zhnk"), **strides_of("v", value, "zhnk"),
+                **strides_of("o", torch.empty_like(query), "zhmk"), "stride_lz": Q_LEN * HQ, "stride_lh": Q_LEN,
+                "HQ": HQ, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN}
+    assert {name: got[name] for name in expected} == expected
