@@ -14,7 +14,7 @@ import torch
 import flexattn
 from flexattn import interval as summaries, ir
 from flexattn.codegen import block_mask_kernel, emit, interval, render, signatures
-from flexattn.kernels import decode as dec, forward as fwd, launch
+from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, launch
 from flexattn.kernels.arguments import PER_CALL, UNUSED
 from flexattn.kernels.tables import tables_of
 
@@ -72,11 +72,17 @@ def mod_hooks(target: str, hook: str = "{kind}_mod_params", prefix: str = "{kind
 
 DECODE_HOOKS = dict(hook="{kind}_params", prefix="{K}M_")
 
+
+def backward_hooks() -> dict[str, str]:
+    """The Triton backward's: the mods' and the gradient buffer of SCORE's captured tensor."""
+    return {**mod_hooks("cuda"), "grad_params": "score_G0, score_G0_s0, "}
+
 FAMILIES = {
     "forward": (lambda: fwd.module(SCORE, MASK, "cuda"), lambda: mod_hooks("cuda")),
     "forward_hopper": (lambda: fwd.hopper_module(SCORE, MASK, False), lambda: mod_hooks("gluon")),
     "decode": (lambda: dec.module(SCORE, MASK, "cuda"), lambda: mod_hooks("cuda", **DECODE_HOOKS)),
     "block_mask": (lambda: block_mask_kernel._render(MASK, "cuda"), lambda: block_mask_hooks()),
+    "backward": (lambda: bwd.module(SCORE, MASK, (0,), "cuda"), backward_hooks),
 }
 
 
@@ -300,3 +306,50 @@ def test_the_forward_plan_strides_and_sizes_land_at_their_names():
                 **strides_of("o", torch.empty_like(query), "zhmk"), "stride_lz": Q_LEN * HQ, "stride_lh": Q_LEN,
                 "HQ": HQ, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN}
     assert {name: got[name] for name in expected} == expected
+
+
+@pytest.mark.parametrize("block_mask", [False, True])
+def test_the_backward_arguments_land_at_their_names(block_mask):
+    """`run`'s three launches (preprocess, dK/dV, dQ) of a plan made from permuted CPU tensors,
+    with a gradient for SCORE's captured tensor."""
+    B, HQ, HKV, Q_LEN, KV_LEN, E, EV = 2, 4, 2, 24, 40, 16, 8
+    query = permuted((B, HQ, Q_LEN, E), (2, 0, 3, 1))
+    key = permuted((B, HKV, KV_LEN, E), (1, 2, 0, 3))
+    value = permuted((B, HKV, KV_LEN, EV), (0, 2, 1, 3))
+    out = permuted((B, HQ, Q_LEN, EV), (1, 2, 0, 3))
+    grad_out = permuted((B, HQ, Q_LEN, EV), (3, 1, 0, 2))
+    lse = permuted((B, HQ, Q_LEN), (2, 1, 0))
+    grad_lse = permuted((B, HQ, Q_LEN), (1, 0, 2))
+    tables = None
+    if block_mask:
+        tables = tables_of(flexattn.create_block_mask(lambda b, h, q, kv: kv <= q + 20, B, 1, Q_LEN, KV_LEN,
+                                                      device="cpu", BLOCK_SIZE=16))
+    plan = bwd.make_plan(query, key, value, out, grad_out, SCORE, MASK, tables, {}, (True,), (BIAS,), True)
+    assert plan.grad_buffers == (0,)
+    launches = {name: Recorder() for name in ("preprocess", "dkdv", "dq")}
+    dq, dk, dv, grads = bwd.run(dataclasses.replace(plan, **launches), query, key, value, out, lse, grad_out,
+                                grad_lse, SCORE, (BIAS,), MASK, (BIAS,), tables, 0.25)
+    pre, dkdv, dqa = (launches[name].args for name in ("preprocess", "dkdv", "dq"))
+    delta = pre[3]
+    assert delta.shape == (B, HQ, Q_LEN)
+    assert_lands(signatures.BACKWARD_PREPROCESS, {}, pre, {
+        "Out": out, "DO": grad_out, "DLSE": grad_lse, "DELTA": delta, "DQ_ACC": delta,
+        **strides_of("o", out, "zhmk"), **strides_of("do", grad_out, "zhmk"), **strides_of("dl", grad_lse, "zhm"),
+        "stride_dqz": 0, "stride_dqh": 0, "stride_dqm": 0, "HQ": HQ, "Q_LEN": Q_LEN})
+    if block_mask:
+        q_lists, kv_lists = tables.q.args(), tables.kv.args()
+    else:
+        q_lists, kv_lists = (lists.args() for lists in plan.dense)
+    common = {"Q": query, "K": key, "V": value, "DO": grad_out, "LSE": lse, "DELTA": delta,
+              **buffer_values("score_", (BIAS,)), **buffer_values("mask_", (BIAS,)),
+              **strides_of("q", query, "zhmk"), **strides_of("k", key, "zhnk"), **strides_of("v", value, "zhnk"),
+              **strides_of("do", grad_out, "zhmk"), **strides_of("l", lse, "zhm"),
+              "HQ": HQ, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "SM_SCALE": 0.25}
+    sig = signatures.BACKWARD_DKDV
+    assert_lands(sig, backward_hooks(), dkdv, {
+        **common, "DK": dk, "DV": dv, **strides_of("dk", dk, "zhnk"), **strides_of("dv", dv, "zhnk"),
+        **table_values(q_lists, sig), "HKV": HKV})
+    sig = signatures.BACKWARD_DQ
+    assert_lands(sig, backward_hooks(), dqa, {
+        **common, "DQ": dq, **strides_of("dq", dq, "zhmk"), **table_values(kv_lists, sig),
+        "score_G0": grads[0], "score_G0_s0": grads[0].stride(0)})

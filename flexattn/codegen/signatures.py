@@ -164,12 +164,60 @@ Q_ORDER = Signature("q_order_kernel", (
     ("sizes", _names("N_Q_TILES, N_KV_TILES")),
 ), _ORDER_CONSTEXPRS)
 
+_BACKWARD_CONSTEXPRS = _names("""
+    SPARSE_Q_BLOCK_SIZE, SPARSE_KV_BLOCK_SIZE, QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED,
+    V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM, IS_DIVISIBLE, GQA_SHARED_HEADS, HAS_FULL_BLOCKS,
+    BLOCKS_ARE_CONTIGUOUS, OFFS_INT64, ACC_DTYPE, SCORE_DTYPE, SCORES_IN_BASE2, DOT_PRECISION, DOT_IN_FP64""")
+_Q_TABLES = ("tables", _names("Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX"))
+_Q_TABLE_STRIDES = ("table_strides", _names("""
+    stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+    stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin"""))
+_QKV_STRIDES = _names("""
+    stride_qz, stride_qh, stride_qm, stride_qk, stride_kz, stride_kh, stride_kn, stride_kk,
+    stride_vz, stride_vh, stride_vn, stride_vk""")
+_DO_LSE_STRIDES = _names("stride_doz, stride_doh, stride_dom, stride_dok, stride_lz, stride_lh, stride_lm")
+
+BACKWARD_PREPROCESS = Signature("backward_preprocess", (
+    ("tensors", _names("Out, DO, DLSE, DELTA, DQ_ACC")),
+    ("strides", _names("""
+        stride_oz, stride_oh, stride_om, stride_ok, stride_doz, stride_doh, stride_dom, stride_dok,
+        stride_dlz, stride_dlh, stride_dlm""")),
+    ("dq_strides", _names("stride_dqz, stride_dqh, stride_dqm")),
+    ("sizes", _names("HQ, Q_LEN")),
+), _names("""
+    BLOCK_M, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, HAS_GRAD_LSE, ZERO_DQ,
+    ACC_DTYPE"""))
+
+BACKWARD_DKDV = Signature("backward_dkdv", (
+    ("tensors", _names("Q, K, V, DO, LSE, DELTA, DK, DV")),
+    _Q_TABLES,
+    _FORWARD_MODS,
+    ("qkv_strides", _QKV_STRIDES),
+    ("strides", _DO_LSE_STRIDES + _names("""
+        stride_dkz, stride_dkh, stride_dkn, stride_dkk, stride_dvz, stride_dvh, stride_dvn, stride_dvk""")),
+    _Q_TABLE_STRIDES,
+    ("sizes", _names("HQ, HKV, Q_LEN, KV_LEN")),
+    ("scalars", ("SM_SCALE",)),
+), ("BLOCK_M1", "BLOCK_N1") + _BACKWARD_CONSTEXPRS)
+
+BACKWARD_DQ = Signature("backward_dq", (
+    ("tensors", _names("Q, K, V, DO, LSE, DELTA, DQ")),
+    _KV_TABLES,
+    (MODS, ("score_mod_params", "mask_mod_params", "grad_params")),
+    ("qkv_strides", _QKV_STRIDES),
+    ("strides", _DO_LSE_STRIDES + _names("stride_dqz, stride_dqh, stride_dqm, stride_dqk")),
+    _KV_TABLE_STRIDES,
+    ("sizes", _names("HQ, Q_LEN, KV_LEN")),
+    ("scalars", ("SM_SCALE",)),
+), ("BLOCK_M2", "BLOCK_N2") + _BACKWARD_CONSTEXPRS)
+
 # template -> the signatures of the kernels it defines (each filled through its $<kernel>_params hook)
 TEMPLATES: dict[str, tuple[Signature, ...]] = {
     "forward": (FORWARD,),
     "forward_hopper": (FORWARD_HOPPER,),
     "decode": (DECODE_SPLIT,),
     "block_mask": (CLASSIFY, KV_ORDER, Q_ORDER),
+    "backward": (BACKWARD_PREPROCESS, BACKWARD_DKDV, BACKWARD_DQ),
 }
 
 

@@ -184,7 +184,8 @@ def _preprocess(mod, query, value, has_grad_lse: bool, zero_dq: bool = False) ->
 
 
 def preprocess_args(out, grad_out, dlse, delta, dq_acc, Hq: int, Q_LEN: int) -> tuple:
-    """`_preprocess`'s launch arguments (``dq_acc`` None: nothing to zero)."""
+    """`_preprocess`'s launch arguments in the order `signatures.BACKWARD_PREPROCESS` declares
+    (``dq_acc`` None: nothing to zero)."""
     dq = (delta, 0, 0, 0) if dq_acc is None else (dq_acc, *dq_acc.stride()[:3])
     return (out, grad_out, dlse, delta, dq[0], *out.stride(), *grad_out.stride(), *dlse.stride(), *dq[1:], Hq, Q_LEN)
 
@@ -261,7 +262,7 @@ def run(plan: Plan | HopperPlan, query, key, value, out, lse, grad_out, grad_lse
         return _run_hopper(plan, query, key, value, out, lse, grad_out, grad_lse, score, score_bufs, mask,
                            mask_bufs, tables, scale)
     B, Hq, Q_LEN, E = query.shape
-    Hkv, KV_LEN, Ev = value.shape[1], value.shape[2], value.shape[3]
+    _, Hkv, KV_LEN, Ev = value.shape
     device = query.device
     grad_bufs = {i: torch.zeros(score_bufs[i].shape, dtype=plan.acc, device=device) for i in plan.grad_buffers}
     dq = launch.empty(query.shape, query.dtype, device, plan.dq_order)
@@ -278,18 +279,31 @@ def run(plan: Plan | HopperPlan, query, key, value, out, lse, grad_out, grad_lse
     dlse = grad_lse if grad_lse is not None else lse
     plan.preprocess(*preprocess_args(out, grad_out, dlse, delta, None, Hq, Q_LEN))
 
-    mod_args = [*launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs)]
-    plan.dkdv(query, key, value, grad_out, lse, delta, dk, dv, *q_lists.args(), *mod_args,
-              *plan.strides, *grad_out.stride(), *lse.stride(), *dk.stride(), *dv.stride(),
-              *q_lists.strides(), *plan.sizes, scale)
-    plan.dq(query, key, value, grad_out, lse, delta, dq, *kv_lists.args(), *mod_args,
-            *emit.grad_launch_args(None, grad_bufs),
-            *plan.strides, *grad_out.stride(), *lse.stride(), *dq.stride(),
-            *kv_lists.strides(), Hq, Q_LEN, KV_LEN, scale)
+    mod_args = (*launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs))
+    plan.dkdv(*dkdv_args(plan, query, key, value, grad_out, lse, delta, dk, dv, q_lists, mod_args, scale))
+    plan.dq(*dq_args(plan, query, key, value, grad_out, lse, delta, dq, kv_lists, mod_args, grad_bufs, scale))
     if not plan.kv_batched:  # K/V broadcast over the batch: their gradient sums over it
         dk = dk.sum(0, keepdim=True).to(key.dtype)
         dv = dv.sum(0, keepdim=True).to(value.dtype)
     return dq, dk, dv, grad_bufs
+
+
+def dkdv_args(plan: Plan, query, key, value, grad_out, lse, delta, dk, dv, q_lists: Direction, mod_args: tuple,
+              scale: float) -> tuple:
+    """The dK/dV pass's arguments, group by group in the order `signatures.BACKWARD_DKDV`
+    declares (``mod_args``: the mods' captured tensors, `launch.buffer_args` of each)."""
+    return (query, key, value, grad_out, lse, delta, dk, dv, *q_lists.args(), *mod_args, *plan.strides,
+            *grad_out.stride(), *lse.stride(), *dk.stride(), *dv.stride(), *q_lists.strides(), *plan.sizes, scale)
+
+
+def dq_args(plan: Plan, query, key, value, grad_out, lse, delta, dq, kv_lists: Direction, mod_args: tuple,
+            grad_bufs: dict, scale: float) -> tuple:
+    """The dQ pass's arguments, group by group in the order `signatures.BACKWARD_DQ` declares
+    (the mods' captured tensors, then the gradient buffers ``grad_bufs`` it adds into)."""
+    hq, _, q_len, kv_len = plan.sizes
+    return (query, key, value, grad_out, lse, delta, dq, *kv_lists.args(), *mod_args,
+            *emit.grad_launch_args(None, grad_bufs), *plan.strides, *grad_out.stride(), *lse.stride(),
+            *dq.stride(), *kv_lists.strides(), hq, q_len, kv_len, scale)
 
 
 def buffer_grads(grads: dict, score_bufs, need) -> list:

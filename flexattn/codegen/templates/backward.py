@@ -159,15 +159,7 @@ def p_from_lse(s, SM_SCALE, lse, valid, SCORES_IN_BASE2: tl.constexpr):
 
 @triton.jit
 def backward_preprocess(
-    Out, DO, DLSE, DELTA, DQ_ACC,
-    stride_oz, stride_oh, stride_om, stride_ok,
-    stride_doz, stride_doh, stride_dom, stride_dok,
-    stride_dlz, stride_dlh, stride_dlm,
-    stride_dqz, stride_dqh, stride_dqm,
-    HQ, Q_LEN,
-    BLOCK_M: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr,
-    QK_HEAD_DIM: tl.constexpr, QK_HEAD_DIM_ROUNDED: tl.constexpr,
-    HAS_GRAD_LSE: tl.constexpr, ZERO_DQ: tl.constexpr, ACC_DTYPE: tl.constexpr,
+$backward_preprocess_params
 ):
     # Delta of BLOCK_M query rows; ZERO_DQ: also zero those rows of DQ_ACC (the Hopper backward's
     # float32 dQ accumulator, [B, HQ, Q_LEN, QK_HEAD_DIM] with contiguous rows), saving a launch
@@ -252,27 +244,7 @@ def dkdv_inner(
 
 @triton.jit
 def backward_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
-    Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
-    $score_mod_params $mask_mod_params
-    stride_qz, stride_qh, stride_qm, stride_qk,
-    stride_kz, stride_kh, stride_kn, stride_kk,
-    stride_vz, stride_vh, stride_vn, stride_vk,
-    stride_doz, stride_doh, stride_dom, stride_dok,
-    stride_lz, stride_lh, stride_lm,
-    stride_dkz, stride_dkh, stride_dkn, stride_dkk,
-    stride_dvz, stride_dvh, stride_dvn, stride_dvk,
-    stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
-    stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
-    HQ, HKV, Q_LEN, KV_LEN, SM_SCALE,
-    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
-    SPARSE_Q_BLOCK_SIZE: tl.constexpr, SPARSE_KV_BLOCK_SIZE: tl.constexpr,
-    QK_HEAD_DIM: tl.constexpr, QK_HEAD_DIM_ROUNDED: tl.constexpr,
-    V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
-    IS_DIVISIBLE: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, HAS_FULL_BLOCKS: tl.constexpr,
-    BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr, SCORES_IN_BASE2: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_IN_FP64: tl.constexpr,
+$backward_dkdv_params
 ):
     tl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N1 == 0)
     pid_n = tl.program_id(0)
@@ -391,26 +363,7 @@ def dq_inner(
 
 @triton.jit
 def backward_dq(
-    Q, K, V, DO, LSE, DELTA, DQ,
-    KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX,
-    $score_mod_params $mask_mod_params $grad_params
-    stride_qz, stride_qh, stride_qm, stride_qk,
-    stride_kz, stride_kh, stride_kn, stride_kk,
-    stride_vz, stride_vh, stride_vn, stride_vk,
-    stride_doz, stride_doh, stride_dom, stride_dok,
-    stride_lz, stride_lh, stride_lm,
-    stride_dqz, stride_dqh, stride_dqm, stride_dqk,
-    stride_nz, stride_nh, stride_nm, stride_iz, stride_ih, stride_im,
-    stride_fnz, stride_fnh, stride_fnm, stride_fiz, stride_fih, stride_fim,
-    HQ, Q_LEN, KV_LEN, SM_SCALE,
-    BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-    SPARSE_Q_BLOCK_SIZE: tl.constexpr, SPARSE_KV_BLOCK_SIZE: tl.constexpr,
-    QK_HEAD_DIM: tl.constexpr, QK_HEAD_DIM_ROUNDED: tl.constexpr,
-    V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr, SAFE_HEAD_DIM: tl.constexpr,
-    IS_DIVISIBLE: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, HAS_FULL_BLOCKS: tl.constexpr,
-    BLOCKS_ARE_CONTIGUOUS: tl.constexpr, OFFS_INT64: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, SCORE_DTYPE: tl.constexpr, SCORES_IN_BASE2: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_IN_FP64: tl.constexpr,
+$backward_dq_params
 ):
     tl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M2 == 0)
     pid_m = tl.program_id(0)
