@@ -14,7 +14,7 @@ import torch
 import flexattn
 from flexattn import interval as summaries, ir
 from flexattn.codegen import block_mask_kernel, emit, interval, render, signatures
-from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, launch
+from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, hopper, launch
 from flexattn.kernels.arguments import PER_CALL, UNUSED
 from flexattn.kernels.tables import tables_of
 
@@ -83,6 +83,7 @@ FAMILIES = {
     "decode": (lambda: dec.module(SCORE, MASK, "cuda"), lambda: mod_hooks("cuda", **DECODE_HOOKS)),
     "block_mask": (lambda: block_mask_kernel._render(MASK, "cuda"), lambda: block_mask_hooks()),
     "backward": (lambda: bwd.module(SCORE, MASK, (0,), "cuda"), backward_hooks),
+    "backward_hopper": (lambda: bwd.hopper_module(SCORE, MASK, False), lambda: mod_hooks("gluon")),
 }
 
 
@@ -200,6 +201,13 @@ class Equal:
         self.tensor = tensor
 
 
+class Descriptor:
+    """An expected TMA descriptor: of that very tensor, with that block shape."""
+
+    def __init__(self, tensor, block):
+        self.tensor, self.block = tensor, block
+
+
 def assert_lands(sig: signatures.Signature, hooks: dict, args: list, expected: dict) -> None:
     """Every runtime parameter of ``sig`` got ``expected[name]`` (a tensor: that very object)."""
     names = sig.names(hooks)[:-len(sig.constexprs)]
@@ -209,6 +217,8 @@ def assert_lands(sig: signatures.Signature, hooks: dict, args: list, expected: d
         want = expected[name]
         if isinstance(want, Equal):
             assert torch.equal(arg, want.tensor), name
+        elif isinstance(want, Descriptor):
+            assert arg.base is want.tensor and list(arg.block_shape) == want.block, name
         elif isinstance(want, torch.Tensor) and want._base is not None:  # a view: of the same memory
             assert isinstance(arg, torch.Tensor) and (arg.data_ptr(), arg.shape, arg.stride()) == (
                 want.data_ptr(), want.shape, want.stride()), name
@@ -353,3 +363,47 @@ def test_the_backward_arguments_land_at_their_names(block_mask):
     assert_lands(sig, backward_hooks(), dqa, {
         **common, "DQ": dq, **strides_of("dq", dq, "zhmk"), **table_values(kv_lists, sig),
         "score_G0": grads[0], "score_G0_s0": grads[0].stride(0)})
+
+
+@pytest.mark.parametrize("kv_batched", [True, False])
+@pytest.mark.parametrize("block_mask", [False, True])
+def test_the_hopper_backward_arguments_land_at_their_names(kv_batched, block_mask):
+    """The Gluon backward's arguments (`hopper_args`) of a plan made from permuted CPU tensors:
+    Q, K, V, dO and the float32 dQ accumulator as descriptors of those tensors with their tiles'
+    shapes; dK and dV too where they are 16-bit (K/V not broadcast over the batch), else the
+    float32 tensors themselves."""
+    B, HQ, HKV, Q_LEN, KV_LEN, E = 2, 4, 2, 256, 384, 64
+    BKV = B if kv_batched else 1
+    bf16 = dict(dtype=torch.bfloat16)
+    query = permuted((B, HQ, Q_LEN, E), (2, 0, 1, 3)).to(**bf16)
+    key = permuted((BKV, HKV, KV_LEN, E), (1, 2, 0, 3)).to(**bf16)
+    value = permuted((BKV, HKV, KV_LEN, E), (2, 1, 0, 3)).to(**bf16)
+    out = permuted((B, HQ, Q_LEN, E), (1, 2, 0, 3)).to(**bf16)
+    grad_out = permuted((B, HQ, Q_LEN, E), (1, 0, 2, 3)).to(**bf16)
+    lse = permuted((B, HQ, Q_LEN), (2, 1, 0))
+    tables = None
+    if block_mask:
+        tables = tables_of(flexattn.create_block_mask(lambda b, h, q, kv: kv <= q + 100, B, 1, Q_LEN, KV_LEN,
+                                                      device="cpu", BLOCK_SIZE=128))
+    plan = bwd.hopper_plan(query, key, value, SCORE, MASK, tables, {}, False)
+    launches = {"preprocess": Recorder(), "main": Recorder()}
+    _, dk, dv, _ = bwd.run(dataclasses.replace(plan, **launches), query, key, value, out, lse, grad_out, None, SCORE,
+                           (BIAS,), MASK, (BIAS,), tables, 0.25)
+    pre, args = launches["preprocess"].args, launches["main"].args
+    delta, dq_acc = pre[3], pre[4]
+    assert dq_acc.dtype == torch.float32 and dq_acc.shape == query.shape
+    sig = signatures.BACKWARD_HOPPER
+    if not kv_batched:  # (run returns their sums over the batch)
+        dk, dv = args[sig.group("tensors").index("DK")], args[sig.group("tensors").index("DV")]
+    assert dk.shape == dv.shape == (B, HKV, KV_LEN, E) and dk.dtype == (torch.bfloat16 if kv_batched else torch.float32)
+    m, n = hopper.BWD_BLOCK_M, hopper.BWD_BLOCK_N
+    q_tile, kv_tile, out_tile = [1, 1, m, E], [1, 1, n, E], [1, 1, n // 2, E]
+    lists = tables.q.args() if block_mask else plan.dense.args()
+    assert_lands(sig, mod_hooks("gluon"), args, {
+        "Q": Descriptor(query, q_tile), "K": Descriptor(key, kv_tile), "V": Descriptor(value, kv_tile),
+        "DO": Descriptor(grad_out, q_tile), "DQ_DESC": Descriptor(dq_acc, [1, 1, m, E // 2]),
+        "LSE": lse, "DELTA": delta,
+        "DK": Descriptor(dk, out_tile) if kv_batched else dk, "DV": Descriptor(dv, out_tile) if kv_batched else dv,
+        **table_values(lists, sig), **buffer_values("score_", (BIAS,)), **buffer_values("mask_", (BIAS,)),
+        **strides_of("l", lse, "zhm"), **strides_of("dk", dk, "zhn"), **strides_of("dv", dv, "zhn"),
+        "HQ": HQ, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "HEAD_GROUP": plan.sizes[-1], "SM_SCALE": 0.25})

@@ -211,6 +211,21 @@ BACKWARD_DQ = Signature("backward_dq", (
     ("scalars", ("SM_SCALE",)),
 ), ("BLOCK_M2", "BLOCK_N2") + _BACKWARD_CONSTEXPRS)
 
+BACKWARD_HOPPER = Signature("flex_attention_backward", (
+    # Q, K, V, DO and DQ_DESC (the float32 dQ accumulator) are TMA descriptors; DK and DV too with DKV_TMA
+    ("tensors", _names("Q, K, V, DO, DQ_DESC, LSE, DELTA, DK, DV")),
+    _Q_TABLES,
+    _FORWARD_MODS,
+    ("strides", _names("""
+        stride_lz, stride_lh, stride_lm, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn""")),
+    _Q_TABLE_STRIDES,
+    ("sizes", _names("HQ, HKV, Q_LEN, KV_LEN, HEAD_GROUP")),
+    ("scalars", ("SM_SCALE",)),
+), _names("""
+    BLOCK_M, BLOCK_N, SPARSE_Q_BLOCK_SIZE, SPARSE_KV_BLOCK_SIZE,
+    GQA_SHARED_HEADS, KV_BATCH_BROADCAST, HAS_FULL_BLOCKS, BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2,
+    SCORE_AFFINE, LATE_DP_WAIT, NUM_BUFFERS, CONSUMER_REGS, SCORE_DTYPE, DEFER_DQ, DKV_TMA"""), "gl.constexpr")
+
 # template -> the signatures of the kernels it defines (each filled through its $<kernel>_params hook)
 TEMPLATES: dict[str, tuple[Signature, ...]] = {
     "forward": (FORWARD,),
@@ -218,6 +233,7 @@ TEMPLATES: dict[str, tuple[Signature, ...]] = {
     "decode": (DECODE_SPLIT,),
     "block_mask": (CLASSIFY, KV_ORDER, Q_ORDER),
     "backward": (BACKWARD_PREPROCESS, BACKWARD_DKDV, BACKWARD_DQ),
+    "backward_hopper": (BACKWARD_HOPPER,),
 }
 
 

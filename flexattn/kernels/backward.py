@@ -323,8 +323,9 @@ def buffer_grads(grads: dict, score_bufs, need) -> list:
 
 def hopper_args(plan: HopperPlan, query, key, value, grad_out, lse, delta, dq_acc, dk, dv, lists: Direction,
                 score: Mod, score_bufs, mask: Mod, mask_bufs, scale: float) -> tuple:
-    """The Gluon backward's arguments, in its order (Q, K, V, dO, the dQ accumulator and, where
-    `hopper.Descriptors.with_out`, dK and dV through TMA descriptors)."""
+    """The Gluon backward's arguments, group by group in the order `signatures.BACKWARD_HOPPER`
+    declares (Q, K, V, dO, the dQ accumulator and, where `hopper.Descriptors.with_out`, dK and dV
+    through TMA descriptors)."""
     if plan.descriptors.with_out:
         *inputs, dk_arg, dv_arg = plan.descriptors(query, key, value, grad_out, dq_acc, dk, dv)
     else:

@@ -385,21 +385,7 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
 
 @gluon.jit
 def flex_attention_backward(
-    Q, K, V, DO, DQ_DESC, LSE, DELTA, DK, DV,
-    Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
-    $score_mod_params $mask_mod_params
-    stride_lz, stride_lh, stride_lm,
-    stride_dkz, stride_dkh, stride_dkn,
-    stride_dvz, stride_dvh, stride_dvn,
-    stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
-    stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
-    HQ, HKV, Q_LEN, KV_LEN, HEAD_GROUP, SM_SCALE,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    SPARSE_Q_BLOCK_SIZE: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr,
-    GQA_SHARED_HEADS: gl.constexpr, KV_BATCH_BROADCAST: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
-    BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr,
-    SCORE_AFFINE: gl.constexpr, LATE_DP_WAIT: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    SCORE_DTYPE: gl.constexpr, DEFER_DQ: gl.constexpr, DKV_TMA: gl.constexpr,
+$flex_attention_backward_params
 ):
     gl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M == 0)
     gl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N == 0)
