@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+from flexattn.version import __version__
 
 # name -> module that defines it; imported on first use so that `import flexattn` stays cheap.
 _EXPORTS = {

@@ -32,7 +32,7 @@ from types import ModuleType
 import torch
 import triton
 
-from flexattn import __version__
+from flexattn.version import __version__
 
 _LOCK = threading.RLock()
 _LOADED: dict[tuple[str, bool], ModuleType] = {}
