@@ -281,23 +281,7 @@ class _Gen:
         choice = self.pick(exact_ops + ([] if exact else approx_ops * 2))
         a = self.float_val(depth - 1, exact)
         if choice in ("add", "sub", "mul", "minmax", "div"):
-            b = self.float_val(depth - 1, exact) if self.chance(0.7) else self._weak_float()
-            bv = b if isinstance(b, _Val) else _Val(b, b, b, True)  # type: ignore[arg-type]
-            bn = b.node if isinstance(b, _Val) else b
-            if choice == "add":
-                return self._float_result(ir.binary("add", a.node, bn), a.lo + bv.lo, a.hi + bv.hi, a, bv)
-            if choice == "sub":
-                return self._float_result(ir.binary("sub", a.node, bn), a.lo - bv.hi, a.hi - bv.lo, a, bv)
-            if choice == "mul":
-                ps = [a.lo * bv.lo, a.lo * bv.hi, a.hi * bv.lo, a.hi * bv.hi]
-                return self._float_result(ir.binary("mul", a.node, bn), min(ps), max(ps), a, bv)
-            if choice == "minmax":
-                op = self.pick(["minimum", "maximum"])
-                f = min if op == "minimum" else max
-                return self._float_result(ir.binary(op, a.node, bn), f(a.lo, bv.lo), f(a.hi, bv.hi), a, bv)
-            # a / (|b| + 1): the divisor is >= 1
-            den = ir.binary("add", ir.unary("abs", bv.node if isinstance(b, _Val) else ir.const(float(b))), 1.0)
-            return self._float_result(ir.binary("truediv", a.node, den), -a.mag, a.mag, a, bv)
+            return self._float_binary(choice, a, depth, exact)
         if choice == "neg":
             return self._float_result(ir.unary("neg", a.node), -a.hi, -a.lo, a)
         if choice == "abs":
@@ -337,7 +321,30 @@ class _Gen:
                 return a
             d = self.pick([3, -7, 2])
             return _Val(ir.binary("truediv", v.node, d), -v.mag, v.mag, True)
-        # Approximate math: inexact from here on.
+        return self._float_approx(choice, a, depth)
+
+    def _float_binary(self, choice: str, a: _Val, depth: int, exact: bool) -> _Val:
+        """add, sub, mul, min/max or a division of ``a`` by another value (a weak float at times)."""
+        b = self.float_val(depth - 1, exact) if self.chance(0.7) else self._weak_float()
+        bv = b if isinstance(b, _Val) else _Val(b, b, b, True)  # type: ignore[arg-type]
+        bn = b.node if isinstance(b, _Val) else b
+        if choice == "add":
+            return self._float_result(ir.binary("add", a.node, bn), a.lo + bv.lo, a.hi + bv.hi, a, bv)
+        if choice == "sub":
+            return self._float_result(ir.binary("sub", a.node, bn), a.lo - bv.hi, a.hi - bv.lo, a, bv)
+        if choice == "mul":
+            ps = [a.lo * bv.lo, a.lo * bv.hi, a.hi * bv.lo, a.hi * bv.hi]
+            return self._float_result(ir.binary("mul", a.node, bn), min(ps), max(ps), a, bv)
+        if choice == "minmax":
+            op = self.pick(["minimum", "maximum"])
+            f = min if op == "minimum" else max
+            return self._float_result(ir.binary(op, a.node, bn), f(a.lo, bv.lo), f(a.hi, bv.hi), a, bv)
+        # a / (|b| + 1): the divisor is >= 1
+        den = ir.binary("add", ir.unary("abs", bv.node if isinstance(b, _Val) else ir.const(float(b))), 1.0)
+        return self._float_result(ir.binary("truediv", a.node, den), -a.mag, a.mag, a, bv)
+
+    def _float_approx(self, choice: str, a: _Val, depth: int) -> _Val:
+        """Approximate math of ``a`` (exp, log, trig, activations, pow): inexact from here on."""
         x = a.node
         if choice == "exp":
             op = self.pick(["exp", "exp2", "expm1"])
