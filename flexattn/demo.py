@@ -10,9 +10,12 @@ the result against a float64 eager reference.
 from __future__ import annotations
 
 import argparse
+import platform
 import time
 
+import numpy
 import torch
+import triton
 
 import flexattn
 from flexattn.reference import attention_reference
@@ -77,11 +80,6 @@ def main(argv=None, prog: str | None = None) -> int:
 def _platform() -> str:
     """The versions and the processor a numerical result depends on: on the CPU the kernels run
     through Triton's interpreter, i.e. numpy's SIMD math functions."""
-    import platform
-
-    import numpy
-    import triton
-
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:

@@ -31,6 +31,9 @@ from typing import Any, Callable, Hashable, Iterable
 
 import torch
 import triton
+from triton.testing import do_bench
+
+from flexattn.codegen.cache import cache_dir
 
 FORWARD_KNOBS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 BACKWARD_KNOBS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
@@ -118,8 +121,6 @@ def length_bucket(n: int) -> int:
 def bench(run: Callable[[], Any], device: torch.device) -> float:
     """Milliseconds per call of ``run`` (median of Triton's timing on the GPU; wall clock on CPU)."""
     if device.type == "cuda":
-        from triton.testing import do_bench
-
         return do_bench(run, warmup=25, rep=100)
     run()
     t = time.perf_counter()
@@ -167,8 +168,6 @@ def choose(key: str, candidates: list[dict[str, Any]], make: Callable[[dict], An
 
 
 def _path():
-    from flexattn.codegen.cache import cache_dir
-
     return cache_dir() / _FILE
 
 
