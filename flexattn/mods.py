@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from flexattn import ir
+from flexattn.lru import LRU
 
 SCORE, MASK = "score", "mask"
 ARITY = {SCORE: 5, MASK: 4}
@@ -28,15 +29,18 @@ def _canonical(device: torch.device) -> torch.device:
 
 # Structural key -> a Mod with that key. Compiled graphs (torch.compile) name mods by key only; the
 # custom ops find the IR here at run time (every call passes its own captured tensors).
-_TEMPLATES: dict[str, "Mod"] = {}
+# Bound: a template is an IR and meta tensors (a few KB); a compiled graph that calls a mod
+# whose template was dropped (not used in the last 8192 new mods) fails with the KeyError below.
+_TEMPLATES = LRU(8192)
 
 
 def template(key: str) -> "Mod":
     """The IR of a mod known by its structural key (see `Mod.key`)."""
-    try:
-        return _TEMPLATES[key]
-    except KeyError:
-        raise KeyError(f"no mod with key {key[:80]!r}... was seen in this process") from None
+    mod = _TEMPLATES.get(key)
+    if mod is None:
+        raise KeyError(f"no mod with key {key[:80]!r}... was seen in this process (or among its last "
+                       f"{_TEMPLATES.limit} new mods)")
+    return mod
 
 
 class Mod:

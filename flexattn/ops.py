@@ -19,6 +19,7 @@ from torch import Tensor
 
 from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, launch, layout, plans
 from flexattn.kernels.tables import Direction, Tables
+from flexattn.lru import LRU
 from flexattn.mods import template
 
 
@@ -29,14 +30,15 @@ def spec(score_key: str, mask_key: str, block: tuple, enable_gqa: bool, options:
     return repr((score_key, mask_key, block, enable_gqa, options, want_max))
 
 
-_SPECS: dict[str, tuple] = {}
+_SPECS = LRU(4096)  # spec string -> its parsed templates and options
 
 
 def _parse(s: str):
     parsed = _SPECS.get(s)
     if parsed is None:
         score_key, mask_key, block, enable_gqa, options, want_max = ast.literal_eval(s)
-        parsed = _SPECS[s] = (template(score_key), template(mask_key), block, enable_gqa, dict(options), want_max)
+        parsed = (template(score_key), template(mask_key), block, enable_gqa, dict(options), want_max)
+        _SPECS[s] = parsed
     return parsed
 
 

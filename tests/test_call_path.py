@@ -364,7 +364,7 @@ def test_block_masks_of_new_lengths_reuse_kernels():
         padded[:n, :n] = dense
         visited = padded.view(nb, 16, nb, 16).any(3).any(1).sum(1)  # tiles each query block must see
         assert torch.equal((bm.kv_num_blocks + bm.full_kv_num_blocks)[0, 0], visited.int())
-    assert block_mask_kernel._MODULES == modules
+    assert dict(block_mask_kernel._MODULES) == modules
     source = next(iter(modules.values())).__file__
     with open(source) as f:
         text = f.read()

@@ -11,25 +11,28 @@ captured tensors, key, name and source), so this module needs nothing from above
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 
 from flexattn import interval, ir
 from flexattn.codegen import emit
+from flexattn.codegen.cache import INTERPRETER_LOCK
 from flexattn.codegen.interval import emit_interval, summary_args, summary_params
 from flexattn.codegen.render import load_kernel_module
+from flexattn.lru import LRU
 
 
-_MODULES: dict[tuple[str, str], object] = {}
+# Bound: a module holds its three Triton kernels; a dropped one is imported again from disk.
+_MODULES = LRU(256)
+_GPU_LAUNCH_LOCK = threading.Lock()
 
 
 def kernel_module(mod, target: str):
     """The rendered kernel module for ``mod`` (memoised on the mod's structural key)."""
     key = (mod.key(), target)
-    module = _MODULES.get(key)
-    if module is None:
-        module = _MODULES[key] = _render(mod, target)
-    return module
+    return _MODULES.setdefault(key, lambda: _render(mod, target))
 
 
 def _render(mod, target: str):
@@ -79,38 +82,41 @@ def build_tables(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, K
     sub_q, sub_kv = (Q_BLOCK, KV_BLOCK) if interpret else (min(Q_BLOCK, 64), min(KV_BLOCK, 64))
     chunk_words, chunk_q, chunk_kv = chunks(n_q, n_kv, interpret)
     # (each launch's arguments in the order `signatures.CLASSIFY`, `KV_ORDER`, `Q_ORDER` declare)
-    module.classify_kernel[(n_q, BH)](
-        state, *emit.launch_args(used, mod.buffers), *summary_args(used, summaries),
-        state.stride(0), state.stride(1),
-        HD, Q_LEN, KV_LEN, n_kv, n_words,
-        BLOCK_Q=Q_BLOCK, BLOCK_KV=KV_BLOCK, SUB_Q=sub_q, SUB_KV=sub_kv,
-        CHUNK_WORDS=chunk_words, USE_INTERVAL=use_interval,
-        # No FMA contraction: interval bounds rely on every float op rounding like torch's.
-        enable_fp_fusion=False,
-    )
+    # (CPU: Triton's interpreter runs one launch at a time; GPU: threads' first launches of a
+    # module compile it once)
+    with INTERPRETER_LOCK if interpret else _GPU_LAUNCH_LOCK:
+        module.classify_kernel[(n_q, BH)](
+            state, *emit.launch_args(used, mod.buffers), *summary_args(used, summaries),
+            state.stride(0), state.stride(1),
+            HD, Q_LEN, KV_LEN, n_kv, n_words,
+            BLOCK_Q=Q_BLOCK, BLOCK_KV=KV_BLOCK, SUB_Q=sub_q, SUB_KV=sub_kv,
+            CHUNK_WORDS=chunk_words, USE_INTERVAL=use_interval,
+            # No FMA contraction: interval bounds rely on every float op rounding like torch's.
+            enable_fp_fusion=False,
+        )
 
-    def tables(n_rows, n_cols):
-        num = torch.empty(BH, n_rows, dtype=torch.int32, device=device)
-        idx = torch.empty(BH, n_rows, n_cols, dtype=torch.int32, device=device)
-        return num, idx
+        def tables(n_rows, n_cols):
+            num = torch.empty(BH, n_rows, dtype=torch.int32, device=device)
+            idx = torch.empty(BH, n_rows, n_cols, dtype=torch.int32, device=device)
+            return num, idx
 
-    kv_num, kv_idx = tables(n_q, n_kv)
-    q_num, q_idx = tables(n_kv, n_q)
-    if separate_full:
-        fkv_num, fkv_idx = tables(n_q, n_kv)
-        fq_num, fq_idx = tables(n_kv, n_q)
-    else:
-        fkv_num = fkv_idx = fq_num = fq_idx = kv_num  # unused by the kernels
-    # (integer kernels: fp fusion is moot, set so that Triton 3.9 has no default to warn about)
-    common = dict(SEPARATE_FULL=separate_full, SEL=1 if separate_full else 0, enable_fp_fusion=False)
-    module.kv_order_kernel[(n_q, BH)](
-        state, kv_num, kv_idx, fkv_num, fkv_idx, state.stride(0), state.stride(1), n_q, n_kv,
-        CHUNK=chunk_kv, **common,
-    )
-    module.q_order_kernel[(n_kv, BH)](
-        state, q_num, q_idx, fq_num, fq_idx, state.stride(0), state.stride(1), n_q, n_kv,
-        CHUNK=chunk_q, **common,
-    )
+        kv_num, kv_idx = tables(n_q, n_kv)
+        q_num, q_idx = tables(n_kv, n_q)
+        if separate_full:
+            fkv_num, fkv_idx = tables(n_q, n_kv)
+            fq_num, fq_idx = tables(n_kv, n_q)
+        else:
+            fkv_num = fkv_idx = fq_num = fq_idx = kv_num  # unused by the kernels
+        # (integer kernels: fp fusion is moot, set so that Triton 3.9 has no default to warn about)
+        common = dict(SEPARATE_FULL=separate_full, SEL=1 if separate_full else 0, enable_fp_fusion=False)
+        module.kv_order_kernel[(n_q, BH)](
+            state, kv_num, kv_idx, fkv_num, fkv_idx, state.stride(0), state.stride(1), n_q, n_kv,
+            CHUNK=chunk_kv, **common,
+        )
+        module.q_order_kernel[(n_kv, BH)](
+            state, q_num, q_idx, fq_num, fq_idx, state.stride(0), state.stride(1), n_q, n_kv,
+            CHUNK=chunk_q, **common,
+        )
     out = [kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx]
     if not separate_full:
         out[2] = out[3] = out[6] = out[7] = None

@@ -14,6 +14,11 @@ is discarded and written again, with one warning per entry. Writes go to a tempo
 are published with ``os.replace`` (atomic on POSIX), so concurrent processes either see no file or a
 complete one. Source is compiled before it is written, and an entry whose import fails is removed:
 nothing un-importable stays in the cache.
+
+Size: the entries' total size is kept under ``$FLEXATTN_CACHE_MAX_MB`` (default `DEFAULT_MAX_MB`).
+Using an entry marks it (its modification time); a write that takes the directory past the cap
+removes the least recently used entries down to 90% of it. Other processes may be reading an
+entry as it goes: a reader that finds it gone writes it again.
 """
 
 from __future__ import annotations
@@ -33,9 +38,15 @@ import torch
 import triton
 
 from flexattn.version import __version__
+from flexattn.lru import LRU
 
+DEFAULT_MAX_MB = 512  # about 10,000 generated modules
 _LOCK = threading.RLock()
-_LOADED: dict[tuple[str, bool], ModuleType] = {}
+# Held by every launch through Triton's interpreter (CPU tensors), which keeps global state while a
+# kernel runs: threads take turns.
+INTERPRETER_LOCK = threading.RLock()
+# Bound: an imported module holds its Triton kernels; a dropped one leaves sys.modules too.
+_LOADED = LRU(1024, on_evict=lambda key, module: sys.modules.pop(module.__name__, None))
 _FALLBACK: dict[str, Path] = {}  # configured directory -> the private one used instead
 _WARNED: set[str] = set()
 _HEADER = "# flexattn cache entry, sha256 of the rest: "
@@ -139,12 +150,59 @@ def write_source(source: str, stem: str, interpret: bool) -> Path:
     path = cache_dir() / f"{stem}_{source_key(source, interpret)}.py"
     found = _read(path)
     if found == text:
+        with contextlib.suppress(OSError):
+            os.utime(path)  # used now: the last to be evicted
         return path
     if found is not None:
         _warn_once(f"entry:{path}", f"flexattn: the cached kernel {path} was truncated, corrupted or "
                    "modified; it has been regenerated")
     _publish(path, text, stem)
+    evict(path.parent, max_bytes(), keep=path)
     return path
+
+
+def max_bytes() -> int:
+    """The cap on the entries' total size: ``$FLEXATTN_CACHE_MAX_MB`` megabytes (default
+    `DEFAULT_MAX_MB`)."""
+    raw = os.environ.get("FLEXATTN_CACHE_MAX_MB")
+    if raw is None or raw == "":
+        return DEFAULT_MAX_MB << 20
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = -1.0
+    if not mb > 0:
+        raise ValueError(f"FLEXATTN_CACHE_MAX_MB must be a positive number of megabytes, got {raw!r}")
+    return int(mb * (1 << 20))
+
+
+def evict(directory: Path, limit: int, keep: Path | None = None) -> None:
+    """Remove the least recently used entries of ``directory`` (by modification time) until
+    their total size is at most 90% of ``limit``, if it is over ``limit``; never ``keep``.
+    Entries another process removes meanwhile are skipped."""
+    entries = []
+    total = 0
+    with os.scandir(directory) as it:
+        for e in it:
+            if not e.name.endswith(".py") or e.name.startswith("."):
+                continue
+            try:
+                st = e.stat()
+            except FileNotFoundError:
+                continue
+            entries.append((st.st_mtime_ns, st.st_size, e.path))
+            total += st.st_size
+    if total <= limit:
+        return
+    entries.sort()
+    for _, size, name in entries:
+        if total <= limit * 0.9:
+            break
+        if keep is not None and name == str(keep):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
+        total -= size
 
 
 @contextlib.contextmanager
@@ -175,20 +233,31 @@ def load_source(source: str, stem: str, interpret: bool) -> ModuleType:
         mod = _LOADED.get(key)
         if mod is not None:
             return mod
-        path = write_source(source, stem, interpret)
-        name = f"flexattn_generated.{path.stem}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        try:
-            with _interpret_mode(interpret):
-                spec.loader.exec_module(mod)
-        except BaseException as e:
-            sys.modules.pop(name, None)
-            if isinstance(e, Exception):  # not for Ctrl-C: the entry itself may be fine
-                with contextlib.suppress(OSError):
-                    path.unlink()
-            raise
+        for attempt in range(3):
+            path = write_source(source, stem, interpret)
+            try:
+                mod = _import(path, interpret)
+                break
+            except FileNotFoundError:  # evicted by another process between the write and the read
+                if attempt == 2:
+                    raise
         _LOADED[key] = mod
         return mod
+
+
+def _import(path: Path, interpret: bool) -> ModuleType:
+    name = f"flexattn_generated.{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    try:
+        with _interpret_mode(interpret):
+            spec.loader.exec_module(mod)
+    except BaseException as e:
+        sys.modules.pop(name, None)
+        if isinstance(e, Exception) and not isinstance(e, FileNotFoundError):
+            with contextlib.suppress(OSError):  # not for Ctrl-C: the entry itself may be fine
+                path.unlink()
+        raise
+    return mod

@@ -25,7 +25,7 @@ from flexattn.kernels.tables import Direction, Tables, check_block_size, dense, 
 from flexattn.mods import Mod
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=1024)  # (per score mod template: its derivative's IR)
 def score_mod_grad(score_mod: Mod) -> autodiff.ScoreModGrad:
     """The symbolic derivative of ``score_mod`` (raises `autodiff.NotDifferentiableError` early)."""
     autodiff.check_differentiable(score_mod.ir, f"score_mod '{score_mod.name}'")

@@ -13,6 +13,7 @@ can be captured in CUDA graphs.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Callable, Hashable
 
 import torch
@@ -21,10 +22,12 @@ import triton.language as tl
 from triton.runtime.errors import InterpreterError, OutOfResources
 
 from flexattn.codegen import affine, emit
+from flexattn.codegen.cache import INTERPRETER_LOCK
 from flexattn.codegen.render import load_kernel_module, template_text
 from flexattn.kernels import triton_launcher
 from flexattn.kernels.arguments import PER_CALL, UNUSED
 from flexattn.kernels.triton_launcher import no_launch_hooks
+from flexattn.lru import LRU
 
 LARGE_BLOCK = 1 << 30  # a sparse block size meaning "one block covers the whole sequence" (no block mask)
 ACC_TL_DTYPE = {torch.float32: tl.float32, torch.float64: tl.float64}  # accumulator dtypes
@@ -105,7 +108,9 @@ def num_sms(device: torch.device) -> int:
 # Generated modules and plans
 
 
-_MODULES: dict[Hashable, Any] = {}
+# Bound: a generated module holds its Triton kernels (and their compiled binaries once launched);
+# a dropped one is imported again from the disk cache by the next plan that needs it.
+_MODULES = LRU(1024)
 
 
 def mod_hooks(mod, target: str, name: str, prefix: str) -> tuple[str, str]:
@@ -129,25 +134,35 @@ def kernel_module(template: str, key: Hashable, target: str, hooks: Callable[[],
             h["tile_helpers"] = template_text("tiles")
         if "gluon_tiles" not in h and "$gluon_tiles" in template_text(template):
             h["gluon_tiles"] = template_text("gluon_tiles")
-        module = load_kernel_module(template, h, provenance(), interpret=target == "interpret")
-        _MODULES[full_key] = module
+        module = _MODULES.setdefault(
+            full_key, lambda: load_kernel_module(template, h, provenance(), interpret=target == "interpret"))
     return module
 
 
 class PlanCache:
-    """A bounded dict of plans: a miss calls ``make`` (validation, tiles, constexprs, module)."""
+    """The plans of a family, least recently used dropped past ``limit``: a miss calls ``make``
+    (validation, tiles, constexprs, module, tuning). Threads that miss the same key together
+    wait for one ``make``: one compile and one tuning run per key."""
 
     def __init__(self, limit: int = 4096):
-        self.plans: dict[Hashable, Any] = {}
-        self.limit = limit
+        self.plans = LRU(limit)
+        self._making: dict[Hashable, threading.Lock] = {}  # key -> the lock of its ``make``
+        self._lock = threading.Lock()
 
     def get(self, key: Hashable, make: Callable[[], Any]) -> Any:
         plan = self.plans.get(key)
         if plan is None:
-            plan = make()
-            if len(self.plans) >= self.limit:
-                self.plans.clear()
-            self.plans[key] = plan
+            with self._lock:
+                making = self._making.setdefault(key, threading.Lock())
+            try:
+                with making:
+                    plan = self.plans.get(key)
+                    if plan is None:
+                        plan = make()
+                        self.plans[key] = plan
+            finally:
+                with self._lock:
+                    self._making.pop(key, None)
         return plan
 
     def __len__(self) -> int:
@@ -183,7 +198,7 @@ class Launch:
     """
 
     __slots__ = ("kernel", "grid", "constexprs", "device", "calls", "compiled", "launcher", "tail", "pointers",
-                 "grid3", "static", "tensormaps", "fixed", "slots")
+                 "grid3", "static", "tensormaps", "fixed", "slots", "lock")
 
     def __init__(self, kernel, grid: tuple, constexprs: dict, device: torch.device, fixed: tuple | None = None):
         # FMA contraction, with which every kernel was tested and measured: Triton's default up to
@@ -197,6 +212,7 @@ class Launch:
         self.fixed = None if fixed is None else tuple(fixed)
         # positions of the per-call arguments; None: all of them
         self.slots = None if fixed is None else tuple(i for i, a in enumerate(self.fixed) if a is PER_CALL)
+        self.lock = threading.Lock()
 
     def __call__(self, *args, stream: int | None = None) -> None:
         """Launch on the current stream with ``args`` (the per-call arguments where the launch has
@@ -230,13 +246,16 @@ class Launch:
                 return
         else:
             args = self._fill(self._full(args))
-        self.calls += 1
-        if self.calls == 2 and self.device.type == "cuda" and triton_launcher.AVAILABLE:
-            self._capture(args)
-        elif self.calls == 1:
-            self._first(args)
-        else:
-            self.kernel[self.grid](*args, **self.constexprs)
+        # Triton's interpreter is not thread-safe: one interpreted launch at a time. On the GPU
+        # the first calls compile and record the launcher once, also when threads make them at once.
+        with INTERPRETER_LOCK if self.device.type == "cpu" else self.lock:
+            self.calls += 1
+            if self.calls == 2 and self.device.type == "cuda" and triton_launcher.AVAILABLE:
+                self._capture(args)
+            elif self.calls == 1:
+                self._first(args)
+            else:
+                self.kernel[self.grid](*args, **self.constexprs)
 
     def _first(self, args) -> None:
         """The first launch, which compiles the kernel. A Triton kernel whose shared memory passes

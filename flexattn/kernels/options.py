@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from flexattn.lru import LRU
+
 POW2_TILES = (16, 32, 64, 128, 256)
 
 # name -> (family, kind, meaning). kind: "tile" (power of two 16..256), "warps", "stages", "bool",
@@ -83,7 +85,7 @@ _REFUSED = {
     "OUTPUT_MAX": "an internal torch key; ask for it with return_aux=AuxRequest(max_scores=True)",
 }
 
-_CHECKED: dict[tuple, dict[str, Any]] = {}
+_CHECKED = LRU(1024)  # options items -> validated options (a small dict each)
 
 
 def fast_math(options: dict, device: torch.device, dtype: torch.dtype) -> bool:
@@ -146,8 +148,6 @@ def check(kernel_options: dict | None) -> dict[str, Any]:
     if out.get("BACKEND") not in (None, "AUTO") and "FORCE_USE_FLEX_ATTENTION" in out:
         raise ValueError("kernel_options: BACKEND cannot be combined with FORCE_USE_FLEX_ATTENTION")
     if memo_key is not None:
-        if len(_CHECKED) > 1024:
-            _CHECKED.clear()
         _CHECKED[memo_key] = out
     return out
 

@@ -18,6 +18,7 @@ import triton
 
 from flexattn import interval
 from flexattn.kernels.layout import table_strides
+from flexattn.lru import LRU
 
 _CACHE_ATTR = "_flexattn_tables"
 #: A BlockMask's tables (flexattn's and torch's), in torch's order.
@@ -252,7 +253,7 @@ def q_direction(tables: Tables, KV_LEN: int) -> Direction:
     return q
 
 
-_DENSE: dict[tuple, Direction] = {}
+_DENSE = LRU(1024)  # (device, blocks) -> the tables of "no block mask" (a few int32 each)
 
 
 def dense(device: torch.device, n: int) -> Direction:
@@ -264,8 +265,6 @@ def dense(device: torch.device, n: int) -> Direction:
         full = torch.full((1, 1, 1), n, dtype=torch.int32, device=device)
         idx = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=device)
         d = Direction(zeros, idx, full, idx)
-        if len(_DENSE) > 1024:
-            _DENSE.clear()
         _DENSE[key] = d
     return d
 
