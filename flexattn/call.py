@@ -23,6 +23,7 @@ from flexattn import capture, ir, modcache
 from flexattn.block_mask import BlockMask, as_mod, is_noop_mask
 from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, layout, options as opts, plans
 from flexattn.kernels.tables import tables_of, validate_mask
+from flexattn.lru import LRU
 from flexattn.mods import ARITY, MASK, SCORE, Mod
 from flexattn.tracer import trace
 
@@ -59,7 +60,7 @@ def noop_mask_mod() -> Mod:
     return _NOOP_MASK
 
 
-def resolve_score_mod(fn, score_dtype: torch.dtype, device: torch.device) -> tuple[Mod, tuple]:
+def resolve_score_mod(fn, score_dtype: torch.dtype, device: torch.device, walked=None) -> tuple[Mod, tuple]:
     if fn is None:
         return identity_score_mod(score_dtype), ()
     if isinstance(fn, Mod):
@@ -70,7 +71,7 @@ def resolve_score_mod(fn, score_dtype: torch.dtype, device: torch.device) -> tup
         return fn, fn.buffers
     if not callable(fn):
         raise TypeError(f"score_mod must be a function or a flexattn Mod, got {type(fn).__name__}")
-    return modcache.resolve(fn, SCORE, score_dtype, device, _trace_score)
+    return modcache.resolve(fn, SCORE, score_dtype, device, _trace_score, walked)
 
 
 def _trace_score(fn, kind, **kw) -> Mod:
@@ -245,8 +246,8 @@ class _Known:
 # Call key -> _Known. The call key holds every input of the plan key, with the score mod's
 # fingerprint (which covers its structural key and its captured tensors' metas) in place of its
 # template's key, so that a hit needs no mod resolution.
-_KNOWN: dict[tuple, _Known] = {}
-_KNOWN_LIMIT = 4096
+# Bound: a _Known holds a template and up to two plans' references (no tensors).
+_KNOWN = LRU(4096)
 _NO_SCORE_MOD = ((), ())  # (fingerprint, tensors) of score_mod=None
 
 
@@ -301,7 +302,8 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
             tuple(options.items()) if options else (), want_max,
             None if kv_lengths is None else _meta(kv_lengths),
             dtype == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
-    fp, tensors = _NO_SCORE_MOD if score_mod is None else modcache.fingerprint(score_mod)
+    fp, tensors = _NO_SCORE_MOD if score_mod is None else modcache.fingerprint(
+        score_mod, device, torch.float64 if dtype == torch.float64 else torch.float32)
     call_key = None if fp is None or descale is not None or dtype == torch.float8_e4m3fn else \
         (decoding, metas, fp, rest)
     known = None if call_key is None else _KNOWN.get(call_key)
@@ -313,7 +315,7 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     if bound is None:
         score, score_bufs, need_grad, bound, descale = _plan_call(
             query, key, value, score_mod, mask, mask_bufs, tables, enable_gqa, options, want_max, decoding,
-            kv_lengths, descale, rest, call_key, tensors)
+            kv_lengths, descale, rest, call_key, (fp, tensors))
     decoding, plan, plan_key, default_scale = bound
     scale = default_scale if scale is None else _check_scale(scale)
     if decoding:
@@ -327,13 +329,13 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
 
 
 def _plan_call(query, key, value, score_mod, mask, mask_bufs, tables, enable_gqa, options, want_max, decoding,
-               kv_lengths, descale, rest, call_key, tensors):
+               kv_lengths, descale, rest, call_key, walked):
     """A call whose key is not known yet (or not cacheable: ``call_key`` None): resolve the
     score mod, choose the kernel, validate, plan; ``(score, score_bufs, need_grad, (decoding,
     plan, plan key, default scale), descale)``. Remembers the outcome under ``call_key``."""
     device, dtype = query.device, query.dtype
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    score, score_bufs = resolve_score_mod(score_mod, stat_dtype, device)
+    score, score_bufs = resolve_score_mod(score_mod, stat_dtype, device, None if walked[0] is None else walked)
     need_grad, decoding = _kernel_choice(query, key, value, score_bufs, options, want_max, decoding)
     if descale is not None or dtype == torch.float8_e4m3fn:
         if need_grad:
@@ -353,13 +355,11 @@ def _plan_call(query, key, value, score_mod, mask, mask_bufs, tables, enable_gqa
         bwd.score_mod_grad(score)
     E = query.shape[-1]
     bound = (decoding, plan, plan_key, 1.0 / math.sqrt(E) if E > 0 else 1.0)
-    slots = None if call_key is None else modcache.slots_of(score_bufs, tensors)
+    slots = None if call_key is None else modcache.slots_of(score_bufs, walked[1])
     if slots is not None:
         known = _KNOWN.get(call_key)
         if known is None:
-            if len(_KNOWN) >= _KNOWN_LIMIT:
-                _KNOWN.clear()
-            known = _KNOWN[call_key] = _Known(score, modcache.picker(slots))
+            known = _KNOWN.setdefault(call_key, lambda: _Known(score, modcache.picker(slots)))
         known.by_grad[need_grad] = bound
     return score, score_bufs, need_grad, bound, descale
 

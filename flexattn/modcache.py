@@ -12,7 +12,9 @@ What the fingerprint covers (`fingerprint` walks all of it, iteratively, in one 
 * every value reachable from the closure cells, the defaults and the module globals the code
   (and the code of functions nested in it) names:
   - Python numbers, strings, None, dtypes, devices: by value (a closure float that changes
-    value is a new fingerprint: it is a constant of the kernel);
+    value is a new fingerprint: it is a constant of the kernel), except the numbers of a
+    function's *dynamic slots* (`flexattn.scalars`: a closure cell, default or global whose value
+    was seen to change), which are walked as the 0-d tensors a call passes them as;
   - tensors: by dtype, device, shape, strides and layout (their values are kernel arguments; the
     compiled kernel is specialised on their strides), and by
     which earlier tensor of the walk they are (aliasing decides how many buffers the IR has);
@@ -41,6 +43,8 @@ from typing import Any
 
 import torch
 
+from flexattn import scalars
+from flexattn.lru import LRU
 from flexattn.mods import Mod
 
 WALK_LIMIT = 4096  # values visited per fingerprint before a mod is treated as uncacheable
@@ -52,7 +56,8 @@ _BY_IDENTITY = (types.ModuleType, type, types.BuiltinFunctionType, types.MethodD
                 types.ClassMethodDescriptorType)
 _OPAQUE = object()  # marks a fingerprint that cannot be trusted
 
-_GLOBAL_NAMES: dict[types.CodeType, tuple[str, ...]] = {}
+# Code object -> the names it reads as globals (a tuple of names per code object).
+_GLOBAL_NAMES = LRU(4096)
 
 
 _READS_GLOBAL = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
@@ -69,7 +74,8 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
             c = stack.pop()
             found.update(dict.fromkeys(i.argval for i in dis.get_instructions(c) if i.opname in _READS_GLOBAL))
             stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
-        names = _GLOBAL_NAMES[code] = tuple(found)
+        names = tuple(found)
+        _GLOBAL_NAMES[code] = names
     return names
 
 
@@ -80,11 +86,12 @@ _FLAT_KINDS = {**dict.fromkeys(_ATOMS, _ATOM), torch.Tensor: _TENSOR, torch.nn.P
                **dict.fromkeys(_BY_IDENTITY, _IDENTITY)}
 
 
-def _flat_fingerprint(fn: types.FunctionType) -> tuple[tuple | None, list[torch.Tensor]]:
+def _flat_fingerprint(fn: types.FunctionType, dynamic: dict) -> tuple[tuple | None, list[torch.Tensor]]:
     """The walk of `fingerprint` for the common model-code mod, a function without defaults whose
     closure cells and named globals are numbers, strings, plain tensors, modules, classes or
     builtins: one flat loop. ``(None, [])`` when ``fn`` is not of that shape (the full walk
-    decides). Same coverage as the full walk; its keys are marked apart from the full walk's."""
+    decides). Same coverage as the full walk; its keys are marked apart from the full walk's.
+    ``dynamic``: the tensors passed for its dynamic slots."""
     if fn.__defaults__ is not None or fn.__kwdefaults__ is not None:
         return None, []
     code = fn.__code__
@@ -93,7 +100,10 @@ def _flat_fingerprint(fn: types.FunctionType) -> tuple[tuple | None, list[torch.
     except ValueError:  # an empty cell
         return None, []
     n_cells = len(values)
-    values += map(fn.__globals__.get, _global_names(code), _MISSING_EACH)
+    names = _global_names(code)
+    values += map(fn.__globals__.get, names, _MISSING_EACH)
+    for (where, at), t in dynamic.items():
+        values[at if where == "cell" else n_cells + names.index(at)] = t
     key: list = [_FLAT, code, n_cells]
     tensors: list[torch.Tensor] = []
     for v in values:
@@ -116,16 +126,42 @@ def _flat_fingerprint(fn: types.FunctionType) -> tuple[tuple | None, list[torch.
     return tuple(key), tensors
 
 
-def fingerprint(fn: Any) -> tuple[tuple | None, list[torch.Tensor]]:
+def dynamic_values(fn: Any, device: torch.device | None, float_dtype: torch.dtype) -> dict:
+    """``{slot: 0-d tensor on device}`` for the numbers now in ``fn``'s dynamic slots
+    (`flexattn.scalars`); empty for a mod without any, or without a device."""
+    if type(fn) is not types.FunctionType or device is None:
+        return {}
+    slots = scalars.dynamic_slots(fn.__code__)
+    if not slots:
+        return {}
+    out = {}
+    for slot in slots:
+        v = scalars.slot_value(fn, slot, _MISSING)
+        if type(v) in (bool, int, float):
+            out[slot] = scalars.value_tensor(v, device, float_dtype)
+    return out
+
+
+def fingerprint(fn: Any, device: torch.device | None = None,
+                float_dtype: torch.dtype = torch.float32) -> tuple[tuple | None, list[torch.Tensor]]:
     """``(key, tensors)``: a hashable key of everything that decides ``fn``'s IR (None if it
-    cannot be trusted) and the tensors reachable from it, in walk order."""
+    cannot be trusted) and the tensors reachable from it, in walk order. With ``device``, the
+    numbers in dynamic slots are walked as the 0-d tensors on ``device`` (of ``float_dtype`` for
+    floats) that a call passes for them; without, every number is keyed by value."""
+    return walk(fn, dynamic_values(fn, device, float_dtype))
+
+
+def walk(fn: Any, dynamic: dict) -> tuple[tuple | None, list[torch.Tensor]]:
+    """`fingerprint` with the tensors ``dynamic`` in the slots they name."""
     if type(fn) is types.FunctionType:
         try:
-            key, tensors = _flat_fingerprint(fn)
+            key, tensors = _flat_fingerprint(fn, dynamic)
         except RuntimeError:  # a tensor without strides (sparse): the full walk keys it apart
             key = None
         if key is not None:
             return key, tensors
+        if dynamic:
+            fn = scalars.substitute(fn, dynamic)
     key: list = []
     tensors: list[torch.Tensor] = []
     seen: dict[int, int] = {}  # id(container or tensor) -> its position (cycles and aliasing)
@@ -158,48 +194,56 @@ def fingerprint(fn: Any) -> tuple[tuple | None, list[torch.Tensor]]:
             key.append(("ref", seen[vid]))
             continue
         seen[vid] = len(key)
-        if isinstance(v, Mod):
-            key.append(("Mod", v.key()))
-            stack.extend(reversed(v.buffers))
-        elif t is types.FunctionType:
-            code = v.__code__
-            cells = v.__closure__ or ()
-            key.append(("fn", code, len(cells)))
-            g = v.__globals__
-            stack.extend(g.get(n, _MISSING) for n in reversed(_global_names(code)))
-            stack.append(v.__kwdefaults__)
-            stack.append(v.__defaults__)
-            for c in reversed(cells):
-                try:
-                    stack.append(c.cell_contents)
-                except ValueError:  # an empty cell (a name assigned later in the enclosing scope)
-                    stack.append(_MISSING)
-        elif t is functools.partial:
-            key.append("partial")
-            stack.extend((v.keywords, v.args, v.func))
-        elif t is types.MethodType:
-            key.append("method")
-            stack.extend((v.__self__, v.__func__))
-        elif t in (tuple, list):
-            key.append((t, len(v)))
-            stack.extend(reversed(v))
-        elif isinstance(v, dict):
-            key.append((dict, tuple(k if type(k) in _ATOMS else id(k) for k in v)))
-            stack.extend(reversed(list(v.values())))
-        elif t in (set, frozenset):
-            try:
-                key.append((t, frozenset(v)))
-            except TypeError:
-                return None, tensors
-        elif v is _MISSING:
-            key.append("missing")
-        else:
-            attrs = getattr(v, "__dict__", None)
-            if not isinstance(attrs, dict):
-                return None, tensors  # unknown object without a __dict__: cannot see what it holds
-            key.append(("obj", t))
-            stack.append(attrs)
+        if not _expand(v, t, key, stack):
+            return None, tensors
     return tuple(key), tensors
+
+
+def _expand(v: Any, t: type, key: list, stack: list) -> bool:
+    """One container-like value of the `walk`: its part of the key, its contents pushed on
+    ``stack``. False when its contents cannot be seen (the fingerprint cannot be trusted)."""
+    if isinstance(v, Mod):
+        key.append(("Mod", v.key()))
+        stack.extend(reversed(v.buffers))
+    elif t is types.FunctionType:
+        code = v.__code__
+        cells = v.__closure__ or ()
+        key.append(("fn", code, len(cells)))
+        g = v.__globals__
+        stack.extend(g.get(n, _MISSING) for n in reversed(_global_names(code)))
+        stack.append(v.__kwdefaults__)
+        stack.append(v.__defaults__)
+        for c in reversed(cells):
+            try:
+                stack.append(c.cell_contents)
+            except ValueError:  # an empty cell (a name assigned later in the enclosing scope)
+                stack.append(_MISSING)
+    elif t is functools.partial:
+        key.append("partial")
+        stack.extend((v.keywords, v.args, v.func))
+    elif t is types.MethodType:
+        key.append("method")
+        stack.extend((v.__self__, v.__func__))
+    elif t in (tuple, list):
+        key.append((t, len(v)))
+        stack.extend(reversed(v))
+    elif isinstance(v, dict):
+        key.append((dict, tuple(k if type(k) in _ATOMS else id(k) for k in v)))
+        stack.extend(reversed(list(v.values())))
+    elif t in (set, frozenset):
+        try:
+            key.append((t, frozenset(v)))
+        except TypeError:
+            return False
+    elif v is _MISSING:
+        key.append("missing")
+    else:
+        attrs = getattr(v, "__dict__", None)
+        if not isinstance(attrs, dict):
+            return False  # unknown object without a __dict__: cannot see what it holds
+        key.append(("obj", t))
+        stack.append(attrs)
+    return True
 
 
 _MISSING = type("_Missing", (), {"__repr__": lambda self: "<missing>"})()
@@ -233,36 +277,64 @@ class _Entry:
         self.pick = None if slots is None else picker(slots)  # this call's buffers from the walk's tensors
 
 
-_CACHE: dict[tuple, _Entry] = {}
-_CACHE_LIMIT = 4096
+# (kind, score dtype, device, fingerprint) -> _Entry. Bound: an entry holds one IR and its
+# meta-tensor stand-ins (a few KB); a dropped one is traced again by its next call.
+_CACHE = LRU(4096)
 
 
-def resolve(fn: Any, kind: str, score_dtype: torch.dtype, device: torch.device,
-            trace) -> tuple[Mod, tuple[torch.Tensor, ...]]:
+def resolve(fn: Any, kind: str, score_dtype: torch.dtype, device: torch.device, trace,
+            walked: tuple | None = None) -> tuple[Mod, tuple[torch.Tensor, ...]]:
     """``(template, buffers)`` for a mod: a `Mod` is its own template; a Python mod is traced by
-    ``trace(fn, kind, score_dtype=..., device=...)`` on its first fingerprint only."""
+    ``trace(fn, kind, score_dtype=..., device=...)`` on its first fingerprint only. ``walked``:
+    ``fingerprint(fn, device, score_dtype)`` when the caller has it already."""
     if isinstance(fn, Mod):
         return fn, fn.buffers
-    fp, tensors = fingerprint(fn)
+    fp, tensors = walked or fingerprint(fn, device, score_dtype)
     if fp is None:
         mod = trace(fn, kind, score_dtype=score_dtype, device=device)
         return mod, mod.buffers
-    key = (kind, score_dtype, device, fp)
-    entry = _CACHE.get(key)
+    entry = _CACHE.get((kind, score_dtype, device, fp))
     if entry is None:
-        mod = trace(fn, kind, score_dtype=score_dtype, device=device)
-        # The cache keeps the IR, not this call's tensors (nor the function and its closure).
-        template = mod.rebind([torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-                               for t in mod.buffers])
-        entry = _Entry(template, slots_of(mod.buffers, tensors))
-        if len(_CACHE) >= _CACHE_LIMIT:
-            _CACHE.clear()
-        _CACHE[key] = entry
-        return template, mod.buffers
+        return _first(fn, kind, score_dtype, device, trace)
     if entry.pick is None:  # captures a tensor the walk cannot reach: trace again
         mod = trace(fn, kind, score_dtype=score_dtype, device=device)
         return mod, mod.buffers
     return entry.template, entry.pick(tensors)
+
+
+def _first(fn: Any, kind: str, score_dtype: torch.dtype, device: torch.device,
+           trace) -> tuple[Mod, tuple[torch.Tensor, ...]]:
+    """A fingerprint seen for the first time: note the numbers the mod reads (one that changed
+    makes its slot dynamic, `flexattn.scalars`), trace, cache the template."""
+    if type(fn) is types.FunctionType:
+        scalars.observe(fn, _global_names(fn.__code__))
+    dynamic = dynamic_values(fn, device, score_dtype)
+    fp, tensors = walk(fn, dynamic)
+    key = (kind, score_dtype, device, fp)
+    entry = None if fp is None else _CACHE.get(key)
+    if entry is not None and entry.pick is not None:
+        return entry.template, entry.pick(tensors)
+    if dynamic:
+        # Traced with meta stand-ins: a mod that needs the number itself (``if flag:``,
+        # ``range(n)``, ``float(t)``) fails on them, and then its slots stay constants.
+        stand_ins = {slot: torch.empty((), dtype=t.dtype, device="meta") for slot, t in dynamic.items()}
+        try:
+            mod = trace(scalars.substitute(fn, stand_ins), kind, score_dtype=score_dtype, device=device)
+        except Exception:
+            scalars.pin(fn.__code__)
+            return _first(fn, kind, score_dtype, device, trace)
+        real = {id(stand_ins[slot]): t for slot, t in dynamic.items()}
+        buffers = tuple(real.get(id(b), b) for b in mod.buffers)
+    else:
+        mod = trace(fn, kind, score_dtype=score_dtype, device=device)
+        buffers = mod.buffers
+    if fp is None:
+        return mod, buffers
+    # The cache keeps the IR, not this call's tensors (nor the function and its closure).
+    template = mod.rebind([torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+                           for t in buffers])
+    _CACHE[key] = _Entry(template, slots_of(buffers, tensors))
+    return template, buffers
 
 
 def clear() -> None:
