@@ -331,8 +331,7 @@ def _first(fn: Any, kind: str, score_dtype: torch.dtype, device: torch.device,
     if fp is None:
         return mod, buffers
     # The cache keeps the IR, not this call's tensors (nor the function and its closure).
-    template = mod.rebind([torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-                           for t in buffers])
+    template = mod.stand_in()
     _CACHE[key] = _Entry(template, slots_of(buffers, tensors))
     return template, buffers
 

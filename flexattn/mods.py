@@ -9,6 +9,7 @@ IR is inlined), and in flexattn's kernels (its IR is emitted as Triton).
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -27,19 +28,24 @@ def _canonical(device: torch.device) -> torch.device:
     return device
 
 
-# Structural key -> a Mod with that key. Compiled graphs (torch.compile) name mods by key only; the
-# custom ops find the IR here at run time (every call passes its own captured tensors).
-# Bound: a template is an IR and meta tensors (a few KB); a compiled graph that calls a mod
-# whose template was dropped (not used in the last 8192 new mods) fails with the KeyError below.
+# Structural key -> a Mod with that key, with meta stand-ins for its tensors. Compiled graphs
+# (torch.compile) name mods by key only; the custom ops find the IR here at run time (every call
+# passes its own captured tensors). Bound: a template is an IR and meta tensors (a few KB); one
+# dropped is found again while any Mod of that key is alive (`_LIVE`), else a compiled graph
+# that calls it fails with the KeyError of `template`.
 _TEMPLATES = LRU(8192)
+_LIVE: "weakref.WeakValueDictionary[str, Mod]" = weakref.WeakValueDictionary()
 
 
 def template(key: str) -> "Mod":
     """The IR of a mod known by its structural key (see `Mod.key`)."""
     mod = _TEMPLATES.get(key)
     if mod is None:
-        raise KeyError(f"no mod with key {key[:80]!r}... was seen in this process (or among its last "
-                       f"{_TEMPLATES.limit} new mods)")
+        live = _LIVE.get(key)
+        if live is None:
+            raise KeyError(f"no mod with key {key[:80]!r}... is alive or among the last {_TEMPLATES.limit} "
+                           "new mods of this process")
+        mod = _TEMPLATES[key] = live.stand_in()
     return mod
 
 
@@ -77,9 +83,9 @@ class Mod:
             t = self.buffers[buf.index]
             if t.dtype != buf.dtype or t.dim() != buf.ndim:
                 raise ValueError(f"buffer {buf} does not match captured tensor {t.dtype} {tuple(t.shape)}")
-        if self._key not in _TEMPLATES:  # kept with shape-only stand-ins: no memory held
-            _TEMPLATES[self._key] = self.rebind(
-                [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in self.buffers])
+        if self._key not in _TEMPLATES:
+            _TEMPLATES[self._key] = self.stand_in()
+        _LIVE[self._key] = self
 
     @property
     def __name__(self) -> str:  # torch and users print mods by __name__
@@ -95,6 +101,11 @@ class Mod:
     def key(self) -> str:
         """Structural cache key: equal for mods that generate the same kernel code."""
         return self._key
+
+    def stand_in(self) -> "Mod":
+        """The same mod over meta tensors of its tensors' shapes and strides: no memory held."""
+        return self.rebind([torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+                            for t in self.buffers])
 
     def rebind(self, buffers: Sequence[torch.Tensor]) -> "Mod":
         """The same mod over other captured tensors (same dtypes and ranks; not re-checked)."""

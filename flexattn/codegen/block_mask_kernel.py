@@ -11,6 +11,7 @@ captured tensors, key, name and source), so this module needs nothing from above
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -83,8 +84,9 @@ def build_tables(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, K
     chunk_words, chunk_q, chunk_kv = chunks(n_q, n_kv, interpret)
     # (each launch's arguments in the order `signatures.CLASSIFY`, `KV_ORDER`, `Q_ORDER` declare)
     # (CPU: Triton's interpreter runs one launch at a time; GPU: threads' first launches of a
-    # module compile it once)
-    with INTERPRETER_LOCK if interpret else _GPU_LAUNCH_LOCK:
+    # module compile it once, under a guard of the tensors' device, where Triton launches)
+    with INTERPRETER_LOCK if interpret else _GPU_LAUNCH_LOCK, \
+            contextlib.nullcontext() if interpret else torch.cuda.device(device):
         module.classify_kernel[(n_q, BH)](
             state, *emit.launch_args(used, mod.buffers), *summary_args(used, summaries),
             state.stride(0), state.stride(1),

@@ -218,6 +218,11 @@ class Launch:
         """Launch on the current stream with ``args`` (the per-call arguments where the launch has
         fixed ones, else all); ``stream``: its raw handle, where the caller already has it
         (`Counters` returns it), so that it is not asked for twice."""
+        device = self.device
+        if device.type == "cuda" and torch._C._cuda_getDevice() != device.index:
+            # Triton and the direct launchers launch on the current device: make it the tensors'
+            with torch.cuda.device(device):
+                return self(*args, stream=stream)
         launcher = self.launcher
         if launcher is not None:
             static, tensormaps = self.static, self.tensormaps
