@@ -15,6 +15,7 @@ a bare launch of the same Triton kernel with the same arguments, a new length in
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import random
 import statistics
@@ -108,6 +109,37 @@ def decoding_step(device, dtype, calls, compiled_flex) -> dict:
     return row(f"decoding step B={B} Hq={Hq} Hkv={Hkv} KV={KV} D={D}", r)
 
 
+def python_int_decoding_loop(device, dtype, calls) -> list[dict]:
+    """The decoding step with its position a plain Python int that grows every step (the
+    score_mod captures it; flexattn passes it as a kernel argument once it has changed), beside
+    the same step repeated at one position; torch.compile(flex_attention) with its default
+    automatic dynamic shapes, which makes such an int symbolic after one recompile."""
+    gpu = device != "cpu"
+    B, Hq, Hkv, KV, D = (1, 32, 8, 4096, 128) if gpu else (1, 4, 2, 256, 32)
+    q = torch.randn(B, Hq, 1, D, device=device, dtype=dtype)
+    k = torch.randn(B, Hkv, KV, D, device=device, dtype=dtype)
+    v = torch.randn(B, Hkv, KV, D, device=device, dtype=dtype)
+    positions = itertools.count(KV // 2)
+    dynamic_flex = torch.compile(torch_flex) if gpu else None
+
+    def step(attend, pos):
+        return attend(q, k, v, enable_gqa=True, score_mod=lambda s, b, h, qi, ki: torch.where(ki <= pos, s, -math.inf))
+
+    def growing(attend):
+        return None if attend is None else lambda: step(attend, next(positions) % KV)
+
+    def repeated(attend):
+        return None if attend is None else lambda: step(attend, KV - 100)
+
+    rows = []
+    for name, make in (("a Python int position growing every step", growing),
+                       ("the same step repeated at one Python int position", repeated)):
+        r = per_call_side_by_side({"flexattn": make(flexattn.flex_attention), "torch": make(dynamic_flex)},
+                                  calls, device)
+        rows.append(row(f"decoding loop, {name}, B={B} Hq={Hq} Hkv={Hkv} KV={KV} D={D}", r))
+    return rows
+
+
 def tiny_forwards(device, dtype, calls, compiled_flex) -> list[dict]:
     """B=1, H=4, S=256, a score_mod with a closure constant; on the GPU at D=64 (the Triton
     template) and D=128 (on an H100/H200, the Hopper kernel: TMA descriptor arguments)."""
@@ -194,6 +226,7 @@ def run(args) -> tuple[dict, list[dict]]:
     torch.manual_seed(0)
     compiled_flex = torch.compile(torch_flex, dynamic=False) if gpu else None
     rows = [decoding_step(device, dtype, calls, compiled_flex),
+            *python_int_decoding_loop(device, dtype, calls),
             *tiny_forwards(device, dtype, calls, compiled_flex),
             training_step(device, dtype, calls, compiled_flex),
             new_mask_lengths(device), first_call(device, dtype)]
