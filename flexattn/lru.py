@@ -39,12 +39,16 @@ class LRU:
                 self.on_evict(key, value)
 
     def get(self, key: Hashable, default: Any = None) -> Any:
-        with self._lock:
-            value = self._data.get(key, _ABSENT)
-            if value is _ABSENT:
-                return default
-            self._data.move_to_end(key)
-            return value
+        # No lock (a hit is on every call's path): each OrderedDict operation is atomic on its own
+        data = self._data
+        value = data.get(key, _ABSENT)
+        if value is _ABSENT:
+            return default
+        try:
+            data.move_to_end(key)
+        except KeyError:  # dropped by another thread meanwhile: still a right answer
+            pass
+        return value
 
     def __getitem__(self, key: Hashable) -> Any:
         value = self.get(key, _ABSENT)
