@@ -14,7 +14,8 @@ exactly what it means under torch's vmap over (b, h, q_idx, kv_idx):
 
 What becomes what:
   - Python numbers the mod reads (closure cells, globals, attributes) become IR constants, so
-    they are part of the mod's key.
+    they are part of the mod's key (`flexattn.scalars` passes those that change from call to
+    call as captured 0-d tensors instead).
   - Captured tensors indexed by (or combined with) a traced value become kernel inputs
     (`ir.Buffer`, numbered in first-use order). A captured 0-d tensor is a buffer read with no
     index, not a constant: changing its value in place does not need a new kernel.
