@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import tracemalloc
 
 import pytest
@@ -18,7 +17,7 @@ from flexattn.codegen import cache
 from flexattn.decode import decode_attention
 from flexattn.kernels import decode as dec, launch, plans
 from flexattn.reference import attention_reference
-from helpers.testing import record_calls
+from helpers.calls import record_calls, run_in_threads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -230,30 +229,19 @@ def test_cache_cap_comes_from_the_environment(monkeypatch):
 
 def test_threads_call_forward_decoding_and_create_block_mask_at_once():
     """8 threads, each with its own mods, at once: every answer right."""
-    barrier = threading.Barrier(8)
-    errors = []
 
     def worker(i):
-        try:
-            q, k, v = qkv(1 if i % 2 else 6, 20, seed=i, dtype=torch.float32)
-            window = 3 + i
-            mask = lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + window  # noqa: E731
-            barrier.wait()
-            bm = flexattn.create_block_mask(mask, None, None, q.shape[2], 20, device="cpu", BLOCK_SIZE=16)
-            score = lambda s, b, h, q_idx, kv_idx: s * (1.0 + 0.1 * i)  # noqa: E731
-            out = flexattn.flex_attention(q, k, v, score_mod=score, block_mask=bm)
-            assert_right(out, q, k, v, score_mod=score, mask_mod=mask)
-            out = decode_attention(q[:, :, :1], k, v, score_mod=score)
-            assert_right(out, q[:, :, :1], k, v, score_mod=score)
-        except BaseException as e:  # reported by the main thread
-            errors.append((i, e))
+        q, k, v = qkv(1 if i % 2 else 6, 20, seed=i, dtype=torch.float32)
+        window = 3 + i
+        mask = lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + window  # noqa: E731
+        bm = flexattn.create_block_mask(mask, None, None, q.shape[2], 20, device="cpu", BLOCK_SIZE=16)
+        score = lambda s, b, h, q_idx, kv_idx: s * (1.0 + 0.1 * i)  # noqa: E731
+        out = flexattn.flex_attention(q, k, v, score_mod=score, block_mask=bm)
+        assert_right(out, q, k, v, score_mod=score, mask_mod=mask)
+        out = decode_attention(q[:, :, :1], k, v, score_mod=score)
+        assert_right(out, q[:, :, :1], k, v, score_mod=score)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    assert run_in_threads(worker, 8) == []
 
 
 _PROCESS = textwrap.dedent("""

@@ -3,7 +3,6 @@ its own stream; a Python-int decoding loop; tensors on a second GPU after the fi
 
 import math
 import random
-import threading
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ import torch
 import flexattn
 from flexattn.kernels import launch, plans
 from flexattn.reference import attention_reference
-from helpers.testing import record_calls
+from helpers.calls import record_calls, run_in_threads
 
 pytestmark = pytest.mark.gpu
 
@@ -33,30 +32,21 @@ def test_threads_making_the_same_first_call_compile_once():
     q, k, v = _inputs("cuda")
     torch.cuda.synchronize()
     with pytest.MonkeyPatch.context() as mp:
-        made = record_calls(mp, plans, "forward_plan")
+        made = record_calls(mp, plans, "_make_forward_plan")
         compiled = record_calls(mp, launch.Launch, "_first")
-        barrier = threading.Barrier(8)
-        outs, errors = [None] * 8, []
+        outs = [None] * 8
 
         def worker(i):
-            try:
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.default_stream())
-                barrier.wait()
-                with torch.cuda.stream(stream):
-                    outs[i] = flexattn.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s * c)
-                stream.synchronize()
-            except BaseException as e:  # reported by the main thread
-                errors.append((i, e))
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.default_stream())
+            with torch.cuda.stream(stream):
+                outs[i] = flexattn.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s * c)
+            stream.synchronize()
 
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        errors = run_in_threads(worker, 8)
     assert errors == []
     assert len(compiled) == 1
-    assert len(made) == 8  # every thread asked; `PlanCache` made the plan once (one compile)
+    assert len(made) == 1  # threads that missed the plan together waited for one make
     for out in outs:
         _assert_right(out, q, k, v, score_mod=lambda s, b, h, qi, ki: s * c)
 

@@ -1,7 +1,9 @@
-"""Watching and capturing calls: a recording wrapper, CUDA-graph capture after warm-up."""
+"""Watching and capturing calls: a recording wrapper, CUDA-graph capture after warm-up, calls
+from several threads at once."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import torch
@@ -34,3 +36,24 @@ def capture_after_warmup(step: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph,
     with torch.cuda.graph(graph):
         static = step()
     return graph, static
+
+
+def run_in_threads(worker: Callable[[int], Any], n: int) -> list[tuple[int, BaseException]]:
+    """Call ``worker(i)`` for each i < ``n``, each in its own thread, all released together by a
+    barrier; the ``(i, error)`` of each call that raised."""
+    barrier = threading.Barrier(n)
+    errors: list[tuple[int, BaseException]] = []
+
+    def run(i):
+        barrier.wait()
+        try:
+            worker(i)
+        except BaseException as e:  # reported to the caller
+            errors.append((i, e))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
