@@ -56,27 +56,41 @@ _BY_IDENTITY = (types.ModuleType, type, types.BuiltinFunctionType, types.MethodD
                 types.ClassMethodDescriptorType)
 _OPAQUE = object()  # marks a fingerprint that cannot be trusted
 
-# Code object -> the names it reads as globals (a tuple of names per code object).
-_GLOBAL_NAMES = LRU(4096)
-
-
 _READS_GLOBAL = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 
 
-def _global_names(code: types.CodeType) -> tuple[str, ...]:
-    """Names ``code`` (and code nested in it: lambdas, comprehensions) reads as globals: the
-    operands of its global loads, not every name it uses (``torch.where`` reads ``torch``)."""
-    names = _GLOBAL_NAMES.get(code)
-    if names is None:
+class _Code:
+    """What a fingerprint needs of a code object: the names it reads as globals, and its dynamic
+    slots (a copy of `flexattn.scalars`' record, refreshed when that changes)."""
+
+    __slots__ = ("names", "dynamic")
+
+    def __init__(self, code: types.CodeType):
         found: dict[str, None] = {}
         stack = [code]
         while stack:
             c = stack.pop()
             found.update(dict.fromkeys(i.argval for i in dis.get_instructions(c) if i.opname in _READS_GLOBAL))
             stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
-        names = tuple(found)
-        _GLOBAL_NAMES[code] = names
-    return names
+        self.names = tuple(found)
+        self.dynamic = scalars.dynamic_slots(code)
+
+
+# Code object -> _Code (one lookup per fingerprint). Bound: a tuple of names each.
+_CODES = LRU(4096)
+
+
+def _code(code: types.CodeType) -> _Code:
+    info = _CODES.get(code)
+    if info is None:
+        info = _CODES[code] = _Code(code)
+    return info
+
+
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """Names ``code`` (and code nested in it: lambdas, comprehensions) reads as globals: the
+    operands of its global loads, not every name it uses (``torch.where`` reads ``torch``)."""
+    return _code(code).names
 
 
 _FLAT = object()  # marks a key made by `_flat_fingerprint`
@@ -86,12 +100,13 @@ _FLAT_KINDS = {**dict.fromkeys(_ATOMS, _ATOM), torch.Tensor: _TENSOR, torch.nn.P
                **dict.fromkeys(_BY_IDENTITY, _IDENTITY)}
 
 
-def _flat_fingerprint(fn: types.FunctionType, dynamic: dict) -> tuple[tuple | None, list[torch.Tensor]]:
+def _flat_fingerprint(fn: types.FunctionType, names: tuple[str, ...],
+                      dynamic: dict) -> tuple[tuple | None, list[torch.Tensor]]:
     """The walk of `fingerprint` for the common model-code mod, a function without defaults whose
     closure cells and named globals are numbers, strings, plain tensors, modules, classes or
     builtins: one flat loop. ``(None, [])`` when ``fn`` is not of that shape (the full walk
     decides). Same coverage as the full walk; its keys are marked apart from the full walk's.
-    ``dynamic``: the tensors passed for its dynamic slots."""
+    ``names``: the globals its code reads; ``dynamic``: the tensors passed for its dynamic slots."""
     if fn.__defaults__ is not None or fn.__kwdefaults__ is not None:
         return None, []
     code = fn.__code__
@@ -100,10 +115,10 @@ def _flat_fingerprint(fn: types.FunctionType, dynamic: dict) -> tuple[tuple | No
     except ValueError:  # an empty cell
         return None, []
     n_cells = len(values)
-    names = _global_names(code)
     values += map(fn.__globals__.get, names, _MISSING_EACH)
-    for (where, at), t in dynamic.items():
-        values[at if where == "cell" else n_cells + names.index(at)] = t
+    if dynamic:
+        for (where, at), t in dynamic.items():
+            values[at if where == "cell" else n_cells + names.index(at)] = t
     key: list = [_FLAT, code, n_cells]
     tensors: list[torch.Tensor] = []
     for v in values:
@@ -126,14 +141,9 @@ def _flat_fingerprint(fn: types.FunctionType, dynamic: dict) -> tuple[tuple | No
     return tuple(key), tensors
 
 
-def dynamic_values(fn: Any, device: torch.device | None, float_dtype: torch.dtype) -> dict:
-    """``{slot: 0-d tensor on device}`` for the numbers now in ``fn``'s dynamic slots
-    (`flexattn.scalars`); empty for a mod without any, or without a device."""
-    if type(fn) is not types.FunctionType or device is None:
-        return {}
-    slots = scalars.dynamic_slots(fn.__code__)
-    if not slots:
-        return {}
+def _dynamic_values(fn: types.FunctionType, slots: tuple, device: torch.device,
+                    float_dtype: torch.dtype) -> dict:
+    """``{slot: 0-d tensor on device}`` for the numbers now in ``fn``'s dynamic ``slots``."""
     out = {}
     for slot in slots:
         v = scalars.slot_value(fn, slot, _MISSING)
@@ -142,26 +152,36 @@ def dynamic_values(fn: Any, device: torch.device | None, float_dtype: torch.dtyp
     return out
 
 
+_NONE: dict = {}
+
+
 def fingerprint(fn: Any, device: torch.device | None = None,
                 float_dtype: torch.dtype = torch.float32) -> tuple[tuple | None, list[torch.Tensor]]:
     """``(key, tensors)``: a hashable key of everything that decides ``fn``'s IR (None if it
     cannot be trusted) and the tensors reachable from it, in walk order. With ``device``, the
-    numbers in dynamic slots are walked as the 0-d tensors on ``device`` (of ``float_dtype`` for
-    floats) that a call passes for them; without, every number is keyed by value."""
-    return walk(fn, dynamic_values(fn, device, float_dtype))
+    numbers in dynamic slots (`flexattn.scalars`) are walked as the 0-d tensors on ``device`` (of
+    ``float_dtype`` for floats) that a call passes for them; without, every number is keyed by
+    value."""
+    if type(fn) is not types.FunctionType:
+        return _walk(fn)
+    info = _code(fn.__code__)
+    dynamic = _NONE if not info.dynamic or device is None else \
+        _dynamic_values(fn, info.dynamic, device, float_dtype)
+    return _walk_function(fn, info, dynamic)
 
 
-def walk(fn: Any, dynamic: dict) -> tuple[tuple | None, list[torch.Tensor]]:
-    """`fingerprint` with the tensors ``dynamic`` in the slots they name."""
-    if type(fn) is types.FunctionType:
-        try:
-            key, tensors = _flat_fingerprint(fn, dynamic)
-        except RuntimeError:  # a tensor without strides (sparse): the full walk keys it apart
-            key = None
-        if key is not None:
-            return key, tensors
-        if dynamic:
-            fn = scalars.substitute(fn, dynamic)
+def _walk_function(fn: types.FunctionType, info: _Code, dynamic: dict) -> tuple[tuple | None, list[torch.Tensor]]:
+    try:
+        key, tensors = _flat_fingerprint(fn, info.names, dynamic)
+    except RuntimeError:  # a tensor without strides (sparse): the full walk keys it apart
+        key = None
+    if key is not None:
+        return key, tensors
+    return _walk(scalars.substitute(fn, dynamic) if dynamic else fn)
+
+
+def _walk(fn: Any) -> tuple[tuple | None, list[torch.Tensor]]:
+    """The full walk of `fingerprint`."""
     key: list = []
     tensors: list[torch.Tensor] = []
     seen: dict[int, int] = {}  # id(container or tensor) -> its position (cycles and aliasing)
@@ -306,10 +326,20 @@ def _first(fn: Any, kind: str, score_dtype: torch.dtype, device: torch.device,
            trace) -> tuple[Mod, tuple[torch.Tensor, ...]]:
     """A fingerprint seen for the first time: note the numbers the mod reads (one that changed
     makes its slot dynamic, `flexattn.scalars`), trace, cache the template."""
-    if type(fn) is types.FunctionType:
-        scalars.observe(fn, _global_names(fn.__code__))
-    dynamic = dynamic_values(fn, device, score_dtype)
-    fp, tensors = walk(fn, dynamic)
+    if type(fn) is not types.FunctionType:
+        return _trace_and_keep(fn, kind, score_dtype, device, trace, {}, *_walk(fn))
+    info = _code(fn.__code__)
+    scalars.observe(fn, info.names)
+    info.dynamic = scalars.dynamic_slots(fn.__code__)
+    dynamic = _NONE if not info.dynamic or device is None else \
+        _dynamic_values(fn, info.dynamic, device, score_dtype)
+    return _trace_and_keep(fn, kind, score_dtype, device, trace, dynamic, *_walk_function(fn, info, dynamic))
+
+
+def _trace_and_keep(fn: Any, kind: str, score_dtype: torch.dtype, device: torch.device, trace, dynamic: dict,
+                    fp: tuple | None, tensors: list) -> tuple[Mod, tuple[torch.Tensor, ...]]:
+    """Trace ``fn`` (with meta stand-ins in its ``dynamic`` slots) and keep its template under
+    ``fp``, unless another thread did meanwhile."""
     key = (kind, score_dtype, device, fp)
     entry = None if fp is None else _CACHE.get(key)
     if entry is not None and entry.pick is not None:
