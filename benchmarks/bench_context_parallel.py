@@ -43,7 +43,8 @@ def mask_of(name: str, S: int):
     if name == "documents":
         lengths = [S // 16 + (i < S % 16) for i in range(16)]
         kept = sum(n * (n + 1) / 2 for n in lengths) / (S * S)
-        return masks.document(lengths=lengths, causal=True), fd.PerDocument(lengths), kept
+        ids = torch.repeat_interleave(torch.arange(16), torch.tensor(lengths)).to("cuda")  # captured: on the GPU
+        return masks.document(ids, causal=True), fd.PerDocument(lengths), kept
     if name == "sliding_window":
         w = 4096
         kept = (w * (w + 1) / 2 + (S - w) * w) / (S * S) if S > w else (S + 1) / (2 * S)
