@@ -7,7 +7,7 @@
     flexattn mask "q_idx >= kv_idx and q_idx - kv_idx < 300" --seq 1000 --block-size 128 --png m.png
     flexattn mask "q_idx - kv_idx < w" --seq 64 --set w=10 --png m.png   # small: token-level picture
     flexattn demo                                              # runs flexattn.demo
-    flexattn bench attention decode                            # benchmarks/ (needs a CUDA GPU)
+    flexattn bench attention decode                            # python -m benchmarks (needs a CUDA GPU)
     flexattn --version
 
 Names used in the text can be bound with ``--set NAME=NUMBER`` and ``--tensor NAME=DTYPE[D0,D1]``
@@ -154,7 +154,7 @@ def cmd_mask(args) -> int:
     return 0
 
 
-BENCHMARKS = ("attention", "decode", "block_mask", "host")
+BENCHMARKS = ("attention", "decode", "fp8", "host", "block_mask")  # the suites of python -m benchmarks
 
 
 def _benchmark_dir() -> Path | None:
@@ -178,17 +178,9 @@ def cmd_bench(args) -> int:
         print("flexattn bench: the benchmark scripts live in benchmarks/ of a source checkout, which this "
               "installation does not have; clone the repository and pip install -e . from it", file=sys.stderr)
         return 2
-    names = args.names or [n for n in BENCHMARKS if (folder / f"bench_{n}.py").is_file()]
-    rc = 0
-    for name in names:
-        script = folder / f"bench_{name}.py"
-        if not script.is_file():
-            print(f"flexattn bench: {script} is missing", file=sys.stderr)
-            rc = 2
-            continue
-        print(f"== {script.name} {' '.join(args.extra)}", flush=True)
-        rc = subprocess.call([sys.executable, str(script), *args.extra], cwd=folder) or rc
-    return rc
+    command = [sys.executable, "-m", "benchmarks", *args.names, *(["--", *args.extra] if args.extra else [])]
+    print(f"== {' '.join(command[1:])}", flush=True)
+    return subprocess.call(command, cwd=folder.parent)
 
 
 def _positive(text: str) -> int:
@@ -234,8 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("demo", help="run the demo (python -m flexattn.demo; options after 'demo')", add_help=False)
 
     bench = sub.add_parser("bench", help="run the GPU benchmarks in benchmarks/ (needs a CUDA GPU)",
-                           description="Run benchmarks/bench_NAME.py from the source checkout, one table each. "
-                                       "Arguments after '--' go to every script.")
+                           description="Run python -m benchmarks from the source checkout: each suite prints its "
+                                       "table and writes benchmarks/results/<suite>-<gpu>.json. Arguments after "
+                                       "'--' go to every suite.")
     bench.add_argument("names", nargs="*", metavar="NAME",
                        help=f"which benchmarks ({', '.join(BENCHMARKS)}; default: all)")
     bench.set_defaults(run=cmd_bench, extra=[])

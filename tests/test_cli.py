@@ -151,7 +151,7 @@ def test_bench_without_a_gpu_says_what_it_needs(capsys, monkeypatch):
     assert rc == 2 and out == ""
     assert "flexattn bench: needs a CUDA GPU, and torch.cuda.is_available() is False here" in err
     rc, _, err = run(capsys, "bench", "nope")
-    assert rc == 2 and "unknown benchmark 'nope'; choose from attention, decode, block_mask, host" in err
+    assert rc == 2 and "unknown benchmark 'nope'; choose from attention, decode, fp8, host, block_mask" in err
 
 
 def test_bench_finds_the_scripts_of_the_checkout():
@@ -159,6 +159,19 @@ def test_bench_finds_the_scripts_of_the_checkout():
 
     folder = cli._benchmark_dir()
     assert folder is not None and (folder / "bench_attention.py").is_file()
+
+
+def test_bench_runs_the_benchmarks_package_with_the_suites_and_their_arguments(capsys, monkeypatch):
+    import flexattn.cli as cli
+
+    calls = []
+    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli.subprocess, "call", lambda command, cwd: calls.append((command, cwd)) or 0)
+    rc, _, _ = run(capsys, "bench", "attention", "host", "--", "--rounds", "5")
+    assert rc == 0
+    (command, cwd), = calls
+    assert command[1:] == ["-m", "benchmarks", "attention", "host", "--", "--rounds", "5"]
+    assert cwd == cli._benchmark_dir().parent
 
 
 def test_mask_refuses_huge_lengths_before_allocating(capsys):
