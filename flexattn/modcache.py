@@ -23,7 +23,9 @@ What the fingerprint covers (`fingerprint` walks all of it, iteratively, in one 
     and the object; `Mod` objects: their structural key and their captured tensors;
   - tuples, lists, dicts, sets and objects with a ``__dict__`` (``nn.Module`` included): their
     contents, recursively;
-  - modules, classes and builtins: by identity.
+  - modules, classes and builtins: by identity; what the code reads through attributes of a
+    module or class in a global or closure cell (``cfg.POS``, ``Config.POS``) is walked as a
+    value of its own (not for the modules of `_FIXED_PACKAGES`: ``torch.where``, ``math.inf``).
 * anything else (an object without ``__dict__`` of an unknown type), a walk longer than
   `WALK_LIMIT` values, or a captured tensor that the walk cannot reach (one the mod computes
   while it runs) makes the mod *uncacheable*: it is traced on every call, which is always right,
@@ -57,22 +59,47 @@ _BY_IDENTITY = (types.ModuleType, type, types.BuiltinFunctionType, types.MethodD
 _OPAQUE = object()  # marks a fingerprint that cannot be trusted
 
 _READS_GLOBAL = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+_READS_ATTR = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
+# Packages whose attributes mods read but nobody assigns (``torch.where``, ``math.inf``): chains
+# from their modules are not followed, which keeps them off every call's path.
+_FIXED_PACKAGES = frozenset({"torch", "math", "operator"})
 
 
 class _Code:
-    """What a fingerprint needs of a code object: the names it reads as globals, and its dynamic
-    slots (a copy of `flexattn.scalars`' record, refreshed when that changes)."""
+    """What a fingerprint needs of a code object: the names it reads as globals, the attribute
+    chains it reads from globals and closure cells (``cfg.POS``: ``(("global", "cfg"),
+    ("POS",))``, ``(("cell", 0), ("POS",))``), and its dynamic slots (a copy of
+    `flexattn.scalars`' record, refreshed when that changes)."""
 
-    __slots__ = ("names", "dynamic")
+    __slots__ = ("names", "chains", "dynamic")
 
-    def __init__(self, code: types.CodeType):
+    def __init__(self, fn: types.FunctionType):
+        """``fn``: a function of the code (chains from a module of `_FIXED_PACKAGES` in its
+        globals or cells are left out)."""
+        code = fn.__code__
         found: dict[str, None] = {}
+        chains: dict[tuple, None] = {}
         stack = [code]
         while stack:
             c = stack.pop()
-            found.update(dict.fromkeys(i.argval for i in dis.get_instructions(c) if i.opname in _READS_GLOBAL))
+            root, attrs = None, []
+            for i in dis.get_instructions(c):
+                if root is not None and i.opname in _READS_ATTR:
+                    attrs.append(i.argval)
+                    continue
+                if attrs:
+                    chains[(root, tuple(attrs))] = None
+                root, attrs = None, []
+                if i.opname in _READS_GLOBAL:
+                    found[i.argval] = None
+                    root = ("global", i.argval)
+                elif i.opname == "LOAD_DEREF" and c is code and i.argval in code.co_freevars:
+                    root = ("cell", code.co_freevars.index(i.argval))
+            if attrs:
+                chains[(root, tuple(attrs))] = None
             stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
         self.names = tuple(found)
+        self.chains = tuple(c for c in chains if not _fixed_module(_root(fn, c[0])))
         self.dynamic = scalars.dynamic_slots(code)
 
 
@@ -80,17 +107,38 @@ class _Code:
 _CODES = LRU(4096)
 
 
-def _code(code: types.CodeType) -> _Code:
-    info = _CODES.get(code)
+def _fixed_module(v) -> bool:
+    return type(v) is types.ModuleType and v.__name__.partition(".")[0] in _FIXED_PACKAGES
+
+
+def _code(fn: types.FunctionType) -> _Code:
+    info = _CODES.get(fn.__code__)
     if info is None:
-        info = _CODES[code] = _Code(code)
+        info = _CODES[fn.__code__] = _Code(fn)
     return info
 
 
-def _global_names(code: types.CodeType) -> tuple[str, ...]:
-    """Names ``code`` (and code nested in it: lambdas, comprehensions) reads as globals: the
-    operands of its global loads, not every name it uses (``torch.where`` reads ``torch``)."""
-    return _code(code).names
+def _root(fn: types.FunctionType, root: tuple) -> Any:
+    where, at = root
+    if where == "global":
+        return fn.__globals__.get(at, _MISSING)
+    try:
+        return fn.__closure__[at].cell_contents
+    except ValueError:  # an empty cell
+        return _MISSING
+
+
+def _attribute(fn: types.FunctionType, chain: tuple) -> Any:
+    """What an attribute chain reads through modules and classes (which the walk keys by
+    identity): ``cfg.POS`` is ``POS`` while ``cfg`` is a module or class, ``cfg`` itself when it
+    is an object the walk sees into."""
+    root, attrs = chain
+    v = _root(fn, root)
+    for a in attrs:
+        if not isinstance(v, (types.ModuleType, type)):
+            break
+        v = getattr(v, a, _MISSING)
+    return v
 
 
 _FLAT = object()  # marks a key made by `_flat_fingerprint`
@@ -100,13 +148,14 @@ _FLAT_KINDS = {**dict.fromkeys(_ATOMS, _ATOM), torch.Tensor: _TENSOR, torch.nn.P
                **dict.fromkeys(_BY_IDENTITY, _IDENTITY)}
 
 
-def _flat_fingerprint(fn: types.FunctionType, names: tuple[str, ...],
+def _flat_fingerprint(fn: types.FunctionType, names: tuple[str, ...], chains: tuple,
                       dynamic: dict) -> tuple[tuple | None, list[torch.Tensor]]:
     """The walk of `fingerprint` for the common model-code mod, a function without defaults whose
     closure cells and named globals are numbers, strings, plain tensors, modules, classes or
     builtins: one flat loop. ``(None, [])`` when ``fn`` is not of that shape (the full walk
     decides). Same coverage as the full walk; its keys are marked apart from the full walk's.
-    ``names``: the globals its code reads; ``dynamic``: the tensors passed for its dynamic slots."""
+    ``names``, ``chains``: the globals and attribute chains its code reads; ``dynamic``: the
+    tensors passed for its dynamic slots."""
     if fn.__defaults__ is not None or fn.__kwdefaults__ is not None:
         return None, []
     code = fn.__code__
@@ -116,6 +165,8 @@ def _flat_fingerprint(fn: types.FunctionType, names: tuple[str, ...],
         return None, []
     n_cells = len(values)
     values += map(fn.__globals__.get, names, _MISSING_EACH)
+    if chains:
+        values += [_attribute(fn, c) for c in chains]
     if dynamic:
         for (where, at), t in dynamic.items():
             values[at if where == "cell" else n_cells + names.index(at)] = t
@@ -164,7 +215,7 @@ def fingerprint(fn: Any, device: torch.device | None = None,
     value."""
     if type(fn) is not types.FunctionType:
         return _walk(fn)
-    info = _code(fn.__code__)
+    info = _code(fn)
     dynamic = _NONE if not info.dynamic or device is None else \
         _dynamic_values(fn, info.dynamic, device, float_dtype)
     return _walk_function(fn, info, dynamic)
@@ -172,7 +223,7 @@ def fingerprint(fn: Any, device: torch.device | None = None,
 
 def _walk_function(fn: types.FunctionType, info: _Code, dynamic: dict) -> tuple[tuple | None, list[torch.Tensor]]:
     try:
-        key, tensors = _flat_fingerprint(fn, info.names, dynamic)
+        key, tensors = _flat_fingerprint(fn, info.names, info.chains, dynamic)
     except RuntimeError:  # a tensor without strides (sparse): the full walk keys it apart
         key = None
     if key is not None:
@@ -230,7 +281,9 @@ def _expand(v: Any, t: type, key: list, stack: list) -> bool:
         cells = v.__closure__ or ()
         key.append(("fn", code, len(cells)))
         g = v.__globals__
-        stack.extend(g.get(n, _MISSING) for n in reversed(_global_names(code)))
+        info = _code(v)
+        stack.extend(_attribute(v, c) for c in reversed(info.chains))
+        stack.extend(g.get(n, _MISSING) for n in reversed(info.names))
         stack.append(v.__kwdefaults__)
         stack.append(v.__defaults__)
         for c in reversed(cells):
@@ -328,7 +381,7 @@ def _first(fn: Any, kind: str, score_dtype: torch.dtype, device: torch.device,
     makes its slot dynamic, `flexattn.scalars`), trace, cache the template."""
     if type(fn) is not types.FunctionType:
         return _trace_and_keep(fn, kind, score_dtype, device, trace, {}, *_walk(fn))
-    info = _code(fn.__code__)
+    info = _code(fn)
     scalars.observe(fn, info.names)
     info.dynamic = scalars.dynamic_slots(fn.__code__)
     dynamic = _NONE if not info.dynamic or device is None else \

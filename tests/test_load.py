@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import tracemalloc
+import types
 
 import pytest
 import torch
@@ -100,6 +101,27 @@ def test_a_number_used_as_a_python_value_stays_a_constant():
     code = test_a_number_used_as_a_python_value_stays_a_constant.__code__.co_consts
     lam = next(c for c in code if getattr(c, "co_name", "") == "<lambda>")
     assert scalars.dynamic_slots(lam) == ()
+
+
+class Limits:
+    POSITION = 0
+
+
+def test_a_number_read_through_a_module_or_class_attribute_is_never_stale():
+    """``limits.POSITION`` of a module global and ``Limits.POSITION`` of a class: the fingerprint
+    follows the attribute, so a changed value is not answered by the kernel of the old one."""
+    limits = types.ModuleType("limits")
+    globals()["limits"] = limits
+    try:
+        q, k, v = qkv(4, 12)
+        for p in (3, 7, 5):
+            limits.POSITION = Limits.POSITION = p
+            for score in (lambda s, b, h, q_idx, kv_idx: torch.where(kv_idx <= limits.POSITION, s, -math.inf),
+                          lambda s, b, h, q_idx, kv_idx: torch.where(kv_idx <= Limits.POSITION, s, -math.inf)):
+                out = flexattn.flex_attention(q, k, v, score_mod=score)
+                assert_right(out, q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: kv_idx <= p)
+    finally:
+        del globals()["limits"]
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
