@@ -17,6 +17,7 @@ from flexattn.codegen import block_mask_kernel, emit, interval, render, signatur
 from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, hopper, launch
 from flexattn.kernels.arguments import PER_CALL, UNUSED
 from flexattn.kernels.tables import tables_of
+from flexattn.lru import LRU
 
 BIAS = torch.randn(8)
 SCORE = flexattn.trace(lambda score, b, h, q_idx, kv_idx: score + BIAS[q_idx], kind="score")
@@ -51,7 +52,7 @@ def rendered(template: str, make_module, monkeypatch) -> str:
     monkeypatch.setattr(block_mask_kernel, "load_kernel_module",
                         lambda name, hooks, provenance, interpret: capture(render.render(name, hooks, provenance),
                                                                            name, interpret))
-    monkeypatch.setattr(launch, "_MODULES", {})
+    monkeypatch.setattr(launch, "_MODULES", LRU(16))  # empty: every module is rendered again
     make_module()
     return seen[template]
 
