@@ -359,7 +359,7 @@ def _plan_call(query, key, value, score_mod, mask, mask_bufs, tables, enable_gqa
     if slots is not None:
         known = _KNOWN.get(call_key)
         if known is None:
-            known = _KNOWN.setdefault(call_key, lambda: _Known(score, modcache.picker(slots)))
+            known = _KNOWN.get_or_make(call_key, lambda: _Known(score, modcache.picker(slots)))
         known.by_grad[need_grad] = bound
     return score, score_bufs, need_grad, bound, descale
 

@@ -62,7 +62,7 @@ class LRU:
             self._data.move_to_end(key)
             self._trim()
 
-    def setdefault(self, key: Hashable, make: Callable[[], Any]) -> Any:
+    def get_or_make(self, key: Hashable, make: Callable[[], Any]) -> Any:
         """The entry of ``key``, made by ``make()`` and stored if there is none (one entry per key
         also when threads race: the first stored wins, ``make`` runs outside the lock)."""
         value = self.get(key, _ABSENT)

@@ -152,7 +152,7 @@ def test_lru_drops_the_least_recently_used():
     assert c.get("a") == 1
     c["c"] = 3
     assert c.keys() == ["a", "c"] and evicted == ["b"]
-    assert c.setdefault("a", lambda: 9) == 1 and c.setdefault("d", lambda: 4) == 4
+    assert c.get_or_make("a", lambda: 9) == 1 and c.get_or_make("d", lambda: 4) == 4
     assert c.keys() == ["a", "d"] and len(c) == 2
     with pytest.raises(ValueError, match="limit must be a positive int, got 0"):
         lru.LRU(0)

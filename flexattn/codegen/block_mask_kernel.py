@@ -33,7 +33,7 @@ _GPU_LAUNCH_LOCK = threading.Lock()
 def kernel_module(mod, target: str):
     """The rendered kernel module for ``mod`` (memoised on the mod's structural key)."""
     key = (mod.key(), target)
-    return _MODULES.setdefault(key, lambda: _render(mod, target))
+    return _MODULES.get_or_make(key, lambda: _render(mod, target))
 
 
 def _render(mod, target: str):

@@ -134,7 +134,7 @@ def kernel_module(template: str, key: Hashable, target: str, hooks: Callable[[],
             h["tile_helpers"] = template_text("tiles")
         if "gluon_tiles" not in h and "$gluon_tiles" in template_text(template):
             h["gluon_tiles"] = template_text("gluon_tiles")
-        module = _MODULES.setdefault(
+        module = _MODULES.get_or_make(
             full_key, lambda: load_kernel_module(template, h, provenance(), interpret=target == "interpret"))
     return module
 
