@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from flexattn import capture, ir, modcache
+from flexattn import capture, ir, modcache, ops
 from flexattn.block_mask import BlockMask, as_mod, is_noop_mask
 from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, layout, options as opts, plans
 from flexattn.kernels.tables import tables_of, validate_mask
@@ -408,8 +408,6 @@ def _compiled_tables(block_mask) -> tuple[tuple, list[torch.Tensor]]:
 
 def _attend_compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, options, want_max, decoding,
                      kv_lengths, mask_override):
-    from flexattn import ops
-
     stat_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     if score_mod is None:
         score_key, score_bufs = identity_score_mod(stat_dtype).key(), []
