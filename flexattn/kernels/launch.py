@@ -16,6 +16,7 @@ import functools
 import threading
 from typing import Any, Callable, Hashable
 
+import numpy
 import torch
 import triton
 import triton.language as tl
@@ -279,8 +280,6 @@ class Launch:
             except InterpreterError as err:
                 if "only 0-dimensional arrays can be converted" not in str(err):
                     raise
-                import numpy
-
                 raise RuntimeError(
                     f"flexattn runs CPU tensors through Triton's interpreter, and triton "
                     f"{triton.__version__}'s interpreter turns one-element arrays into Python ints, which "
