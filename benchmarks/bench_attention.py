@@ -5,7 +5,9 @@
     python benchmarks/bench_attention.py --device cpu             # tiny shape, flexattn only (interpreter)
 
 Cases: no mask, causal, sliding window 1024 (causal), alibi + causal, tanh softcap, 16 documents
-(packed sequences of uneven lengths, causal inside each document). All competitors run in one
+(packed sequences of uneven lengths, causal inside each document); on request (``--cases``) "tanh
+softcap (cap read at run time)": the soft-cap's Python float seen changing first, so flexattn passes
+it as a kernel argument instead of folding it (what folding a constant is worth). All competitors run in one
 process on the same tensors, with each one's output and gradients compared to flexattn's
 (max|diff|, grad diff: the largest of dQ, dK, dV). TFLOP/s counts 4·B·H·S·S·D for the forward and
 2.5x that for the backward, times the fraction of tiles the block mask visits (so a causal run is
@@ -20,6 +22,7 @@ call (S=2k) can be bound by the host, so one timing per competitor reads whichev
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -31,6 +34,7 @@ if __package__ in (None, ""):  # run as `python benchmarks/bench_attention.py`: 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flexattn
+from flexattn import scalars
 from benchmarks import results
 from benchmarks.timing import timer
 
@@ -46,8 +50,31 @@ def document_ids(S: int, docs: int, device: str) -> torch.Tensor:
     return torch.bucketize(torch.arange(S), bounds, right=True).clamp_max(docs - 1).to(torch.int32).to(device)
 
 
-def cases(H: int, S: int, window: int, docs: int, device: str):
-    """name -> (score_mod or None, mask_mod or None, SDPA is_causal or None when SDPA cannot)."""
+def softcap_of(cap: float):
+    def softcap_at_run_time(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+    return softcap_at_run_time
+
+
+def cap_read_at_run_time(device: str):
+    """The soft-cap whose ``cap`` flexattn reads at run time: its code has been called with two
+    values, which makes the closure's number a kernel argument (flexattn/scalars.py)."""
+    x = torch.randn(1, 1, 16, 16, device=device)
+    for cap in (29.0, 30.0):
+        flexattn.flex_attention(x, x, x, score_mod=softcap_of(cap))
+    made = softcap_of(30.0)
+    if not scalars.dynamic_slots(made.__code__):
+        raise RuntimeError("the soft-cap's cap is still folded: flexattn/scalars.py's rule changed")
+    return made
+
+
+# cases run only when --cases names them
+ON_REQUEST = ("tanh softcap (cap read at run time)",)
+
+
+def cases(H: int, S: int, window: int, docs: int, device: str, names=None):
+    """name -> (score_mod or None, mask_mod or None, SDPA is_causal or None when SDPA cannot), for
+    ``names`` (default: all but the ON_REQUEST ones)."""
     slopes = torch.exp2(-8.0 * (torch.arange(H, dtype=torch.float32, device=device) + 1) / H)
     doc = document_ids(S, docs, device)
 
@@ -66,7 +93,7 @@ def cases(H: int, S: int, window: int, docs: int, device: str):
     def documents(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
-    return {
+    made = {
         "no mask": (None, None, False),
         "causal": (None, causal, True),
         f"sliding window {window}": (None, sliding_window, None),
@@ -74,6 +101,11 @@ def cases(H: int, S: int, window: int, docs: int, device: str):
         "tanh softcap": (softcap, None, None),
         f"{docs} documents": (None, documents, None),
     }
+    if names is None:
+        return made
+    if ON_REQUEST[0] in names:
+        made[ON_REQUEST[0]] = (cap_read_at_run_time(device), None, None)
+    return {name: case for name, case in made.items() if name in names}
 
 
 def visited_fraction(block_mask) -> float:
@@ -114,15 +146,20 @@ def parser() -> argparse.ArgumentParser:
                    help="timings per competitor, interleaved between competitors; the median is kept")
     p.add_argument("--no-torch", action="store_true", help="flexattn only")
     p.add_argument("--no-backward", action="store_true", help="forward only")
+    p.add_argument("--kernel-options", type=json.loads, default=None, metavar="JSON",
+                   help='kernel_options for flexattn\'s calls, e.g. \'{"BACKEND": "TRITON"}\'')
     return p
 
 
-def competitors(q, k, v, score_mod, mask_mod, sdpa_causal, S, block, torch_impls) -> tuple[dict, float]:
+def competitors(q, k, v, score_mod, mask_mod, sdpa_causal, S, block, torch_impls,
+                kernel_options=None) -> tuple[dict, float]:
     """(impl -> forward function, fraction of tiles visited) for one case; ``torch_impls`` is None
-    (flexattn only) or (compiled flex_attention, torch's create_block_mask)."""
+    (flexattn only) or (compiled flex_attention, torch's create_block_mask); ``kernel_options``
+    go to flexattn's calls."""
     bm = (flexattn.create_block_mask(mask_mod, 1, 1, S, S, device=q.device, BLOCK_SIZE=block)
           if mask_mod is not None else None)
-    impls = {"flexattn": lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)}
+    impls = {"flexattn": lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
+                                                         kernel_options=kernel_options)}
     if torch_impls is None:
         return impls, visited_fraction(bm)
     compiled_flex, torch_block_mask = torch_impls
@@ -203,20 +240,19 @@ def run(args) -> tuple[dict, list[dict]]:
         torch_impls = (torch.compile(torch_flex, dynamic=False), torch_block_mask)
     config = {"dtype": str(dtype).removeprefix("torch."), "shapes": [f"{B}x{H}x{S}x{D}" for B, H, S, D in shapes],
               "window": window, "docs": docs, "BLOCK_SIZE": block, "rounds": max(1, args.rounds), "rep": rep,
-              "backward": not args.no_backward}
+              "backward": not args.no_backward, "kernel_options": args.kernel_options}
     rows = []
     for B, H, S, D in shapes:
         g = torch.Generator(device=args.device).manual_seed(0)
         q, k, v = (torch.randn(B, H, S, D, device=args.device, generator=g).to(dtype).requires_grad_()
                    for _ in range(3))
         d_out = torch.randn(B, H, S, D, device=args.device, generator=g).to(dtype)
-        selected = cases(H, S, window, docs, args.device)
-        if args.cases:
-            wanted = {c.strip() for c in args.cases.split(",")}
-            selected = {name: case for name, case in selected.items() if name in wanted}
+        selected = cases(H, S, window, docs, args.device,
+                         None if not args.cases else {c.strip() for c in args.cases.split(",")})
         fwd_flops = 4 * B * H * S * S * D
         for case, (score_mod, mask_mod, sdpa_causal) in selected.items():
-            impls, tiles = competitors(q, k, v, score_mod, mask_mod, sdpa_causal, S, block, torch_impls)
+            impls, tiles = competitors(q, k, v, score_mod, mask_mod, sdpa_causal, S, block, torch_impls,
+                                        args.kernel_options)
             for impl, fields in measure_case(impls, q, k, v, d_out, args, warmup, rep).items():
                 row = {"shape": f"{B}x{H}x{S}x{D}", "B": B, "H": H, "S": S, "D": D, "case": case,
                        "impl": impl, "tiles": tiles, **fields}
