@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 4 benchmarks/bench_context_parallel.py --seq 131072,524288
     torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --seq 131072 --iters 3   (short)
 
-B=1, H=16, D=128, bfloat16, forward + backward; masks: causal, 16 documents, sliding window 4096.
+B=1, H=16, D=128, bfloat16, forward + backward; masks: causal (head-tail layout), 16 documents
+(per-document head-tail, torch's layout, and whole documents per rank), sliding window 4096.
 Prints per-GPU TFLOP/s, scaling efficiency (time of the whole sequence on one GPU / (P x time on P
 GPUs)), peak memory per GPU, and torch's context parallel (all-gathered K/V,
 ``torch.compile(flex_attention)``) at the same shapes; also a length torch refuses (not a multiple
@@ -40,11 +41,12 @@ def mask_of(name: str, S: int):
     """(mask_mod, load balance, fraction of (q, kv) pairs kept)."""
     if name == "causal":
         return masks.causal, "head_tail", (S + 1) / (2 * S)
-    if name == "documents":
+    if name in ("documents", "whole_documents"):
         lengths = [S // 16 + (i < S % 16) for i in range(16)]
         kept = sum(n * (n + 1) / 2 for n in lengths) / (S * S)
         ids = torch.repeat_interleave(torch.arange(16), torch.tensor(lengths)).to("cuda")  # captured: on the GPU
-        return masks.document(ids, causal=True), fd.PerDocument(lengths), kept
+        layout = fd.PerDocument(lengths) if name == "documents" else fd.WholeDocuments(lengths)
+        return masks.document(ids, causal=True), layout, kept
     if name == "sliding_window":
         w = 4096
         kept = (w * (w + 1) / 2 + (S - w) * w) / (S * S) if S > w else (S + 1) / (2 * S)
@@ -199,7 +201,7 @@ def line(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", default="131072,524288")
-    parser.add_argument("--masks", default="causal,documents,sliding_window")
+    parser.add_argument("--masks", default="causal,documents,whole_documents,sliding_window")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--one-gpu-max-seq", type=int, default=262144,
                         help="longest sequence for the one-GPU baseline (longer: skipped, no efficiency)")

@@ -12,8 +12,10 @@ are computed on one rank of the group only, a different one per case.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
+import random
 import sys
 import traceback
 
@@ -67,13 +69,19 @@ def _doc_layout():
     return fd.PerDocument(DOCS)
 
 
+def _whole_docs():
+    return fd.WholeDocuments(DOCS)
+
+
 # name, S, Hq, Hkv, mask_mod, layout, score bias?, method, use the LSE in the loss; per world size
 # every layout and both methods, GQA with each method, a captured bias with each method.
 CASES = {
     2: [("causal head_tail GQA bias", 45, 4, 2, masks.causal, "head_tail", True, "ring", True),
         ("documents per_document GQA", sum(DOCS), 2, 1, masks.document(lengths=DOCS, causal=True), _doc_layout,
          False, "allgather", False),
-        ("sliding window none", 53, 2, 2, masks.sliding_window(9), None, False, "ring", False)],
+        ("sliding window none", 53, 2, 2, masks.sliding_window(9), None, False, "ring", False),
+        ("documents whole_documents bias", sum(DOCS), 2, 2, masks.document(lengths=DOCS, causal=True), _whole_docs,
+         True, "ring", True)],
     3: [("documents per_document GQA", sum(DOCS), 2, 1, masks.document(lengths=DOCS, causal=True), _doc_layout,
          False, "ring", True),
         ("sliding window none bias", 47, 2, 1, masks.sliding_window(11), None, True, "allgather", True),
@@ -138,9 +146,14 @@ def _all_equal(group, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _layouts_and_masks(group) -> None:
     P = dist.get_world_size(group)
     x = torch.arange(2 * 47).view(1, 2, 47).float()
-    for layout in (None, "head_tail", fd.PerDocument([20, 27])):
+    for layout in (None, "head_tail", fd.PerDocument([20, 27]), fd.WholeDocuments([10, 10, 27])):
         part = fd.shard(x, group, seq_dim=2, load_balance=layout)
         assert torch.equal(fd.unshard(part, group, seq_dim=-1, load_balance=layout), x), layout
+    # whole documents: no document spans two shards, so only a rank's own pair is kept
+    docs = [9, 14, 7, 17]
+    bm = fd.create_block_mask(masks.document(lengths=docs, causal=True), None, None, 47, 47, group,
+                              load_balance=fd.WholeDocuments(docs), device="cpu", BLOCK_SIZE=BLOCK)
+    assert bm.needs == tuple(tuple(i == j for j in range(P)) for i in range(P)), bm.needs
     # sliding window 9 over contiguous shards of 53 / P: far shards are never read, and skipped
     bm = fd.create_block_mask(masks.sliding_window(9), None, None, 53, 53, group, device="cpu", BLOCK_SIZE=BLOCK)
     expect = tuple(tuple(j in (i - 1, i) for j in range(P)) for i in range(P))
@@ -263,6 +276,31 @@ def _body(group) -> None:
 def test_distributed_gloo(tmp_path):
     os.environ.setdefault("FLEXATTN_CACHE_DIR", str(tmp_path / "cache"))
     mp.spawn(_worker, args=(3, str(tmp_path / "store")), nprocs=3, join=True)
+
+
+def test_whole_documents_is_the_most_even_cut():
+    """Cuts at document boundaries, every rank a document at least, and the largest rank's causal
+    work as small as any cut's (all cuts tried)."""
+    rng = random.Random(0)
+    for _ in range(100):
+        docs = [rng.randint(1, 40) for _ in range(rng.randint(1, 9))]
+        P = rng.randint(1, min(4, len(docs)))
+        layout, S = fd.WholeDocuments(docs), sum(docs)
+        starts = list(itertools.accumulate(docs, initial=0))
+        work = [n * (n + 1) // 2 for n in docs]
+
+        def largest(cuts):
+            at = [starts.index(c) for c in cuts]
+            return max(sum(work[a:b]) for a, b in zip(at, at[1:]))
+
+        runs = [layout.runs(S, P, r) for r in range(P)]
+        cuts = [r[0][0] for r in runs] + [S]
+        assert [r[0][1] for r in runs] == cuts[1:] and all(b > a for a, b in zip(cuts, cuts[1:])), (docs, runs)
+        assert largest(cuts) == min(largest([0, *c, S]) for c in itertools.combinations(starts[1:-1], P - 1))
+    with pytest.raises(ValueError, match="2 documents cannot fill 3 ranks"):
+        fd.WholeDocuments([4, 5]).runs(9, 3, 0)
+    with pytest.raises(ValueError, match="sum to 9, but the sequence length is 10"):
+        fd.WholeDocuments([4, 5]).runs(10, 2, 0)
 
 
 @pytest.mark.parametrize("P", [2, 3])

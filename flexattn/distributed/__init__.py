@@ -7,14 +7,15 @@
     flex_attention(q, k, v, score_mod, block_mask, ..., method="ring" | "allgather")
 
 Layouts (``load_balance``): None (`Contiguous`), "head_tail" (`HeadTail`, torch's zigzag) and
-`PerDocument(lengths)`. NCCL on CUDA tensors, gloo on CPU tensors. See docs/distributed.md.
+`PerDocument(lengths)`, `WholeDocuments(lengths)`. NCCL on CUDA tensors, gloo on CPU tensors. See docs/distributed.md.
 """
 
 from flexattn.distributed.attention import flex_attention
 from flexattn.distributed.checks import DistributedMismatchError
-from flexattn.distributed.layout import Contiguous, HeadTail, Layout, PerDocument
+from flexattn.distributed.layout import Contiguous, HeadTail, Layout, PerDocument, WholeDocuments
 from flexattn.distributed.masks import DistributedBlockMask, create_block_mask
 from flexattn.distributed.shard import shard, unshard
 
 __all__ = ["flex_attention", "create_block_mask", "DistributedBlockMask", "shard", "unshard", "Layout",
-           "Contiguous", "HeadTail", "PerDocument", "DistributedMismatchError"]
+           "Contiguous", "HeadTail", "PerDocument", "WholeDocuments",
+           "DistributedMismatchError"]

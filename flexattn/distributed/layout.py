@@ -10,6 +10,10 @@ cut into n chunks gives the first ``length % n`` chunks one more position, as ``
 - `PerDocument`: the same inside each document of a packed sequence (torch's
   ``_PerDocumentHeadTailLoadBalancer``): rank r holds, document after document, the document's
   chunks r and 2P-1-r.
+- `WholeDocuments`: documents kept whole, consecutive documents per rank, cut where the ranks'
+  causal work is most even: no document spans two ranks, so every pair of different shards is
+  empty and the ring sends nothing. Balanced where there are many documents, none much longer
+  than the sequence / P.
 """
 
 from __future__ import annotations
@@ -107,16 +111,10 @@ class PerDocument(Layout):
     name = "per_document"
 
     def __init__(self, document_lengths):
-        lengths = [int(n) for n in (document_lengths.tolist() if isinstance(document_lengths, torch.Tensor)
-                                    else document_lengths)]
-        if not lengths or any(n <= 0 for n in lengths):
-            raise ValueError(f"PerDocument needs positive document lengths, got {lengths}")
-        self.document_lengths = tuple(lengths)
+        self.document_lengths = _documents(document_lengths, "PerDocument")
 
     def runs(self, length, world_size, rank):
-        total = sum(self.document_lengths)
-        if total != length:
-            raise ValueError(f"PerDocument: the document lengths sum to {total}, but the sequence length is {length}")
+        _check_total(self.document_lengths, length, "PerDocument")
         out, start = [], 0
         for n in self.document_lengths:
             out += _head_tail(start, n, world_size, rank)
@@ -128,6 +126,82 @@ class PerDocument(Layout):
 
     def __repr__(self) -> str:
         return f"PerDocument({list(self.document_lengths)})"
+
+
+def _documents(document_lengths, layout: str) -> tuple[int, ...]:
+    lengths = [int(n) for n in (document_lengths.tolist() if isinstance(document_lengths, torch.Tensor)
+                                else document_lengths)]
+    if not lengths or any(n <= 0 for n in lengths):
+        raise ValueError(f"{layout} needs positive document lengths, got {lengths}")
+    return tuple(lengths)
+
+
+def _check_total(lengths: tuple[int, ...], length: int, layout: str) -> None:
+    if sum(lengths) != length:
+        raise ValueError(f"{layout}: the document lengths sum to {sum(lengths)}, but the sequence length is {length}")
+
+
+class WholeDocuments(Layout):
+    """Whole documents, consecutive ones per rank, cut at the document boundaries that make the
+    largest rank's causal work (the sum of n (n + 1) / 2 over its documents) smallest.
+
+    No document spans two shards, so a document mask keeps no pair of different shards: the ring
+    skips every step but a rank's own, with its transfer. A document whose own work exceeds the
+    sequence's / P leaves its rank with more than its share (`PerDocument` splits documents
+    instead). Needs at least as many documents as ranks.
+
+    >>> [WholeDocuments([6, 2, 2, 5]).runs(15, 2, r) for r in range(2)]
+    [[(0, 6)], [(6, 15)]]
+    """
+
+    name = "whole_documents"
+
+    def __init__(self, document_lengths):
+        self.document_lengths = _documents(document_lengths, "WholeDocuments")
+        self._cuts: dict[int, list[int]] = {}
+
+    def runs(self, length, world_size, rank):
+        _check_total(self.document_lengths, length, "WholeDocuments")
+        if len(self.document_lengths) < world_size:
+            raise ValueError(f"WholeDocuments: {len(self.document_lengths)} documents cannot fill {world_size} "
+                             f"ranks (one document at least each); use PerDocument")
+        cuts = self._cuts.get(world_size)
+        if cuts is None:
+            cuts = self._cuts[world_size] = _balanced_cuts(self.document_lengths, world_size)
+        return [(cuts[rank], cuts[rank + 1])]
+
+    def key(self):
+        return (self.name, self.document_lengths)
+
+    def __repr__(self) -> str:
+        return f"WholeDocuments({list(self.document_lengths)})"
+
+
+def _balanced_cuts(lengths: tuple[int, ...], parts: int) -> list[int]:
+    """Positions ``0 = c_0 < c_1 < ... < c_parts = sum(lengths)`` at document boundaries that
+    minimise the largest part's work (binary search on that bound; packing documents greedily in
+    order decides whether a bound can be met, cutting early where the documents left are just
+    enough to give every part one). ``len(lengths) >= parts``."""
+    work = [n * (n + 1) // 2 for n in lengths]
+
+    def pack(bound: int) -> list[int] | None:
+        ends, load = [], 0
+        for i, w in enumerate(work):
+            if i and (load + w > bound or len(work) - i == parts - 1 - len(ends)):
+                ends.append(i)
+                load = 0
+            load += w
+        return ends if len(ends) < parts else None
+
+    lo, hi = max(work), sum(work)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if pack(mid) is not None else (mid + 1, hi)
+    ends = pack(lo)
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    return [0] + [starts[i] for i in ends] + [starts[-1]]
 
 
 _BY_NAME = {"none": Contiguous, "contiguous": Contiguous, "head_tail": HeadTail, "zigzag": HeadTail}
@@ -142,4 +216,4 @@ def as_layout(load_balance) -> Layout:
     if isinstance(load_balance, str) and load_balance in _BY_NAME:
         return _BY_NAME[load_balance]()
     raise ValueError(f"load_balance must be None, 'none', 'head_tail', 'zigzag' or a flexattn.distributed "
-                     f"layout (Contiguous, HeadTail, PerDocument), got {load_balance!r}")
+                     f"layout (Contiguous, HeadTail, PerDocument, WholeDocuments), got {load_balance!r}")
