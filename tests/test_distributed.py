@@ -73,6 +73,12 @@ def _whole_docs():
     return fd.WholeDocuments(DOCS)
 
 
+def prefix_or_self(b, h, q_idx, kv_idx):
+    """Every query reads the first 20 keys (and itself): another rank's shard 0 is read only in
+    its first KV blocks, so a window smaller than the shard travels two hops at P=3."""
+    return (kv_idx < 20) | (q_idx == kv_idx)
+
+
 # name, S, Hq, Hkv, mask_mod, layout, score bias?, method, use the LSE in the loss; per world size
 # every layout and both methods, GQA with each method, a captured bias with each method.
 CASES = {
@@ -85,7 +91,8 @@ CASES = {
     3: [("documents per_document GQA", sum(DOCS), 2, 1, masks.document(lengths=DOCS, causal=True), _doc_layout,
          False, "ring", True),
         ("sliding window none bias", 47, 2, 1, masks.sliding_window(11), None, True, "allgather", True),
-        ("causal head_tail", 41, 2, 2, masks.causal, "head_tail", False, "ring", False)],
+        ("causal head_tail", 41, 2, 2, masks.causal, "head_tail", False, "ring", False),
+        ("prefix none GQA bias", 101, 2, 1, prefix_or_self, None, True, "ring", True)],
 }
 
 
@@ -158,6 +165,9 @@ def _layouts_and_masks(group) -> None:
     bm = fd.create_block_mask(masks.sliding_window(9), None, None, 53, 53, group, device="cpu", BLOCK_SIZE=BLOCK)
     expect = tuple(tuple(j in (i - 1, i) for j in range(P)) for i in range(P))
     assert bm.needs == expect, (bm.needs, expect)
+    # and only the KV blocks the next rank reads travel: its queries reach 8 keys back
+    n = [p.numel() for p in bm.kvpos]
+    assert bm.windows == tuple((max(0, n[j] - 8) // BLOCK * BLOCK, n[j]) for j in range(P - 1)) + ((0, 0),), bm.windows
 
 
 def _errors(group) -> None:

@@ -24,7 +24,7 @@ METHODS = ("ring", "allgather")
 def _ring(bm: DistributedBlockMask) -> Ring:
     ring = getattr(bm, "_ring", None)
     if ring is None:
-        ring = bm._ring = Ring(bm.group, bm.needs, [p.numel() for p in bm.kvpos])
+        ring = bm._ring = Ring(bm.group, bm.needs, bm.windows)
     return ring
 
 
@@ -54,7 +54,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     _check_call(query, key, value, bm, method, pair)
     if method == "ring":
         out, lse = _ring(bm).forward(
-            key, value, lambda j, kj, vj: pair.forward(query, kj, vj, bm.masks[j], bm.kvpos[j]))
+            key, value, lambda j, kj, vj: pair.forward(query, kj, vj, bm.masks[j], bm.kvpos_held[j]))
     else:
         out, lse = AllGather(bm).forward(query, key, value, pair)
     B, Hq, L, _ = query.shape
@@ -83,7 +83,7 @@ def attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     need = tuple(need)
     if method == "ring":
         def step(j, kj, vj):
-            return pair.backward(query, kj, vj, out, lse, grad_out, grad_lse, bm.masks[j], bm.kvpos[j], need)
+            return pair.backward(query, kj, vj, out, lse, grad_out, grad_lse, bm.masks[j], bm.kvpos_held[j], need)
         dq, dk, dv, per_step = _ring(bm).backward(key, value, step, acc)
     else:
         dq, dk, dv, per_step = AllGather(bm).backward(query, key, value, out, lse, grad_out, grad_lse, pair,

@@ -73,29 +73,44 @@ def as_mask_mod(mask_mod) -> "flexattn.Mod":
     return flexattn.trace(mask_mod, MASK)
 
 
-def is_empty(block_mask) -> bool:
-    """Whether ``block_mask`` lists no KV block at all (a host sync: mask-building time only)."""
-    n = block_mask.kv_num_blocks.sum()
-    if block_mask.full_kv_num_blocks is not None:
-        n = n + block_mask.full_kv_num_blocks.sum()
-    return int(n) == 0
+def kv_block_range(block_mask) -> tuple[int, int] | None:
+    """``(first, last + 1)`` of the KV blocks ``block_mask`` lists in any row, or None when it
+    lists none (a host sync: mask-building time only)."""
+    first, end = None, 0
+    for num, idx in ((block_mask.kv_num_blocks, block_mask.kv_indices),
+                     (block_mask.full_kv_num_blocks, block_mask.full_kv_indices)):
+        if num is None or idx.shape[-1] == 0:
+            continue
+        listed = torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1)
+        if not bool(listed.any()):
+            continue
+        big = torch.iinfo(idx.dtype).max
+        lo, hi = int(torch.where(listed, idx, big).min()), int(torch.where(listed, idx, -1).max()) + 1
+        first, end = (lo if first is None else min(first, lo)), max(end, hi)
+    return None if first is None else (first, end)
 
 
 class DistributedBlockMask:
     """One rank's block tables: its query shard against each KV shard, in global positions.
 
-    ``masks[j]``: the `flexattn.BlockMask` of this rank's queries against KV shard j (None where
-    empty); ``needs[i][j]``: whether query shard i reads KV shard j (the same on every rank);
+    ``needs[i][j]``: whether query shard i reads KV shard j (the same on every rank);
     ``qpos`` / ``kvpos[j]``: the global positions of this rank's queries and of KV shard j.
-    Made by `create_block_mask`.
+    ``windows[j] = (lo, hi)``: the local KV positions of shard j that ranks other than its owner
+    read (whole KV blocks; the same on every rank): only that part travels in the ring.
+    ``masks[j]``: the `flexattn.BlockMask` of this rank's queries against KV shard j as this rank
+    holds it (its own shard whole, another's window; None where empty), whose positions are
+    ``kvpos_held[j]``. Made by `create_block_mask`.
     """
 
     def __init__(self, group, layout: Layout, B: int, H: int, seq_lengths: tuple[int, int], block_size,
-                 mask: "flexattn.Mod", qpos, kvpos: list, masks: list, needs: tuple, token: tuple):
+                 mask: "flexattn.Mod", qpos, kvpos: list, masks: list, needs: tuple, windows: tuple,
+                 token: tuple):
         self.group, self.layout, self.B, self.H = group, layout, B, H
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.seq_lengths, self.BLOCK_SIZE, self.mask_mod = seq_lengths, block_size, mask
         self.qpos, self.kvpos, self.masks, self.needs, self.token = qpos, kvpos, masks, needs, token
+        self.windows = windows
+        self.kvpos_held = [p if j == self.rank else p[slice(*windows[j])] for j, p in enumerate(kvpos)]
         self._gathered = None
         # (the name the custom ops know it by; equal on every rank, new for every mask)
         self.name = repr(token)
@@ -109,7 +124,7 @@ class DistributedBlockMask:
             mod, _ = at_global_positions(self.mask_mod, MASK, torch.float32, self.qpos, kvpos)
             bm = flexattn.create_block_mask(mod, self.B, self.H, self.qpos.numel(), kvpos.numel(),
                                             device=self.qpos.device, BLOCK_SIZE=self.BLOCK_SIZE)
-            self._gathered = (None if is_empty(bm) else bm, kvpos)
+            self._gathered = (None if kv_block_range(bm) is None else bm, kvpos)
         return self._gathered
 
     def sparsity(self) -> float:
@@ -165,16 +180,38 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     fields = {"mask_mod": mod.key(), "B": B, "H": H, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "layout": layout.key(),
               "BLOCK_SIZE": BLOCK_SIZE, "device type": device.type}
     checks.agree(group, "flexattn.distributed.create_block_mask", fields, error, cache=False)
-    masks = []
+    kv_block = BLOCK_SIZE[1] if isinstance(BLOCK_SIZE, tuple) else BLOCK_SIZE
+    masks, row = [], []
     for j in range(P):
-        local, _ = at_global_positions(mod, MASK, torch.float32, qpos, kvpos[j])
-        bm = flexattn.create_block_mask(local, B, H, qpos.numel(), kvpos[j].numel(), device=device,
-                                        BLOCK_SIZE=BLOCK_SIZE)
-        masks.append(None if qpos.numel() == 0 or kvpos[j].numel() == 0 or is_empty(bm) else bm)
-    row = [m is not None for m in masks]
+        bm = _pair_mask(mod, B, H, qpos, kvpos[j], device, BLOCK_SIZE)
+        span = None if bm is None else kv_block_range(bm)
+        masks.append(None if span is None else bm)
+        row.append(None if span is None else (span[0] * kv_block, min(span[1] * kv_block, kvpos[j].numel())))
     rows: list = [None] * P
     dist.all_gather_object(rows, row, group=group)
+    needs = tuple(tuple(span is not None for span in r) for r in rows)
+    windows = tuple(_window(rows, j, kvpos[j].numel()) for j in range(P))
+    for j in range(P):  # another rank's shard: the tables of the window that travels
+        if j != r and masks[j] is not None and windows[j] != (0, kvpos[j].numel()):
+            masks[j] = _pair_mask(mod, B, H, qpos, kvpos[j][slice(*windows[j])], device, BLOCK_SIZE)
     counter = _TOKENS.setdefault(group.group_name, itertools.count())
     token = (mod.key(), layout.key(), Q_LEN, KV_LEN, B, H, BLOCK_SIZE, group.group_name, next(counter))
     return DistributedBlockMask(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, qpos, kvpos, masks,
-                                tuple(tuple(x) for x in rows), token)
+                                needs, windows, token)
+
+
+def _pair_mask(mod, B: int, H: int, qpos, kvpos, device, BLOCK_SIZE):
+    """The BlockMask of queries at ``qpos`` against keys at ``kvpos`` (None if either is empty)."""
+    if qpos.numel() == 0 or kvpos.numel() == 0:
+        return None
+    local, _ = at_global_positions(mod, MASK, torch.float32, qpos, kvpos)
+    return flexattn.create_block_mask(local, B, H, qpos.numel(), kvpos.numel(), device=device, BLOCK_SIZE=BLOCK_SIZE)
+
+
+def _window(rows: list, j: int, length: int) -> tuple[int, int]:
+    """The part of KV shard j that ranks other than its owner read: the union of their spans
+    (``rows[i][j]``: the local positions rank i's tables list in shard j, or None)."""
+    spans = [r[j] for i, r in enumerate(rows) if i != j and r[j] is not None]
+    if not spans:
+        return (0, 0)
+    return (min(a for a, _ in spans), max(b for _, b in spans))

@@ -3,13 +3,16 @@
 At step s rank r holds KV shard j = (r - s) mod P. Shard j is last needed at step ``last[j]``
 (the largest s whose holder (j + s) mod P reads it, from the agreed ``needs`` table), so it
 travels only up to there: a step whose pair is empty computes nothing, and a transfer that no
-later rank needs is not made. Every rank derives the same schedule from ``needs``, so sends and
-receives always pair up.
+later rank needs is not made. Only shard j's *window* travels, the KV blocks that ranks other
+than its owner read (``windows[j]``; a sliding window reads a band of its neighbour's shard).
+Every rank derives the same schedule from ``needs`` and ``windows``, so sends and receives
+always pair up.
 
 Forward: each step posts the next shard's transfer (double buffers), computes the current one,
 and merges the partial (out, lse) by log-sum-exp. Backward: the K/V travel again, with the dK/dV
-partial sums of each shard following them; a shard's sums go home (to the rank that owns it)
-from the last rank that reads it.
+partial sums of each shard's window following them (from the first rank after its owner); a
+window's sums go home (to the rank that owns the shard) from the last rank that reads it and are
+added there to the owner's own.
 
 [Note] Overlap and buffer lifetimes. On CUDA, ``batch_isend_irecv`` runs the transfers on NCCL's
 own stream (the second stream), which first waits for the work already on the current stream, so
@@ -18,7 +21,7 @@ current stream, and only then calls ``Work.wait()``: for NCCL that makes the cur
 the host) wait for the transfer, so the kernels of step s run while shard s + 1 travels, and step
 s + 1's kernels are ordered after its shard arrived. Two K/V buffers are alive at a time (the
 held shard and the one arriving; double buffers) besides the rank's own shard, plus in the
-backward the dK/dV sums of both:
+backward the dK/dV sums of both and of the own shard:
 O(S / P) per rank. A buffer being sent stays referenced by the loop until after its ``wait()``
 (and by NCCL's work object), and once the current stream waits for the transfer, freeing it
 there is ordered after the send: no ``record_stream`` is needed. In the backward, the sums of
@@ -61,30 +64,35 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, part_out: torch.Te
 
 
 class Ring:
-    """The ring schedule of one group and one ``needs`` table; ``lengths[j]``: KV shard j's length."""
+    """The ring schedule of one group, one ``needs`` table and the travelling ``windows`` (local
+    (lo, hi) of each KV shard)."""
 
-    def __init__(self, group, needs: tuple, lengths: list[int]):
+    def __init__(self, group, needs: tuple, windows: tuple):
         self.group = group
         self.P, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.needs, self.lengths = needs, lengths
+        self.needs, self.windows = needs, windows
+        self.lengths = [hi - lo for lo, hi in windows]
         self.last = last_steps(needs, self.P)
         self.peers = [dist.get_global_rank(group, (self.rank + d) % self.P) for d in (1, -1)]
 
     def shard_at(self, s: int) -> int:
         return (self.rank - s) % self.P
 
-    def _transfer(self, s: int, sends: list[torch.Tensor], make_recv: Callable, tag: int):
-        """After step s: send what we hold on to the next rank, receive the next step's shard;
-        ``(works, received tensors or None)``."""
-        ops, received = [], None
+    def _transfer(self, s: int, held: list[torch.Tensor], make_recv: Callable, tag: int):
+        """After step s: send what we hold on to the next rank (at step 0, a copy of the own
+        shard's window), receive the next step's shard; ``(works, received tensors or None)``
+        (the works list ends with the tensors sent: the caller keeps them alive until it waits)."""
+        ops, received, sends = [], None, []
         j = self.shard_at(s)
         if s + 1 <= self.last[j]:
+            window = slice(*self.windows[j])
+            sends = [t[:, :, window].contiguous() for t in held] if s == 0 else held
             ops += [dist.P2POp(dist.isend, t, self.peers[0], self.group, tag + i) for i, t in enumerate(sends)]
         nxt = self.shard_at(s + 1)
         if s + 1 <= self.last[nxt]:
             received = make_recv(nxt)
             ops += [dist.P2POp(dist.irecv, t, self.peers[1], self.group, tag + i) for i, t in enumerate(received)]
-        return (dist.batch_isend_irecv(ops) if ops else []), received
+        return (dist.batch_isend_irecv(ops) + [sends] if ops else []), received
 
     def forward(self, k: torch.Tensor, v: torch.Tensor, compute: Callable):
         """``compute(j, k_j, v_j) -> (out, lse)`` for every pair this rank reads, merged:
@@ -96,8 +104,7 @@ class Ring:
             works, nxt = self._transfer(s, [k, v], lambda i: self._kv_like(k, v, i), 0)
             if self.needs[self.rank][j]:
                 out, lse = merge(out, lse, *compute(j, k, v))
-            for w in works:
-                w.wait()
+            _wait(works)
             if nxt is not None:
                 k, v = nxt
         return out, lse
@@ -111,59 +118,65 @@ class Ring:
         """``compute(j, k_j, v_j) -> (dq, dk_j, dv_j, extra)`` for every pair this rank reads:
         ``(dq sum or None, dK, dV of this rank's own shard in acc_dtype, [extra of each step])``."""
         k, v = k.contiguous(), v.contiguous()
+        own = (torch.zeros(k.shape, dtype=acc_dtype, device=k.device),
+               torch.zeros(v.shape, dtype=acc_dtype, device=v.device))
         dq, extras = None, []
-        home = None                      # this rank's own shard's dK/dV sums, once complete
-        sums_works, sums_next = [], None  # the sums of the shard held at the next step, in flight
+        sums_works, sums_next = [], None  # the window sums of the shard held at the next step, in flight
+        arrived = None                    # the own window's sums, in flight
         for s in range(self.P):
             j = self.shard_at(s)
             held = s <= self.last[j]     # (the shard is here and someone reads it now or later)
             works, nxt = self._transfer(s, [k, v], lambda i: self._kv_like(k, v, i), 0)
             part = compute(j, k, v) if held and self.needs[self.rank][j] else None
-            for w in sums_works:
-                w.wait()
-            sums = None
-            if held:
-                sums = sums_next if s > 0 else self._kv_like(k, v, j, acc_dtype)
-                if s == 0:
-                    sums[0].zero_()
-                    sums[1].zero_()
-                if part is not None:
-                    dq_s, dk_s, dv_s, extra = part
-                    dq = dq_s.to(acc_dtype) if dq is None else dq.add_(dq_s)
-                    sums[0].add_(dk_s)
-                    sums[1].add_(dv_s)
-                    extras.append(extra)
-                if j == self.rank and self.last[j] == 0:
-                    home = sums
-            sums_works, sums_next, arrived = self._send_sums(s, sums, k, v, acc_dtype)
-            if arrived is not None:
-                home = arrived
-            for w in works:
-                w.wait()
+            _wait(sums_works)
+            self._add_home(own, arrived)
+            arrived = None
+            sums = own if s == 0 else None
+            if s > 0 and held:           # (the first rank after the owner starts the window's sums)
+                sums = sums_next if s > 1 else self._zeros_like(k, v, j, acc_dtype)
+            if part is not None:
+                dq_s, dk_s, dv_s, extra = part
+                dq = dq_s.to(acc_dtype) if dq is None else dq.add_(dq_s)
+                sums[0].add_(dk_s)
+                sums[1].add_(dv_s)
+                extras.append(extra)
+            sums_works, sums_next, home = self._send_sums(s, None if s == 0 else sums, k, v, acc_dtype)
+            arrived = home if home is not None else arrived
+            _wait(works)
             if nxt is not None:
                 k, v = nxt
-        for w in sums_works:
-            w.wait()
-        if home is None:  # no rank reads this shard
-            home = self._kv_like(k, v, self.rank, acc_dtype)
-            home[0].zero_()
-            home[1].zero_()
-        return dq, home[0], home[1], extras
+        _wait(sums_works)
+        self._add_home(own, arrived)
+        return dq, own[0], own[1], extras
+
+    def _add_home(self, own, arrived) -> None:
+        """Add the own window's sums (complete: their transfer was waited on) to the own shard's."""
+        if arrived is not None:
+            window = slice(*self.windows[self.rank])
+            own[0][:, :, window].add_(arrived[0])
+            own[1][:, :, window].add_(arrived[1])
+
+    def _zeros_like(self, k, v, j, dtype):
+        acc = self._kv_like(k, v, j, dtype)
+        acc[0].zero_()
+        acc[1].zero_()
+        return acc
 
     def _send_sums(self, s: int, acc, k, v, acc_dtype):
-        """After step s's compute: the held shard's dK/dV sums go on to the next rank (while a
-        later rank reads the shard) or home (from the last one); receive the next step's sums and,
-        at the step it ends, this rank's own shard's sums. ``(works, next sums, own sums)``."""
+        """After step s >= 1's compute: the held window's dK/dV sums go on to the next rank (while
+        a later rank reads the shard) or home (from the last one); receive the next step's sums
+        (from step 2 on: the first reader after the owner starts them) and, at the step it ends,
+        this rank's own window's sums. ``(works, next sums, own window sums)``."""
         ops, nxt, home = [], None, None
         j = self.shard_at(s)
         if acc is not None:
             if s + 1 <= self.last[j]:
                 ops += [dist.P2POp(dist.isend, t, self.peers[0], self.group, 2 + i) for i, t in enumerate(acc)]
-            elif j != self.rank:
+            else:
                 dst = dist.get_global_rank(self.group, j)
                 ops += [dist.P2POp(dist.isend, t, dst, self.group, 4 + i) for i, t in enumerate(acc)]
         n = self.shard_at(s + 1)
-        if s + 1 <= self.last[n]:
+        if 1 <= s and s + 1 <= self.last[n]:
             nxt = self._kv_like(k, v, n, acc_dtype)
             ops += [dist.P2POp(dist.irecv, t, self.peers[1], self.group, 2 + i) for i, t in enumerate(nxt)]
         if s >= 1 and s == self.last[self.rank]:
@@ -171,3 +184,10 @@ class Ring:
             home = self._kv_like(k, v, self.rank, acc_dtype)
             ops += [dist.P2POp(dist.irecv, t, src, self.group, 4 + i) for i, t in enumerate(home)]
         return (dist.batch_isend_irecv(ops) if ops else []), nxt, home
+
+
+def _wait(works: list) -> None:
+    """Wait for the transfers among ``works`` (the tensors kept alive with them are skipped)."""
+    for w in works:
+        if not isinstance(w, list):
+            w.wait()
