@@ -25,7 +25,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    enable_gqa: bool = False, return_lse: bool = False,
                    kernel_options: dict | None = None, *, return_aux: AuxRequest | None = None,
                    descale_q: torch.Tensor | None = None, descale_k: torch.Tensor | None = None,
-                   descale_v: torch.Tensor | None = None):
+                   descale_v: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
     """Attention with a score modification and a block-sparse mask, fused into one kernel.
 
     ``query`` is [B, Hq, Q_LEN, E], ``key`` [B or 1, Hkv, KV_LEN, E], ``value`` [B or 1, Hkv,
@@ -47,6 +47,12 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     that dequantise them (FlashAttention-3's convention: attention of ``query * descale_q`` etc.);
     Q K^T and P V run in float8 (P rounded to float8) and the output is bfloat16.
 
+    ``sinks`` ([Hq], float16/bfloat16/float32/float64, may require grad; gpt-oss's attention
+    sinks): one logit per query head that joins every row's softmax denominator as a term
+    ``exp(sinks[h])`` with no value row, inside the kernel. The LSE includes it, a row that sees
+    no key gets output 0 and LSE ``sinks[h]``, max_scores ignores it; its gradient is computed in
+    the backward. Not with float8 inputs.
+
     >>> q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
     >>> soft = lambda score, b, h, q_idx, kv_idx: 20 * torch.tanh(score / 20)
     >>> flex_attention(q, k, v, score_mod=soft).shape
@@ -62,7 +68,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         (descale_q, descale_k, descale_v)
     want_lse = return_lse or (return_aux is not None and bool(return_aux.lse))
     out, lse, mx = attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
-                          want_max, None, descale=descale, want_lse=want_lse)
+                          want_max, None, descale=descale, want_lse=want_lse, sinks=sinks)
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=mx)
     return (out, lse) if return_lse else out

@@ -106,14 +106,15 @@ def resolve_mask_mod(block_mask, device: torch.device) -> tuple[Mod, tuple]:
 
 class FlexAttentionFunction(torch.autograd.Function):
     """Forward via the generated kernel; ``call`` holds what the backward needs besides the saved
-    tensors (mods, block tables, scale, options). Trailing inputs are the captured tensors: the
-    score mod's, then the mask mod's (gradients flow to the score mod's floating ones)."""
+    tensors (mods, block tables, scale, options). ``sinks`` is the [Hq] sink logits or None.
+    Trailing inputs are the captured tensors: the score mod's, then the mask mod's (gradients flow
+    to the score mod's floating ones)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, call, *buffers):
+    def forward(ctx, query, key, value, sinks, call, *buffers):
         out, lse, mx = fwd.run(call.plan, query, key, value, call.score, buffers[:call.n_score], call.mask,
-                               buffers[call.n_score:], call.tables, call.scale)
-        ctx.save_for_backward(query, key, value, out, lse, *buffers)
+                               buffers[call.n_score:], call.tables, call.scale, sinks=sinks)
+        ctx.save_for_backward(query, key, value, out, lse, sinks, *buffers)
         ctx.call = call
         # An unused LSE comes to the backward as None, not as zeros to launch a fill for and read
         ctx.set_materialize_grads(False)
@@ -124,25 +125,26 @@ class FlexAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse, grad_max=None):
-        query, key, value, out, lse, *buffers = ctx.saved_tensors
+        query, key, value, out, lse, sinks, *buffers = ctx.saved_tensors
         call = ctx.call
         if grad_out is None:  # (only the LSE was used)
             grad_out = torch.zeros_like(out)
         score_bufs, mask_bufs = tuple(buffers[:call.n_score]), tuple(buffers[call.n_score:])
-        need = tuple(ctx.needs_input_grad[4:4 + call.n_score])
+        need = tuple(ctx.needs_input_grad[5:5 + call.n_score])
         # (grad_out's alignment too: the Hopper backward reads it through a TMA descriptor)
         plan_key = (call.key, need, grad_out.shape, grad_out.stride(), grad_out.data_ptr() % 16 == 0,
                     grad_lse is not None)
 
         def launch_once(plan):
             return bwd.run(plan, query, key, value, out, lse, grad_out, grad_lse, call.score, score_bufs,
-                           call.mask, mask_bufs, call.tables, call.scale)
+                           call.mask, mask_bufs, call.tables, call.scale, sinks)
 
         plan = plans.backward_plan(plan_key, query, key, value, out, grad_out, call.score, call.mask, call.tables,
                                    call.options, need, score_bufs, grad_lse is not None, launch_once)
-        dq, dk, dv, grads = launch_once(plan)
+        dq, dk, dv, grads, dsinks = launch_once(plan)
         # No gradients for the plan; mask_mod's captures are not differentiable.
-        return (dq, dk, dv, None, *bwd.buffer_grads(grads, score_bufs, need)) + (None,) * len(mask_bufs)
+        return (dq, dk, dv, dsinks if ctx.needs_input_grad[3] else None, None,
+                *bwd.buffer_grads(grads, score_bufs, need)) + (None,) * len(mask_bufs)
 
 
 class _Call:
@@ -163,12 +165,12 @@ def _meta(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device
 
 
-def _needs_grad(query, key, value, score_bufs) -> bool:
-    """Whether the call must record the backward: grad mode on and an input, or a tensor the
-    score mod captured, requires grad."""
+def _needs_grad(query, key, value, score_bufs, sinks) -> bool:
+    """Whether the call must record the backward: grad mode on and an input, the sinks or a
+    tensor the score mod captured, requires grad."""
     if not torch.is_grad_enabled():
         return False
-    if query.requires_grad or key.requires_grad or value.requires_grad:
+    if query.requires_grad or key.requires_grad or value.requires_grad or (sinks is not None and sinks.requires_grad):
         return True
     for t in score_bufs:
         if t.requires_grad:
@@ -176,11 +178,11 @@ def _needs_grad(query, key, value, score_bufs) -> bool:
     return False
 
 
-def _kernel_choice(query, key, value, score_bufs, options: dict, want_max: bool,
+def _kernel_choice(query, key, value, score_bufs, sinks, options: dict, want_max: bool,
                    decoding: bool | None) -> tuple[bool, bool]:
     """(need_grad, decoding): short queries without gradients take the split-KV decoding kernel
     (``decoding`` None: choose; True: `decode_attention` asked for it)."""
-    need_grad = _needs_grad(query, key, value, score_bufs)
+    need_grad = _needs_grad(query, key, value, score_bufs, sinks)
     backend = options.get("BACKEND", "AUTO")
     if decoding is None:
         decoding = backend == "TRITON_DECODE" or (
@@ -257,11 +259,13 @@ def forget() -> None:
 
 
 def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, want_max,
-           decoding: bool | None, kv_lengths=None, mask_override=None, descale=None, want_lse: bool = True):
+           decoding: bool | None, kv_lengths=None, mask_override=None, descale=None, want_lse: bool = True,
+           sinks=None):
     """The call path shared by `flex_attention` and `flexattn.decode.decode_attention`:
     ``(out, lse, max_scores or None)``. ``decoding``: None picks by the query length.
     ``descale``: (q, k, v) descale factors of float8 inputs, or None. ``want_lse=False``: the
     caller drops the LSE, so the decoding kernel may leave it in scratch (lse is then None).
+    ``sinks``: [Hq] sink logits or None (their metas are part of the call key, their values not).
 
     A call is keyed by its *call key* (the score mod's fingerprint, the tensors' metas, the
     mask's key and tables' layout, the options); a known key gives the plan at once (`_Known`),
@@ -272,15 +276,20 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
             raise NotImplementedError("float8 flex_attention runs eagerly only; call it outside torch.compile "
                                       "(torch.compiler.disable) or pass bfloat16/float16 inputs")
         return _attend_compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, options, want_max,
-                                decoding, kv_lengths, mask_override)
+                                decoding, kv_lengths, mask_override, sinks)
     try:
         device, dtype = query.device, query.dtype
         if dtype == torch.float8_e4m3fn:
             value = layout.k_major(value)  # float8 P V takes V K-major
         metas = (query.shape, query.stride(), dtype, device, key.shape, key.stride(), key.dtype, key.device,
                  value.shape, value.stride(), value.dtype, value.device)
+        sink_meta = None
+        if sinks is not None:
+            sinks = sinks.contiguous()  # (the kernels read sinks[h] at h)
+            sink_meta = _meta(sinks)
     except AttributeError:
         plans.check_inputs(query, key, value, enable_gqa)
+        plans.check_sinks(sinks, query)
         raise
     tables = None if block_mask is None else tables_of(block_mask, _check_foreign_mask)
     if tables is not None and "BLOCKS_ARE_CONTIGUOUS" not in options and tables.consecutive():
@@ -301,7 +310,7 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     rest = (aligned, mask.key(), mask_metas, None if tables is None else tables.sig, enable_gqa,
             tuple(options.items()) if options else (), want_max,
             None if kv_lengths is None else _meta(kv_lengths),
-            dtype == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
+            dtype == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32, sink_meta)
     fp, tensors = _NO_SCORE_MOD if score_mod is None else modcache.fingerprint(
         score_mod, device, torch.float64 if dtype == torch.float64 else torch.float32)
     call_key = None if fp is None or descale is not None or dtype == torch.float8_e4m3fn else \
@@ -310,33 +319,33 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     bound = None
     if known is not None:
         score, score_bufs = known.score, known.pick(tensors)
-        need_grad = _needs_grad(query, key, value, score_bufs)
+        need_grad = _needs_grad(query, key, value, score_bufs, sinks)
         bound = known.by_grad[need_grad]
     if bound is None:
         score, score_bufs, need_grad, bound, descale = _plan_call(
             query, key, value, score_mod, mask, mask_bufs, tables, enable_gqa, options, want_max, decoding,
-            kv_lengths, descale, rest, call_key, (fp, tensors))
+            kv_lengths, descale, rest, call_key, (fp, tensors), sinks)
     decoding, plan, plan_key, default_scale = bound
     scale = default_scale if scale is None else _check_scale(scale)
     if decoding:
-        out, lse = dec.run(plan, query, key, value, score_bufs, mask_bufs, tables, scale, kv_lengths, want_lse)
+        out, lse = dec.run(plan, query, key, value, score_bufs, mask_bufs, tables, scale, kv_lengths, want_lse, sinks)
         return out, lse, None
     if not need_grad:
-        return fwd.run(plan, query, key, value, score, score_bufs, mask, mask_bufs, tables, scale, descale)
+        return fwd.run(plan, query, key, value, score, score_bufs, mask, mask_bufs, tables, scale, descale, sinks)
     call = _Call(plan, plan_key, score, mask, len(score_bufs), tables, scale, options)
-    res = FlexAttentionFunction.apply(query, key, value, call, *score_bufs, *mask_bufs)
+    res = FlexAttentionFunction.apply(query, key, value, sinks, call, *score_bufs, *mask_bufs)
     return (res[0], res[1], res[2] if want_max else None)
 
 
 def _plan_call(query, key, value, score_mod, mask, mask_bufs, tables, enable_gqa, options, want_max, decoding,
-               kv_lengths, descale, rest, call_key, walked):
+               kv_lengths, descale, rest, call_key, walked, sinks):
     """A call whose key is not known yet (or not cacheable: ``call_key`` None): resolve the
     score mod, choose the kernel, validate, plan; ``(score, score_bufs, need_grad, (decoding,
     plan, plan key, default scale), descale)``. Remembers the outcome under ``call_key``."""
     device, dtype = query.device, query.dtype
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     score, score_bufs = resolve_score_mod(score_mod, stat_dtype, device, None if walked[0] is None else walked)
-    need_grad, decoding = _kernel_choice(query, key, value, score_bufs, options, want_max, decoding)
+    need_grad, decoding = _kernel_choice(query, key, value, score_bufs, sinks, options, want_max, decoding)
     if descale is not None or dtype == torch.float8_e4m3fn:
         if need_grad:
             raise ValueError("float8 flex_attention is forward-only: no gradients (run it under torch.no_grad(), "
@@ -346,10 +355,10 @@ def _plan_call(query, key, value, score_mod, mask, mask_bufs, tables, enable_gqa
     plan_key = (decoding, _meta(query), _meta(key), _meta(value), score.key(), score_metas, *rest)
     if decoding:
         plan = plans.decode_plan(plan_key, query, key, value, score, score_bufs, mask, mask_bufs, tables,
-                                 enable_gqa, options, kv_lengths)
+                                 enable_gqa, options, kv_lengths, sinks)
     else:
         plan = plans.forward_plan(plan_key, query, key, value, score, score_bufs, mask, mask_bufs, tables,
-                                  enable_gqa, options, want_max)
+                                  enable_gqa, options, want_max, sinks)
     if need_grad:
         # A score mod the backward cannot differentiate fails here, before any work, not later.
         bwd.score_mod_grad(score)
@@ -407,7 +416,7 @@ def _compiled_tables(block_mask) -> tuple[tuple, list[torch.Tensor]]:
 
 
 def _attend_compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, options, want_max, decoding,
-                     kv_lengths, mask_override):
+                     kv_lengths, mask_override, sinks):
     stat_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     if score_mod is None:
         score_key, score_bufs = identity_score_mod(stat_dtype).key(), []
@@ -417,11 +426,15 @@ def _attend_compiled(query, key, value, score_mod, block_mask, scale, enable_gqa
     block, tables = _compiled_tables(block_mask)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    _, decoding = _kernel_choice(query, key, value, score_bufs, options, want_max, decoding)
+    plans.check_sinks(sinks, query)
+    if sinks is not None:
+        sinks = sinks.contiguous()
+    _, decoding = _kernel_choice(query, key, value, score_bufs, sinks, options, want_max, decoding)
     spec = ops.spec(score_key, mask_key, block, bool(enable_gqa), tuple(sorted(options.items())), bool(want_max))
     if decoding:
-        out, lse = torch.ops.flexattn.decode(query, key, value, score_bufs, mask_bufs, tables, kv_lengths, spec,
-                                             float(scale))
+        out, lse = torch.ops.flexattn.decode(query, key, value, sinks, score_bufs, mask_bufs, tables, kv_lengths,
+                                             spec, float(scale))
         return out, lse, None
-    out, lse, mx = torch.ops.flexattn.forward(query, key, value, score_bufs, mask_bufs, tables, spec, float(scale))
+    out, lse, mx = torch.ops.flexattn.forward(query, key, value, sinks, score_bufs, mask_bufs, tables, spec,
+                                              float(scale))
     return out, lse, (mx if want_max else None)

@@ -88,7 +88,8 @@ def _describe(x: Any) -> str:
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      score_mod=None, mask_mod=None, block_mask=None,
                      scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
-                     kernel_options: dict | None = None, *, kv_lengths: torch.Tensor | None = None):
+                     kernel_options: dict | None = None, *, kv_lengths: torch.Tensor | None = None,
+                     sinks: torch.Tensor | None = None):
     """flex_attention for short queries: ``softmax(score_mod(q k^T * scale) masked) v``.
 
     Args:
@@ -105,6 +106,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             INPUT_PRECISION; the others are accepted and ignored here).
         kv_lengths: optional int tensor [B]: only kv positions < kv_lengths[b] exist for batch b
             (read in-kernel; positions past it are neither read nor attended).
+        sinks: optional [Hq] attention-sink logits, as in `flex_attention` (added once, when the
+            splits' partial results are merged; a row that sees nothing gets LSE sinks[h]).
 
     Example:
         >>> q, k, v = torch.randn(1, 4, 3, 32), torch.randn(1, 4, 100, 32), torch.randn(1, 4, 100, 32)
@@ -122,5 +125,6 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             override = modcache.resolve(mask_mod, MASK, torch.float32, getattr(query, "device", None),
                                         lambda f, kind, **kw: as_mod(f, MASK, "mask_mod"))
     out, lse, _ = call.attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
-                                   False, True, kv_lengths=kv_lengths, mask_override=override, want_lse=return_lse)
+                                   False, True, kv_lengths=kv_lengths, mask_override=override, want_lse=return_lse,
+                                   sinks=sinks)
     return (out, lse) if return_lse else out

@@ -70,21 +70,25 @@ def _metas(ts) -> tuple:
     return tuple(_meta(t) for t in ts)
 
 
+def _sink_meta(sinks: Tensor | None) -> tuple | None:
+    return None if sinks is None else _meta(sinks)
+
+
 # ---------------------------------------------------------------------------------------------
 # forward (+ autograd)
 
 
 @torch.library.custom_op("flexattn::forward", mutates_args=())
-def forward(query: Tensor, key: Tensor, value: Tensor, score_bufs: list[Tensor], mask_bufs: list[Tensor],
-            tables: list[Tensor], spec: str, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def forward(query: Tensor, key: Tensor, value: Tensor, sinks: Optional[Tensor], score_bufs: list[Tensor],
+            mask_bufs: list[Tensor], tables: list[Tensor], spec: str, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """Block-sparse forward: ``(out, lse, max_scores)`` (max_scores is empty unless asked for)."""
     score, mask, block, enable_gqa, options, want_max = _parse(spec)
     t = _tables(block, tables)
     key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _aligned(query, key, value),
-            _metas(score_bufs) + _metas(mask_bufs), None if t is None else t.sig)
+            _metas(score_bufs) + _metas(mask_bufs), None if t is None else t.sig, _sink_meta(sinks))
     plan = plans.forward_plan(key_, query, key, value, score, score_bufs, mask, mask_bufs, t, enable_gqa,
-                              options, want_max)
-    out, lse, mx = fwd.run(plan, query, key, value, score, score_bufs, mask, mask_bufs, t, scale)
+                              options, want_max, sinks)
+    out, lse, mx = fwd.run(plan, query, key, value, score, score_bufs, mask, mask_bufs, t, scale, sinks=sinks)
     return out, lse, mx if mx is not None else lse.new_empty(0)
 
 
@@ -93,7 +97,7 @@ def _stat_dtype(query: Tensor) -> torch.dtype:
 
 
 @forward.register_fake
-def _(query, key, value, score_bufs, mask_bufs, tables, spec, scale):
+def _(query, key, value, sinks, score_bufs, mask_bufs, tables, spec, scale):
     B, Hq, Q_LEN, _ = query.shape
     want_max = ast.literal_eval(spec)[5]
     out = torch.empty_permuted((B, Hq, Q_LEN, value.shape[-1]), layout.stride_order(query),
@@ -104,23 +108,25 @@ def _(query, key, value, score_bufs, mask_bufs, tables, spec, scale):
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, score_bufs, mask_bufs, tables, spec_, scale = inputs
+    query, key, value, sinks, score_bufs, mask_bufs, tables, spec_, scale = inputs
     out, lse, _ = output
-    ctx.save_for_backward(query, key, value, out, lse, *score_bufs, *mask_bufs, *tables)
+    ctx.save_for_backward(query, key, value, out, lse, sinks, *score_bufs, *mask_bufs, *tables)
     ctx.sizes = (len(score_bufs), len(mask_bufs))
     ctx.spec, ctx.scale = spec_, scale
     ctx.need = [t.requires_grad and t.dtype.is_floating_point for t in score_bufs]
 
 
 def _backward(ctx, grad_out, grad_lse, grad_max):
-    query, key, value, out, lse, *rest = ctx.saved_tensors
+    query, key, value, out, lse, sinks, *rest = ctx.saved_tensors
     n_score, n_mask = ctx.sizes
     score_bufs, mask_bufs, tables = rest[:n_score], rest[n_score:n_score + n_mask], rest[n_score + n_mask:]
-    dq, dk, dv, grads = torch.ops.flexattn.backward(query, key, value, out, lse, grad_out, grad_lse,
-                                                    score_bufs, mask_bufs, tables, ctx.spec, ctx.scale, ctx.need)
+    dq, dk, dv, dsinks, grads = torch.ops.flexattn.backward(query, key, value, out, lse, grad_out, grad_lse, sinks,
+                                                            score_bufs, mask_bufs, tables, ctx.spec, ctx.scale,
+                                                            ctx.need)
     buffer_grads = [g if need else None for g, need in zip(grads, ctx.need)]
     # One entry per input, lists for the list inputs (the mask's tensors and the block tables get none).
-    return dq, dk, dv, buffer_grads, [None] * n_mask, [None] * len(tables), None, None
+    return dq, dk, dv, None if sinks is None else dsinks, buffer_grads, [None] * n_mask, [None] * len(tables), \
+        None, None
 
 
 torch.library.register_autograd("flexattn::forward", _backward, setup_context=_setup_context)
@@ -128,36 +134,38 @@ torch.library.register_autograd("flexattn::forward", _backward, setup_context=_s
 
 @torch.library.custom_op("flexattn::backward", mutates_args=())
 def backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor,
-             grad_lse: Optional[Tensor], score_bufs: list[Tensor], mask_bufs: list[Tensor], tables: list[Tensor],
-             spec: str, scale: float, need: list[bool]) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
-    """Gradients of `forward`: ``(dq, dk, dv, [grad of each score-mod tensor])`` (empty where
-    ``need`` is False)."""
+             grad_lse: Optional[Tensor], sinks: Optional[Tensor], score_bufs: list[Tensor], mask_bufs: list[Tensor],
+             tables: list[Tensor], spec: str, scale: float,
+             need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+    """Gradients of `forward`: ``(dq, dk, dv, d sinks, [grad of each score-mod tensor])`` (d sinks
+    empty without sinks, a buffer's gradient empty where ``need`` is False)."""
     score, mask, block, _, options, _ = _parse(spec)
     t = _tables(block, tables)  # without q_* tables, the dK/dV lists are made from kv_* (bwd.run)
     need_t = tuple(need)
     key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _meta(grad_out), _aligned(query, key, value, grad_out),
             grad_lse is not None, need_t,
-            _metas(score_bufs) + _metas(mask_bufs), None if t is None else t.sig)
+            _metas(score_bufs) + _metas(mask_bufs), None if t is None else t.sig, _sink_meta(sinks))
 
     def launch_once(plan):
         return bwd.run(plan, query, key, value, out, lse, grad_out, grad_lse, score, score_bufs, mask, mask_bufs,
-                       t, scale)
+                       t, scale, sinks)
 
     plan = plans.backward_plan(key_, query, key, value, out, grad_out, score, mask, t, options, need_t, score_bufs,
                                grad_lse is not None, launch_once)
-    dq, dk, dv, grads = launch_once(plan)
+    dq, dk, dv, grads, dsinks = launch_once(plan)
     # A custom op returns a tensor for each entry: an empty one where no gradient is wanted.
     buffer_grads = [b.new_empty(0) if g is None else g
                     for b, g in zip(score_bufs, bwd.buffer_grads(grads, score_bufs, need))]
-    return dq, dk, dv, buffer_grads
+    return dq, dk, dv, lse.new_empty(0) if dsinks is None else dsinks, buffer_grads
 
 
 @backward.register_fake
-def _(query, key, value, out, lse, grad_out, grad_lse, score_bufs, mask_bufs, tables, spec, scale, need):
+def _(query, key, value, out, lse, grad_out, grad_lse, sinks, score_bufs, mask_bufs, tables, spec, scale, need):
     dq = torch.empty_permuted(query.shape, layout.stride_order(query), dtype=query.dtype, device=query.device)
     dk = key.new_empty(key.shape)
     dv = value.new_empty(value.shape)
-    return dq, dk, dv, [torch.empty_like(b) if n else b.new_empty(0) for b, n in zip(score_bufs, need)]
+    dsinks = lse.new_empty(0) if sinks is None else torch.empty_like(sinks)
+    return dq, dk, dv, dsinks, [torch.empty_like(b) if n else b.new_empty(0) for b, n in zip(score_bufs, need)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,20 +173,21 @@ def _(query, key, value, out, lse, grad_out, grad_lse, score_bufs, mask_bufs, ta
 
 
 @torch.library.custom_op("flexattn::decode", mutates_args=())
-def decode(query: Tensor, key: Tensor, value: Tensor, score_bufs: list[Tensor], mask_bufs: list[Tensor],
-           tables: list[Tensor], kv_lengths: Optional[Tensor], spec: str, scale: float) -> tuple[Tensor, Tensor]:
+def decode(query: Tensor, key: Tensor, value: Tensor, sinks: Optional[Tensor], score_bufs: list[Tensor],
+           mask_bufs: list[Tensor], tables: list[Tensor], kv_lengths: Optional[Tensor], spec: str,
+           scale: float) -> tuple[Tensor, Tensor]:
     """Split-KV decoding: ``(out, lse)``."""
     score, mask, block, enable_gqa, options, _ = _parse(spec)
     t = _tables(block, tables)
     key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _metas(score_bufs) + _metas(mask_bufs),
-            None if t is None else t.sig, None if kv_lengths is None else _meta(kv_lengths))
+            None if t is None else t.sig, None if kv_lengths is None else _meta(kv_lengths), _sink_meta(sinks))
     plan = plans.decode_plan(key_, query, key, value, score, score_bufs, mask, mask_bufs, t, enable_gqa, options,
-                             kv_lengths)
-    return dec.run(plan, query, key, value, score_bufs, mask_bufs, t, scale, kv_lengths)
+                             kv_lengths, sinks)
+    return dec.run(plan, query, key, value, score_bufs, mask_bufs, t, scale, kv_lengths, sinks=sinks)
 
 
 @decode.register_fake
-def _(query, key, value, score_bufs, mask_bufs, tables, kv_lengths, spec, scale):
+def _(query, key, value, sinks, score_bufs, mask_bufs, tables, kv_lengths, spec, scale):
     B, Hq, Q_LEN, _ = query.shape
     out = torch.empty_permuted((B, Hq, Q_LEN, value.shape[-1]), layout.stride_order(query),
                                dtype=query.dtype, device=query.device)

@@ -8,6 +8,10 @@
     out[b, h, i]       = softmax_j(where(keep, scores, -inf)) @ v      (0 for a row with no key)
     lse[b, h, i]       = logsumexp_j(where(keep, scores, -inf))         (-inf for a row with no key)
 
+With attention sinks (``sinks`` [Hq]) each row's denominator has one more term, exp(sinks[h]):
+
+    out[b, h, i]       = sum_j exp(s_ij - lse[b, h, i]) v_j,   lse[b, h, i] = log(exp(sinks[h]) + sum_j exp(s_ij))
+
 Run it in float64 (the default) for an oracle, or in the inputs' dtype to measure what eager
 computation in that dtype costs (float16/bfloat16 matmuls, float32 softmax, as torch's eager
 flex_attention does). It reads block masks with its own few lines of torch rather than
@@ -104,8 +108,9 @@ def attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                         score_mod: Callable | Mod | None = None, block_mask=None,
                         mask_mod: Callable | Mod | None = None, scale: float | None = None,
                         enable_gqa: bool = False, return_lse: bool = False,
-                        dtype: torch.dtype | None = torch.float64):
+                        dtype: torch.dtype | None = torch.float64, sinks: torch.Tensor | None = None):
     """Eager flex attention (see the module docstring); ``dtype=None`` computes in the inputs' dtype.
+    ``sinks``: [Hq] attention-sink logits or None.
 
     ``mask_mod`` without ``block_mask`` masks element-wise; with it, it replaces the block mask's
     own mask_mod on partial blocks. The output and LSE come back in ``dtype`` (float32 LSE for
@@ -141,11 +146,17 @@ def attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     if keep is not None:
         scores = scores.masked_fill(~keep, -math.inf)
 
-    # Softmax measured from the row max; a row of -inf measures from 0 so that it gives 0, not NaN.
+    # Softmax measured from the row max (the sink's included); a row of -inf measures from 0 so
+    # that it gives 0, not NaN.
     row_max = scores.amax(dim=-1, keepdim=True)
+    if sinks is not None:
+        sink = sinks.to(work).view(1, Hq, 1, 1)
+        row_max = torch.maximum(row_max, sink)
     row_max = torch.where(row_max == -math.inf, 0.0, row_max)
     p = torch.exp(scores - row_max)
     total = p.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        total = total + torch.exp(sink - row_max)
     probs = p / torch.where(total == 0, 1.0, total)
     out = probs.to(dtype) @ v
     if not return_lse:

@@ -67,17 +67,18 @@ def _compile_gluon(kernel, args: list, launch_: launch.Launch):
     return compiled
 
 
-def _compile(query, key, value, score_fn=None, mask_fn=None, block_mask=None, want_max=False, fast_math=True):
+def _compile(query, key, value, score_fn=None, mask_fn=None, block_mask=None, want_max=False, fast_math=True,
+             sinks=None):
     """Compile the Hopper plan's kernel for sm_90 with the argument types a launch would pass."""
     score = _mod(score_fn or (lambda s, b, h, q, k: s), SCORE)
     mask = _mod(mask_fn or (lambda b, h, q, k: q >= 0), MASK)
     tables = None if block_mask is None else tables_of(block_mask)
-    plan = fwd.hopper_plan(query, key, value, score, mask, tables, {}, want_max)
+    plan = fwd.hopper_plan(query, key, value, score, mask, tables, {}, want_max, sinks is not None)
     out = torch.empty(plan.out_shape, dtype=plan.out_dtype)
     lse = torch.empty(plan.stat_shape)
     mx = torch.empty(plan.stat_shape) if want_max else None
     args = fwd.launch_args(plan, query, key, value, out, lse, mx, score, score.buffers, mask, mask.buffers, tables,
-                           0.125)
+                           0.125, sinks=sinks)
     # (on the CPU the plan's module has no fast tanh: CUDA inputs would get it unless FAST_TANH=False)
     return _compile_gluon(fwd.hopper_module(score, mask, fast_math).flex_attention_forward, list(args), plan.kernel)
 
@@ -148,6 +149,14 @@ def test_compiles_with_captured_tensors():
         return doc[q_idx] == doc[kv_idx]
 
     _compile(*_qkv(), score_fn=alibi, mask_fn=documents)
+
+
+@pytest.mark.parametrize("score_fn", [None, softcap, alibi_with(torch.ones(2))], ids=["raw", "softcap", "affine"])
+def test_compiles_with_sinks(score_fn):
+    """Attention sinks in the epilogue, in each of the softmax's units: raw scores in base 2, a
+    score_mod's, an affine score_mod's (the rows' own term taken off the sink); bfloat16 sinks."""
+    q, k, v = _qkv(S=300)
+    _compile(q, k, v, score_fn=score_fn, mask_fn=causal, want_max=True, sinks=torch.randn(2, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("fast_math", [True, False])

@@ -124,7 +124,7 @@ def forward_args(sig: signatures.Signature, descriptors=None) -> list[str]:
     tensors = named(sig.group("tensors"))
     args = fwd.launch_args(forward_plan(sig, descriptors), *tensors, SCORE, (Named("score_B0"),), MASK,
                            (Named("mask_B0"),), sentinel_tables(sig), Named("SM_SCALE"),
-                           named(sig.group("descale")))
+                           named(sig.group("descale")), Named("SINKS"))
     return [str(a) for a in args]
 
 
@@ -229,8 +229,9 @@ def assert_lands(sig: signatures.Signature, hooks: dict, args: list, expected: d
             assert arg == want, name
 
 
+@pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("block_mask", [False, True])
-def test_the_decode_arguments_land_at_their_names(block_mask):
+def test_the_decode_arguments_land_at_their_names(block_mask, sinks):
     B, HQ, HKV, Q_LEN, KV_LEN, E, EV = 2, 4, 2, 3, 32, 16, 8
     query = permuted((B, HQ, Q_LEN, E), (2, 0, 3, 1))
     key = permuted((B, HKV, KV_LEN, E), (1, 2, 0, 3))
@@ -240,10 +241,12 @@ def test_the_decode_arguments_land_at_their_names(block_mask):
     if block_mask:
         tables = tables_of(flexattn.create_block_mask(lambda b, h, q, kv: kv <= q + 20, B, HKV, Q_LEN, KV_LEN,
                                                       device="cpu", BLOCK_SIZE=16))
-    plan = dec.make_plan(query, key, value, SCORE, (BIAS,), MASK, (BIAS,), tables, {"SPLIT_KV": 2}, kv_lengths)
+    sink_logits = torch.randn(HQ) if sinks else None
+    plan = dec.make_plan(query, key, value, SCORE, (BIAS,), MASK, (BIAS,), tables, {"SPLIT_KV": 2}, kv_lengths,
+                         sinks)
     recorder = Recorder(plan.split.fixed)
     out, lse = dec.run(dataclasses.replace(plan, split=recorder), query, key, value, (BIAS,), (BIAS,), tables,
-                       0.25, kv_lengths)
+                       0.25, kv_lengths, sinks=sink_logits)
     sig = signatures.DECODE_SPLIT
     args = recorder.args
     scratch, done = args[4], args[5]   # the LSE (and partials) buffer and the split counters
@@ -251,6 +254,7 @@ def test_the_decode_arguments_land_at_their_names(block_mask):
     kv_tables = tables.kv.args() if block_mask else [UNUSED] * 4
     expected = {
         "Q": query, "K": key, "V": value, "Out": out, "LSE": scratch, "SPLITS_DONE": done, "KV_LENGTHS": kv_lengths,
+        "SINKS": sink_logits if sinks else UNUSED,
         **buffer_values("SM_", (BIAS,)), **buffer_values("MM_", (BIAS,)),
         **strides_of("q", query, "zhmk"), **strides_of("k", key, "zhnk"), **strides_of("v", value, "zhnk"),
         **strides_of("o", out, "zhmk"),
@@ -338,7 +342,7 @@ def test_the_backward_arguments_land_at_their_names(block_mask):
     plan = bwd.make_plan(query, key, value, out, grad_out, SCORE, MASK, tables, {}, (True,), (BIAS,), True)
     assert plan.grad_buffers == (0,)
     launches = {name: Recorder() for name in ("preprocess", "dkdv", "dq")}
-    dq, dk, dv, grads = bwd.run(dataclasses.replace(plan, **launches), query, key, value, out, lse, grad_out,
+    dq, dk, dv, grads, _ = bwd.run(dataclasses.replace(plan, **launches), query, key, value, out, lse, grad_out,
                                 grad_lse, SCORE, (BIAS,), MASK, (BIAS,), tables, 0.25)
     pre, dkdv, dqa = (launches[name].args for name in ("preprocess", "dkdv", "dq"))
     delta = pre[3]
@@ -388,7 +392,7 @@ def test_the_hopper_backward_arguments_land_at_their_names(kv_batched, block_mas
                                                       device="cpu", BLOCK_SIZE=128))
     plan = bwd.hopper_plan(query, key, value, SCORE, MASK, tables, {}, False)
     launches = {"preprocess": Recorder(), "main": Recorder()}
-    _, dk, dv, _ = bwd.run(dataclasses.replace(plan, **launches), query, key, value, out, lse, grad_out, None, SCORE,
+    _, dk, dv, _, _ = bwd.run(dataclasses.replace(plan, **launches), query, key, value, out, lse, grad_out, None, SCORE,
                            (BIAS,), MASK, (BIAS,), tables, 0.25)
     pre, args = launches["preprocess"].args, launches["main"].args
     delta, dq_acc = pre[3], pre[4]

@@ -87,17 +87,19 @@ _FORWARD_CONSTEXPRS = _names("""
     QK_HEAD_DIM, QK_HEAD_DIM_ROUNDED, V_HEAD_DIM, V_HEAD_DIM_ROUNDED, SAFE_HEAD_DIM,
     IS_DIVISIBLE, GQA_SHARED_HEADS, HAS_FULL_BLOCKS, PRESCALE_QK, ROWS_GUARANTEED_SAFE,
     BLOCKS_ARE_CONTIGUOUS, OFFS_INT64, OUTPUT_MAX, IS_FP8, SCORES_IN_BASE2, SCORE_AFFINE, LONGEST_FIRST,
-    ACC_DTYPE, SCORE_DTYPE, DOT_PRECISION, DOT_IN_FP64""")
+    HAS_SINKS, ACC_DTYPE, SCORE_DTYPE, DOT_PRECISION, DOT_IN_FP64""")
 
 _KV_TABLES = ("tables", _names("KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX"))
 _KV_TABLE_STRIDES = ("table_strides", _names("""
     stride_nz, stride_nh, stride_nm, stride_iz, stride_ih, stride_im,
     stride_fnz, stride_fnh, stride_fnm, stride_fiz, stride_fih, stride_fim"""))
 _FORWARD_MODS = (MODS, ("score_mod_params", "mask_mod_params"))
+_SINKS = ("sinks", ("SINKS",))
 
 FORWARD = Signature("flex_attention_forward", (
     ("tensors", _names("Q, K, V, Out, LSE, MaxScores")),
     ("descale", _names("DESCALE_Q, DESCALE_K, DESCALE_V")),
+    _SINKS,
     _KV_TABLES,
     _FORWARD_MODS,
     ("strides", _names("""
@@ -112,6 +114,7 @@ FORWARD = Signature("flex_attention_forward", (
 FORWARD_HOPPER = Signature("flex_attention_forward", (
     ("tensors", _names("Q, K, V, Out, LSE, MaxScores")),
     ("descale", _names("DESCALE_Q, DESCALE_K, DESCALE_V")),
+    _SINKS,
     _KV_TABLES,
     _FORWARD_MODS,
     ("strides", _names("stride_oz, stride_oh, stride_om, stride_lz, stride_lh")),
@@ -122,10 +125,11 @@ FORWARD_HOPPER = Signature("flex_attention_forward", (
     BLOCK_M, BLOCK_N, SPARSE_Q_BLOCK_SIZE, SPARSE_KV_BLOCK_SIZE,
     GQA_SHARED_HEADS, KV_BATCH_BROADCAST, HAS_FULL_BLOCKS, BLOCKS_ARE_CONTIGUOUS,
     IS_DIVISIBLE, OUTPUT_MAX, SCORES_IN_BASE2, SCORE_AFFINE,
-    LONGEST_FIRST, NUM_BUFFERS, CONSUMER_REGS, SCORE_DTYPE, IS_FP8, O_TMA"""), "gl.constexpr")
+    LONGEST_FIRST, HAS_SINKS, NUM_BUFFERS, CONSUMER_REGS, SCORE_DTYPE, IS_FP8, O_TMA"""), "gl.constexpr")
 
 DECODE_SPLIT = Signature("decode_split_kernel", (
     ("tensors", _names("Q, K, V, Out, LSE, SPLITS_DONE")),
+    _SINKS,
     _KV_TABLES,
     ("lengths", ("KV_LENGTHS",)),
     (MODS, ("score_params", "mask_params")),
@@ -139,7 +143,7 @@ DECODE_SPLIT = Signature("decode_split_kernel", (
 ), _names("""
     HKV, GQA_SHARED_HEADS, PACKED_HEADS, Q_ROWS, NUM_Q_BLOCKS, M_TILES, BLOCK_M, BLOCK_N,
     QK_HEAD_DIM_ROUNDED, V_HEAD_DIM_ROUNDED, SPLIT_KV, TILE_KV, SPARSE_Q_BLOCK_SIZE, SPARSE_KV_BLOCK_SIZE,
-    HAS_BLOCK_MASK, HAS_FULL_BLOCKS, APPLY_MASK_DENSE, HAS_KV_LENGTHS, IS_DIVISIBLE_M, IS_DIVISIBLE_N,
+    HAS_BLOCK_MASK, HAS_FULL_BLOCKS, APPLY_MASK_DENSE, HAS_KV_LENGTHS, HAS_SINKS, IS_DIVISIBLE_M, IS_DIVISIBLE_N,
     SAFE_HEAD_DIM, DOT_PRECISION, DOT_IN_FP64, MERGE_M, MERGE_CHUNK"""))
 
 _STATE_STRIDES = ("state_strides", _names("stride_sbh, stride_sm"))

@@ -41,8 +41,8 @@ class Pair:
         block, tables = _compiled_tables(block_mask)
         mask = block_mask.mod
         spec = ops.spec(score.key(), mask.key(), block, self.enable_gqa, tuple(sorted(self.options.items())), False)
-        dq, dk, dv, step_grads = torch.ops.flexattn.backward(
-            q, k, v, out, lse, dout, dlse, list(score.buffers), list(mask.buffers), tables, spec, self.scale,
+        dq, dk, dv, _, step_grads = torch.ops.flexattn.backward(
+            q, k, v, out, lse, dout, dlse, None, list(score.buffers), list(mask.buffers), tables, spec, self.scale,
             step_need)
         grads = [None] * len(self.score.buffers)
         for o, g, n in zip(origin, step_grads, step_need):

@@ -6,7 +6,8 @@ transposed block lists (one program per KV tile; GQA heads of a group summed in-
 dQ pass over the forward's lists that also scatters captured-tensor gradients (atomic adds into
 float32/float64 buffers). d(score_mod)/d(score) comes from the IR (`flexattn.autodiff`). K/V with
 batch 1 broadcast over the query's batch get per-batch gradients summed on the host; fully
-masked rows (LSE = -inf) contribute exactly zero.
+masked rows (LSE = -inf) contribute exactly zero. Attention sinks change nothing in the kernels
+(the LSE includes them); their gradient comes from Delta and the LSE (`sink_grad`).
 """
 
 from __future__ import annotations
@@ -255,12 +256,12 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
 
 
 def run(plan: Plan | HopperPlan, query, key, value, out, lse, grad_out, grad_lse, score: Mod, score_bufs,
-        mask: Mod, mask_bufs, tables: Tables | None, scale: float):
-    """``(dq, dk, dv, {buffer index: grad})`` for the captured tensors in ``plan.grad_buffers`` (a
-    `HopperPlan` computes none)."""
+        mask: Mod, mask_bufs, tables: Tables | None, scale: float, sinks: torch.Tensor | None = None):
+    """``(dq, dk, dv, {buffer index: grad}, d sinks)`` for the captured tensors in
+    ``plan.grad_buffers`` (a `HopperPlan` computes none); d sinks is None without ``sinks``."""
     if isinstance(plan, HopperPlan):
         return _run_hopper(plan, query, key, value, out, lse, grad_out, grad_lse, score, score_bufs, mask,
-                           mask_bufs, tables, scale)
+                           mask_bufs, tables, scale, sinks)
     B, Hq, Q_LEN, E = query.shape
     _, Hkv, KV_LEN, Ev = value.shape
     device = query.device
@@ -269,7 +270,7 @@ def run(plan: Plan | HopperPlan, query, key, value, out, lse, grad_out, grad_lse
     dk = launch.empty((B, Hkv, KV_LEN, E), plan.dk_dtype, device)
     dv = launch.empty((B, Hkv, KV_LEN, Ev), plan.dk_dtype, device)
     if query.numel() == 0 or key.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_(), grad_bufs
+        return dq.zero_(), dk.zero_(), dv.zero_(), grad_bufs, None if sinks is None else torch.zeros_like(sinks)
     if plan.dense is not None:
         q_lists, kv_lists = plan.dense
     else:
@@ -285,7 +286,17 @@ def run(plan: Plan | HopperPlan, query, key, value, out, lse, grad_out, grad_lse
     if not plan.kv_batched:  # K/V broadcast over the batch: their gradient sums over it
         dk = dk.sum(0, keepdim=True).to(key.dtype)
         dv = dv.sum(0, keepdim=True).to(value.dtype)
-    return dq, dk, dv, grad_bufs
+    return dq, dk, dv, grad_bufs, sink_grad(sinks, lse, delta)
+
+
+def sink_grad(sinks: torch.Tensor | None, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
+    """d loss / d sinks[h] = -sum over the batch and the rows of exp(sinks[h] - LSE) Delta: each
+    row's sink probability times its Delta = rowsum(dO * O) - dLSE (dS of the sink's logit, as for
+    any score). Plain sums over [B, Hq, Q_LEN]: deterministic."""
+    if sinks is None:
+        return None
+    p = torch.exp(sinks.to(lse.dtype)[None, :, None] - lse)
+    return -(p * delta).sum((0, 2)).to(sinks.dtype)
 
 
 def dkdv_args(plan: Plan, query, key, value, grad_out, lse, delta, dk, dv, q_lists: Direction, mod_args: tuple,
@@ -336,7 +347,7 @@ def hopper_args(plan: HopperPlan, query, key, value, grad_out, lse, delta, dq_ac
 
 
 def _run_hopper(plan: HopperPlan, query, key, value, out, lse, grad_out, grad_lse, score: Mod, score_bufs,
-                mask: Mod, mask_bufs, tables: Tables | None, scale: float):
+                mask: Mod, mask_bufs, tables: Tables | None, scale: float, sinks: torch.Tensor | None):
     B, Hq, Q_LEN, E = query.shape
     Hkv, KV_LEN = value.shape[1], value.shape[2]
     device = query.device
@@ -355,4 +366,4 @@ def _run_hopper(plan: HopperPlan, query, key, value, out, lse, grad_out, grad_ls
     if not plan.kv_batched:  # K/V broadcast over the batch: their gradient sums over it
         dk = dk.sum(0, keepdim=True).to(key.dtype)
         dv = dv.sum(0, keepdim=True).to(value.dtype)
-    return dq, dk, dv, {}
+    return dq, dk, dv, {}, sink_grad(sinks, lse, delta)

@@ -124,8 +124,8 @@ def _split_kv(explicit: dict, o: dict, device: torch.device, programs: int, walk
 
 
 def make_plan(query, key, value, score: Mod | None, score_bufs, mask: Mod | None, mask_bufs,
-              tables: Tables | None, explicit: dict, kv_lengths: torch.Tensor | None) -> Plan:
-    """Inputs were validated by the caller (shapes, dtypes, devices, GQA)."""
+              tables: Tables | None, explicit: dict, kv_lengths: torch.Tensor | None, has_sinks: bool = False) -> Plan:
+    """Inputs were validated by the caller (shapes, dtypes, devices, GQA, sinks)."""
     B, HQ, Q_LEN, E = query.shape
     BK, HKV, KV_LEN, _ = key.shape
     EV = value.shape[3]
@@ -168,7 +168,7 @@ def make_plan(query, key, value, score: Mod | None, score_bufs, mask: Mod | None
         SPLIT_KV=split, TILE_KV=BLOCK_N, SPARSE_Q_BLOCK_SIZE=q_bs, SPARSE_KV_BLOCK_SIZE=kv_bs,
         HAS_BLOCK_MASK=has_block_mask, HAS_FULL_BLOCKS=has_full,
         APPLY_MASK_DENSE=mask is not None and not has_block_mask,
-        HAS_KV_LENGTHS=kv_lengths is not None,
+        HAS_KV_LENGTHS=kv_lengths is not None, HAS_SINKS=has_sinks,
         IS_DIVISIBLE_M=rows % BLOCK_M == 0 and Q_LEN == NUM_Q_BLOCKS * Q_ROWS,
         IS_DIVISIBLE_N=safe_n, SAFE_HEAD_DIM=D == E and DV == EV, DOT_PRECISION=precision,
         DOT_IN_FP64=launch.target_for(device) == "interpret",
@@ -188,6 +188,7 @@ def make_plan(query, key, value, score: Mod | None, score_bufs, mask: Mod | None
     mask_fixed, mask_slots = _buffer_template(mask, mask_bufs)
     # (group by group in the order `signatures.DECODE_SPLIT` declares)
     fixed = (call, call, call, call, call, call if split > 1 else unused,   # Q, K, V, Out, scratch, counters
+             call if has_sinks else unused,
              *(call if has_block_mask else unused for _ in range(4)),       # block-mask tables
              call if kv_lengths is not None else unused,
              *score_fixed, *mask_fixed, *strides, *layout.output_strides(out_shape, out_order), *tables_strides,
@@ -204,8 +205,9 @@ def make_plan(query, key, value, score: Mod | None, score_bufs, mask: Mod | None
 
 
 def run(plan: Plan, query, key, value, score_bufs, mask_bufs, tables: Tables | None, scale: float,
-        kv_lengths: torch.Tensor | None, want_lse: bool = True):
-    """Launch: ``(out, lse)``, lse in natural log, float32 (None unless ``want_lse``). One
+        kv_lengths: torch.Tensor | None, want_lse: bool = True, sinks: torch.Tensor | None = None):
+    """Launch: ``(out, lse)``, lse in natural log, float32 (None unless ``want_lse``); ``sinks``:
+    the [Hq] sink logits of a HAS_SINKS plan. One
     allocation (the output) and one launch; with ``want_lse`` one float32 buffer more, holding
     the LSE and the split partials (LSE a view of its start); with SPLIT_KV > 1 the launch also
     counts on the current stream's counters."""
@@ -226,6 +228,8 @@ def run(plan: Plan, query, key, value, score_bufs, mask_bufs, tables: Tables | N
     args = [query, key, value, out, scratch]
     if done is not None:
         args.append(done)
+    if sinks is not None:
+        args.append(sinks)
     if tables is not None:
         args += tables.kv.args()
     if kv_lengths is not None:

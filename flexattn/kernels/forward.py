@@ -80,7 +80,7 @@ def _fp8_kv_tile(block_n: int, explicit: dict, sparse_kv: int | None) -> int:
 
 
 def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score: Mod, mask: Mod,
-              tables: Tables | None, explicit: dict, want_max: bool) -> Plan:
+              tables: Tables | None, explicit: dict, want_max: bool, has_sinks: bool = False) -> Plan:
     B, Hq, Q_LEN, E = query.shape
     Bkv, Hkv, KV_LEN, Ev = value.shape
     device, dtype = query.device, query.dtype
@@ -125,6 +125,7 @@ def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
         SCORES_IN_BASE2=launch.raw_scores(score, acc) and not options["PRESCALE_QK"],
         SCORE_AFFINE=launch.affine_scores(score, dtype, max(Q_LEN, KV_LEN)),
         LONGEST_FIRST=options["LONGEST_FIRST"],
+        HAS_SINKS=has_sinks,
         ACC_DTYPE=launch.ACC_TL_DTYPE[acc],
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[acc]),
         DOT_PRECISION=launch.dot_precision(device, dtype),
@@ -160,7 +161,7 @@ def _launches(kernel, grid: tuple, constexprs: dict, device: torch.device) -> tu
 
 
 def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None, explicit: dict,
-                 want_max: bool) -> Plan:
+                 want_max: bool, has_sinks: bool = False) -> Plan:
     """The plan of the Gluon Hopper kernel (`hopper.reason` said it can run these inputs)."""
     B, Hq, Q_LEN, E = query.shape
     Bkv, Hkv, KV_LEN, Ev = value.shape
@@ -184,7 +185,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         IS_DIVISIBLE=KV_LEN % sparse_kv == 0, OUTPUT_MAX=want_max,
         SCORES_IN_BASE2=launch.raw_scores(score, torch.float32),
         SCORE_AFFINE=launch.affine_scores(score, dtype, max(Q_LEN, KV_LEN)),
-        LONGEST_FIRST=options["LONGEST_FIRST"], NUM_BUFFERS=hopper.NUM_BUFFERS, CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
+        LONGEST_FIRST=options["LONGEST_FIRST"], HAS_SINKS=has_sinks, NUM_BUFFERS=hopper.NUM_BUFFERS, CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
         IS_FP8=fp8,
         O_TMA=descriptors.with_out,
@@ -217,10 +218,11 @@ _NO_DESCALE = (UNUSED,) * 3
 
 
 def run(plan: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score: Mod, score_bufs,
-        mask: Mod, mask_bufs, tables: Tables | None, scale: float, descale: tuple | None = None):
+        mask: Mod, mask_bufs, tables: Tables | None, scale: float, descale: tuple | None = None,
+        sinks: torch.Tensor | None = None):
     """Launch: returns (out, lse, max_scores) with lse and max_scores in natural-log units
     (max_scores is None unless the plan writes it). ``descale``: float8 inputs' (q, k, v) descale
-    factors, one-element float32 tensors."""
+    factors, one-element float32 tensors; ``sinks``: the [Hq] sink logits of a HAS_SINKS plan."""
     device = query.device
     out = launch.empty(plan.out_shape, plan.out_dtype, device, plan.out_order, query if plan.out_like_query else None)
     lse = launch.empty(plan.stat_shape, plan.stat_dtype, device)
@@ -228,15 +230,15 @@ def run(plan: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if plan.is_empty:
         return out, lse, mx
     (plan.kernel if scale > 0 else plan.any_scale)(*launch_args(
-        plan, query, key, value, out, lse, mx, score, score_bufs, mask, mask_bufs, tables, scale, descale))
+        plan, query, key, value, out, lse, mx, score, score_bufs, mask, mask_bufs, tables, scale, descale, sinks))
     return out, lse, mx
 
 
 def launch_args(plan: Plan, query, key, value, out, lse, mx, score: Mod, score_bufs, mask: Mod, mask_bufs,
-                tables: Tables | None, scale: float, descale: tuple | None = None) -> tuple:
+                tables: Tables | None, scale: float, descale: tuple | None = None, sinks=None) -> tuple:
     """The kernel's arguments, group by group in the order `signatures.FORWARD` (or
-    `FORWARD_HOPPER`) declares: tensors, descale, tables, mods, strides, table strides, sizes,
-    scalars (the Hopper kernel reads Q, K, V and writes the output through descriptors)."""
+    `FORWARD_HOPPER`) declares: tensors, descale, sinks, tables, mods, strides, table strides,
+    sizes, scalars (the Hopper kernel reads Q, K, V and writes the output through descriptors)."""
     rows = plan.dense_rows if tables is None else tables.kv
     mods = (*launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs))
     tail = (*plan.strides, *rows.strides(), *plan.sizes, scale)
@@ -247,4 +249,5 @@ def launch_args(plan: Plan, query, key, value, out, lse, mx, score: Mod, score_b
         *qkv, out = plan.descriptors(query, key, value, out)
     else:
         qkv = plan.descriptors(query, key, value)
-    return (*qkv, out, lse, mx, *(descale or _NO_DESCALE), *rows.args(), *mods, *tail)
+    return (*qkv, out, lse, mx, *(descale or _NO_DESCALE), UNUSED if sinks is None else sinks, *rows.args(), *mods,
+            *tail)

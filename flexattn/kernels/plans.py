@@ -71,21 +71,45 @@ def check_inputs(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
             raise ValueError(f"{name} must be between 1 and {MAX_HEAD_DIM}, got {d}")
 
 
+_SINK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_sinks(sinks: Any, query: torch.Tensor) -> None:
+    """``sinks``, where given: a float16/bfloat16/float32/float64 tensor [Hq] on query's device
+    (one logit per query head); not with float8 inputs."""
+    if sinks is None:
+        return
+    Hq = query.shape[1]
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a tensor of shape [{Hq}] (one logit per query head) or None, "
+                        f"got {type(sinks).__name__}")
+    if query.dtype == torch.float8_e4m3fn:
+        raise TypeError("sinks are not supported with float8_e4m3fn inputs (the float8 forward has no sink); "
+                        "pass sinks=None or bfloat16/float16 inputs")
+    if tuple(sinks.shape) != (Hq,):
+        raise ValueError(f"sinks must have shape [{Hq}] (one logit per query head), got {list(sinks.shape)}")
+    if sinks.dtype not in _SINK_DTYPES:
+        raise TypeError(f"sinks must be a float16, bfloat16, float32 or float64 tensor, got {sinks.dtype}")
+    if sinks.device != query.device:
+        raise ValueError(f"sinks must be on query's device {query.device}, got {sinks.device}")
+
+
 def _check_mod_devices(device: torch.device, mods) -> None:
     for mod, bufs in mods:
         mod.check_device(device, buffers=bufs)
 
 
 def forward_plan(key, query, key_t, value, score: Mod, score_bufs, mask: Mod, mask_bufs, tables: Tables | None,
-                 enable_gqa: bool, options: dict, want_max: bool) -> fwd.Plan:
+                 enable_gqa: bool, options: dict, want_max: bool, sinks: torch.Tensor | None = None) -> fwd.Plan:
+    """``sinks``: the call's sink logits or None (the key holds their metas: a plan has sinks or not)."""
     return FORWARD.get(key, lambda: _make_forward_plan(query, key_t, value, score, score_bufs, mask, mask_bufs,
-                                                       tables, enable_gqa, options, want_max))
+                                                       tables, enable_gqa, options, want_max, sinks))
 
 
 def decode_plan(key, query, key_t, value, score: Mod, score_bufs, mask: Mod, mask_bufs, tables: Tables | None,
-                enable_gqa: bool, options: dict, kv_lengths) -> dec.Plan:
+                enable_gqa: bool, options: dict, kv_lengths, sinks: torch.Tensor | None = None) -> dec.Plan:
     return DECODE.get(key, lambda: _make_decode_plan(query, key_t, value, score, score_bufs, mask, mask_bufs,
-                                                     tables, enable_gqa, options, kv_lengths))
+                                                     tables, enable_gqa, options, kv_lengths, sinks))
 
 
 def backward_plan(key, query, key_t, value, out, grad_out, score: Mod, mask: Mod, tables: Tables | None,
@@ -106,19 +130,21 @@ TUNE_MIN_WORK = 1 << 27  # B*H*Q_LEN*KV_LEN from which plans are autotuned (S=4k
 
 
 def _make_forward_plan(query, key, value, score, score_bufs, mask, mask_bufs, tables, enable_gqa, options,
-                       want_max):
+                       want_max, sinks):
     check_inputs(query, key, value, enable_gqa)
+    check_sinks(sinks, query)
+    has_sinks = sinks is not None
     B, Hq, Q_LEN, _ = query.shape
     if tables is not None:
         check_against(tables, B, Hq, Q_LEN, key.shape[2], query.device)
     _check_mod_devices(query.device, ((score, score_bufs), (mask, mask_bufs)))
 
     def make(config: dict):
-        return fwd.make_plan(query, key, value, score, mask, tables, {**options, **config}, want_max)
+        return fwd.make_plan(query, key, value, score, mask, tables, {**options, **config}, want_max, has_sinks)
 
     device = query.device
     if hopper.chosen(query, key, value, tables, options):  # one schedule, nothing to tune
-        return fwd.hopper_plan(query, key, value, score, mask, tables, options, want_max)
+        return fwd.hopper_plan(query, key, value, score, mask, tables, options, want_max, has_sinks)
     scale = 1.0 / math.sqrt(query.shape[3])
     # float8 kernels read their descale factors: timing runs get real ones (the direct launch
     # passes a missing pointer as null)
@@ -126,7 +152,8 @@ def _make_forward_plan(query, key, value, score, score_bufs, mask, mask_bufs, ta
         if query.dtype == torch.float8_e4m3fn else None
     plan = _tuned("forward", tuning.FORWARD_KNOBS, tuning.forward_candidates, ("max" if want_max else "",),
                   query, key, value, score, tables, options, make,
-                  lambda p: fwd.run(p, query, key, value, score, score_bufs, mask, mask_bufs, tables, scale, descale))
+                  lambda p: fwd.run(p, query, key, value, score, score_bufs, mask, mask_bufs, tables, scale, descale,
+                                    sinks))
     return plan if plan is not None else make({})
 
 
@@ -185,8 +212,9 @@ def _partial_share(tables: Tables | None) -> str:
 
 
 def _make_decode_plan(query, key, value, score, score_bufs, mask, mask_bufs, tables, enable_gqa, options,
-                      kv_lengths):
+                      kv_lengths, sinks):
     check_inputs(query, key, value, enable_gqa)
+    check_sinks(sinks, query)
     B, Hq, Q_LEN, _ = query.shape
     if query.dtype not in dec.SUPPORTED_DTYPES:
         raise TypeError(f"the decoding kernel takes float16, bfloat16 or float32 inputs, got {query.dtype}")
@@ -202,6 +230,7 @@ def _make_decode_plan(query, key, value, score, score_bufs, mask, mask_bufs, tab
         if kv_lengths.device != query.device:
             raise ValueError(f"kv_lengths is on {kv_lengths.device} but query is on {query.device}")
     score_k, mask_k = decode_mods(score, mask)
-    return dec.make_plan(query, key, value, score_k, score_bufs, mask_k, mask_bufs, tables, options, kv_lengths)
+    return dec.make_plan(query, key, value, score_k, score_bufs, mask_k, mask_bufs, tables, options, kv_lengths,
+                         sinks is not None)
 
 

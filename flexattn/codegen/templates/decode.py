@@ -12,19 +12,21 @@
 # values first, then M_part and L_part [SPLIT_KV, N_ROWS] and Acc_part [SPLIT_KV, N_ROWS, V_HEAD_DIM].
 #
 # Names follow the forward template (forward.py); what only decoding has is marked (decode). The
-# tile helpers (load_tile, mma, online_softmax) are tiles.py's (the tile_helpers hook).
+# tile helpers (load_tile, mma, online_softmax, add_sink) are tiles.py's (the tile_helpers hook).
 #
 # sub notation:
 #   Q               [B, HQ, Q_LEN, QK_HEAD_DIM]
 #   K, V            [B or 1, HKV, KV_LEN, QK_HEAD_DIM / V_HEAD_DIM]   (batch 1: the host passes stride 0)
 #   Out             [B, HQ, Q_LEN, V_HEAD_DIM]           (any strides)
 #   LSE             float32 scratch: LSE [B, HQ, Q_LEN] (natural log, -inf for rows that see
-#                   nothing), then the partials (see above)
+#                   nothing: SINKS[h] with HAS_SINKS), then the partials (see above)
 #   SPLITS_DONE     (decode) int32 [row tiles], zero between calls: how many of a row tile's splits
 #                   have stored their partial (read when SPLIT_KV > 1); row tile = pid_bh * (grid
 #                   axis 2) + pid_r, the programs of one row tile differing only in `split`
 #   KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX   the BlockMask's lists, as in the forward
 #   KV_LENGTHS      [B] (decode) per-batch valid KV length, read when HAS_KV_LENGTHS
+#   SINKS           [HQ] per query head, read when HAS_SINKS: exp(SINKS[h]) joins each row's softmax
+#                   sum with no value row (forward.py); added once, where the rows are written
 #   QK_HEAD_DIM, V_HEAD_DIM   real head dims (runtime ints here, constexprs in the forward)
 #   N_ROWS          (decode) B * HQ * Q_LEN: rows of LSE, and of each split's partials
 #   SM_SCALE        runtime float: softmax scale applied to q.k before score_mod
@@ -52,6 +54,7 @@
 #   APPLY_MASK_DENSE    (decode) run mask_mod on every tile of the dense walk (mask_mod without BlockMask)
 #   HAS_KV_LENGTHS      (decode) a per-batch valid length caps the KV range (KV_LENGTHS[b], read
 #                       in-kernel; positions past it are masked loads, so they cost no memory traffic)
+#   HAS_SINKS           fold SINKS into the rows' max and sum before they are written (add_sink)
 #   IS_DIVISIBLE_M      the row half of the forward's IS_DIVISIBLE: every packed row of every tile
 #                       is a real (head, query) row, so no row masks
 #   IS_DIVISIBLE_N      the KV half: KV_LEN is a multiple of the walked tile and there are no
@@ -171,11 +174,16 @@ def packed_rows(offs_r, b, h_kv, head_group, q_block, Q_LEN, HKV: tl.constexpr, 
 
 @triton.jit
 def store_rows(
-    Out, LSE, acc, l_i, m_i, b, h_row, q_row, row, row_ok, offs_v,
-    stride_oz, stride_oh, stride_om, stride_ok, V_HEAD_DIM, CHECK: tl.constexpr,
+    Out, LSE, SINKS, acc, l_i, m_i, b, h_row, q_row, row, row_ok, offs_v,
+    stride_oz, stride_oh, stride_om, stride_ok, V_HEAD_DIM, HAS_SINKS: tl.constexpr, CHECK: tl.constexpr,
 ):
-    # Normalise and write Out and LSE (natural log). [Note] a fully masked row has l_i == 0 and
-    # acc == 0: it writes 0 and LSE = -inf, never NaN.
+    # Normalise and write Out and LSE (natural log), the rows' sink folded in first (once, after
+    # the merge). [Note] a fully masked row without a sink has l_i == 0 and acc == 0: it writes 0
+    # and LSE = -inf, never NaN.
+    if HAS_SINKS:
+        sink = tl.load(SINKS + h_row, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i, l_i, alpha = add_sink(m_i, l_i, sink)
+        acc = acc * alpha[:, None]
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
@@ -223,11 +231,12 @@ def merge_partials(
 
 @triton.jit
 def merge_rows(
-    Out, LSE, M_part, L_part, Acc_part, b, h_kv, head_group, q_block, m_tile,
+    Out, LSE, SINKS, M_part, L_part, Acc_part, b, h_kv, head_group, q_block, m_tile,
     stride_oz, stride_oh, stride_om, stride_ok, Q_LEN, V_HEAD_DIM, N_ROWS,
     HKV: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, PACKED_HEADS: tl.constexpr, Q_ROWS: tl.constexpr,
     SPARSE_Q_BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, V_HEAD_DIM_ROUNDED: tl.constexpr,
-    SPLIT_KV: tl.constexpr, MERGE_M: tl.constexpr, MERGE_CHUNK: tl.constexpr, CHECK: tl.constexpr,
+    SPLIT_KV: tl.constexpr, MERGE_M: tl.constexpr, MERGE_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     # The last split's epilogue: merge the real rows of row tile m_tile (the first MERGE_M of its
     # BLOCK_M) and write them.
@@ -236,8 +245,8 @@ def merge_rows(
                                             PACKED_HEADS, Q_ROWS, SPARSE_Q_BLOCK_SIZE)
     acc, l_i, m_i = merge_partials(M_part, L_part, Acc_part, row, row_ok, N_ROWS, V_HEAD_DIM,
                                    SPLIT_KV, MERGE_M, MERGE_CHUNK, V_HEAD_DIM_ROUNDED)
-    store_rows(Out, LSE, acc, l_i, m_i, b, h_row, q_row, row, row_ok, tl.arange(0, V_HEAD_DIM_ROUNDED),
-               stride_oz, stride_oh, stride_om, stride_ok, V_HEAD_DIM, CHECK)
+    store_rows(Out, LSE, SINKS, acc, l_i, m_i, b, h_row, q_row, row, row_ok, tl.arange(0, V_HEAD_DIM_ROUNDED),
+               stride_oz, stride_oh, stride_om, stride_ok, V_HEAD_DIM, HAS_SINKS, CHECK)
 
 
 @triton.jit
@@ -324,8 +333,8 @@ $decode_split_kernel_params
     CHECK_OUT: tl.constexpr = not (IS_DIVISIBLE_M and SAFE_HEAD_DIM)
     if SPLIT_KV == 1:
         # -- one split: normalise here, nothing to merge
-        store_rows(Out, LSE, acc, l_i, m_i, b, h_row, q_row, row, row_ok, offs_v,
-                   stride_oz, stride_oh, stride_om, stride_ok, V_HEAD_DIM, CHECK_OUT)
+        store_rows(Out, LSE, SINKS, acc, l_i, m_i, b, h_row, q_row, row, row_ok, offs_v,
+                   stride_oz, stride_oh, stride_om, stride_ok, V_HEAD_DIM, HAS_SINKS, CHECK_OUT)
     else:
         # -- this split's partial: M_part / L_part [SPLIT_KV, N_ROWS], Acc_part [SPLIT_KV, N_ROWS, V_HEAD_DIM]
         M_part = LSE + N_ROWS
@@ -347,8 +356,8 @@ $decode_split_kernel_params
         # rather than storing 0: should two launches ever share the counters at once (a misuse, see
         # flexattn.kernels.scratch.Counters), their rows may be wrong but the count still ends at 0.
         if done % SPLIT_KV == SPLIT_KV - 1:
-            merge_rows(Out, LSE, M_part, L_part, Acc_part, b, h_kv, head_group, q_block, m_tile,
+            merge_rows(Out, LSE, SINKS, M_part, L_part, Acc_part, b, h_kv, head_group, q_block, m_tile,
                        stride_oz, stride_oh, stride_om, stride_ok, Q_LEN, V_HEAD_DIM, N_ROWS,
                        HKV, GQA_SHARED_HEADS, PACKED_HEADS, Q_ROWS, SPARSE_Q_BLOCK_SIZE, BLOCK_M,
-                       V_HEAD_DIM_ROUNDED, SPLIT_KV, MERGE_M, MERGE_CHUNK, CHECK_OUT)
+                       V_HEAD_DIM_ROUNDED, SPLIT_KV, MERGE_M, MERGE_CHUNK, HAS_SINKS, CHECK_OUT)
             tl.atomic_add(counter, -SPLIT_KV, sem="relaxed", scope="gpu")

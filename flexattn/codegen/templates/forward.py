@@ -10,7 +10,7 @@
 #   V               [B or 1, HKV, KV_LEN, V_HEAD_DIM]
 #   Out             [B, HQ, Q_LEN, V_HEAD_DIM]           (any strides; the host matches Q's order)
 #   LSE             [B, HQ, Q_LEN] natural log, float32 (float64 for float64 inputs); -inf for rows
-#                   that see nothing
+#                   that see nothing (SINKS[h] with HAS_SINKS)
 #   KV_NUM_BLKS     [Bm, Hm, nQ] int32: how many partial KV blocks query block m visits
 #   KV_IDX          [Bm, Hm, nQ, nKV] int32: which ones (first KV_NUM_BLKS entries of each row)
 #   FULL_KV_NUM_BLKS, FULL_KV_IDX: the same for full blocks
@@ -20,6 +20,9 @@
 #   SM_SCALE        runtime float: 1/sqrt(QK_HEAD_DIM) unless the caller gave a scale
 #   DESCALE_Q, DESCALE_K, DESCALE_V  float8 inputs (IS_FP8): one float32 each, the factors that
 #                   dequantise Q, K and V (FlashAttention-3's per-tensor descale); unused otherwise
+#   SINKS           [HQ] (read when HAS_SINKS): one logit per query head that joins every row's
+#                   softmax sum as a term exp(SINKS[h]) with no value row; the LSE includes it, a
+#                   row that sees nothing writes 0 and LSE = SINKS[h]; MaxScores ignores it
 #
 # constexprs:
 #   BLOCK_M, BLOCK_N       query rows / KV columns of one tile (powers of two >= 16)
@@ -52,6 +55,7 @@
 #                          + C) / ln 2. score_mod_affine(b, h, <buffers>) gives (S, K, Q, C)
 #   LONGEST_FIRST          launch query tiles last to first (under a causal mask the last see the
 #                          most KV blocks; starting them first shortens the tail of the launch)
+#   HAS_SINKS              fold SINKS into each row's max and sum in the epilogue (add_sink)
 #   IS_FP8                 Q, K, V are float8_e4m3fn: Q K^T runs in float8 with the descales folded
 #                          into SM_SCALE, P is rounded to float8 for P V, and the accumulator is
 #                          multiplied by DESCALE_V; Out is bfloat16
@@ -68,7 +72,7 @@
 # q_idx [BLOCK_M, 1] and kv_idx [1, BLOCK_N] int32.
 #
 # Tile helpers (tiles.py, the tile_helpers hook; shared with the backward and decoding templates):
-# ptr_offsets, load_tile / store_tile, mma, online_softmax(_scaled), next_start.
+# ptr_offsets, load_tile / store_tile, mma, online_softmax(_scaled), add_sink, next_start.
 $prelude
 
 $score_mod_def
@@ -229,17 +233,27 @@ $flex_attention_forward_params
 
     if IS_FP8:
         acc = acc * tl.load(DESCALE_V)
-    # -- epilogue. A fully masked row has l_i = 0 and acc = 0: divide by 1 so that it writes 0, and
-    # give it LSE -inf directly (m_i + log2(0) would be -inf too, but log2(0) is not worth computing).
+    # -- epilogue. m_i and l_i are in base 2, without the SCORE_AFFINE rows' own term w(q_idx)
+    # (the softmax did not need it); max_scores is m_i's, the LSE's reference m_lse includes the sink.
+    if SCORE_AFFINE:
+        row_w = aff_q * (offs_m - REF).to(ACC_DTYPE) * (1.0 / LN2)
+    m_lse = m_i
+    if HAS_SINKS:  # the sink joins each row's sum, in m_i's units
+        sink = tl.load(SINKS + h).to(ACC_DTYPE) * (1.0 / LN2)
+        if SCORE_AFFINE:
+            sink = sink - row_w
+        m_lse, l_i, alpha = add_sink(m_i, l_i, sink)
+        acc = acc * alpha[:, None]
+    # A fully masked row (without a sink) has l_i = 0 and acc = 0: divide by 1 so that it writes
+    # 0, and give it LSE -inf directly (log2(0) would be -inf too, but is not worth computing).
     if ROWS_GUARANTEED_SAFE:
         acc = acc / l_i[:, None]
-        lse2 = m_i + tl.log2(l_i)
+        lse2 = m_lse + tl.log2(l_i)
     else:
         empty = l_i == 0.0
         acc = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-    if SCORE_AFFINE:  # the rows' own term w(q_idx) (the softmax did not need it)
-        row_w = aff_q * (offs_m - REF).to(ACC_DTYPE) * (1.0 / LN2)
+        lse2 = tl.where(empty, float("-inf"), m_lse + tl.log2(tl.where(empty, 1.0, l_i)))
+    if SCORE_AFFINE:
         lse2 += row_w
         m_i += row_w
     store_tile(Out + rows[:, None] * stride_om + offs_v[None, :] * stride_ok, acc.to(Out.dtype.element_ty),

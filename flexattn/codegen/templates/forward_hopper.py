@@ -126,6 +126,17 @@ def softmax_step(s, m_i, SOFTMAX_SCALE, SCORES_IN_BASE2: gl.constexpr):
 
 
 @gluon.jit
+def add_sink(m_i, l_i, sink):
+    """(new m_i, new l_i, alpha) of the epilogue's attention sink: a term 2^sink (in m_i's base-2
+    units) joins each row's sum with no value row (tiles.py's add_sink); a row that saw nothing
+    gets m = sink, l = 1, alpha = 0."""
+    m_new = gl.maximum(m_i, sink)
+    m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    return m_new, l_i * alpha + gl.exp2(sink - m_use), alpha
+
+
+@gluon.jit
 def v_tile(v_bufs, slot, V_K_MAJOR: gl.constexpr):
     """The [BLOCK_N, Ev] B operand of P V from a slot of V tiles ([Ev, BLOCK_N] tiles when V_K_MAJOR)."""
     if V_K_MAJOR:
@@ -150,13 +161,14 @@ def wait_pv(acc, p_op, IS_FP8: gl.constexpr):
 
 @gluon.jit
 def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn,
-             Out, LSE, MaxScores, DESCALE_V, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
+             Out, LSE, MaxScores, DESCALE_V, SINKS, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
              stride_om, Q_LEN, KV_LEN, SM_SCALE,
              $score_mod_params $mask_mod_params
              WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, V_HEAD_DIM: gl.constexpr,
              TILES_PER_BLOCK: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr,
              IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr, SCORE_AFFINE: gl.constexpr,
-             OUTPUT_MAX: gl.constexpr, SCORE_DTYPE: gl.constexpr, IS_FP8: gl.constexpr, O_TMA: gl.constexpr):
+             OUTPUT_MAX: gl.constexpr, HAS_SINKS: gl.constexpr, SCORE_DTYPE: gl.constexpr, IS_FP8: gl.constexpr,
+             O_TMA: gl.constexpr):
     NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
     ROWS: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = k_bufs.dtype
@@ -239,7 +251,19 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
         acc, p_op = wait_pv(acc, p_op, IS_FP8)
         mbarrier.arrive(v_empty.index(last), count=1)
 
-    # -- epilogue: a row that saw nothing has l_i = 0, acc = 0: it writes 0 and LSE -inf
+    # -- epilogue (forward.py's): m_i and l_i in base 2 without the SCORE_AFFINE rows' own term
+    # w(q_idx); max_scores is m_i's, the LSE's reference m_lse includes the sink
+    rows = my_m + gl.arange(0, ROWS, layout=row_s)
+    if SCORE_AFFINE:
+        row_w = aff_q * (rows - my_m).to(gl.float32) * LOG2E
+    m_lse = m_i
+    if HAS_SINKS:  # the sink joins each row's sum, in m_i's units
+        sink = gl.load(SINKS + h).to(gl.float32) * LOG2E
+        if SCORE_AFFINE:
+            sink = sink - row_w
+        m_lse, l_i, alpha = add_sink(m_i, l_i, sink)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    # a row that saw nothing (and no sink) has l_i = 0, acc = 0: it writes 0 and LSE -inf
     empty = l_i == 0.0
     l_use = gl.where(empty, 1.0, l_i)
     if IS_FP8:
@@ -260,10 +284,8 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
         cols_o = gl.expand_dims(gl.arange(0, V_HEAD_DIM, layout=gl.SliceLayout(0, o_layout)), 0)
         gl.store(Out + rows_o.to(gl.int64) * stride_om + cols_o, out.to(Out.dtype.element_ty),
                  mask=rows_o < Q_LEN)
-    rows = my_m + gl.arange(0, ROWS, layout=row_s)
-    lse2 = gl.where(empty, -float("inf"), m_i + gl.log2(l_use))
-    if SCORE_AFFINE:  # the rows' own term w(q_idx)
-        row_w = aff_q * (rows - my_m).to(gl.float32) * LOG2E
+    lse2 = gl.where(empty, -float("inf"), m_lse + gl.log2(l_use))
+    if SCORE_AFFINE:
         lse2 += row_w
         m_i += row_w
     gl.store(LSE + rows, lse2 * LN2, mask=rows < Q_LEN)
@@ -327,17 +349,19 @@ $flex_attention_forward_params
 
     gl.warp_specialize([
         (consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turns.index(0),
-                    turns.index(1), Out, LSE, MaxScores, DESCALE_V, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
+                    turns.index(1), Out, LSE, MaxScores, DESCALE_V, SINKS, b, h, off_m, n_partial, n_tiles,
+                    P_IDX, F_IDX,
                     stride_om, Q_LEN, KV_LEN, SM_SCALE,
                     $score_mod_params $mask_mod_params
                     0, BLOCK_M, BLOCK_N, V_HEAD_DIM, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
-                    IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, OUTPUT_MAX, SCORE_DTYPE, IS_FP8, O_TMA)),
+                    IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, OUTPUT_MAX, HAS_SINKS, SCORE_DTYPE, IS_FP8, O_TMA)),
         (consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turns.index(1),
-                    turns.index(0), Out, LSE, MaxScores, DESCALE_V, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
+                    turns.index(0), Out, LSE, MaxScores, DESCALE_V, SINKS, b, h, off_m, n_partial, n_tiles,
+                    P_IDX, F_IDX,
                     stride_om, Q_LEN, KV_LEN, SM_SCALE,
                     $score_mod_params $mask_mod_params
                     1, BLOCK_M, BLOCK_N, V_HEAD_DIM, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
-                    IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, OUTPUT_MAX, SCORE_DTYPE, IS_FP8, O_TMA)),
+                    IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, OUTPUT_MAX, HAS_SINKS, SCORE_DTYPE, IS_FP8, O_TMA)),
         (loader, (Q, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                   b, h, b_kv, h_kv, off_m, n_partial, n_tiles, P_IDX, F_IDX,
                   TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N, BLOCKS_ARE_CONTIGUOUS, IS_FP8)),

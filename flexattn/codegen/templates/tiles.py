@@ -107,6 +107,17 @@ def online_softmax_scaled(s, c, m_i, l_i, ROWS_GUARANTEED_SAFE: tl.constexpr):
 
 
 @triton.jit
+def add_sink(m_i, l_i, sink):
+    # The epilogue's attention sink: a term 2^sink (in m_i's base-2 units) joins each row's sum,
+    # with no value row. Returns the new row max and sum and the factor that rescales the rows'
+    # accumulator. A row that saw nothing (m_i = -inf, l_i = 0) gets m = sink, l = 1, factor 0.
+    m_new = tl.maximum(m_i, sink)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a sink of -inf on an empty row: l stays 0)
+    alpha = tl.exp2(m_i - m_ref)
+    return m_new, l_i * alpha + tl.exp2(sink - m_ref), alpha
+
+
+@triton.jit
 def next_start(start, i, BLOCK_IDX, num_blocks, STEP: tl.constexpr, SPARSE_MULTIPLE: tl.constexpr,
                SPARSE_BLOCK_SIZE: tl.constexpr, BLOCKS_ARE_CONTIGUOUS: tl.constexpr):
     # The block-sparse walk's next tile after tile i: STEP further inside this sparse block, or the
