@@ -1,6 +1,7 @@
-"""flexattn inside Hugging Face transformers: attn_implementation="flexattn" on a tiny Llama.
+"""flexattn inside Hugging Face transformers: attn_implementation="flexattn" on a tiny Llama and a
+tiny gpt-oss (attention sinks, a sliding-window layer, mixture of experts).
 
-The model is built from a config with random weights (no downloads): 2 layers, 4 query heads and
+The models are built from configs with random weights (no downloads): 2 layers, 4 query heads and
 2 KV heads (GQA), hidden size 64, vocabulary 128.
 """
 
@@ -16,7 +17,7 @@ import torch
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install 'flexattn[transformers]')")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers import masking_utils as mu  # noqa: E402
 
 from flexattn.integrations import transformers as fa_hf  # noqa: E402
@@ -26,12 +27,35 @@ NAME = fa_hf.register()
 
 
 def tiny_llama(dtype=torch.float32, seed=0):
-    torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       attention_dropout=0.0)
-    eager = LlamaForCausalLM(copy.deepcopy(cfg)).to(dtype)
-    ours = LlamaForCausalLM(copy.deepcopy(cfg)).to(dtype)
+    return _eager_and_ours(LlamaForCausalLM, cfg, dtype, seed)
+
+
+def tiny_gpt_oss(dtype=torch.float32, seed=0):
+    """gpt-oss's layout at toy size: a sliding-window layer (window 6) and a full one, 4 experts,
+    and attention sinks drawn from N(0, 1) (so that they weigh as much as the scores)."""
+    cfg = GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                       num_experts_per_tok=2, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                       max_position_embeddings=256, attention_dropout=0.0)
+    eager, ours = _eager_and_ours(GptOssForCausalLM, cfg, dtype, seed)
+    for model in (eager, ours):  # (the grouped-matmul experts take no float64)
+        model.set_experts_implementation("eager")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for (name, p), (_, q) in zip(eager.named_parameters(), ours.named_parameters()):
+            if name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=g))
+                q.copy_(p)
+    return eager, ours
+
+
+def _eager_and_ours(model_cls, cfg, dtype, seed):
+    torch.manual_seed(seed)
+    eager = model_cls(copy.deepcopy(cfg)).to(dtype)
+    ours = model_cls(copy.deepcopy(cfg)).to(dtype)
     ours.load_state_dict(eager.state_dict())
     eager.set_attn_implementation("eager")
     ours.set_attn_implementation(NAME)
@@ -128,11 +152,16 @@ def test_32k_prefill_mask_allocates_no_dense_mask():
 # The model
 
 
-def test_prefill_left_padded_batch_matches_eager():
+# gpt-oss: its sinks go to the kernels as ``sinks=`` (forward, decoding kernel, backward)
+MODELS = {"llama": tiny_llama, "gpt_oss": tiny_gpt_oss}
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_prefill_left_padded_batch_matches_eager(family):
     # float32: transformers' eager attention computes its softmax in float32 whatever the model's
     # dtype, and in float64 it turns the fully masked rows of left padding into NaN (min + min
     # overflows to -inf) that leak into the real tokens.
-    eager, ours = tiny_llama(torch.float32)
+    eager, ours = MODELS[family](torch.float32)
     ids, am = left_padded_batch()
     with torch.no_grad():
         want = eager(input_ids=ids, attention_mask=am).logits
@@ -141,8 +170,9 @@ def test_prefill_left_padded_batch_matches_eager():
     torch.testing.assert_close(got[keep], want[keep], atol=2e-5, rtol=2e-5)
 
 
-def test_generate_with_kv_cache_matches_eager():
-    eager, ours = tiny_llama(torch.float32)
+@pytest.mark.parametrize("family", list(MODELS))
+def test_generate_with_kv_cache_matches_eager(family):
+    eager, ours = MODELS[family](torch.float32)
     ids, am = left_padded_batch((9, 14), seed=2)
     # prefill, then 2 decoding steps (Q_LEN=1 against a growing cache: flexattn's split-KV kernel)
     kwargs = dict(attention_mask=am, max_new_tokens=3, do_sample=False, use_cache=True, pad_token_id=0)
@@ -152,9 +182,10 @@ def test_generate_with_kv_cache_matches_eager():
     assert torch.equal(got, want)
 
 
-def test_training_step_gradients_match_eager():
+@pytest.mark.parametrize("family", list(MODELS))
+def test_training_step_gradients_match_eager(family):
     # float64 weights; eager's softmax is float32 (see above), which sets the tolerance
-    eager, ours = tiny_llama(torch.float64, seed=3)
+    eager, ours = MODELS[family](torch.float64, seed=3)
     eager.train()
     ours.train()
     ids, am = left_padded_batch((12, 7), seed=4)
@@ -163,6 +194,7 @@ def test_training_step_gradients_match_eager():
     for model in (eager, ours):
         model(input_ids=ids, attention_mask=am, labels=labels).loss.backward()
     grads = {n: p.grad for n, p in eager.named_parameters()}
+    assert any(n.endswith("sinks") for n in grads) == (family == "gpt_oss")
     for n, p in ours.named_parameters():
         assert p.grad is not None, n
         torch.testing.assert_close(p.grad, grads[n], atol=1e-7, rtol=1e-5, msg=n)

@@ -142,7 +142,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     ``attention_mask`` is a `BlockMask` (from `block_mask`; flexattn's or torch's), a 4-D dense mask
     [B, 1, Q, >=KV] (bool: True keeps; float: added to the scores), or None (no mask).
     ``softcap`` caps the scores with ``softcap * tanh(score / softcap)``; ``s_aux`` ([Hq]) are
-    attention-sink logits folded into each row's normaliser; ``position_bias`` [B or 1, Hq or 1, Q,
+    attention-sink logits, passed to the kernels as ``sinks`` (each row's normaliser gets
+    exp(s_aux[h]), no extra pass); ``position_bias`` [B or 1, Hq or 1, Q,
     KV] is added to the scores. ``kernel_options`` in ``kwargs`` go to flex_attention. Returns
     ``(out [B, Q, Hq, Ev], None)``: attention weights are never materialised.
     """
@@ -168,16 +169,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if position_bias is not None:
         position_bias = position_bias.expand(B, Hq, Q_LEN, KV_LEN)
     score_mod = _score_mod(softcap, dense, position_bias)
-    result = flexattn.flex_attention(query, key, value, score_mod=score_mod, block_mask=block, scale=scaling,
-                                     enable_gqa=Hq != Hkv, return_lse=s_aux is not None,
-                                     kernel_options=kwargs.get("kernel_options"))
-    if s_aux is None:
-        out = result
-    else:
-        # A sink adds exp(sink) to every row's normaliser: rescale by exp(lse - logaddexp(lse, sink)).
-        out, lse = result
-        sink = s_aux.to(lse.dtype).view(1, -1, 1).expand_as(lse)
-        out = (out * torch.exp(lse - torch.logaddexp(lse, sink)).unsqueeze(-1)).to(query.dtype)
+    out = flexattn.flex_attention(query, key, value, score_mod=score_mod, block_mask=block, scale=scaling,
+                                  enable_gqa=Hq != Hkv, kernel_options=kwargs.get("kernel_options"), sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 
