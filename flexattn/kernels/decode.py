@@ -97,7 +97,8 @@ def _geometry(tables: Tables | None, explicit: dict, BLOCK_N: int, G: int, Q_LEN
     num, idx = tables.kv.num, tables.kv.idx
     q_bs, kv_bs = tables.q_block, tables.kv_block
     NKV = idx.shape[3]
-    if NKV * kv_bs < KV_LEN:
+    # (a mask built for these lengths may list fewer columns: its rows see no further)
+    if NKV * kv_bs < KV_LEN and tables.seq_lengths is None:
         raise ValueError(f"block_mask covers {NKV * kv_bs} kv positions but KV_LEN is {KV_LEN}")
     if "BLOCK_N" in explicit and kv_bs % BLOCK_N:
         raise ValueError(f"kernel_options['BLOCK_N']={BLOCK_N} must divide the block mask's KV block size {kv_bs}")
