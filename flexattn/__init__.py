@@ -2,7 +2,8 @@
 
 Public API (same names, shapes and meaning as ``torch.nn.attention.flex_attention``):
 ``flex_attention``, ``create_block_mask``, ``BlockMask``, ``and_masks``, ``or_masks``,
-``noop_mask``, ``create_mask``; plus ``trace`` (Python mod -> `Mod`), and ``score_mod`` /
+``noop_mask``, ``create_mask``; ``varlen_attention`` (packed variable-length sequences: torch's
+``varlen_attn`` with mods); plus ``trace`` (Python mod -> `Mod`), and ``score_mod`` /
 ``mask_mod`` (DSL text -> `Mod`); ``AuxRequest`` / ``AuxOutput`` (``return_aux``).
 
 Submodules, imported on first use: ``flexattn.masks`` and ``flexattn.scores`` (ready-made mods),
@@ -25,6 +26,7 @@ _EXPORTS = {
     "mask_mod": "flexattn.dsl",
     "DSLError": "flexattn.dsl",
     "flex_attention": "flexattn.attention",
+    "varlen_attention": "flexattn.varlen",
     "BlockMask": "flexattn.block_mask",
     "create_block_mask": "flexattn.block_mask",
     "create_mask": "flexattn.block_mask",

@@ -13,7 +13,8 @@ D)`` (a permuted view), and the block tables are built on the device from the of
 (`flexattn.block_mask.packed`): each query block visits only the KV blocks its rows' sequences
 reach. Short queries (``max_q`` below the decoding threshold, no gradient) and paged K/V take
 the *batched* layout instead: each sequence's queries gathered into ``max_q`` rows of a batch,
-against the keys (or pages) of its own sequence, through the split-KV decoding kernel. Mods are
+against the keys (or pages) of its own sequence, through the split-KV decoding kernel (the forward kernel for
+float64, and for paged K/V with long queries). Mods are
 rewritten over either layout by wrappers that read the per-row tables. Tables are made once per
 offsets tensor (and its in-place version); a call whose offsets were seen costs a lookup.
 """
@@ -72,10 +73,10 @@ def _check_inputs(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
         raise ValueError(f"query must be a (T_q, H_q, D) tensor, got {_describe(query)}")
     paged = block_table is not None
-    kv_dims = "(total_pages, page_size, H_kv, D) (block_table is given)" if paged else "(T_k, H_kv, D)"
+    kv_dims = "(total_pages, page_size, H_kv, D) tensor (block_table is given)" if paged else "(T_k, H_kv, D) tensor"
     for name, t in (("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != (4 if paged else 3):
-            raise ValueError(f"{name} must be a {kv_dims} tensor, got {_describe(t)}")
+            raise ValueError(f"{name} must be a {kv_dims}, got {_describe(t)}")
         if t.device != query.device or t.dtype != query.dtype:
             raise ValueError(f"{name} must be a {query.dtype} tensor on {query.device} like query, got "
                              f"{_describe(t)}")
@@ -246,7 +247,8 @@ def _batched_layout(query, key, cu_q, cu_k, seqused_k, block_table, max_q, max_k
         # Per packed query row: its sequence and position, to gather and scatter.
         t = torch.arange(T_q, dtype=torch.int32, device=device)
         seq = (torch.searchsorted(cu_q, t, right=True, out_int32=True) - 1).clamp_(0, cu_q.shape[0] - 2)
-        where = (seq, t - cu_q[seq.long()], t < cu_q[-1])
+        inside = t < cu_q[-1]
+        where = (seq, torch.where(inside, t - cu_q[seq.long()], 0), inside)
     _run_checks(checks, device)
     block_mask = BlockMask.from_kv_blocks(fields["kv_num_blocks"], fields["kv_indices"], BLOCK_SIZE=(BQ, BK),
                                           seq_lengths=(max_q, KV_LEN), compute_q_blocks=False)
@@ -427,7 +429,8 @@ def _batched(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window,
     else:
         k4, v4 = (t.permute(1, 0, 2).unsqueeze(0) for t in (key, value))
     out, lse, _ = call.attend(q4, k4, v4, score, _with_mask(layout.block_mask, mask), scale, enable_gqa, None,
-                              False, max_q < dec.Q_THRESHOLD, mask_override=_mask_override(mask, query.device),
+                              False, max_q < dec.Q_THRESHOLD and query.dtype in dec.SUPPORTED_DTYPES,
+                              mask_override=_mask_override(mask, query.device),
                               want_lse=want_lse)
     s, p = seq.long(), pos.long()
     out = torch.where(inside[:, None, None], out.permute(0, 2, 1, 3)[s, p], 0).to(query.dtype)

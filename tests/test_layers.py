@@ -24,7 +24,7 @@ LAYERS = [
     (4, "call path", ["flexattn.scalars", "flexattn.modcache", "flexattn.capture", "flexattn.reference",
                       "flexattn.masks", "flexattn.scores", "flexattn.block_mask", "flexattn.block_mask.*",
                       "flexattn.viz", "flexattn.ops", "flexattn.call", "flexattn.auxiliary",
-                      "flexattn.attention", "flexattn.decode", "flexattn.paged"]),
+                      "flexattn.attention", "flexattn.decode", "flexattn.paged", "flexattn.varlen"]),
     (5, "package", ["flexattn", "flexattn.distributed", "flexattn.distributed.*", "flexattn.integrations",
                     "flexattn.integrations.*", "flexattn.cli", "flexattn.demo"]),
 ]
