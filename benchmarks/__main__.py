@@ -25,20 +25,20 @@ import torch
 if __package__ in (None, ""):  # run as `python benchmarks/__main__.py`: import the package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import bench_attention, bench_block_mask, bench_decode, bench_fp8, bench_host, report, results
+from benchmarks import bench_attention, bench_block_mask, bench_decode, bench_fp8, bench_host, bench_varlen, report, results
 
 SUITES = {"attention": bench_attention, "decode": bench_decode, "fp8": bench_fp8, "host": bench_host,
-          "block_mask": bench_block_mask}
+          "block_mask": bench_block_mask, "varlen": bench_varlen}
 # Suite arguments of each preset on a GPU (on the CPU every suite takes its tiny defaults).
 PRESETS = {
     "quick": {"attention": ["--shape", "1x16x2048x128"], "decode": ["--shapes", "gqa B8 32k,mha B16 8k"],
               "fp8": ["--shape", "1x16x2048x128"], "host": ["--calls", "100"],
-              "block_mask": ["--sizes", "32k", "--no-compile"]},
+              "block_mask": ["--sizes", "32k", "--no-compile"], "varlen": ["--max-len", "2048"]},
     "issue": {"attention": ["--shape", "4x16x8192x128", "--rounds", "3"], "decode": [], "fp8": [], "host": [],
-              "block_mask": ["--sizes", "32k,128k,1M"]},
+              "block_mask": ["--sizes", "32k,128k,1M"], "varlen": ["--rounds", "3"]},
     "full": {"attention": ["--shape", "4x16x8192x128", "--shape", "4x32x8192x64", "--shape", "2x8x4096x256",
                            "--shape", "4x16x2048x128", "--rounds", "3"],
-             "decode": [], "fp8": [], "host": [], "block_mask": ["--sizes", "32k,128k,1M"]},
+             "decode": [], "fp8": [], "host": [], "block_mask": ["--sizes", "32k,128k,1M"], "varlen": ["--rounds", "3"]},
     "none": {},
 }
 

@@ -196,8 +196,22 @@ def context_parallel_table(record: dict) -> list[str]:
     return lines
 
 
+def varlen_table(record: dict) -> list[str]:
+    c = record.get("config", {})
+    lines = section(f"Packed sequences: {c.get('seqs')} of {c.get('lengths')} tokens, H={c.get('H')} D={c.get('D')}, "
+                    f"{c.get('dtype', '')}, causal", ["impl", "fwd TF/s", "bwd TF/s", "flexattn varlen fwd / bwd vs it"])
+    rows = {row["impl"]: row for row in record["rows"]}
+    ours = rows.get("flexattn")
+    for impl, row in rows.items():
+        ok = "error" not in row
+        lines.append(f"| {impl} | {fmt(row.get('fwd_tflops') if ok else None)} | "
+                     f"{fmt(row.get('bwd_tflops') if ok else None)} | {fmt(ratio(row, ours, 'fwd_ms'), '.2f', 'x')} / "
+                     f"{fmt(ratio(row, ours, 'bwd_ms'), '.2f', 'x')} |")
+    return lines
+
+
 TABLES = {"attention": training_table, "decode": decode_table, "fp8": fp8_table, "host": host_table,
-          "block_mask": block_mask_table, "context_parallel": context_parallel_table}
+          "block_mask": block_mask_table, "context_parallel": context_parallel_table, "varlen": varlen_table}
 # suites with one results file per number of GPUs: their records on one GPU model make one table
 BY_GPU_COUNT = ("context_parallel",)
 

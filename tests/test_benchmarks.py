@@ -183,3 +183,15 @@ def test_attention_suite_on_the_cpu_writes_its_results(tmp_path, capsys):
     (row,) = record["rows"]
     assert row["case"] == "causal" and row["impl"] == "flexattn" and row["fwd_ms"] > 0 and row["bwd_ms"] > 0
     assert "causal" in capsys.readouterr().out
+
+
+def test_varlen_suite_on_the_cpu_writes_its_results(tmp_path, capsys):
+    assert cli.main(["varlen", "--device", "cpu", "--results", str(tmp_path)]) == 0
+    (record,) = results.load(tmp_path)
+    assert record["suite"] == "varlen" and record["config"]["seqs"] == 3
+    rows = {row["impl"]: row for row in record["rows"]}
+    assert set(rows) == {"flexattn", "documents"}
+    assert rows["flexattn"]["fwd_ms"] > 0 and rows["flexattn"]["bwd_ms"] > 0
+    # (the document-mask emulation computes the same attention)
+    assert rows["documents"]["max_diff"] < 1e-5 and rows["documents"]["grad_diff"] < 1e-5
+    assert "flexattn document mask" in capsys.readouterr().out
