@@ -250,8 +250,8 @@ def _batched_layout(query, key, cu_q, cu_k, seqused_k, block_table, max_q, max_k
         inside = t < cu_q[-1]
         where = (seq, torch.where(inside, t - cu_q[seq.long()], 0), inside)
     _run_checks(checks, device)
-    block_mask = BlockMask.from_kv_blocks(fields["kv_num_blocks"], fields["kv_indices"], BLOCK_SIZE=(BQ, BK),
-                                          seq_lengths=(max_q, KV_LEN), compute_q_blocks=False)
+    block_mask = BlockMask((max_q, KV_LEN), fields["kv_num_blocks"], fields["kv_indices"], None, None, None, None,
+                           None, None, BLOCK_SIZE=(BQ, BK), validate=False)
     return _Layout((cu_q, cu_k, seqused_k, block_table), block_mask, (bounds[0], bounds[1]), extra + where)
 
 
