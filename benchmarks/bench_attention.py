@@ -265,19 +265,25 @@ def run(args) -> tuple[dict, list[dict]]:
     return config, rows
 
 
+#: The columns `measured` fills.
+MEASURED = f"{'fwd ms':>9} {'fwd TF/s':>9} {'bwd ms':>9} {'bwd TF/s':>9} {'max|diff|':>10} {'grad diff':>10}"
+
+
+def measured(r: dict) -> str:
+    """A result row's timings and differences (or its error), under `MEASURED`."""
+    if "error" in r:
+        return f" n/a  {r['error']}"
+    bwd = (f"{r['bwd_ms']:>9.3f} {r['bwd_tflops']:>9.1f}" if r["bwd_ms"] is not None else f"{'-':>9} {'-':>9}")
+    gerr = f"{r['grad_diff']:>10.2e}" if r["grad_diff"] is not None else f"{'-':>10}"
+    return f"{r['fwd_ms']:>9.3f} {r['fwd_tflops']:>9.1f} {bwd} {r['max_diff']:>10.2e} {gerr}"
+
+
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'shape':<16} {'case':<22} {'impl':<20} {'tiles':>6} {'fwd ms':>9} {'fwd TF/s':>9} {'bwd ms':>9} "
-            f"{'bwd TF/s':>9} {'max|diff|':>10} {'grad diff':>10}")
+    head = f"{'shape':<16} {'case':<22} {'impl':<20} {'tiles':>6} {MEASURED}"
     print(head)
     print("-" * len(head))
     for r in rows:
-        lead = f"{r['shape']:<16} {r['case']:<22} {IMPLS[r['impl']]:<20} {r['tiles']:>6.3f}"
-        if "error" in r:
-            print(f"{lead}  n/a  {r['error']}")
-            continue
-        bwd = (f"{r['bwd_ms']:>9.3f} {r['bwd_tflops']:>9.1f}" if r["bwd_ms"] is not None else f"{'-':>9} {'-':>9}")
-        gerr = f"{r['grad_diff']:>10.2e}" if r["grad_diff"] is not None else f"{'-':>10}"
-        print(f"{lead} {r['fwd_ms']:>9.3f} {r['fwd_tflops']:>9.1f} {bwd} {r['max_diff']:>10.2e} {gerr}")
+        print(f"{r['shape']:<16} {r['case']:<22} {IMPLS[r['impl']]:<20} {r['tiles']:>6.3f} {measured(r)}")
 
 
 def main(argv=None) -> int:

@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as `python benchmarks/bench_varlen.py`: imp
 
 import flexattn
 from benchmarks import results
-from benchmarks.bench_attention import measure_case
+from benchmarks.bench_attention import MEASURED, measure_case, measured
 
 SUITE = "varlen"
 IMPLS = {"flexattn": "flexattn varlen", "torch": "torch varlen_attn", "documents": "flexattn document mask"}
@@ -108,18 +108,11 @@ def run(args) -> tuple[dict, list[dict]]:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'case':<18} {'impl':<24} {'fwd ms':>9} {'fwd TF/s':>9} {'bwd ms':>9} {'bwd TF/s':>9} "
-            f"{'max|diff|':>10} {'grad diff':>10}")
+    head = f"{'case':<18} {'impl':<24} {MEASURED}"
     print(head)
     print("-" * len(head))
     for r in rows:
-        lead = f"{r['case']:<18} {IMPLS[r['impl']]:<24}"
-        if "error" in r:
-            print(f"{lead}  n/a  {r['error']}")
-            continue
-        bwd = (f"{r['bwd_ms']:>9.3f} {r['bwd_tflops']:>9.1f}" if r["bwd_ms"] is not None else f"{'-':>9} {'-':>9}")
-        gerr = f"{r['grad_diff']:>10.2e}" if r["grad_diff"] is not None else f"{'-':>10}"
-        print(f"{lead} {r['fwd_ms']:>9.3f} {r['fwd_tflops']:>9.1f} {bwd} {r['max_diff']:>10.2e} {gerr}")
+        print(f"{r['case']:<18} {IMPLS[r['impl']]:<24} {measured(r)}")
 
 
 def main(argv=None) -> int:
