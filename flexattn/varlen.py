@@ -350,7 +350,8 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      cu_seq_k: torch.Tensor | None, max_q: int, max_k: int, *, return_aux=None,
                      scale: float | None = None, window_size: tuple[int, int] = (-1, -1), enable_gqa: bool = False,
                      seqused_k: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                     score_mod: Callable | None = None, mask_mod: Callable | None = None):
+                     score_mod: Callable | None = None, mask_mod: Callable | None = None,
+                     sinks: torch.Tensor | None = None):
     """Attention over packed variable-length sequences (torch 2.13's ``varlen_attn``), with mods.
 
     ``query`` is (T_q, H_q, D), ``key`` / ``value`` (T_k, H_kv, D) / (T_k, H_kv, Dv): sequence
@@ -366,9 +367,10 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
     ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx)`` see ``b`` as
     the sequence's index and ``q_idx`` / ``kv_idx`` as positions inside it; captured tensors and
-    their gradients as in `flexattn.flex_attention`. Returns ``out`` (T_q, H_q, Dv); with
-    ``return_aux`` asking for ``lse`` (torch's or flexattn's ``AuxRequest``) ``(out, lse)``, lse
-    (T_q, H_q) float32 natural log. A row that sees no key gives output 0 and LSE -inf.
+    their gradients as in `flexattn.flex_attention`. ``sinks`` [H_q]: attention sinks, as in
+    `flexattn.flex_attention`. Returns ``out`` (T_q, H_q, Dv); with ``return_aux`` asking for
+    ``lse`` (torch's or flexattn's ``AuxRequest``) ``(out, lse)``, lse (T_q, H_q) float32 natural
+    log. A row that sees no key gives output 0 and LSE -inf (``sinks[h]`` with sinks).
 
     >>> cu = torch.tensor([0, 3, 10], dtype=torch.int32)
     >>> q, k, v = (torch.randn(10, 2, 16) for _ in range(3))
@@ -382,7 +384,8 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                         f"{type(return_aux).__name__}")
     want_lse = return_aux is not None and bool(return_aux.lse)
     paged = block_table is not None
-    need_grad = _needs_grad(query, key, value, score_mod)
+    need_grad = _needs_grad(query, key, value, score_mod) or (
+        sinks is not None and sinks.requires_grad and torch.is_grad_enabled())
     if paged and need_grad:
         raise ValueError("block_table (paged key/value) is inference-only: no gradients (call it under "
                          "torch.no_grad(), or pass packed key/value with cu_seq_k for training)")
@@ -390,10 +393,12 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if T_q == 0 or cu_seq_q.shape[0] == 1 or max_q == 0 or (not paged and key.shape[0] == 0):
         out = query.new_zeros(T_q, Hq, Dv)
         lse = torch.full((T_q, Hq), float("-inf"), dtype=torch.float32, device=query.device)
+        if sinks is not None:  # (a row that sees no key: its LSE is the sink's)
+            lse = torch.maximum(lse, sinks.to(lse.dtype))
         return (out, lse) if want_lse else out
     if paged or (not need_grad and max_q < dec.Q_THRESHOLD):
         return _batched(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window, enable_gqa,
-                        seqused_k, block_table, score_mod, mask_mod, want_lse)
+                        seqused_k, block_table, score_mod, mask_mod, want_lse, sinks)
     full_blocks = mask_mod is None
     layout = _layout(lambda: _packed_layout(query, key, cu_seq_q, cu_seq_k, seqused_k, max_q, max_k, window,
                                             full_blocks),
@@ -403,13 +408,13 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     score, mask = _packed_mods(score_mod, mask_mod, layout.rows)
     q4, k4, v4 = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))
     out, lse, _ = call.attend(q4, k4, v4, score, _with_mask(layout.block_mask, mask), scale, enable_gqa, None,
-                              False, False, mask_override=_mask_override(mask, query.device))
+                              False, False, mask_override=_mask_override(mask, query.device), sinks=sinks)
     out = out[0].permute(1, 0, 2)
     return (out, lse[0].t()) if want_lse else out
 
 
 def _batched(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window, enable_gqa, seqused_k,
-             block_table, score_mod, mask_mod, want_lse):
+             block_table, score_mod, mask_mod, want_lse, sinks):
     """The batched layout: each sequence's queries gathered into ``max_q`` rows; the decoding
     kernel for short queries, the forward kernel for long ones over paged K/V."""
     paged = block_table is not None
@@ -431,7 +436,7 @@ def _batched(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window,
     out, lse, _ = call.attend(q4, k4, v4, score, _with_mask(layout.block_mask, mask), scale, enable_gqa, None,
                               False, max_q < dec.Q_THRESHOLD and query.dtype in dec.SUPPORTED_DTYPES,
                               mask_override=_mask_override(mask, query.device),
-                              want_lse=want_lse)
+                              want_lse=want_lse, sinks=sinks)
     s, p = seq.long(), pos.long()
     out = torch.where(inside[:, None, None], out.permute(0, 2, 1, 3)[s, p], 0).to(query.dtype)
     if not want_lse:

@@ -70,6 +70,12 @@ def reference(q, k, v, cu_q, cu_k, window=(-1, -1), score_mod=None, mask_mod=Non
     return torch.cat(outs), torch.cat(lses)
 
 
+def with_sinks(out, lse, sinks):
+    """The reference with attention sinks: exp(sinks[h]) joins each row's denominator."""
+    lse_s = torch.logaddexp(lse, sinks.to(F64))
+    return out * torch.exp(lse - lse_s)[..., None], lse_s
+
+
 def assert_lse(lse, ref):
     assert torch.equal(lse.isinf(), ref.isinf())
     torch.testing.assert_close(lse.to(F64).nan_to_num(neginf=0), ref.detach().nan_to_num(neginf=0),
@@ -97,6 +103,39 @@ def mods(which, bias):
         if which in ("both", "score") else None
     mask = (lambda b, h, q_idx, kv_idx: (q_idx + 2 * kv_idx + b) % 3 != 0) if which in ("both", "mask") else None
     return score, mask
+
+
+@pytest.mark.parametrize("case", ["two q!=k window gqa", "seven causal mods"])
+def test_sinks_forward_and_backward_match_float64(case):
+    lq, lk, Hq, Hkv, window, which = CASES[case]
+    cu_q = offsets(lq)
+    cu_k = cu_q if lk is None else offsets(lk)
+    q, k, v = (t.requires_grad_() for t in packed_inputs(lq, lk or lq, Hq, Hkv, Dv=8, seed=5))
+    bias = BIAS[:, :Hq].clone().requires_grad_()
+    sinks = torch.linspace(-1.0, 2.0, Hq, dtype=F64).requires_grad_()
+    score_mod, mask_mod = mods(which, bias)
+    out, lse = varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk or lq), window_size=window, return_aux=LSE,
+                                enable_gqa=Hq != Hkv, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
+    ref, ref_lse = with_sinks(*reference(q, k, v, cu_q, cu_k, window, score_mod, mask_mod), sinks)
+    torch.testing.assert_close(out, ref, atol=1e-9, rtol=1e-9)
+    assert_lse(lse, ref_lse)
+    g = torch.randn_like(out)
+    inputs = (q, k, v, sinks) + ((bias,) if score_mod is not None else ())
+    for name, got, want in zip("q k v sinks bias".split(), torch.autograd.grad(out, inputs, g),
+                               torch.autograd.grad(ref, inputs, g)):
+        torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-9, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+def test_sinks_in_the_decoding_path():
+    lq, lk = [1, 3, 0, 2, 1], [40, 1, 5, 0, 19]
+    cu_q, cu_k = offsets(lq), offsets(lk)
+    q, k, v = packed_inputs(lq, lk, Hq=4, Hkv=2, dtype=torch.float32)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    out, lse = varlen_attention(q, k, v, cu_q, cu_k, 3, 40, window_size=(-1, 0), return_aux=LSE, enable_gqa=True,
+                                sinks=sinks)
+    ref, ref_lse = with_sinks(*reference(q, k, v, cu_q, cu_k, (-1, 0)), sinks)
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=0)
 
 
 @pytest.mark.parametrize("case", list(CASES))
