@@ -270,7 +270,7 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     A call is keyed by its *call key* (the score mod's fingerprint, the tensors' metas, the
     mask's key and tables' layout, the options); a known key gives the plan at once (`_Known`),
     an unknown one is resolved, validated and planned by `_plan_call`."""
-    options = opts.check(kernel_options)
+    options = opts.with_deterministic(opts.check(kernel_options))
     if torch.compiler.is_compiling():
         if descale is not None or getattr(query, "dtype", None) == torch.float8_e4m3fn:
             raise NotImplementedError("float8 flex_attention runs eagerly only; call it outside torch.compile "

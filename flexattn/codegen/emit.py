@@ -67,9 +67,10 @@ def _prelude_sections() -> dict[str, str]:
     return {name: "\n" + body.strip("\n") + "\n" for name, body in zip(parts[1::2], parts[2::2])}
 
 
-def prelude(target: str, fast_math: bool = False) -> str:
+def prelude(target: str, fast_math: bool = False, exact_sums: bool = False) -> str:
     """Imports and helper functions every module with mods needs (emit once per module).
-    ``fast_math`` (CUDA only): float32 tanh is the hardware's approximation (16-bit inputs)."""
+    ``fast_math`` (CUDA only): float32 tanh is the hardware's approximation (16-bit inputs).
+    ``exact_sums``: also `_fa_atomic_add_exact` (`emit_score_grad`'s ``exact`` scatters)."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     head = "import triton\nimport triton.language as tl\n"
@@ -80,7 +81,8 @@ def prelude(target: str, fast_math: bool = False) -> str:
         head += "from triton.experimental.gluon import language as gl\n"
     sections = _prelude_sections()
     tanh = sections["tanh_f32_fast" if fast_math and gpu else "tanh_f32_precise"]
-    return head + sections["common"] + sections["cuda" if gpu else "interpret"] + tanh
+    exact = sections["exact_sum"] if exact_sums else ""
+    return head + sections["common"] + sections["cuda" if gpu else "interpret"] + tanh + exact
 
 
 # ---------------------------------------------------------------------------------------------
@@ -584,7 +586,7 @@ def _emit_address(buf: ir.Buffer, idx: list[str], lines: list[str], fresh, base:
 
 
 def emit_score_grad(d_score: Node, scatters=(), name: str = "score_mod_grad", target: str = "cuda",
-                    q_axis: int = 0) -> ModSource:
+                    q_axis: int = 0, exact: bool = False) -> ModSource:
     """Emit the backward twin of a score mod from its symbolic derivative (`flexattn.autodiff`):
 
         def score_mod_grad(score, b, h, q_idx, kv_idx, grad, valid, <buffers>, <grad buffers>)
@@ -597,7 +599,9 @@ def emit_score_grad(d_score: Node, scatters=(), name: str = "score_mod_grad", ta
     wrapping and bounds mask (out-of-range reads read 0 and send nothing back). Where the address
     does not vary along a tile axis (``slope[h]``, ``bias[q_idx]``), the tile is summed along that
     axis first: one atomic per distinct address, not one per lane. ``q_axis`` is the tile axis
-    q_idx varies along (0 for [BLOCK_M, BLOCK_N] tiles, 1 for the transposed ones).
+    q_idx varies along (0 for [BLOCK_M, BLOCK_N] tiles, 1 for the transposed ones). ``exact``: the
+    adds are the prelude's ``_fa_atomic_add_exact`` into ``G{i}``'s exact sums (int64 [*shape, 3],
+    `prelude(exact_sums=True)`), whose result no order of the adds changes.
     """
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
@@ -621,7 +625,9 @@ def emit_score_grad(d_score: Node, scatters=(), name: str = "score_mod_grad", ta
         scaled = "grad" if d_load.op == "const" and d_load.arg == 1.0 else f"grad * {dv}"
         lines.append(f"{val} = tl.where(valid, {scaled}, 0.0)")
         if buf.ndim == 0:
-            lines.append(f"tl.atomic_add({g}, {_sum_all(val)}.to({g}.dtype.element_ty))")
+            total = _sum_all(val)
+            lines.append(f"_fa_atomic_add_exact({g}, {total}, True)" if exact
+                         else f"tl.atomic_add({g}, {total}.to({g}.dtype.element_ty))")
             continue
         idx = [as_name(s) if s.op != "const" else expr[id(s)] for s in load.src]
         ptr, mask = _emit_address(buf, idx, lines, fresh, base=g, non_negative=[_non_negative(s) for s in load.src])
@@ -634,7 +640,8 @@ def emit_score_grad(d_score: Node, scatters=(), name: str = "score_mod_grad", ta
         else:
             total = val
             mask = f"{mask} & valid"
-        lines.append(f"tl.atomic_add({ptr}, {total}.to({g}.dtype.element_ty), mask={mask})")
+        lines.append(f"_fa_atomic_add_exact({ptr}, {total}, {mask})" if exact
+                     else f"tl.atomic_add({ptr}, {total}.to({g}.dtype.element_ty), mask={mask})")
 
     ds = expr[id(d_score)]
     result = "grad" if d_score.op == "const" and d_score.arg == 1.0 else f"grad * {ds}"
@@ -659,10 +666,12 @@ def _sum_all(tile: str) -> str:
     return f"tl.reduce(tl.reduce({tile}, 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)"
 
 
-def grad_launch_args(buffers, grads) -> list:
-    """Host values for the ``G{i}, G{i}_s{d}...`` parameters: ``grads`` maps buffer index -> tensor."""
+def grad_launch_args(grads, exact: bool = False) -> list:
+    """Host values for the ``G{i}, G{i}_s{d}...`` parameters: ``grads`` maps buffer index -> tensor
+    (``exact``: its exact sums, [*shape, 3], whose element strides are the leading ones)."""
     out = []
     for i in sorted(grads):
+        strides = grads[i].stride()
         out.append(grads[i])
-        out += list(grads[i].stride())
+        out += list(strides[:-1] if exact else strides)
     return out

@@ -8,6 +8,11 @@ float32/float64 buffers). d(score_mod)/d(score) comes from the IR (`flexattn.aut
 batch 1 broadcast over the query's batch get per-batch gradients summed on the host; fully
 masked rows (LSE = -inf) contribute exactly zero. Attention sinks change nothing in the kernels
 (the LSE includes them); their gradient comes from Delta and the LSE (`sink_grad`).
+
+Deterministic mode (kernel option ``DETERMINISTIC``) takes these kernels, never the Hopper one:
+each dQ, dK and dV element is written by one program, which sums in a fixed order, and the
+captured-tensor gradients are exact fixed-point sums (`exact_sum_value`), so the gradients are
+bitwise the same from run to run.
 """
 
 from __future__ import annotations
@@ -33,18 +38,22 @@ def score_mod_grad(score_mod: Mod) -> autodiff.ScoreModGrad:
     return autodiff.differentiate(score_mod.ir)
 
 
-def module(score: Mod, mask: Mod, grad_buffers: tuple[int, ...], target: str, fast_math: bool = False):
+def module(score: Mod, mask: Mod, grad_buffers: tuple[int, ...], target: str, fast_math: bool = False,
+           exact: bool = False):
+    """The backward's kernels with the mods inlined; ``exact``: the captured tensors' gradients go
+    into exact sums (``grad_buffers`` not empty: deterministic mode)."""
     def hooks():
         d = score_mod_grad(score)
         scatters = [(g.load, g.grad) for g in d.loads if g.buffer.index in grad_buffers]
         score_src = emit.emit_mod(score.ir, score.kind, "score_mod", target)
         mask_src = emit.emit_mod(mask.ir, mask.kind, "mask_mod", target)
-        grad_src = emit.emit_score_grad(d.score, scatters, "score_mod_grad", target, q_axis=0)
+        grad_src = emit.emit_score_grad(d.score, scatters, "score_mod_grad", target, q_axis=0, exact=exact)
         dscore_src = emit.emit_score_grad(d.score, (), "score_mod_dscore", target, q_axis=1)
         grads = {g.buffer.index: g.buffer for g in d.loads if g.buffer.index in grad_buffers}
         grad_params = "".join(f"score_G{i}, " + "".join(f"score_G{i}_s{k}, " for k in range(grads[i].ndim))
                               for i in sorted(grads))
         return {
+            "prelude": emit.prelude(target, fast_math, exact_sums=exact),
             "score_mod_def": score_src.source, "mask_mod_def": mask_src.source,
             "score_grad_def": grad_src.source, "score_dscore_def": dscore_src.source,
             "score_mod_params": score_src.param_list("score_"), "mask_mod_params": mask_src.param_list("mask_"),
@@ -53,7 +62,7 @@ def module(score: Mod, mask: Mod, grad_buffers: tuple[int, ...], target: str, fa
         }
 
     return launch.kernel_module(
-        "backward", (score.key(), mask.key(), grad_buffers), target, hooks,
+        "backward", (score.key(), mask.key(), grad_buffers, exact), target, hooks,
         lambda: {f"score_mod {score.name}": score.source, f"mask_mod {mask.name}": mask.source}, fast_math)
 
 
@@ -86,6 +95,7 @@ class Plan:
     dkdv: launch.Launch
     dq: launch.Launch
     grad_buffers: tuple[int, ...]   # captured tensors (by index) that get gradients
+    exact_grads: bool               # their gradients are exact sums (deterministic mode)
     acc: torch.dtype
     dq_order: tuple[int, ...] | None  # dQ's layout: the query's (`layout.contiguous_or_order`)
     dk_dtype: torch.dtype
@@ -151,9 +161,11 @@ def make_plan(query, key, value, out, grad_out, score: Mod, mask: Mod, tables: T
                HAS_FULL_BLOCKS=has_full_kv, IS_DIVISIBLE=divisible2, BLOCKS_ARE_CONTIGUOUS=contiguous_kv))
     strides = (*query.stride(), *layout.broadcast_strides(key, not kv_batched),
                *layout.broadcast_strides(value, not kv_batched))
-    mod = module(score, mask, grad_buffers, target, opts.fast_math(explicit, device, dtype))
+    exact = bool(grad_buffers) and o.get("DETERMINISTIC", False)
+    mod = module(score, mask, grad_buffers, target, opts.fast_math(explicit, device, dtype), exact)
     return Plan(_preprocess(mod, query, value, has_grad_lse), launch.Launch(mod.backward_dkdv, *dkdv, device),
-                launch.Launch(mod.backward_dq, *dq, device), grad_buffers, acc, layout.contiguous_or_order(query),
+                launch.Launch(mod.backward_dq, *dq, device), grad_buffers, exact, acc,
+                layout.contiguous_or_order(query),
                 key.dtype if kv_batched else acc, kv_batched, dense_lists, strides, (Hq, Hkv, Q_LEN, KV_LEN))
 
 
@@ -265,12 +277,16 @@ def run(plan: Plan | HopperPlan, query, key, value, out, lse, grad_out, grad_lse
     B, Hq, Q_LEN, E = query.shape
     _, Hkv, KV_LEN, Ev = value.shape
     device = query.device
-    grad_bufs = {i: torch.zeros(score_bufs[i].shape, dtype=plan.acc, device=device) for i in plan.grad_buffers}
+    # (the exact sums: three 64-bit words per element, see exact_sum_value)
+    grad_bufs = {i: torch.zeros((*score_bufs[i].shape, 3) if plan.exact_grads else score_bufs[i].shape,
+                                dtype=torch.int64 if plan.exact_grads else plan.acc, device=device)
+                 for i in plan.grad_buffers}
     dq = launch.empty(query.shape, query.dtype, device, plan.dq_order)
     dk = launch.empty((B, Hkv, KV_LEN, E), plan.dk_dtype, device)
     dv = launch.empty((B, Hkv, KV_LEN, Ev), plan.dk_dtype, device)
     if query.numel() == 0 or key.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_(), grad_bufs, None if sinks is None else torch.zeros_like(sinks)
+        return dq.zero_(), dk.zero_(), dv.zero_(), _grad_values(plan, grad_bufs), \
+            None if sinks is None else torch.zeros_like(sinks)
     if plan.dense is not None:
         q_lists, kv_lists = plan.dense
     else:
@@ -283,10 +299,11 @@ def run(plan: Plan | HopperPlan, query, key, value, out, lse, grad_out, grad_lse
     mod_args = (*launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs))
     plan.dkdv(*dkdv_args(plan, query, key, value, grad_out, lse, delta, dk, dv, q_lists, mod_args, scale))
     plan.dq(*dq_args(plan, query, key, value, grad_out, lse, delta, dq, kv_lists, mod_args, grad_bufs, scale))
-    if not plan.kv_batched:  # K/V broadcast over the batch: their gradient sums over it
+    if not plan.kv_batched:  # K/V broadcast over the batch: their gradient sums over it (torch's
+        # sums are deterministic)
         dk = dk.sum(0, keepdim=True).to(key.dtype)
         dv = dv.sum(0, keepdim=True).to(value.dtype)
-    return dq, dk, dv, grad_bufs, sink_grad(sinks, lse, delta)
+    return dq, dk, dv, _grad_values(plan, grad_bufs), sink_grad(sinks, lse, delta)
 
 
 def sink_grad(sinks: torch.Tensor | None, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
@@ -297,6 +314,27 @@ def sink_grad(sinks: torch.Tensor | None, lse: torch.Tensor, delta: torch.Tensor
         return None
     p = torch.exp(sinks.to(lse.dtype)[None, :, None] - lse)
     return -(p * delta).sum((0, 2)).to(sinks.dtype)
+
+
+def _grad_values(plan: Plan, grad_bufs: dict) -> dict:
+    if not plan.exact_grads:
+        return grad_bufs
+    return {i: exact_sum_value(words, plan.acc) for i, words in grad_bufs.items()}
+
+
+def exact_sum_value(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The value of the exact sums that the prelude's ``_fa_atomic_add_exact`` adds into (int64
+    ``words`` [..., 3]: hi, lo, special; see its note) in ``dtype``: hi + lo * 2^-64 + special,
+    computed in float64. The sums are exact; what this rounds is the same every time.
+
+    >>> w = torch.tensor([[-1, -2**63, 0]])  # -1 + 0.5
+    >>> exact_sum_value(w, torch.float32)
+    tensor([-0.5000])
+    """
+    hi, lo = words[..., 0].to(torch.float64), words[..., 1].to(torch.float64)
+    lo = torch.where(lo < 0, lo + 2.0 ** 64, lo)  # (lo is unsigned)
+    special = words[..., 2].view(torch.float64)
+    return (hi + lo * 2.0 ** -64 + special).to(dtype)
 
 
 def dkdv_args(plan: Plan, query, key, value, grad_out, lse, delta, dk, dv, q_lists: Direction, mod_args: tuple,
@@ -313,7 +351,7 @@ def dq_args(plan: Plan, query, key, value, grad_out, lse, delta, dq, kv_lists: D
     (the mods' captured tensors, then the gradient buffers ``grad_bufs`` it adds into)."""
     hq, _, q_len, kv_len = plan.sizes
     return (query, key, value, grad_out, lse, delta, dq, *kv_lists.args(), *mod_args,
-            *emit.grad_launch_args(None, grad_bufs), *plan.strides, *grad_out.stride(), *lse.stride(),
+            *emit.grad_launch_args(grad_bufs, plan.exact_grads), *plan.strides, *grad_out.stride(), *lse.stride(),
             *dq.stride(), *kv_lists.strides(), hq, q_len, kv_len, scale)
 
 

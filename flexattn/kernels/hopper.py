@@ -188,6 +188,8 @@ def backward_reason(query, key, value, grad_out, tables, options: dict, buffer_g
         return f"the lengths are below one {BWD_BLOCK_M}x{BWD_BLOCK_N} tile"
     if buffer_grads:
         return "the score_mod's captured tensors need gradients (the Triton backward's dQ pass adds them)"
+    if options.get("DETERMINISTIC", False):
+        return "deterministic mode: its dQ is a sum of reduce-adds in no fixed order"
     return (_tma_reason(query=query, key=key, value=value, grad_out=grad_out)
             or _tiles_reason(tables, BWD_BLOCK_M, BWD_BLOCK_N)
             or _knobs_reason(options, _TRITON_BWD_KNOBS, "Triton backward"))

@@ -54,6 +54,10 @@ OPTIONS: dict[str, tuple[str, str, str]] = {
     "BLOCK_N2": ("backward", "tile", "dQ pass: KV columns per step"),
     "bwd_num_warps": ("backward", "warps", "backward: warps per program"),
     "bwd_num_stages": ("backward", "stages", "backward: software-pipelining stages"),
+    "DETERMINISTIC": ("backward", "bool", "bitwise-reproducible gradients: the Triton backward, whose dQ, dK and "
+                                          "dV take no atomics, with captured-tensor gradients summed exactly, and "
+                                          "no timed tile choice (default: torch.are_deterministic_algorithms_"
+                                          "enabled() when the forward is called; an explicit value wins)"),
     # decoding (split-KV) kernel, used for short queries without gradients
     "SPLIT_KV": ("decode", "int", "programs per row tile along KV (default: from the SM count)"),
     "PROGRAMS_PER_SM": ("decode", "number", "SPLIT_KV target: about this many programs per SM (SPLIT_KV is "
@@ -150,6 +154,20 @@ def check(kernel_options: dict | None) -> dict[str, Any]:
     if memo_key is not None:
         _CHECKED[memo_key] = out
     return out
+
+
+def with_deterministic(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with DETERMINISTIC set where torch asks for deterministic algorithms
+    (`torch.use_deterministic_algorithms`) and the caller did not choose: read per call, so that
+    switching torch's flag between calls picks the other plan. An explicit value, False
+    included, is the caller's choice, as for every kernel option.
+
+    >>> with_deterministic({"DETERMINISTIC": False})
+    {'DETERMINISTIC': False}
+    """
+    if "DETERMINISTIC" in options or not torch.are_deterministic_algorithms_enabled():
+        return options
+    return {**options, "DETERMINISTIC": True}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ winner without timing anything.
 
 Tuning is on by default on CUDA and off on the CPU (Triton's interpreter). It is skipped when
 ``kernel_options`` sets any of the tuned knobs (the caller's choice wins), when
-``kernel_options={"AUTOTUNE": False}`` or ``FLEXATTN_AUTOTUNE=0``, and while a CUDA graph is being
-captured (defaults then, nothing stored). While it runs, one line on stderr says what is tuned
+``kernel_options={"AUTOTUNE": False}`` or ``FLEXATTN_AUTOTUNE=0``, in deterministic mode
+(``DETERMINISTIC``), and while a CUDA graph is being captured (defaults then, nothing stored). While it runs, one line on stderr says what is tuned
 and how far it is.
 """
 
@@ -43,8 +43,10 @@ _WINNERS: dict[str, dict[str, Any]] | None = None  # the disk file's content, re
 
 
 def enabled(options: dict, device: torch.device, knobs: Iterable[str]) -> bool:
-    """Whether to tune: the caller did not pick any of ``knobs`` nor switch tuning off."""
-    if any(k in options for k in knobs):
+    """Whether to tune: the caller did not pick any of ``knobs`` nor switch tuning off, and did
+    not ask for deterministic results (a timed choice may differ between processes, and with it
+    the order of every sum: the defaults then, like torch's ``cudnn.benchmark = False``)."""
+    if any(k in options for k in knobs) or options.get("DETERMINISTIC", False):
         return False
     wanted = options.get("AUTOTUNE")
     if wanted is None:

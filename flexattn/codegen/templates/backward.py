@@ -29,7 +29,8 @@
 #   KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX   [Bm, Hm, nQ(, nKV)] as in the forward (dQ)
 #   Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX       [Bm, Hm, nKV(, nQ)] the transposed lists:
 #                   the query blocks that see each KV block (dK/dV); Bm, Hm broadcast by stride 0
-#   G{i}            float32/64 gradient buffer of captured tensor i (zeroed by the host; atomics)
+#   G{i}            float32/64 gradient buffer of captured tensor i (zeroed by the host; atomics), or
+#                   in deterministic mode its exact sums (int64 [*shape, 3]: _fa_atomic_add_exact)
 #   SM_SCALE        runtime float
 #
 # constexprs:

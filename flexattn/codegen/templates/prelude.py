@@ -11,6 +11,8 @@
 #   tanh_f32_fast     float32 tanh as PTX tanh.approx.f32 (`fast_math`, GPU only): one MUFU
 #                     instruction instead of libdevice's polynomial (about twice the soft-capping
 #                     throughput); absolute error about 2**-11, below bfloat16/float16 score rounding
+#   exact_sum         `_fa_atomic_add_exact`: order-independent sums (`exact_sums`: the deterministic
+#                     backward's captured-tensor gradients)
 #
 # Every section is emitted as it stands here, framed by one blank line before and none after.
 
@@ -240,3 +242,40 @@ def _fa_tanh_f32(x):
 def _fa_tanh_f32(x):
     return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
                                      pack=1)
+
+# == section exact_sum
+@triton.jit
+def _fa_atomic_add_exact(G, x, mask):
+    # Add x (float32 or float64) where mask into the exact sums at G: three 64-bit words per sum,
+    # (hi, lo, special), whose final value does not depend on the order of the adds.
+    # [Note] hi + lo * 2^-64 is a 128-bit two's-complement fixed-point number (hi the signed
+    # integer part, lo the unsigned fraction). Integer addition is exact and associative, so
+    # programs may add in any order and the words end the same. |x| is split exactly: floor(|x|),
+    # then the fraction's two 32-bit halves (each converted from a whole float below 2^32, exact on
+    # every backend); bits below 2^-64 are dropped (rounding toward zero, the same every time). A
+    # negative x adds the two's complement. lo is added by an atomic that returns the old word:
+    # the add carried out of 64 bits iff the new word is below the old one (unsigned), and that
+    # carry goes into hi with the integer part. What fixed point cannot hold (|x| >= 2^63, inf,
+    # nan) goes into the special word as float64 +-inf or nan: a float sum no order changes.
+    # The host reads hi + lo * 2^-64 + special (`flexattn.kernels.backward.exact_sum_value`).
+    TWO32: tl.constexpr = 4294967296.0
+    LIMIT: tl.constexpr = 9223372036854775808.0  # 2^63
+    a = tl.abs(x)
+    fits = a < LIMIT  # (False for nan)
+    a = tl.where(fits, a, 0.0)
+    whole = tl.floor(a)
+    frac = (a - whole) * TWO32
+    upper = tl.floor(frac)
+    lower = tl.floor((frac - upper) * TWO32)
+    hi = whole.to(tl.int64)
+    lo = (upper.to(tl.int64) << 32) | lower.to(tl.int64)
+    neg = x < 0
+    hi = tl.where(neg, -hi - (lo != 0).to(tl.int64), hi)
+    lo = tl.where(neg, -lo, lo)
+    add = mask & fits
+    old = tl.atomic_add(G + 1, lo, mask=add).to(tl.uint64, bitcast=True)
+    carry = (old + lo.to(tl.uint64, bitcast=True)) < old
+    hi = hi + carry.to(tl.int64)
+    tl.atomic_add(G, hi, mask=add & (hi != 0))
+    special = tl.where(x > 0, float("inf"), tl.where(x < 0, -float("inf"), x)).to(tl.float64)
+    tl.atomic_add((G + 2).to(tl.pointer_type(tl.float64), bitcast=True), special, mask=mask & ~fits)
