@@ -273,9 +273,10 @@ def _fa_atomic_add_exact(G, x, mask):
     hi = tl.where(neg, -hi - (lo != 0).to(tl.int64), hi)
     lo = tl.where(neg, -lo, lo)
     add = mask & fits
-    old = tl.atomic_add(G + 1, lo, mask=add).to(tl.uint64, bitcast=True)
+    # (relaxed: each add is atomic, and no order between them is needed)
+    old = tl.atomic_add(G + 1, lo, mask=add, sem="relaxed").to(tl.uint64, bitcast=True)
     carry = (old + lo.to(tl.uint64, bitcast=True)) < old
     hi = hi + carry.to(tl.int64)
-    tl.atomic_add(G, hi, mask=add & (hi != 0))
+    tl.atomic_add(G, hi, mask=add & (hi != 0), sem="relaxed")
     special = tl.where(x > 0, float("inf"), tl.where(x < 0, -float("inf"), x)).to(tl.float64)
-    tl.atomic_add((G + 2).to(tl.pointer_type(tl.float64), bitcast=True), special, mask=mask & ~fits)
+    tl.atomic_add((G + 2).to(tl.pointer_type(tl.float64), bitcast=True), special, mask=mask & ~fits, sem="relaxed")
