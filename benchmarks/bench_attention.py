@@ -39,7 +39,8 @@ from benchmarks import results
 from benchmarks.timing import timer
 
 SUITE = "attention"
-IMPLS = {"flexattn": "flexattn", "torch": "torch.compile(flex)", "sdpa": "SDPA (cuDNN/flash)"}
+IMPLS = {"flexattn": "flexattn", "flexattn deterministic": "flexattn determ.", "torch": "torch.compile(flex)",
+         "sdpa": "SDPA (cuDNN/flash)"}
 
 
 def document_ids(S: int, docs: int, device: str) -> torch.Tensor:
@@ -152,14 +153,19 @@ def parser() -> argparse.ArgumentParser:
 
 
 def competitors(q, k, v, score_mod, mask_mod, sdpa_causal, S, block, torch_impls,
-                kernel_options=None) -> tuple[dict, float]:
+                kernel_options=None, deterministic: bool = False) -> tuple[dict, float]:
     """(impl -> forward function, fraction of tiles visited) for one case; ``torch_impls`` is None
     (flexattn only) or (compiled flex_attention, torch's create_block_mask); ``kernel_options``
-    go to flexattn's calls."""
+    go to flexattn's calls; ``deterministic``: also flexattn in deterministic mode (what its
+    backward costs)."""
     bm = (flexattn.create_block_mask(mask_mod, 1, 1, S, S, device=q.device, BLOCK_SIZE=block)
           if mask_mod is not None else None)
     impls = {"flexattn": lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
                                                          kernel_options=kernel_options)}
+    if deterministic:
+        impls["flexattn deterministic"] = lambda: flexattn.flex_attention(
+            q, k, v, score_mod=score_mod, block_mask=bm,
+            kernel_options={**(kernel_options or {}), "DETERMINISTIC": True})
     if torch_impls is None:
         return impls, visited_fraction(bm)
     compiled_flex, torch_block_mask = torch_impls
@@ -252,7 +258,7 @@ def run(args) -> tuple[dict, list[dict]]:
         fwd_flops = 4 * B * H * S * S * D
         for case, (score_mod, mask_mod, sdpa_causal) in selected.items():
             impls, tiles = competitors(q, k, v, score_mod, mask_mod, sdpa_causal, S, block, torch_impls,
-                                        args.kernel_options)
+                                        args.kernel_options, deterministic=not args.no_backward)
             for impl, fields in measure_case(impls, q, k, v, d_out, args, warmup, rep).items():
                 row = {"shape": f"{B}x{H}x{S}x{D}", "B": B, "H": H, "S": S, "D": D, "case": case,
                        "impl": impl, "tiles": tiles, **fields}

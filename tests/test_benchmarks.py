@@ -180,9 +180,11 @@ def test_attention_suite_on_the_cpu_writes_its_results(tmp_path, capsys):
                      "--shape", "1x1x40x16", "--cases", "causal"]) == 0
     (record,) = results.load(tmp_path)
     assert record["suite"] == "attention" and record["device"] == "cpu" and record["torch"]
-    (row,) = record["rows"]
+    row, det = record["rows"]  # (the deterministic mode's row beside the default's)
     assert row["case"] == "causal" and row["impl"] == "flexattn" and row["fwd_ms"] > 0 and row["bwd_ms"] > 0
-    assert "causal" in capsys.readouterr().out
+    assert det["impl"] == "flexattn deterministic" and det["bwd_ms"] > 0 and det["grad_diff"] < 1e-5
+    out = capsys.readouterr().out
+    assert "causal" in out and "flexattn determ." in out
 
 
 def test_varlen_suite_on_the_cpu_writes_its_results(tmp_path, capsys):
