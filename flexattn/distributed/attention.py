@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from flexattn import capture
 from flexattn.call import identity_score_mod, resolve_score_mod
+from flexattn.kernels import options as opts
 from flexattn.mods import template
 from flexattn.distributed import checks
 from flexattn.distributed.allgather import AllGather
@@ -194,7 +195,9 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         score_key = score.key()
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    spec_ = spec(score_key, method, bool(enable_gqa), tuple(sorted((kernel_options or {}).items())))
+    # (torch's deterministic flag, read here: every step's backward follows this call's options)
+    options = opts.with_deterministic(opts.check(kernel_options))
+    spec_ = spec(score_key, method, bool(enable_gqa), tuple(sorted(options.items())))
     out, lse = torch.ops.flexattn_distributed.attention(query, key, value, list(score_bufs), spec_,
                                                         block_mask.name, float(scale))
     return (out, lse) if return_lse else out
