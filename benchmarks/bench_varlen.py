@@ -9,7 +9,10 @@ One causal attention over sequences of seeded random lengths packed into (T, H, 
 ways: ``flexattn.varlen_attention`` (block tables from the offsets), torch 2.13's
 ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention's varlen kernels; CUDA only), and
 ``flexattn.flex_attention`` over the packed sequence as one batch-1 sequence with a document-id
-causal mask from ``create_block_mask`` (made once, outside the timing, like varlen's tables).
+causal mask from ``create_block_mask`` (made once, outside the timing, like varlen's tables);
+and flexattn's varlen with attention sinks (``sinks=``, one logit per head that requires grad,
+set to -20 so that outputs still compare with the others': what the sinks cost, the same for
+any value).
 Outputs and gradients are compared to the first competitor's. TFLOP/s counts the causal work
 of each sequence, 4·H·D·L(L+1)/2 for the forward and 2.5x that for the backward.
 """
@@ -30,7 +33,8 @@ from benchmarks import results
 from benchmarks.bench_attention import MEASURED, measure_case, measured
 
 SUITE = "varlen"
-IMPLS = {"flexattn": "flexattn varlen", "torch": "torch varlen_attn", "documents": "flexattn document mask"}
+IMPLS = {"flexattn": "flexattn varlen", "torch": "torch varlen_attn", "documents": "flexattn document mask",
+         "sinks": "flexattn varlen + sinks"}
 
 
 def lengths(n: int, low: int, high: int) -> list[int]:
@@ -75,6 +79,9 @@ def competitors(q, k, v, cu, max_len: int, on_gpu: bool) -> dict:
         return flexattn.flex_attention(q4, k4, v4, block_mask=bm)[0].permute(1, 0, 2)
 
     impls["documents"] = emulation
+    sinks = torch.full((q.shape[1],), -20.0, device=q.device, requires_grad=True)
+    impls["sinks"] = lambda: flexattn.varlen_attention(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0),
+                                                       sinks=sinks)
     return impls
 
 

@@ -192,8 +192,9 @@ def test_varlen_suite_on_the_cpu_writes_its_results(tmp_path, capsys):
     (record,) = results.load(tmp_path)
     assert record["suite"] == "varlen" and record["config"]["seqs"] == 3
     rows = {row["impl"]: row for row in record["rows"]}
-    assert set(rows) == {"flexattn", "documents"}
+    assert set(rows) == {"flexattn", "documents", "sinks"}
     assert rows["flexattn"]["fwd_ms"] > 0 and rows["flexattn"]["bwd_ms"] > 0
     # (the document-mask emulation computes the same attention)
     assert rows["documents"]["max_diff"] < 1e-5 and rows["documents"]["grad_diff"] < 1e-5
+    assert rows["sinks"]["max_diff"] < 1e-5 and rows["sinks"]["bwd_ms"] > 0  # (sinks of -20 weigh e^-20)
     assert "flexattn document mask" in capsys.readouterr().out
