@@ -201,6 +201,9 @@ $flex_attention_forward_params
 
     acc = tl.full([BLOCK_M, V_HEAD_DIM_ROUNDED], 0.0, ACC_DTYPE)
     l_i = tl.full([BLOCK_M], 0.0, ACC_DTYPE)
+    sink = 0.0
+    if HAS_SINKS:  # (loaded before the KV loop: at the epilogue its latency would be exposed)
+        sink = tl.load(SINKS + h).to(ACC_DTYPE) * (1.0 / LN2)
     m_i = tl.full([BLOCK_M], float("-inf"), ACC_DTYPE)
 
     # -- partial blocks, then full blocks, of this query block's row in the block mask
@@ -239,7 +242,6 @@ $flex_attention_forward_params
         row_w = aff_q * (offs_m - REF).to(ACC_DTYPE) * (1.0 / LN2)
     m_lse = m_i
     if HAS_SINKS:  # the sink joins each row's sum, in m_i's units
-        sink = tl.load(SINKS + h).to(ACC_DTYPE) * (1.0 / LN2)
         if SCORE_AFFINE:
             sink = sink - row_w
         m_lse, l_i, alpha = add_sink(m_i, l_i, sink)

@@ -194,6 +194,9 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
         QK_FACTOR = SM_SCALE * aff_s * LOG2E
         KV_FACTOR = aff_k * LOG2E
         KV_BIAS = ((aff_k + aff_q) * my_m.to(gl.float32) + aff_c) * LOG2E
+    sink = 0.0
+    if HAS_SINKS:  # (loaded before the KV loop: at the epilogue its latency would be exposed)
+        sink = gl.load(SINKS + h).to(gl.float32) * LOG2E
     q_idx = gl.expand_dims(my_m + gl.arange(0, ROWS, layout=row_s), 1)
     q = q_smem.reshape([BLOCK_M, QK_HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
     m_i = gl.full([ROWS], -float("inf"), gl.float32, layout=row_s)
@@ -258,7 +261,6 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
         row_w = aff_q * (rows - my_m).to(gl.float32) * LOG2E
     m_lse = m_i
     if HAS_SINKS:  # the sink joins each row's sum, in m_i's units
-        sink = gl.load(SINKS + h).to(gl.float32) * LOG2E
         if SCORE_AFFINE:
             sink = sink - row_w
         m_lse, l_i, alpha = add_sink(m_i, l_i, sink)
