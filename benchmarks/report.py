@@ -20,6 +20,9 @@ from benchmarks import results
 ROOT = Path(__file__).resolve().parent.parent
 COMMAND = "python -m benchmarks && python -m benchmarks report"
 TRAINING_IMPLS = {"flexattn": "flexattn", "torch": "torch.compile(flex_attention)", "sdpa": "cuDNN SDPA"}
+VARLEN_IMPLS = {"flexattn": "flexattn varlen_attention", "torch": "torch varlen_attn",
+                "documents": "flexattn document mask over the packed sequence",
+                "sinks": "flexattn varlen_attention with sinks"}
 NONE = "—"
 
 METHOD = """\
@@ -204,7 +207,7 @@ def varlen_table(record: dict) -> list[str]:
     ours = rows.get("flexattn")
     for impl, row in rows.items():
         ok = "error" not in row
-        lines.append(f"| {impl} | {fmt(row.get('fwd_tflops') if ok else None)} | "
+        lines.append(f"| {VARLEN_IMPLS.get(impl, impl)} | {fmt(row.get('fwd_tflops') if ok else None)} | "
                      f"{fmt(row.get('bwd_tflops') if ok else None)} | {fmt(ratio(row, ours, 'fwd_ms'), '.2f', 'x')} / "
                      f"{fmt(ratio(row, ours, 'bwd_ms'), '.2f', 'x')} |")
     return lines
