@@ -48,11 +48,11 @@ def last_steps(needs: tuple, P: int) -> list[int]:
 
 
 def merge(out: torch.Tensor | None, lse: torch.Tensor | None, part_out: torch.Tensor, part_lse: torch.Tensor):
-    """Merge two partial attentions by their log-sum-exp (accumulators in ``lse``'s dtype). A
+    """Merge two partial attentions by their log-sum-exp (the merged output in ``lse``'s dtype). A
     row that neither part sees stays out = 0, lse = -inf, never NaN."""
     part_lse = part_lse.to(torch.float64 if part_lse.dtype == torch.float64 else torch.float32)
-    if out is None:
-        return part_out.to(part_lse.dtype), part_lse
+    if out is None:  # (kept in the kernel's dtype: a rank that reads one pair converts nothing)
+        return part_out, part_lse
     top = torch.maximum(lse, part_lse)
     top = torch.where(top == -math.inf, 0.0, top)
     a, b = torch.exp(lse - top), torch.exp(part_lse - top)
@@ -67,11 +67,12 @@ class Ring:
     """The ring schedule of one group, one ``needs`` table and the travelling ``windows`` (local
     (lo, hi) of each KV shard)."""
 
-    def __init__(self, group, needs: tuple, windows: tuple):
+    def __init__(self, group, needs: tuple, windows: tuple, own_length: int):
         self.group = group
         self.P, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.needs, self.windows = needs, windows
         self.lengths = [hi - lo for lo, hi in windows]
+        self.own_length = own_length
         self.last = last_steps(needs, self.P)
         self.peers = [dist.get_global_rank(group, (self.rank + d) % self.P) for d in (1, -1)]
 
@@ -118,8 +119,7 @@ class Ring:
         """``compute(j, k_j, v_j) -> (dq, dk_j, dv_j, extra)`` for every pair this rank reads:
         ``(dq sum or None, dK, dV of this rank's own shard in acc_dtype, [extra of each step])``."""
         k, v = k.contiguous(), v.contiguous()
-        own = (torch.zeros(k.shape, dtype=acc_dtype, device=k.device),
-               torch.zeros(v.shape, dtype=acc_dtype, device=v.device))
+        own = None                        # this rank's own shard's dK/dV sums
         dq, extras = None, []
         sums_works, sums_next = [], None  # the window sums of the shard held at the next step, in flight
         arrived = None                    # the own window's sums, in flight
@@ -129,16 +129,19 @@ class Ring:
             works, nxt = self._transfer(s, [k, v], lambda i: self._kv_like(k, v, i), 0)
             part = compute(j, k, v) if held and self.needs[self.rank][j] else None
             _wait(sums_works)
-            self._add_home(own, arrived)
+            own = self._add_home(own, arrived, acc_dtype)
             arrived = None
-            sums = own if s == 0 else None
+            sums = None
             if s > 0 and held:           # (the first rank after the owner starts the window's sums)
                 sums = sums_next if s > 1 else self._zeros_like(k, v, j, acc_dtype)
             if part is not None:
                 dq_s, dk_s, dv_s, extra = part
-                dq = dq_s.to(acc_dtype) if dq is None else dq.add_(dq_s)
-                sums[0].add_(dk_s)
-                sums[1].add_(dv_s)
+                dq = _accumulate(dq, dq_s, acc_dtype)
+                if s == 0:  # (the own pair's are the first own sums: kept as they come)
+                    own = (dk_s, dv_s)
+                else:
+                    sums[0].add_(dk_s)
+                    sums[1].add_(dv_s)
                 extras.append(extra)
             sums_works, sums_next, home = self._send_sums(s, None if s == 0 else sums, k, v, acc_dtype)
             arrived = home if home is not None else arrived
@@ -146,17 +149,31 @@ class Ring:
             if nxt is not None:
                 k, v = nxt
         _wait(sums_works)
-        self._add_home(own, arrived)
+        own = self._add_home(own, arrived, acc_dtype)
+        if own is None:  # no rank reads this shard
+            own = self._zeros_like(k, v, self.rank, acc_dtype, whole=True)
         return dq, own[0], own[1], extras
 
-    def _add_home(self, own, arrived) -> None:
-        """Add the own window's sums (complete: their transfer was waited on) to the own shard's."""
-        if arrived is not None:
-            window = slice(*self.windows[self.rank])
-            own[0][:, :, window].add_(arrived[0])
-            own[1][:, :, window].add_(arrived[1])
+    def _add_home(self, own, arrived, acc_dtype):
+        """The own shard's sums with the own window's (complete: their transfer was waited on)
+        added: in ``acc_dtype`` once there is something to add."""
+        if arrived is None:
+            return own
+        if own is None:
+            own = self._zeros_like(arrived[0], arrived[1], self.rank, acc_dtype, whole=True)
+        elif own[0].dtype != acc_dtype:
+            own = (own[0].to(acc_dtype), own[1].to(acc_dtype))
+        window = slice(*self.windows[self.rank])
+        own[0][:, :, window].add_(arrived[0])
+        own[1][:, :, window].add_(arrived[1])
+        return own
 
-    def _zeros_like(self, k, v, j, dtype):
+    def _zeros_like(self, k, v, j, dtype, whole: bool = False):
+        """Zeros for KV shard j's window (``whole``: for the whole own shard)."""
+        if whole:
+            n = self.own_length
+            return (k.new_zeros((*k.shape[:2], n, k.shape[3]), dtype=dtype),
+                    v.new_zeros((*v.shape[:2], n, v.shape[3]), dtype=dtype))
         acc = self._kv_like(k, v, j, dtype)
         acc[0].zero_()
         acc[1].zero_()
@@ -184,6 +201,15 @@ class Ring:
             home = self._kv_like(k, v, self.rank, acc_dtype)
             ops += [dist.P2POp(dist.irecv, t, src, self.group, 4 + i) for i, t in enumerate(home)]
         return (dist.batch_isend_irecv(ops) if ops else []), nxt, home
+
+
+def _accumulate(total, part, acc_dtype):
+    """``total + part``: the first part as it comes, the sum of two or more in ``acc_dtype``."""
+    if total is None:
+        return part
+    if total.dtype != acc_dtype:
+        return total.to(acc_dtype).add_(part)
+    return total.add_(part)
 
 
 def _wait(works: list) -> None:
