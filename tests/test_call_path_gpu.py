@@ -1,6 +1,7 @@
 """The call path on a GPU (``pytest -m gpu``): CUDA-graph capture of forward and decoding calls
 made the way model code makes them (a fresh lambda per call), and a compiled model."""
 
+import itertools
 import math
 
 import pytest
@@ -197,3 +198,56 @@ def test_hopper_launches_across_addresses(monkeypatch, nan_outputs):
             torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2)
     if _FLAT_LAUNCHER:
         assert taken.count(True) >= 2 * 5, taken  # (the forward's and the backward's, from their third calls)
+
+
+def test_cuda_graph_with_sinks_forward_and_decoding():
+    """Sinks are a tensor argument: a replay reads the sink values of that moment."""
+    H, S, D = 8, 1000, 128
+    q, k, v = (torch.randn(2, H, S, D, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    q1 = torch.randn(2, H, 1, D, device=DEV, dtype=torch.bfloat16)
+    sinks = torch.randn(H, device=DEV)
+    mask = flexattn.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device=DEV)
+
+    def step():
+        return (flexattn.flex_attention(q, k, v, block_mask=mask, sinks=sinks),
+                flexattn.flex_attention(q1, k, v, sinks=sinks))
+
+    graph, (static_out, static_step) = capture_after_warmup(step)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        for t in (q, k, v, q1, sinks):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        out, one = step()
+        torch.testing.assert_close(static_out.float(), out.float(), atol=0, rtol=0)
+        torch.testing.assert_close(static_step.float(), one.float(), atol=0, rtol=0)
+        ref = attention_reference(q, k, v, block_mask=mask, sinks=sinks)
+        torch.testing.assert_close(static_out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_cuda_graph_varlen_packed_and_decoding():
+    """varlen_attention's tables are made before the capture (offsets by identity and version):
+    replays read the inputs and sinks of that moment, for the packed and the decoding layout."""
+    lengths = [1, 517, 0, 130, 1000]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=DEV)
+    one_each = torch.arange(len(lengths) + 1, dtype=torch.int32, device=DEV)
+    T, H, D, longest = sum(lengths), 8, 128, max(lengths)
+    q, k, v = (torch.randn(T, H, D, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    q1 = torch.randn(len(lengths), H, D, device=DEV, dtype=torch.bfloat16)
+    sinks = torch.randn(H, device=DEV)
+
+    def step():
+        return (flexattn.varlen_attention(q, k, v, cu, cu, longest, longest, window_size=(-1, 0), sinks=sinks),
+                flexattn.varlen_attention(q1, k, v, one_each, cu, 1, longest, sinks=sinks))
+
+    graph, (static_packed, static_steps) = capture_after_warmup(step)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        for t in (q, k, v, q1, sinks):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        packed, steps = step()
+        torch.testing.assert_close(static_packed.float(), packed.float(), atol=0, rtol=0)
+        torch.testing.assert_close(static_steps.float(), steps.float(), atol=0, rtol=0)
