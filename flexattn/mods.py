@@ -83,9 +83,9 @@ class Mod:
             t = self.buffers[buf.index]
             if t.dtype != buf.dtype or t.dim() != buf.ndim:
                 raise ValueError(f"buffer {buf} does not match captured tensor {t.dtype} {tuple(t.shape)}")
-        if self._key not in _TEMPLATES:
-            _TEMPLATES[self._key] = self.stand_in()
-        _LIVE[self._key] = self
+        _TEMPLATES.get_or_make(self._key, self.stand_in)  # (a key made again is recent again)
+        if _LIVE.get(self._key) is None:  # (never replace a live mod by one that may die sooner)
+            _LIVE[self._key] = self
 
     @property
     def __name__(self) -> str:  # torch and users print mods by __name__

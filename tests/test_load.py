@@ -158,6 +158,28 @@ def test_lru_drops_the_least_recently_used():
         lru.LRU(0)
 
 
+def test_a_live_mod_is_found_by_key_after_its_template_was_evicted(monkeypatch):
+    """A compiled graph names mods by key (`mods.template`): a mod that is alive stays findable
+    when its template has left the bounded table and a shorter-lived mod of the same key came
+    and went; and a key made again is recent again."""
+    monkeypatch.setattr(mods, "_TEMPLATES", lru.LRU(2))
+
+    def band(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < 12345
+
+    kept = flexattn.trace(band, "mask")
+    passing = flexattn.trace(band, "mask")  # (the same key)
+    del passing
+    gc.collect()
+    for shift in (1, 2, 3):  # three other keys push the kept one out of the table
+        flexattn.trace(lambda b, h, q_idx, kv_idx, s=shift: q_idx >= kv_idx + s, "mask")
+    assert kept.key() not in mods._TEMPLATES
+    assert mods.template(kept.key()).key() == kept.key()
+    made_again = flexattn.trace(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx + 1, "mask").key()
+    flexattn.trace(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx + 4, "mask")
+    assert made_again in mods._TEMPLATES  # (made again after kept's lookup: the newer of the two)
+
+
 def test_fresh_closures_over_fresh_tensors_keep_memory_flat(monkeypatch):
     """5,000 calls, each with a new lambda over a new tensor, through the whole call path (the
     kernel launch replaced: interpreting 5,000 launches takes minutes): memory stays flat."""
