@@ -200,6 +200,21 @@ def test_hopper_launches_across_addresses(monkeypatch, nan_outputs):
         assert taken.count(True) >= 2 * 5, taken  # (the forward's and the backward's, from their third calls)
 
 
+def replays_match_eager(step, inputs):
+    """Capture ``step`` (which returns a tuple of outputs), then three times: draw new ``inputs``
+    in place, replay, and compare every static output with an eager call's; yields after each."""
+    graph, static = capture_after_warmup(step)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        for t in inputs:
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        for replayed, eager in zip(static, step()):
+            torch.testing.assert_close(replayed.float(), eager.float(), atol=0, rtol=0)
+        yield static
+
+
 def test_cuda_graph_with_sinks_forward_and_decoding():
     """Sinks are a tensor argument: a replay reads the sink values of that moment."""
     H, S, D = 8, 1000, 128
@@ -212,18 +227,9 @@ def test_cuda_graph_with_sinks_forward_and_decoding():
         return (flexattn.flex_attention(q, k, v, block_mask=mask, sinks=sinks),
                 flexattn.flex_attention(q1, k, v, sinks=sinks))
 
-    graph, (static_out, static_step) = capture_after_warmup(step)
-    for seed in range(3):
-        torch.manual_seed(seed)
-        for t in (q, k, v, q1, sinks):
-            t.copy_(torch.randn_like(t))
-        graph.replay()
-        torch.cuda.synchronize()
-        out, one = step()
-        torch.testing.assert_close(static_out.float(), out.float(), atol=0, rtol=0)
-        torch.testing.assert_close(static_step.float(), one.float(), atol=0, rtol=0)
+    for out, _ in replays_match_eager(step, (q, k, v, q1, sinks)):
         ref = attention_reference(q, k, v, block_mask=mask, sinks=sinks)
-        torch.testing.assert_close(static_out.double(), ref, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_cuda_graph_varlen_packed_and_decoding():
@@ -241,13 +247,5 @@ def test_cuda_graph_varlen_packed_and_decoding():
         return (flexattn.varlen_attention(q, k, v, cu, cu, longest, longest, window_size=(-1, 0), sinks=sinks),
                 flexattn.varlen_attention(q1, k, v, one_each, cu, 1, longest, sinks=sinks))
 
-    graph, (static_packed, static_steps) = capture_after_warmup(step)
-    for seed in range(3):
-        torch.manual_seed(seed)
-        for t in (q, k, v, q1, sinks):
-            t.copy_(torch.randn_like(t))
-        graph.replay()
-        torch.cuda.synchronize()
-        packed, steps = step()
-        torch.testing.assert_close(static_packed.float(), packed.float(), atol=0, rtol=0)
-        torch.testing.assert_close(static_steps.float(), steps.float(), atol=0, rtol=0)
+    replays = list(replays_match_eager(step, (q, k, v, q1, sinks)))
+    assert len(replays) == 3
