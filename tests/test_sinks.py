@@ -270,6 +270,26 @@ def test_float32_sink_gradient_is_close_to_the_reference():
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_sink_of_minus_inf_is_no_sink():
+    """Outputs and LSE of the call without sinks (-inf on rows that see nothing), and a gradient
+    of 0 for that head, not NaN, in the forward, decoding and the backward."""
+    q, k, v = (torch.randn(1, 2, 40, 16, dtype=torch.float64) for _ in range(3))
+    sinks = torch.tensor([-math.inf, 0.5], dtype=torch.float64, requires_grad=True)
+    mask = flexattn.create_block_mask(lambda b, h, qi, ki: (qi >= 8) & (ki <= qi), None, None, 40, 40, device="cpu",
+                                      BLOCK_SIZE=16)
+    out, lse = flexattn.flex_attention(q, k, v, block_mask=mask, sinks=sinks, return_lse=True)
+    plain, plain_lse = flexattn.flex_attention(q, k, v, block_mask=mask, return_lse=True)
+    torch.testing.assert_close(out[:, 0], plain[:, 0], atol=0, rtol=0)
+    torch.testing.assert_close(lse[:, 0], plain_lse[:, 0], atol=0, rtol=0)
+    assert lse[0, 0, :8].eq(-math.inf).all() and lse[0, 1, :8].eq(0.5).all()
+    out.sum().backward()
+    assert sinks.grad[0] == 0 and sinks.grad[1].isfinite()
+    q1, k1, v1 = (t.float() for t in (q[:, :, :1], k, v))
+    empty = decode_attention(q1, k1, v1, mask_mod=lambda b, h, qi, ki: ki < 0, sinks=sinks.detach().float(),
+                             return_lse=True)
+    assert empty[0].eq(0).all() and empty[1][0, 0].eq(-math.inf).all() and empty[1][0, 1].eq(0.5).all()
+
+
 def test_gradcheck_of_sinks():
     q, k, v = (t.requires_grad_() for t in qkv(1, 2, 2, 9, 11, 8, dtype=F64))
     sinks = sink_logits(2, dtype=F64).requires_grad_()

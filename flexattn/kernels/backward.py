@@ -309,10 +309,12 @@ def run(plan: Plan | HopperPlan, query, key, value, out, lse, grad_out, grad_lse
 def sink_grad(sinks: torch.Tensor | None, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
     """d loss / d sinks[h] = -sum over the batch and the rows of exp(sinks[h] - LSE) Delta: each
     row's sink probability times its Delta = rowsum(dO * O) - dLSE (dS of the sink's logit, as for
-    any score). Plain sums over [B, Hq, Q_LEN]: deterministic."""
+    any score). Plain sums over [B, Hq, Q_LEN]: deterministic. A sink of -inf is no sink: its
+    probability is 0, also on rows that see nothing (LSE -inf)."""
     if sinks is None:
         return None
-    p = torch.exp(sinks.to(lse.dtype)[None, :, None] - lse)
+    sink = sinks.to(lse.dtype)[None, :, None]
+    p = torch.where(sink == -torch.inf, 0.0, torch.exp(sink - lse))
     return -(p * delta).sum((0, 2)).to(sinks.dtype)
 
 
