@@ -97,7 +97,8 @@ class Ring:
 
     def forward(self, k: torch.Tensor, v: torch.Tensor, compute: Callable):
         """``compute(j, k_j, v_j) -> (out, lse)`` for every pair this rank reads, merged:
-        ``(out, lse)`` in float32 (float64 for float64), or (None, None) if it reads nothing."""
+        ``(out, lse)``, out as the kernel gave it for one pair and in float32 (float64 for float64)
+        once two are merged; (None, None) if it reads nothing."""
         out = lse = None
         k, v = k.contiguous(), v.contiguous()
         for s in range(self.P):
@@ -117,7 +118,8 @@ class Ring:
 
     def backward(self, k: torch.Tensor, v: torch.Tensor, compute: Callable, acc_dtype: torch.dtype):
         """``compute(j, k_j, v_j) -> (dq, dk_j, dv_j, extra)`` for every pair this rank reads:
-        ``(dq sum or None, dK, dV of this rank's own shard in acc_dtype, [extra of each step])``."""
+        ``(dq sum or None, dK, dV of this rank's own shard, [extra of each step])``; each sum as
+        the kernel gave it where it has one part, in ``acc_dtype`` where it has more."""
         k, v = k.contiguous(), v.contiguous()
         own = None                        # this rank's own shard's dK/dV sums
         dq, extras = None, []
