@@ -262,16 +262,21 @@ def run(args) -> tuple[dict, list[dict]]:
             for impl, fields in measure_case(impls, q, k, v, d_out, args, warmup, rep).items():
                 row = {"shape": f"{B}x{H}x{S}x{D}", "B": B, "H": H, "S": S, "D": D, "case": case,
                        "impl": impl, "tiles": tiles, **fields}
-                if "fwd_ms" in fields:
-                    row["fwd_tflops"] = fwd_flops * tiles / (fields["fwd_ms"] * 1e-3) / 1e12
-                    row["bwd_tflops"] = (None if fields["bwd_ms"] is None else
-                                         2.5 * fwd_flops * tiles / (fields["bwd_ms"] * 1e-3) / 1e12)
-                rows.append(row)
+                rows.append(with_tflops(row, fwd_flops * tiles))
         del q, k, v, d_out
     return config, rows
 
 
 #: The columns `measured` fills.
+def with_tflops(row: dict, fwd_flops: float) -> dict:
+    """``row`` with the forward's and backward's TFLOP/s (the backward counted as 2.5 forwards),
+    where it was timed."""
+    if "fwd_ms" in row:
+        row["fwd_tflops"] = fwd_flops / (row["fwd_ms"] * 1e-3) / 1e12
+        row["bwd_tflops"] = None if row["bwd_ms"] is None else 2.5 * fwd_flops / (row["bwd_ms"] * 1e-3) / 1e12
+    return row
+
+
 MEASURED = f"{'fwd ms':>9} {'fwd TF/s':>9} {'bwd ms':>9} {'bwd TF/s':>9} {'max|diff|':>10} {'grad diff':>10}"
 
 

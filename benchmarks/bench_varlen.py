@@ -30,7 +30,7 @@ if __package__ in (None, ""):  # run as `python benchmarks/bench_varlen.py`: imp
 
 import flexattn
 from benchmarks import results
-from benchmarks.bench_attention import MEASURED, measure_case, measured
+from benchmarks.bench_attention import MEASURED, measure_case, measured, with_tflops
 
 SUITE = "varlen"
 IMPLS = {"flexattn": "flexattn varlen", "torch": "torch varlen_attn", "documents": "flexattn document mask",
@@ -105,12 +105,7 @@ def run(args) -> tuple[dict, list[dict]]:
     rows = []
     impls = competitors(q, k, v, cu, max(lens), on_gpu)
     for impl, fields in measure_case(impls, q, k, v, d_out, args, warmup, rep).items():
-        row = {"case": f"causal {n} seqs", "impl": impl, "tokens": T, **fields}
-        if "fwd_ms" in fields:
-            row["fwd_tflops"] = fwd_flops / (fields["fwd_ms"] * 1e-3) / 1e12
-            row["bwd_tflops"] = (None if fields["bwd_ms"] is None else
-                                 2.5 * fwd_flops / (fields["bwd_ms"] * 1e-3) / 1e12)
-        rows.append(row)
+        rows.append(with_tflops({"case": f"causal {n} seqs", "impl": impl, "tokens": T, **fields}, fwd_flops))
     return config, rows
 
 
