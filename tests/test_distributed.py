@@ -60,8 +60,8 @@ def _worker(rank: int, world_size: int, store_path: str) -> None:
 
 
 def _bias_score(bias):
-    def biased(score, b, h, q_idx, kv_idx):
-        return score + bias[h, kv_idx]
+    def biased(score, b, h, q_idx, kv_idx):  # (reads the global q_idx too: a step with the wrong positions shows)
+        return score + bias[h, kv_idx] + 0.02 * (q_idx - kv_idx)
     return biased
 
 
@@ -82,10 +82,10 @@ def prefix_or_self(b, h, q_idx, kv_idx):
 # name, S, Hq, Hkv, mask_mod, layout, score bias?, method, use the LSE in the loss; per world size
 # every layout and both methods, GQA with each method, a captured bias with each method.
 CASES = {
-    2: [("causal head_tail GQA bias", 45, 4, 2, masks.causal, "head_tail", True, "ring", True),
+    2: [("causal head_tail GQA bias", 77, 4, 2, masks.causal, "head_tail", True, "ring", True),
         ("documents per_document GQA", sum(DOCS), 2, 1, masks.document(lengths=DOCS, causal=True), _doc_layout,
          False, "allgather", False),
-        ("sliding window none", 53, 2, 2, masks.sliding_window(9), None, False, "ring", False),
+        ("sliding window none bias", 53, 2, 2, masks.sliding_window(9), None, True, "ring", True),
         ("documents whole_documents bias", sum(DOCS), 2, 2, masks.document(lengths=DOCS, causal=True), _whole_docs,
          True, "ring", True)],
     3: [("documents per_document GQA", sum(DOCS), 2, 1, masks.document(lengths=DOCS, causal=True), _doc_layout,
@@ -161,6 +161,16 @@ def _layouts_and_masks(group) -> None:
     bm = fd.create_block_mask(masks.document(lengths=docs, causal=True), None, None, 47, 47, group,
                               load_balance=fd.WholeDocuments(docs), device="cpu", BLOCK_SIZE=BLOCK)
     assert bm.needs == tuple(tuple(i == j for j in range(P)) for i in range(P)), bm.needs
+    # causal, head-tail: a rank's first chunk reads no later shard, so those steps start at its second chunk
+    S = 2 * P * (BLOCK + 3) + 1  # (chunks longer than a block)
+    bm = fd.create_block_mask(masks.causal, None, None, S, S, group, load_balance="head_tail", device="cpu",
+                              BLOCK_SIZE=BLOCK)
+    r, L = dist.get_rank(group), bm.qpos.numel()
+    jumps = (bm.qpos[1:] - bm.qpos[:-1] != 1).nonzero()  # (none on the last rank: its chunks meet)
+    for j in range(r + 1, P):
+        first_chunk = int(jumps[0]) + 1  # (local rows of the first chunk)
+        assert bm.rows[j] == (first_chunk // BLOCK * BLOCK, L), (j, bm.rows, first_chunk)
+        assert bm.rows[j][0] > 0
     # sliding window 9 over contiguous shards of 53 / P: far shards are never read, and skipped
     bm = fd.create_block_mask(masks.sliding_window(9), None, None, 53, 53, group, device="cpu", BLOCK_SIZE=BLOCK)
     expect = tuple(tuple(j in (i - 1, i) for j in range(P)) for i in range(P))
@@ -168,6 +178,12 @@ def _layouts_and_masks(group) -> None:
     # and only the KV blocks the next rank reads travel: its queries reach 8 keys back
     n = [p.numel() for p in bm.kvpos]
     assert bm.windows == tuple((max(0, n[j] - 8) // BLOCK * BLOCK, n[j]) for j in range(P - 1)) + ((0, 0),), bm.windows
+    # and only this rank's first query block reads its neighbour's window: the other rows skip that step
+    r, L = dist.get_rank(group), bm.qpos.numel()
+    expect = tuple((0, L) if j == r else (0, min(BLOCK, L)) if j == r - 1 else None for j in range(P))
+    assert bm.rows == expect, (bm.rows, expect)
+    if r > 0:  # (its tables: those rows against the window)
+        assert bm.masks[r - 1].seq_lengths == (min(BLOCK, L), n[r - 1] - bm.windows[r - 1][0])
 
 
 def _errors(group) -> None:

@@ -45,7 +45,7 @@ class AllGather:
         mask, kvpos = self.bm.gathered()
         if mask is None:
             return None, None
-        return pair.forward(q, k_all, v_all, mask, kvpos)
+        return pair.forward(q, k_all, v_all, mask, self.bm.qpos, kvpos)
 
     def backward(self, q, k, v, out, lse, dout, dlse, pair, need, acc_dtype):
         k_all, v_all = self._gather(k), self._gather(v)
@@ -55,6 +55,6 @@ class AllGather:
             dk_all = k_all.new_zeros(k_all.shape, dtype=acc_dtype)
             dv_all = v_all.new_zeros(v_all.shape, dtype=acc_dtype)
         else:
-            dq, dk_all, dv_all, g = pair.backward(q, k_all, v_all, out, lse, dout, dlse, mask, kvpos, need)
+            dq, dk_all, dv_all, g = pair.backward(q, k_all, v_all, out, lse, dout, dlse, mask, self.bm.qpos, kvpos, need)
             grads = [g]
         return (dq, self._scatter_sum(dk_all.to(acc_dtype)), self._scatter_sum(dv_all.to(acc_dtype)), grads)

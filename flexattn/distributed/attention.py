@@ -25,8 +25,14 @@ METHODS = ("ring", "allgather")
 def _ring(bm: DistributedBlockMask) -> Ring:
     ring = getattr(bm, "_ring", None)
     if ring is None:
-        ring = bm._ring = Ring(bm.group, bm.needs, bm.windows, bm.kvpos[bm.rank].numel())
+        ring = bm._ring = Ring(bm.group, bm.needs, bm.windows, bm.kvpos[bm.rank].numel(), bm.rows,
+                               bm.qpos.numel())
     return ring
+
+
+def _rows(t: torch.Tensor | None, rows: tuple[int, int]) -> torch.Tensor | None:
+    """Rows ``[lo, hi)`` of a [B, H, L(, D)] tensor (a view; None stays None)."""
+    return None if t is None else t[:, :, rows[0]:rows[1]]
 
 
 @torch.compiler.assume_constant_result
@@ -39,7 +45,7 @@ def _setup(spec_: str, mask_name: str, score_bufs, scale: float, stat_dtype):
     score_key, method, enable_gqa, options = ast.literal_eval(spec_)
     bm = by_name(mask_name)
     score = template(score_key).rebind(score_bufs)
-    return bm, method, Pair(score, bm.qpos, scale, enable_gqa, dict(options), stat_dtype)
+    return bm, method, Pair(score, scale, enable_gqa, dict(options), stat_dtype)
 
 
 def _stat_dtype(q: torch.Tensor) -> torch.dtype:
@@ -54,8 +60,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     bm, method, pair = _setup(spec, mask_name, score_bufs, scale, acc)
     _check_call(query, key, value, bm, method, pair)
     if method == "ring":
-        out, lse = _ring(bm).forward(
-            key, value, lambda j, kj, vj: pair.forward(query, kj, vj, bm.masks[j], bm.kvpos_held[j]))
+        out, lse = _ring(bm).forward(key, value, lambda j, kj, vj: pair.forward(
+            _rows(query, bm.rows[j]), kj, vj, bm.masks[j], bm.qpos_rows[j], bm.kvpos_held[j]))
     else:
         out, lse = AllGather(bm).forward(query, key, value, pair)
     B, Hq, L, _ = query.shape
@@ -84,7 +90,10 @@ def attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     need = tuple(need)
     if method == "ring":
         def step(j, kj, vj):
-            return pair.backward(query, kj, vj, out, lse, grad_out, grad_lse, bm.masks[j], bm.kvpos_held[j], need)
+            rows = bm.rows[j]
+            return pair.backward(_rows(query, rows), kj, vj, _rows(out, rows), _rows(lse, rows),
+                                 _rows(grad_out, rows), _rows(grad_lse, rows), bm.masks[j], bm.qpos_rows[j],
+                                 bm.kvpos_held[j], need)
         dq, dk, dv, per_step = _ring(bm).backward(key, value, step, acc)
     else:
         dq, dk, dv, per_step = AllGather(bm).backward(query, key, value, out, lse, grad_out, grad_lse, pair,

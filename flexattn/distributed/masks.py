@@ -73,6 +73,16 @@ def as_mask_mod(mask_mod) -> "flexattn.Mod":
     return flexattn.trace(mask_mod, MASK)
 
 
+def q_block_range(block_mask) -> tuple[int, int] | None:
+    """``(first, last + 1)`` of the query blocks whose rows list a KV block in any batch and head,
+    or None when none does (a host sync: mask-building time only)."""
+    listed = block_mask.kv_num_blocks > 0
+    if block_mask.full_kv_num_blocks is not None:
+        listed = listed | (block_mask.full_kv_num_blocks > 0)
+    rows = listed.flatten(0, -2).any(0).nonzero()
+    return None if rows.numel() == 0 else (int(rows[0]), int(rows[-1]) + 1)
+
+
 def kv_block_range(block_mask) -> tuple[int, int] | None:
     """``(first, last + 1)`` of the KV blocks ``block_mask`` lists in any row, or None when it
     lists none (a host sync: mask-building time only)."""
@@ -97,20 +107,24 @@ class DistributedBlockMask:
     ``qpos`` / ``kvpos[j]``: the global positions of this rank's queries and of KV shard j.
     ``windows[j] = (lo, hi)``: the local KV positions of shard j that ranks other than its owner
     read (whole KV blocks; the same on every rank): only that part travels in the ring.
-    ``masks[j]``: the `flexattn.BlockMask` of this rank's queries against KV shard j as this rank
-    holds it (its own shard whole, another's window; None where empty), whose positions are
-    ``kvpos_held[j]``. Made by `create_block_mask`.
+    ``rows[j] = (lo, hi)``: the local query rows of this rank that read KV shard j (whole query
+    blocks; None where none does): a step computes, merges and sums only those rows (a sliding
+    window's band of its neighbour's shard is read by the first rows alone).
+    ``masks[j]``: the `flexattn.BlockMask` of those rows against KV shard j as this rank holds it
+    (its own shard whole, another's window; None where empty), whose positions are
+    ``qpos_rows[j]`` and ``kvpos_held[j]``. Made by `create_block_mask`.
     """
 
     def __init__(self, group, layout: Layout, B: int, H: int, seq_lengths: tuple[int, int], block_size,
                  mask: "flexattn.Mod", qpos, kvpos: list, masks: list, needs: tuple, windows: tuple,
-                 token: tuple):
+                 rows: tuple, token: tuple):
         self.group, self.layout, self.B, self.H = group, layout, B, H
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.seq_lengths, self.BLOCK_SIZE, self.mask_mod = seq_lengths, block_size, mask
         self.qpos, self.kvpos, self.masks, self.needs, self.token = qpos, kvpos, masks, needs, token
-        self.windows = windows
+        self.windows, self.rows = windows, rows
         self.kvpos_held = [p if j == self.rank else p[slice(*windows[j])] for j, p in enumerate(kvpos)]
+        self.qpos_rows = [None if r is None else qpos[slice(*r)] for r in rows]
         self._gathered = None
         # (the name the custom ops know it by; equal on every rank, new for every mask)
         self.name = repr(token)
@@ -180,24 +194,30 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     fields = {"mask_mod": mod.key(), "B": B, "H": H, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "layout": layout.key(),
               "BLOCK_SIZE": BLOCK_SIZE, "device type": device.type}
     checks.agree(group, "flexattn.distributed.create_block_mask", fields, error, cache=False)
-    kv_block = BLOCK_SIZE[1] if isinstance(BLOCK_SIZE, tuple) else BLOCK_SIZE
-    masks, row = [], []
+    q_block, kv_block = BLOCK_SIZE if isinstance(BLOCK_SIZE, tuple) else (BLOCK_SIZE, BLOCK_SIZE)
+    L = qpos.numel()
+    masks, spans, rows = [], [], []
     for j in range(P):
         bm = _pair_mask(mod, B, H, qpos, kvpos[j], device, BLOCK_SIZE)
         span = None if bm is None else kv_block_range(bm)
         masks.append(None if span is None else bm)
-        row.append(None if span is None else (span[0] * kv_block, min(span[1] * kv_block, kvpos[j].numel())))
-    rows: list = [None] * P
-    dist.all_gather_object(rows, row, group=group)
-    needs = tuple(tuple(span is not None for span in r) for r in rows)
-    windows = tuple(_window(rows, j, kvpos[j].numel()) for j in range(P))
-    for j in range(P):  # another rank's shard: the tables of the window that travels
-        if j != r and masks[j] is not None and windows[j] != (0, kvpos[j].numel()):
-            masks[j] = _pair_mask(mod, B, H, qpos, kvpos[j][slice(*windows[j])], device, BLOCK_SIZE)
+        spans.append(None if span is None else (span[0] * kv_block, min(span[1] * kv_block, kvpos[j].numel())))
+        q_span = None if span is None else q_block_range(bm)
+        rows.append(None if q_span is None else (q_span[0] * q_block, min(q_span[1] * q_block, L)))
+    every: list = [None] * P
+    dist.all_gather_object(every, spans, group=group)
+    needs = tuple(tuple(span is not None for span in r) for r in every)
+    windows = tuple(_window(every, j, kvpos[j].numel()) for j in range(P))
+    for j in range(P):  # the tables of the rows that read shard j, against what travels of it
+        if masks[j] is None:
+            continue
+        held = (0, kvpos[j].numel()) if j == r else windows[j]
+        if rows[j] != (0, L) or held != (0, kvpos[j].numel()):
+            masks[j] = _pair_mask(mod, B, H, qpos[slice(*rows[j])], kvpos[j][slice(*held)], device, BLOCK_SIZE)
     counter = _TOKENS.setdefault(group.group_name, itertools.count())
     token = (mod.key(), layout.key(), Q_LEN, KV_LEN, B, H, BLOCK_SIZE, group.group_name, next(counter))
     return DistributedBlockMask(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, qpos, kvpos, masks,
-                                needs, windows, token)
+                                needs, windows, tuple(rows), token)
 
 
 def _pair_mask(mod, B: int, H: int, qpos, kvpos, device, BLOCK_SIZE):
@@ -208,10 +228,10 @@ def _pair_mask(mod, B: int, H: int, qpos, kvpos, device, BLOCK_SIZE):
     return flexattn.create_block_mask(local, B, H, qpos.numel(), kvpos.numel(), device=device, BLOCK_SIZE=BLOCK_SIZE)
 
 
-def _window(rows: list, j: int, length: int) -> tuple[int, int]:
+def _window(every: list, j: int, length: int) -> tuple[int, int]:
     """The part of KV shard j that ranks other than its owner read: the union of their spans
-    (``rows[i][j]``: the local positions rank i's tables list in shard j, or None)."""
-    spans = [r[j] for i, r in enumerate(rows) if i != j and r[j] is not None]
+    (``every[i][j]``: the local positions rank i's tables list in shard j, or None)."""
+    spans = [r[j] for i, r in enumerate(every) if i != j and r[j] is not None]
     if not spans:
         return (0, 0)
     return (min(a for a, _ in spans), max(b for _, b in spans))

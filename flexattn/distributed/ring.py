@@ -4,7 +4,9 @@ At step s rank r holds KV shard j = (r - s) mod P. Shard j is last needed at ste
 (the largest s whose holder (j + s) mod P reads it, from the agreed ``needs`` table), so it
 travels only up to there: a step whose pair is empty computes nothing, and a transfer that no
 later rank needs is not made. Only shard j's *window* travels, the KV blocks that ranks other
-than its owner read (``windows[j]``; a sliding window reads a band of its neighbour's shard).
+than its owner read (``windows[j]``; a sliding window reads a band of its neighbour's shard),
+and a step computes, merges and sums only the query rows that read the shard it holds
+(``rows[j]``; there, the first rows of the next shard).
 Every rank derives the same schedule from ``needs`` and ``windows``, so sends and receives
 always pair up.
 
@@ -63,14 +65,31 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, part_out: torch.Te
     return out, new_lse
 
 
-class Ring:
-    """The ring schedule of one group, one ``needs`` table and the travelling ``windows`` (local
-    (lo, hi) of each KV shard)."""
+def merge_rows(out, lse, part_out, part_lse, rows: tuple[int, int], n: int):
+    """`merge` of a part that covers rows ``[lo, hi)`` of ``n``: the rows outside it keep what
+    they had (out = 0, lse = -inf where nothing yet)."""
+    lo, hi = rows
+    if (lo, hi) == (0, n):
+        return merge(out, lse, part_out, part_lse)
+    stat = torch.float64 if part_lse.dtype == torch.float64 else torch.float32
+    if out is None:
+        out = part_out.new_zeros((*part_out.shape[:2], n, part_out.shape[3]), dtype=stat)
+        lse = part_lse.new_full((*part_lse.shape[:2], n), -math.inf, dtype=stat)
+    elif out.dtype != stat:  # (the first part, kept in the kernel's dtype)
+        out = out.to(stat)
+    out[:, :, lo:hi], lse[:, :, lo:hi] = merge(out[:, :, lo:hi], lse[:, :, lo:hi], part_out, part_lse)
+    return out, lse
 
-    def __init__(self, group, needs: tuple, windows: tuple, own_length: int):
+
+class Ring:
+    """The ring schedule of one group, one ``needs`` table, the travelling ``windows`` (local
+    (lo, hi) of each KV shard) and the query ``rows`` (of ``n_rows``) that read each shard."""
+
+    def __init__(self, group, needs: tuple, windows: tuple, own_length: int, rows: tuple, n_rows: int):
         self.group = group
         self.P, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.needs, self.windows = needs, windows
+        self.rows, self.n_rows = rows, n_rows
         self.lengths = [hi - lo for lo, hi in windows]
         self.own_length = own_length
         self.last = last_steps(needs, self.P)
@@ -96,16 +115,16 @@ class Ring:
         return (dist.batch_isend_irecv(ops) + [sends] if ops else []), received
 
     def forward(self, k: torch.Tensor, v: torch.Tensor, compute: Callable):
-        """``compute(j, k_j, v_j) -> (out, lse)`` for every pair this rank reads, merged:
-        ``(out, lse)``, out as the kernel gave it for one pair and in float32 (float64 for float64)
-        once two are merged; (None, None) if it reads nothing."""
+        """``compute(j, k_j, v_j) -> (out, lse)`` of the rows ``rows[j]`` for every pair this rank
+        reads, merged: ``(out, lse)`` of all rows, out as the kernel gave it for one pair of all
+        rows and in float32 (float64 for float64) otherwise; (None, None) if it reads nothing."""
         out = lse = None
         k, v = k.contiguous(), v.contiguous()
         for s in range(self.P):
             j = self.shard_at(s)
             works, nxt = self._transfer(s, [k, v], lambda i: self._kv_like(k, v, i), 0)
             if self.needs[self.rank][j]:
-                out, lse = merge(out, lse, *compute(j, k, v))
+                out, lse = merge_rows(out, lse, *compute(j, k, v), self.rows[j], self.n_rows)
             _wait(works)
             if nxt is not None:
                 k, v = nxt
@@ -117,9 +136,10 @@ class Ring:
                 v.new_empty((*v.shape[:2], n, v.shape[3]), dtype=dtype or v.dtype))
 
     def backward(self, k: torch.Tensor, v: torch.Tensor, compute: Callable, acc_dtype: torch.dtype):
-        """``compute(j, k_j, v_j) -> (dq, dk_j, dv_j, extra)`` for every pair this rank reads:
-        ``(dq sum or None, dK, dV of this rank's own shard, [extra of each step])``; each sum as
-        the kernel gave it where it has one part, in ``acc_dtype`` where it has more."""
+        """``compute(j, k_j, v_j) -> (dq, dk_j, dv_j, extra)`` for every pair this rank reads (dq of
+        the rows ``rows[j]``): ``(dq sum or None, dK, dV of this rank's own shard, [extra of each
+        step])``; each sum as the kernel gave it where it has one part of all rows, in
+        ``acc_dtype`` otherwise."""
         k, v = k.contiguous(), v.contiguous()
         own = None                        # this rank's own shard's dK/dV sums
         dq, extras = None, []
@@ -138,7 +158,7 @@ class Ring:
                 sums = sums_next if s > 1 else self._zeros_like(k, v, j, acc_dtype)
             if part is not None:
                 dq_s, dk_s, dv_s, extra = part
-                dq = _accumulate(dq, dq_s, acc_dtype)
+                dq = _accumulate_rows(dq, dq_s, acc_dtype, self.rows[j], self.n_rows)
                 if s == 0:  # (the own pair's are the first own sums: kept as they come)
                     own = (dk_s, dv_s)
                 else:
@@ -212,6 +232,19 @@ def _accumulate(total, part, acc_dtype):
     if total.dtype != acc_dtype:
         return total.to(acc_dtype).add_(part)
     return total.add_(part)
+
+
+def _accumulate_rows(total, part, acc_dtype, rows: tuple[int, int], n: int):
+    """`_accumulate` of a part that covers rows ``[lo, hi)`` of ``n`` (the others add 0)."""
+    lo, hi = rows
+    if (lo, hi) == (0, n):
+        return _accumulate(total, part, acc_dtype)
+    if total is None:
+        total = part.new_zeros((*part.shape[:2], n, part.shape[3]), dtype=acc_dtype)
+    elif total.dtype != acc_dtype:
+        total = total.to(acc_dtype)
+    total[:, :, lo:hi] += part
+    return total
 
 
 def _wait(works: list) -> None:

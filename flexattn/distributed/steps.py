@@ -18,25 +18,26 @@ from flexattn.distributed.masks import SCORE, at_global_positions
 
 class Pair:
     """What every step of one call shares: the score mod (a `flexattn.Mod` with its captured
-    tensors), the query positions, scale, GQA, kernel options and the score dtype."""
+    tensors), scale, GQA, kernel options and the score dtype. A step passes the global positions
+    of its query rows (``qpos``) and of the KV it holds (``kvpos``)."""
 
-    def __init__(self, score, qpos, scale: float, enable_gqa: bool, options: dict, stat_dtype):
-        self.score, self.qpos, self.scale = score, qpos, scale
+    def __init__(self, score, scale: float, enable_gqa: bool, options: dict, stat_dtype):
+        self.score, self.scale = score, scale
         self.enable_gqa, self.options, self.stat_dtype = enable_gqa, options, stat_dtype
 
-    def score_at(self, kvpos):
-        return at_global_positions(self.score, SCORE, self.stat_dtype, self.qpos, kvpos)
+    def score_at(self, qpos, kvpos):
+        return at_global_positions(self.score, SCORE, self.stat_dtype, qpos, kvpos)
 
-    def forward(self, q, k, v, block_mask, kvpos):
-        score, _ = self.score_at(kvpos)
+    def forward(self, q, k, v, block_mask, qpos, kvpos):
+        score, _ = self.score_at(qpos, kvpos)
         return flexattn.flex_attention(q, k, v, score_mod=score, block_mask=block_mask, scale=self.scale,
                                        enable_gqa=self.enable_gqa, return_lse=True,
                                        kernel_options=self.options or None)
 
-    def backward(self, q, k, v, out, lse, dout, dlse, block_mask, kvpos, need: tuple):
+    def backward(self, q, k, v, out, lse, dout, dlse, block_mask, qpos, kvpos, need: tuple):
         """``(dq, dk, dv, grads)``: ``grads[i]`` is the gradient of the score mod's captured
         tensor i (None where ``need[i]`` is False)."""
-        score, origin = self.score_at(kvpos)
+        score, origin = self.score_at(qpos, kvpos)
         step_need = [o is not None and need[o] for o in origin]
         block, tables = _compiled_tables(block_mask)
         mask = block_mask.mod
