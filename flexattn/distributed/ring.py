@@ -154,13 +154,16 @@ class Ring:
             own = self._add_home(own, arrived, acc_dtype)
             arrived = None
             sums = None
-            if s > 0 and held:           # (the first rank after the owner starts the window's sums)
+            single = s == 1 and self.last[j] == 1  # (one rank reads the window: its sums are its part)
+            if s > 0 and held and not single:  # (the first rank after the owner starts the window's sums)
                 sums = sums_next if s > 1 else self._zeros_like(k, v, j, acc_dtype)
             if part is not None:
                 dq_s, dk_s, dv_s, extra = part
                 dq = _accumulate_rows(dq, dq_s, acc_dtype, self.rows[j], self.n_rows)
                 if s == 0:  # (the own pair's are the first own sums: kept as they come)
                     own = (dk_s, dv_s)
+                elif single:  # (they go home in K/V's dtype: half the bytes of float32 for 16-bit K/V)
+                    sums = (dk_s.to(k.dtype), dv_s.to(v.dtype))
                 else:
                     sums[0].add_(dk_s)
                     sums[1].add_(dv_s)
@@ -205,7 +208,9 @@ class Ring:
         """After step s >= 1's compute: the held window's dK/dV sums go on to the next rank (while
         a later rank reads the shard) or home (from the last one); receive the next step's sums
         (from step 2 on: the first reader after the owner starts them) and, at the step it ends,
-        this rank's own window's sums. ``(works, next sums, own window sums)``."""
+        this rank's own window's sums. ``(works, next sums, own window sums)``. Sums travel in
+        ``acc_dtype``, but those of a window that one rank alone reads (the one after its owner):
+        that rank's part in K/V's dtype."""
         ops, nxt, home = [], None, None
         j = self.shard_at(s)
         if acc is not None:
@@ -220,7 +225,7 @@ class Ring:
             ops += [dist.P2POp(dist.irecv, t, self.peers[1], self.group, 2 + i) for i, t in enumerate(nxt)]
         if s >= 1 and s == self.last[self.rank]:
             src = dist.get_global_rank(self.group, (self.rank + s) % self.P)
-            home = self._kv_like(k, v, self.rank, acc_dtype)
+            home = self._kv_like(k, v, self.rank, k.dtype if s == 1 else acc_dtype)
             ops += [dist.P2POp(dist.irecv, t, src, self.group, 4 + i) for i, t in enumerate(home)]
         return (dist.batch_isend_irecv(ops) if ops else []), nxt, home
 
