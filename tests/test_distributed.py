@@ -346,3 +346,37 @@ def test_layouts_match_torch(P):
     for layout in (fd.Contiguous(), fd.HeadTail(), fd.PerDocument([5, 30, 12])):  # uneven lengths
         allpos = torch.cat([layout.positions(47, P, r) for r in range(P)])
         assert torch.equal(allpos.sort().values, torch.arange(47, dtype=torch.int32)), layout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ring_merge_kernel(dtype):
+    """The ring's one-pass merge (flexattn/distributed/merge.py, in Triton's interpreter) against
+    the same merge in float64 torch ops: rows of row views, rows that one part or neither sees
+    (LSE -inf: out 0, never NaN), a head dim that is not a power of two, output in the inputs'
+    dtype and in float32, in place."""
+    from flexattn.distributed import merge
+
+    g = torch.Generator().manual_seed(0)
+    B, H, L, D, lo, hi = 2, 3, 75, 24, 9, 70
+    out, part = (torch.randn(B, H, L, D, generator=g).to(dtype) for _ in range(2))
+    lse, part_lse = (torch.randn(B, H, L, generator=g) * 3 for _ in range(2))
+    lse[0, 1, 10:14] = -math.inf
+    part_lse[0, 1, 12:16] = -math.inf  # rows 12, 13: neither part
+    want_out, want_lse = merge.reference(out[:, :, lo:hi].double(), lse[:, :, lo:hi].double(),
+                                         part[:, :, lo:hi].double(), part_lse[:, :, lo:hi].double())
+    for result_dtype in (torch.float32, dtype):
+        got_lse = lse.clone()
+        got = torch.full((B, H, L, D), math.nan, dtype=result_dtype)
+        merge.merge_into(got[:, :, lo:hi], out[:, :, lo:hi], got_lse[:, :, lo:hi], part[:, :, lo:hi],
+                         part_lse[:, :, lo:hi])
+        tol = 1e-6 if result_dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got[:, :, lo:hi].double(), want_out, rtol=tol, atol=tol)
+        torch.testing.assert_close(got_lse[:, :, lo:hi].double(), want_lse, rtol=1e-6, atol=1e-6)
+        assert got[:, :, :lo].isnan().all() and got[:, :, hi:].isnan().all()  # (nothing outside the rows)
+        assert torch.equal(got_lse[:, :, :lo], lse[:, :, :lo]) and torch.equal(got_lse[:, :, hi:], lse[:, :, hi:])
+        assert (got[0, 1, 12:14] == 0).all() and (got_lse[0, 1, 12:14] == -math.inf).all()
+    inplace = out.clone()  # (the result may be the output it reads)
+    merge.merge_into(inplace, inplace, lse.clone(), part, part_lse)
+    full_out, _ = merge.reference(out.double(), lse.double(), part.double(), part_lse.double())
+    torch.testing.assert_close(inplace.double(), full_out, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6,
+                               atol=1e-2 if dtype == torch.bfloat16 else 1e-6)

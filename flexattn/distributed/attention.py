@@ -61,7 +61,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     _check_call(query, key, value, bm, method, pair)
     if method == "ring":
         out, lse = _ring(bm).forward(key, value, lambda j, kj, vj: pair.forward(
-            _rows(query, bm.rows[j]), kj, vj, bm.masks[j], bm.qpos_rows[j], bm.kvpos_held[j]))
+            _rows(query, bm.rows[j]), kj, vj, bm.masks[j], bm.qpos_rows[j], bm.kvpos_held[j]), query.dtype)
     else:
         out, lse = AllGather(bm).forward(query, key, value, pair)
     B, Hq, L, _ = query.shape

@@ -39,6 +39,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from flexattn.distributed import merge
+
 
 def last_steps(needs: tuple, P: int) -> list[int]:
     """``last[j]``: the last step at which a rank reads KV shard j (-1: none does)."""
@@ -49,36 +51,34 @@ def last_steps(needs: tuple, P: int) -> list[int]:
     return last
 
 
-def merge(out: torch.Tensor | None, lse: torch.Tensor | None, part_out: torch.Tensor, part_lse: torch.Tensor):
-    """Merge two partial attentions by their log-sum-exp (the merged output in ``lse``'s dtype). A
-    row that neither part sees stays out = 0, lse = -inf, never NaN."""
-    part_lse = part_lse.to(torch.float64 if part_lse.dtype == torch.float64 else torch.float32)
-    if out is None:  # (kept in the kernel's dtype: a rank that reads one pair converts nothing)
-        return part_out, part_lse
-    top = torch.maximum(lse, part_lse)
-    top = torch.where(top == -math.inf, 0.0, top)
-    a, b = torch.exp(lse - top), torch.exp(part_lse - top)
-    total = a + b
-    new_lse = top + torch.log(total)
-    inv = 1.0 / torch.where(total == 0, 1.0, total)
-    out = out * (a * inv).unsqueeze(-1) + part_out.to(out.dtype) * (b * inv).unsqueeze(-1)
-    return out, new_lse
-
-
-def merge_rows(out, lse, part_out, part_lse, rows: tuple[int, int], n: int):
-    """`merge` of a part that covers rows ``[lo, hi)`` of ``n``: the rows outside it keep what
-    they had (out = 0, lse = -inf where nothing yet)."""
+def merge_rows(out, lse, part_out, part_lse, rows: tuple[int, int], n: int, dtype: torch.dtype | None = None):
+    """Merge a partial attention of rows ``[lo, hi)`` of ``n`` into ``(out, lse)`` by log-sum-exp
+    (`flexattn.distributed.merge`); the rows outside it keep what they had (out = 0, lse = -inf
+    where nothing yet). The first part of all rows is kept as the kernel gave it (a rank that reads
+    one pair converts nothing); a merged output comes in ``dtype`` (default: float32, float64 for
+    float64), the LSE in float32 (float64)."""
     lo, hi = rows
-    if (lo, hi) == (0, n):
-        return merge(out, lse, part_out, part_lse)
+    whole = (lo, hi) == (0, n)
     stat = torch.float64 if part_lse.dtype == torch.float64 else torch.float32
+    dtype = dtype or stat
+    part_lse = part_lse.to(stat)
     if out is None:
-        out = part_out.new_zeros((*part_out.shape[:2], n, part_out.shape[3]), dtype=stat)
-        lse = part_lse.new_full((*part_lse.shape[:2], n), -math.inf, dtype=stat)
-    elif out.dtype != stat:  # (the first part, kept in the kernel's dtype)
-        out = out.to(stat)
-    out[:, :, lo:hi], lse[:, :, lo:hi] = merge(out[:, :, lo:hi], lse[:, :, lo:hi], part_out, part_lse)
-    return out, lse
+        if whole:
+            return part_out, part_lse
+        out = part_out.new_zeros((*part_out.shape[:2], n, part_out.shape[3]), dtype=dtype)
+        lse = part_lse.new_full((*part_lse.shape[:2], n), -math.inf)
+        out[:, :, lo:hi], lse[:, :, lo:hi] = part_out, part_lse
+        return out, lse
+    if stat == torch.float64:
+        out = out.to(dtype)
+        out[:, :, lo:hi], lse[:, :, lo:hi] = merge.reference(out[:, :, lo:hi], lse[:, :, lo:hi], part_out, part_lse)
+        return out, lse
+    if whole and out.dtype != dtype:  # (a new output; the old one is read by the same pass)
+        result = torch.empty_like(out, dtype=dtype)
+    else:
+        result = out = out.to(dtype)
+    merge.merge_into(result[:, :, lo:hi], out[:, :, lo:hi], lse[:, :, lo:hi], part_out, part_lse)
+    return result, lse
 
 
 class Ring:
@@ -114,17 +114,20 @@ class Ring:
             ops += [dist.P2POp(dist.irecv, t, self.peers[1], self.group, tag + i) for i, t in enumerate(received)]
         return (dist.batch_isend_irecv(ops) + [sends] if ops else []), received
 
-    def forward(self, k: torch.Tensor, v: torch.Tensor, compute: Callable):
+    def forward(self, k: torch.Tensor, v: torch.Tensor, compute: Callable, out_dtype: torch.dtype):
         """``compute(j, k_j, v_j) -> (out, lse)`` of the rows ``rows[j]`` for every pair this rank
         reads, merged: ``(out, lse)`` of all rows, out as the kernel gave it for one pair of all
-        rows and in float32 (float64 for float64) otherwise; (None, None) if it reads nothing."""
+        rows and in ``out_dtype`` otherwise (the last merge writes it); (None, None) if it reads
+        nothing."""
         out = lse = None
         k, v = k.contiguous(), v.contiguous()
+        last = max((s for s in range(self.P) if self.needs[self.rank][self.shard_at(s)]), default=-1)
         for s in range(self.P):
             j = self.shard_at(s)
             works, nxt = self._transfer(s, [k, v], lambda i: self._kv_like(k, v, i), 0)
             if self.needs[self.rank][j]:
-                out, lse = merge_rows(out, lse, *compute(j, k, v), self.rows[j], self.n_rows)
+                out, lse = merge_rows(out, lse, *compute(j, k, v), self.rows[j], self.n_rows,
+                                      out_dtype if s == last else None)
             _wait(works)
             if nxt is not None:
                 k, v = nxt
