@@ -380,3 +380,39 @@ def test_ring_merge_kernel(dtype):
     full_out, _ = merge.reference(out.double(), lse.double(), part.double(), part_lse.double())
     torch.testing.assert_close(inplace.double(), full_out, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6,
                                atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_ring_merge_rows(dtype):
+    """The ring's merges of three parts, one of all rows and two of some rows (in either order), give
+    the merge of the whole rows in one go (float64 torch ops on the parts padded with LSE -inf):
+    the rows a part does not cover keep what they had, the first part of all rows comes back as
+    it was, the last merge writes the dtype asked for, and float64 stays float64."""
+    from flexattn.distributed import merge
+    from flexattn.distributed.ring import merge_rows
+
+    g = torch.Generator().manual_seed(1)
+    B, H, n, D = 1, 2, 40, 8
+    spans = [(0, n), (16, 32), (0, 16)]
+    stat = torch.float64 if dtype == torch.float64 else torch.float32  # (the kernels' LSE dtype)
+    parts = [(torch.randn(B, H, hi - lo, D, generator=g).to(dtype), torch.randn(B, H, hi - lo, generator=g).to(stat))
+             for lo, hi in spans]
+    want_out = torch.zeros(B, H, n, D, dtype=torch.float64)
+    want_lse = torch.full((B, H, n), -math.inf, dtype=torch.float64)
+    for (lo, hi), (o, lse) in zip(spans, parts):
+        pad_o, pad_lse = torch.zeros_like(want_out), torch.full_like(want_lse, -math.inf)
+        pad_o[:, :, lo:hi], pad_lse[:, :, lo:hi] = o.double(), lse.double()
+        want_out, want_lse = merge.reference(want_out, want_lse, pad_o, pad_lse)
+    for order in ([0, 1, 2], [1, 0, 2], [2, 1, 0]):
+        out = lse = None
+        for step, i in enumerate(order):
+            last = step == len(order) - 1
+            part = [t.clone() for t in parts[i]]  # (merges write into the tensors they are given)
+            got = merge_rows(out, lse, *part, spans[i], n, dtype if last else None)
+            if step == 0 and spans[i] == (0, n):
+                assert got[0] is part[0]  # (kept as the kernel gave it)
+            out, lse = got
+        assert out.dtype == dtype and lse.dtype == stat
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(out.double(), want_out, rtol=tol, atol=tol)
+        torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
