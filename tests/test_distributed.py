@@ -87,24 +87,30 @@ CASES = {
          False, "allgather", False),
         ("sliding window none bias", 53, 2, 2, masks.sliding_window(9), None, True, "ring", True),
         ("documents whole_documents bias", sum(DOCS), 2, 2, masks.document(lengths=DOCS, causal=True), _whole_docs,
-         True, "ring", True)],
+         True, "ring", True),
+        # bfloat16: the neighbour's window sums travel home in bfloat16, the last merge writes it
+        ("sliding window none bf16", 53, 2, 2, masks.sliding_window(9), None, False, "ring", True, torch.bfloat16)],
     3: [("documents per_document GQA", sum(DOCS), 2, 1, masks.document(lengths=DOCS, causal=True), _doc_layout,
          False, "ring", True),
         ("sliding window none bias", 47, 2, 1, masks.sliding_window(11), None, True, "allgather", True),
         ("causal head_tail", 41, 2, 2, masks.causal, "head_tail", False, "ring", False),
+        # bfloat16, chunks longer than a block: rank 0's second and third merges cover its second
+        # chunk only, the last one from float32 sums into bfloat16
+        ("causal head_tail bf16", 115, 2, 2, masks.causal, "head_tail", False, "ring", False, torch.bfloat16),
         ("prefix none GQA bias", 101, 2, 1, prefix_or_self, None, True, "ring", True)],
 }
 
 
 def _check_case(group, index, case) -> None:
-    name, S, Hq, Hkv, mask, layout, with_bias, method, use_lse = case
+    name, S, Hq, Hkv, mask, layout, with_bias, method, use_lse, *dtype = case
+    dtype = dtype[0] if dtype else torch.float32
     layout = layout() if callable(layout) else layout
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     g = torch.Generator().manual_seed(S)
-    q = torch.randn(1, Hq, S, BLOCK, generator=g)
-    k = torch.randn(1, Hkv, S, BLOCK, generator=g)
-    v = torch.randn(1, Hkv, S, BLOCK, generator=g)
-    d_out = torch.randn(1, Hq, S, BLOCK, generator=g)
+    q = torch.randn(1, Hq, S, BLOCK, generator=g).to(dtype)
+    k = torch.randn(1, Hkv, S, BLOCK, generator=g).to(dtype)
+    v = torch.randn(1, Hkv, S, BLOCK, generator=g).to(dtype)
+    d_out = torch.randn(1, Hq, S, BLOCK, generator=g).to(dtype)
     d_lse = torch.randn(1, Hq, S, generator=g) if use_lse else torch.zeros(1, Hq, S)
     bias = torch.randn(Hq, S, generator=g) if with_bias else None
     gqa = Hq != Hkv
@@ -139,7 +145,7 @@ def _check_case(group, index, case) -> None:
     assert_close_to_reference(whole[0], out1, out64, name=f"{where} out")
     assert_close_to_reference(whole[1], lse1, lse64, name=f"{where} lse")
     for i, label in enumerate(["dq", "dk", "dv", "dbias"][:len(grads64)]):
-        atol = backward_atol(grads64[i], (torch.float32,), d_out, v, lse64)
+        atol = backward_atol(grads64[i], (dtype,), d_out, v, lse64)
         assert_close_to_reference(whole[2 + i], grads1[i], grads64[i], atol=atol, name=f"{where} {label}")
 
 
@@ -348,13 +354,37 @@ def test_layouts_match_torch(P):
         assert torch.equal(allpos.sort().values, torch.arange(47, dtype=torch.int32)), layout
 
 
+def _merged64(parts, n: int):
+    """Float64 (out, lse) of all ``n`` rows from ``parts`` [(out, lse, (lo, hi))] by the definition:
+    lse = log sum exp of the parts' lse, out = sum of exp(lse_i - lse) out_i (0 where no part sees
+    a row)."""
+    B, H, _, D = parts[0][0].shape
+    outs = torch.zeros(len(parts), B, H, n, D, dtype=torch.float64)
+    lses = torch.full((len(parts), B, H, n), -math.inf, dtype=torch.float64)
+    for i, (o, lse, (lo, hi)) in enumerate(parts):
+        outs[i, :, :, lo:hi], lses[i, :, :, lo:hi] = o.double(), lse.double()
+    total = torch.logsumexp(lses, 0)
+    w = torch.where(total.isfinite(), torch.exp(lses - total), 0.0)
+    return (w.unsqueeze(-1) * outs).sum(0), total
+
+
+def _assert_rounded_once(got: torch.Tensor, want64: torch.Tensor, what: str) -> None:
+    """``got`` (16-bit) is ``want64`` rounded to nearest once: equal but for float32 ties (under 1%
+    of the elements), and never more than one ulp off (truncation, or rounding twice, is not)."""
+    want = want64.float().to(got.dtype)
+    assert (got != want).double().mean() < 0.01, (what, (got != want).double().mean().item())
+    ulp = torch.finfo(got.dtype).eps * want64.abs().clamp_min(1e-30)
+    assert ((got.double() - want64).abs() <= ulp).all(), what
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_ring_merge_kernel(dtype):
-    """The ring's one-pass merge (flexattn/distributed/merge.py, in Triton's interpreter) against
-    the same merge in float64 torch ops: rows of row views, rows that one part or neither sees
-    (LSE -inf: out 0, never NaN), a head dim that is not a power of two, output in the inputs'
-    dtype and in float32, in place."""
-    from flexattn.distributed import merge
+def test_merge_kernel(dtype):
+    """The one-pass merge (templates/merge.py, through Triton's interpreter) against the merge by
+    its definition in float64: rows of row views, rows one part or neither sees (LSE -inf: out 0,
+    never NaN), a head dim that is not a power of two, output in float32 and in the inputs'
+    dtype (rounded to nearest once), in place; a last dimension that is not contiguous takes the
+    torch ops."""
+    from flexattn.kernels import merge
 
     g = torch.Generator().manual_seed(0)
     B, H, L, D, lo, hi = 2, 3, 75, 24, 9, 70
@@ -362,48 +392,52 @@ def test_ring_merge_kernel(dtype):
     lse, part_lse = (torch.randn(B, H, L, generator=g) * 3 for _ in range(2))
     lse[0, 1, 10:14] = -math.inf
     part_lse[0, 1, 12:16] = -math.inf  # rows 12, 13: neither part
-    want_out, want_lse = merge.reference(out[:, :, lo:hi].double(), lse[:, :, lo:hi].double(),
-                                         part[:, :, lo:hi].double(), part_lse[:, :, lo:hi].double())
+    rows = (lo, hi)
+    want_out, want_lse = _merged64([(out[:, :, lo:hi], lse[:, :, lo:hi], (0, hi - lo)),
+                                    (part[:, :, lo:hi], part_lse[:, :, lo:hi], (0, hi - lo))], hi - lo)
     for result_dtype in (torch.float32, dtype):
         got_lse = lse.clone()
         got = torch.full((B, H, L, D), math.nan, dtype=result_dtype)
         merge.merge_into(got[:, :, lo:hi], out[:, :, lo:hi], got_lse[:, :, lo:hi], part[:, :, lo:hi],
                          part_lse[:, :, lo:hi])
-        tol = 1e-6 if result_dtype == torch.float32 else 1e-2
-        torch.testing.assert_close(got[:, :, lo:hi].double(), want_out, rtol=tol, atol=tol)
+        if result_dtype == torch.float32:
+            torch.testing.assert_close(got[:, :, lo:hi].double(), want_out, rtol=1e-6, atol=1e-6)
+        else:
+            _assert_rounded_once(got[:, :, lo:hi], want_out, "merged rows")
         torch.testing.assert_close(got_lse[:, :, lo:hi].double(), want_lse, rtol=1e-6, atol=1e-6)
         assert got[:, :, :lo].isnan().all() and got[:, :, hi:].isnan().all()  # (nothing outside the rows)
         assert torch.equal(got_lse[:, :, :lo], lse[:, :, :lo]) and torch.equal(got_lse[:, :, hi:], lse[:, :, hi:])
         assert (got[0, 1, 12:14] == 0).all() and (got_lse[0, 1, 12:14] == -math.inf).all()
-    inplace = out.clone()  # (the result may be the output it reads)
-    merge.merge_into(inplace, inplace, lse.clone(), part, part_lse)
-    full_out, _ = merge.reference(out.double(), lse.double(), part.double(), part_lse.double())
-    torch.testing.assert_close(inplace.double(), full_out, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6,
-                               atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    full_out, full_lse = _merged64([(out, lse, (0, L)), (part, part_lse, (0, L))], L)
+    inplace, inplace_lse = out.clone(), lse.clone()  # (the result may be the output it reads)
+    merge.merge_into(inplace, inplace, inplace_lse, part, part_lse)
+    strided = out.transpose(2, 3).contiguous().transpose(2, 3)  # (D not innermost: torch ops)
+    strided_lse = lse.clone()
+    merge.merge_into(strided, strided, strided_lse, part, part_lse)
+    for got, got_lse in ((inplace, inplace_lse), (strided, strided_lse)):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got.double(), full_out, rtol=1e-6, atol=1e-6)
+        else:
+            _assert_rounded_once(got, full_out, "in place")
+        torch.testing.assert_close(got_lse.double(), full_lse, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_ring_merge_rows(dtype):
-    """The ring's merges of three parts, one of all rows and two of some rows (in either order), give
-    the merge of the whole rows in one go (float64 torch ops on the parts padded with LSE -inf):
-    the rows a part does not cover keep what they had, the first part of all rows comes back as
-    it was, the last merge writes the dtype asked for, and float64 stays float64."""
-    from flexattn.distributed import merge
+    """The ring's merges of three parts, one of all rows and two of some rows, in several orders, give
+    the merge of all of them by its definition in float64: the rows a part does not cover keep
+    what they had, the first part of all rows comes back as it was, the last merge writes the
+    dtype asked for, rounded once."""
     from flexattn.distributed.ring import merge_rows
 
     g = torch.Generator().manual_seed(1)
     B, H, n, D = 1, 2, 40, 8
-    spans = [(0, n), (16, 32), (0, 16)]
+    spans = [(0, n), (8, 32), (16, 40)]  # (the last two overlap: a last merge of rows merged before)
     stat = torch.float64 if dtype == torch.float64 else torch.float32  # (the kernels' LSE dtype)
-    parts = [(torch.randn(B, H, hi - lo, D, generator=g).to(dtype), torch.randn(B, H, hi - lo, generator=g).to(stat))
-             for lo, hi in spans]
-    want_out = torch.zeros(B, H, n, D, dtype=torch.float64)
-    want_lse = torch.full((B, H, n), -math.inf, dtype=torch.float64)
-    for (lo, hi), (o, lse) in zip(spans, parts):
-        pad_o, pad_lse = torch.zeros_like(want_out), torch.full_like(want_lse, -math.inf)
-        pad_o[:, :, lo:hi], pad_lse[:, :, lo:hi] = o.double(), lse.double()
-        want_out, want_lse = merge.reference(want_out, want_lse, pad_o, pad_lse)
-    for order in ([0, 1, 2], [1, 0, 2], [2, 1, 0]):
+    parts = [(torch.randn(B, H, hi - lo, D, generator=g).to(dtype),
+              torch.randn(B, H, hi - lo, generator=g).to(stat)) for lo, hi in spans]
+    want_out, want_lse = _merged64([(o, lse, span) for (o, lse), span in zip(parts, spans)], n)
+    for order in ([0, 1, 2], [1, 2, 0], [2, 0, 1], [1, 0, 2]):
         out = lse = None
         for step, i in enumerate(order):
             last = step == len(order) - 1
@@ -412,7 +446,9 @@ def test_ring_merge_rows(dtype):
             if step == 0 and spans[i] == (0, n):
                 assert got[0] is part[0]  # (kept as the kernel gave it)
             out, lse = got
-        assert out.dtype == dtype and lse.dtype == stat
-        tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
-        torch.testing.assert_close(out.double(), want_out, rtol=tol, atol=tol)
+        assert out.dtype == dtype and lse.dtype == stat, order
+        if dtype == torch.bfloat16:
+            _assert_rounded_once(out, want_out, f"order {order}")
+        else:
+            torch.testing.assert_close(out.double(), want_out, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)

@@ -206,7 +206,7 @@ def evict(directory: Path, limit: int, keep: Path | None = None) -> None:
 
 
 @contextlib.contextmanager
-def interpret_mode(enabled: bool):
+def _interpret_mode(enabled: bool):
     """`triton.jit` decides at decoration time whether to build an interpreted function."""
     old = os.environ.get("TRITON_INTERPRET")
     if enabled:
@@ -252,7 +252,7 @@ def _import(path: Path, interpret: bool) -> ModuleType:
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     try:
-        with interpret_mode(interpret):
+        with _interpret_mode(interpret):
             spec.loader.exec_module(mod)
     except BaseException as e:
         sys.modules.pop(name, None)

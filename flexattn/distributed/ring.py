@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from flexattn.distributed import merge
+from flexattn.kernels import merge
 
 
 def last_steps(needs: tuple, P: int) -> list[int]:
@@ -53,10 +53,10 @@ def last_steps(needs: tuple, P: int) -> list[int]:
 
 def merge_rows(out, lse, part_out, part_lse, rows: tuple[int, int], n: int, dtype: torch.dtype | None = None):
     """Merge a partial attention of rows ``[lo, hi)`` of ``n`` into ``(out, lse)`` by log-sum-exp
-    (`flexattn.distributed.merge`); the rows outside it keep what they had (out = 0, lse = -inf
-    where nothing yet). The first part of all rows is kept as the kernel gave it (a rank that reads
-    one pair converts nothing); a merged output comes in ``dtype`` (default: float32, float64 for
-    float64), the LSE in float32 (float64)."""
+    (`flexattn.kernels.merge`); the rows outside it keep what they had (out = 0, lse = -inf where
+    nothing yet). The first part of all rows is kept as the kernel gave it (a rank that reads one
+    pair converts nothing); a merged output comes in ``dtype`` (default: float32, float64 for
+    float64), read from the unrounded sums and rounded once; the LSE in float32 (float64)."""
     lo, hi = rows
     whole = (lo, hi) == (0, n)
     stat = torch.float64 if part_lse.dtype == torch.float64 else torch.float32
@@ -69,14 +69,12 @@ def merge_rows(out, lse, part_out, part_lse, rows: tuple[int, int], n: int, dtyp
         lse = part_lse.new_full((*part_lse.shape[:2], n), -math.inf)
         out[:, :, lo:hi], lse[:, :, lo:hi] = part_out, part_lse
         return out, lse
-    if stat == torch.float64:
-        out = out.to(dtype)
-        out[:, :, lo:hi], lse[:, :, lo:hi] = merge.reference(out[:, :, lo:hi], lse[:, :, lo:hi], part_out, part_lse)
-        return out, lse
-    if whole and out.dtype != dtype:  # (a new output; the old one is read by the same pass)
+    if out.dtype == dtype:
+        result = out  # (in place)
+    elif whole:
         result = torch.empty_like(out, dtype=dtype)
-    else:
-        result = out = out.to(dtype)
+    else:  # (the other rows as they are; the merged rows from out's own values)
+        result = out.to(dtype)
     merge.merge_into(result[:, :, lo:hi], out[:, :, lo:hi], lse[:, :, lo:hi], part_out, part_lse)
     return result, lse
 

@@ -1,0 +1,66 @@
+"""Merging two partial attentions of the same rows by their log-sum-exp (templates/merge.py):
+what the ring does after each step (flexattn/distributed/ring.py).
+
+`merge_into` runs the one-pass kernel where the tensors allow it (float32 LSE, 16-bit or float32
+outputs, the last dimension contiguous) and `merge_torch` otherwise (float64, other layouts)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from flexattn.kernels import launch
+from flexattn.lru import LRU
+
+BLOCK_ELEMENTS = 4096  # elements of O per program (BLOCK_L rows of BLOCK_D)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SITES = LRU(256)  # (device, dtypes, shapes, strides) -> its Launch (every integer argument fixed)
+
+
+def merge_torch(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor):
+    """The merge in torch ops, in ``lse``'s dtype: ``(merged out, merged lse)``."""
+    top = torch.maximum(lse, part_lse)
+    top = torch.where(top == -math.inf, 0.0, top)
+    a, c = torch.exp(lse - top), torch.exp(part_lse - top)
+    total = a + c
+    safe = torch.where(total == 0, 1.0, total)
+    merged = out.to(lse.dtype) * (a / safe).unsqueeze(-1) + part_out.to(lse.dtype) * (c / safe).unsqueeze(-1)
+    return merged, torch.where(total == 0, -math.inf, top + torch.log(safe))
+
+
+def merge_into(result: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
+               part_lse: torch.Tensor) -> None:
+    """``result`` = the merge of (``out``, ``lse``) and (``part_out``, ``part_lse``), all [B, H, L(, D)]
+    (views are fine; ``result`` may be ``out``); ``lse`` becomes the merged LSE. A row neither
+    part sees comes out 0 with LSE -inf."""
+    B, H, L, D = out.shape
+    if result.shape != out.shape or part_out.shape != out.shape or part_lse.shape != lse.shape:
+        raise ValueError(f"merge_into: shapes differ: result {tuple(result.shape)}, out {tuple(out.shape)}, "
+                         f"part_out {tuple(part_out.shape)}, lse {tuple(lse.shape)}, part_lse {tuple(part_lse.shape)}")
+    if B * H * L == 0:
+        return
+    tensors = (result, out, part_out)
+    if not (lse.dtype == part_lse.dtype == torch.float32 and all(t.dtype in _KERNEL_DTYPES for t in tensors)
+            and all(t.stride(3) == 1 or D == 1 for t in tensors)):
+        merged, new_lse = merge_torch(out, lse, part_out, part_lse)
+        result.copy_(merged)
+        lse.copy_(new_lse)
+        return
+    key = (out.device, result.dtype, out.dtype, part_out.dtype, out.shape,
+           *(t.stride() for t in (out, lse, part_out, part_lse, result)))
+    site = _SITES.get(key)
+    if site is None:
+        block_d = launch.pow2_at_least(D)
+        block_l = max(1, min(BLOCK_ELEMENTS // block_d, launch.pow2_at_least(L)))
+        n_row_blocks = triton.cdiv(L, block_l)
+        module = launch.kernel_module("merge", (), launch.target_for(out.device), dict, dict)
+        constexprs = dict(BLOCK_L=block_l, BLOCK_D=block_d)
+        if out.device.type == "cuda":
+            constexprs["num_warps"] = 4
+        site = _SITES[key] = (launch.Launch(module.merge_kernel, (n_row_blocks * B * H,), constexprs, out.device),
+                              n_row_blocks)
+    run, n_row_blocks = site
+    run(out, lse, part_out, part_lse, result, H, L, D, n_row_blocks, *out.stride()[:3], *lse.stride(),
+        *part_out.stride()[:3], *part_lse.stride(), *result.stride()[:3])
