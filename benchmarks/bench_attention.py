@@ -39,7 +39,8 @@ from benchmarks import results
 from benchmarks.timing import timer
 
 SUITE = "attention"
-IMPLS = {"flexattn": "flexattn", "flexattn deterministic": "flexattn determ.", "torch": "torch.compile(flex)",
+IMPLS = {"flexattn": "flexattn", "flexattn deterministic": "flexattn determ.", "flexattn dq pass": "flexattn dQ pass",
+         "torch": "torch.compile(flex)",
          "sdpa": "SDPA (cuDNN/flash)"}
 
 
@@ -166,6 +167,8 @@ def competitors(q, k, v, score_mod, mask_mod, sdpa_causal, S, block, torch_impls
         impls["flexattn deterministic"] = lambda: flexattn.flex_attention(
             q, k, v, score_mod=score_mod, block_mask=bm,
             kernel_options={**(kernel_options or {}), "DETERMINISTIC": True})
+        impls["flexattn dq pass"] = lambda: flexattn.flex_attention(
+            q, k, v, score_mod=score_mod, block_mask=bm, kernel_options={**(kernel_options or {}), "DQ_PASS": True})
     if torch_impls is None:
         return impls, visited_fraction(bm)
     compiled_flex, torch_block_mask = torch_impls

@@ -176,10 +176,53 @@ def test_head_groups(group):
     plans.BACKWARD.plans.clear()
 
 
-def test_captured_tensor_gradients_take_the_triton_backward():
+def test_dq_by_the_dq_pass():
+    """DQ_PASS: the Gluon kernel computes dK and dV only and the Triton dQ pass writes dQ: GQA with
+    a score_mod and a document mask (partial and full blocks), head dim 64 with lengths that are
+    not multiples of the tiles, K/V broadcast over the batch, fully masked rows."""
+    plans.BACKWARD.plans.clear()
+    on = {"DQ_PASS": True}
+    S = 1500
+    check(2, 8, 2, S, S, 128, score_mod=make_alibi(8, "cuda"), mask_mod=make_document_causal(S, "cuda"), options=on)
+    check(1, 4, 4, 1333, 700, 64, mask_mod=sliding_window_1024, options=on)
+    check(2, 4, 2, 1000, 1000, 128, mask_mod=causal, Bkv=1, options=on)
+
+    def late_keys(b, h, q_idx, kv_idx):  # rows q_idx < 300 see nothing
+        return (kv_idx <= q_idx) & (q_idx >= 300)
+
+    dq, _, _ = check(1, 4, 2, 1000, 1000, 64, mask_mod=late_keys, options=on)
+    assert (dq[:, :, :300] == 0).all()
+    made = [p for p in plans.BACKWARD.plans.values() if hasattr(p, "main")]
+    assert made and all(p.dq_pass is not None and not p.main.constexprs["COMPUTE_DQ"] for p in made)
+    plans.BACKWARD.plans.clear()
+
+
+def test_captured_tensor_gradients_take_the_dq_pass():
+    """A captured tensor that needs a gradient: the Gluon kernel computes dK and dV, the Triton dQ
+    pass dQ and the tensor's gradient, which matches the Triton backward's and float64's."""
     slopes = torch.exp2(-torch.arange(1, 5, dtype=torch.float32, device="cuda")).requires_grad_()
-    q, k, v = (torch.randn(1, 4, 512, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 700, 128, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    d_out = torch.randn(1, 4, 700, 128, device="cuda", generator=g)
+
+    def alibi(s, b, h, qi, ki):
+        return s + slopes[h] * (ki - qi)
+
+    def grads(options):
+        out = flex_attention(q, k, v, score_mod=alibi, kernel_options=options)
+        return torch.autograd.grad(out, (q, k, v, slopes), d_out)
+
     with _Counted() as hopper_runs:
-        out = flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi))
-        out.float().sum().backward()
-    assert hopper_runs.calls == 0 and slopes.grad is not None and torch.isfinite(slopes.grad).all()
+        got = grads(None)
+        assert hopper_runs.calls == 1
+        tri = grads({"BACKEND": "TRITON"})
+        assert hopper_runs.calls == 1
+    s64 = slopes.detach().double().requires_grad_()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = torch.autograd.grad(attention_reference(q64, k64, v64, score_mod=lambda s, b, h, qi, ki: s + s64[h] * (ki - qi)),
+                              (q64, k64, v64, s64), d_out.double())
+    for name, a, t, r in zip(("dq", "dk", "dv", "d slopes"), got, tri, ref):
+        assert torch.isfinite(a).all(), name
+        err, err_triton = ((x.double() - r).abs().max().item() for x in (a, t))
+        assert err <= 1.5 * err_triton + 1e-3 * r.abs().max().item(), (name, err, err_triton)

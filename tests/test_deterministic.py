@@ -17,7 +17,9 @@ import flexattn
 from flexattn import call
 from flexattn.codegen import emit
 from flexattn.codegen.cache import load_source
+from flexattn import tracer
 from flexattn.kernels import backward as bwd, hopper
+from flexattn.mods import MASK, SCORE
 from flexattn.reference import attention_reference
 from helpers import testing
 
@@ -142,13 +144,34 @@ def test_the_option_and_torch_flag_pick_the_deterministic_plan(monkeypatch, torc
     assert len(made) == 3  # deterministic, explicitly not, unset: the modes that come again make none
 
 
-def test_the_hopper_backward_is_not_deterministic(monkeypatch):
-    """The Gluon Hopper backward (dQ by reduce-adds in no fixed order) refuses deterministic mode;
-    everything else about these inputs would let it run."""
+def test_the_hopper_backward_leaves_dq_to_the_dq_pass_when_deterministic(monkeypatch):
+    """The Gluon Hopper backward adds dQ by reduce-adds in no fixed order: in deterministic mode
+    (and where captured tensors need gradients) it computes dK and dV only, and the Triton dQ
+    pass writes dQ, one program per query tile, with exact sums for captured tensors."""
+    from flexattn.kernels import plans
+
     monkeypatch.setattr(hopper, "_machine_reason", lambda query, options: None)
-    q, k, v = (torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16) for _ in range(3))
-    assert hopper.backward_reason(q, k, v, q, None, {}, False) is None
-    assert "deterministic" in hopper.backward_reason(q, k, v, q, None, DET, False)
+    q, k, v = (torch.randn(1, 2, 256, 128).bfloat16() for _ in range(3))
+    bias = torch.randn(2)
+    cpu = torch.device("cpu")
+    score = tracer.trace(lambda s, b, h, qi, ki: s + bias[h], SCORE, score_dtype=torch.float32, device=cpu)
+    mask = tracer.trace(lambda b, h, qi, ki: qi >= ki, MASK, score_dtype=torch.float32, device=cpu)
+    assert hopper.backward_reason(q, k, v, q, None, DET) is None
+
+    def plan(options, need=(False,)):
+        return plans._make_backward_plan(q, k, v, q, q, score, mask, None, options, need, score.buffers, False,
+                                         launch_once=None)
+
+    default, det, det_grad = plan({}), plan(DET), plan(DET, need=(True,))
+    assert isinstance(default, bwd.HopperPlan) and default.dq_pass is None
+    assert default.main.constexprs["COMPUTE_DQ"] and default.preprocess.constexprs["ZERO_DQ"]
+    for p in (det, det_grad):
+        assert isinstance(p, bwd.HopperPlan) and not p.main.constexprs["COMPUTE_DQ"]
+        assert not p.preprocess.constexprs["ZERO_DQ"]  # (no accumulator)
+    assert det.dq_pass.grad_buffers == () and det_grad.dq_pass.grad_buffers == (0,)
+    assert det_grad.dq_pass.exact_grads and not plan({}, need=(True,)).dq_pass.exact_grads
+    assert plan({"DQ_PASS": True}).dq_pass is not None and plan({"DQ_PASS": False}).dq_pass is None
+    assert plan({**DET, "DQ_PASS": False}).dq_pass is not None  # (determinism wins)
 
 
 def test_deterministic_mode_skips_autotuning():

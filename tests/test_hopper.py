@@ -205,12 +205,14 @@ def test_reason_on_a_hopper(monkeypatch):
     assert "64x64" in hopper.reason(q, k, v, tables_of(bm), {})
 
 
-def _compile_backward(q, k, v, score_fn=None, mask_fn=None, block_mask=None):
-    """Compile the Hopper backward plan's kernel for sm_90 with the argument types a launch passes."""
+def _compile_backward(q, k, v, score_fn=None, mask_fn=None, block_mask=None, dq_pass=False):
+    """Compile the Hopper backward plan's kernel for sm_90 with the argument types a launch passes
+    (``dq_pass``: the kernel that leaves dQ to the Triton dQ pass)."""
     score = _mod(score_fn or (lambda s, b, h, q, k: s), SCORE)
     mask = _mod(mask_fn or (lambda b, h, q, k: q >= 0), MASK)
     tables = None if block_mask is None else tables_of(block_mask)
-    plan = bwd.hopper_plan(q, k, v, score, mask, tables, {}, False)
+    split = bwd.make_plan(q, k, v, q, q, score, mask, tables, {}, (), (), False) if dq_pass else None
+    plan = bwd.hopper_plan(q, k, v, score, mask, tables, {}, False, split)
     B, Hq, S, D = q.shape
     lse = torch.empty(B, Hq, S)
     delta, dq_acc = torch.empty(B, Hq, S), torch.empty(B, Hq, S, D)
@@ -229,6 +231,16 @@ def test_backward_compiles(D):
     in its rows of the V tile and in its dQ buffer)."""
     ptx = _compile_backward(*_qkv(S=300, D=D))
     assert "wgmma.mma_async" in ptx and "cp.reduce.async.bulk.tensor" in ptx and "red.global" not in ptx
+    assert ptx.count(TMA_STORE) == 4
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_backward_without_dq_compiles(D):
+    """With dQ left to the dQ pass the kernel runs four products per step and adds nothing: no
+    reduce-add, no atomics; dK and dV still leave through the TMA unit."""
+    ptx = _compile_backward(*_qkv(S=300, D=D), dq_pass=True)
+    assert ptx.count("wgmma.mma_async") < _compile_backward(*_qkv(S=300, D=D)).count("wgmma.mma_async")
+    assert "cp.reduce.async.bulk" not in ptx and "red.global" not in ptx and "atom.global" not in ptx
     assert ptx.count(TMA_STORE) == 4
 
 
@@ -320,20 +332,19 @@ def test_head_group_takes_heads_together_only_for_few_waves_of_a_block_mask(monk
 
 def test_backward_reason(monkeypatch):
     q, k, v = _qkv()
-    assert "compute capability 9.0" in hopper.backward_reason(q, k, v, q, None, {}, False)
+    assert "compute capability 9.0" in hopper.backward_reason(q, k, v, q, None, {})
     monkeypatch.setattr(hopper, "_on_sm90", lambda device: True)
-    assert hopper.backward_reason(q, k, v, q, None, {}, False) is None
-    assert hopper.backward_reason(*_qkv(D=64), q, None, {}, False) is None
-    assert hopper.backward_reason(q, k, v, q, None, {"BACKEND": "TRITON"}, False) == "kernel_options BACKEND='TRITON'"
-    assert "captured tensors need gradients" in hopper.backward_reason(q, k, v, q, None, {}, True)
-    assert "head dims" in hopper.backward_reason(*_qkv(D=256), q, None, {}, False)
-    assert "float16 or bfloat16" in hopper.backward_reason(*(t.float() for t in (q, k, v)), q, None, {}, False)
-    assert "below one 64x128 tile" in hopper.backward_reason(*_qkv(S=100), q, None, {}, False)
+    assert hopper.backward_reason(q, k, v, q, None, {}) is None
+    assert hopper.backward_reason(*_qkv(D=64), q, None, {}) is None
+    assert hopper.backward_reason(q, k, v, q, None, {"BACKEND": "TRITON"}) == "kernel_options BACKEND='TRITON'"
+    assert "head dims" in hopper.backward_reason(*_qkv(D=256), q, None, {})
+    assert "float16 or bfloat16" in hopper.backward_reason(*(t.float() for t in (q, k, v)), q, None, {})
+    assert "below one 64x128 tile" in hopper.backward_reason(*_qkv(S=100), q, None, {})
     padded = torch.randn(1, 2, 300, 132, dtype=torch.bfloat16)[..., :128]
-    assert "grad_out is not TMA-readable" in hopper.backward_reason(q, k, v, padded, None, {}, False)
-    assert "Triton backward's knobs ['BLOCK_M1']" in hopper.backward_reason(q, k, v, q, None, {"BLOCK_M1": 32}, False)
+    assert "grad_out is not TMA-readable" in hopper.backward_reason(q, k, v, padded, None, {})
+    assert "Triton backward's knobs ['BLOCK_M1']" in hopper.backward_reason(q, k, v, q, None, {"BLOCK_M1": 32})
     bm = create_block_mask(causal, None, None, 300, 300, device="cpu", BLOCK_SIZE=64)
-    assert "64x128" in hopper.backward_reason(q, k, v, q, tables_of(bm), {}, False)
+    assert "64x128" in hopper.backward_reason(q, k, v, q, tables_of(bm), {})
 
 
 @pytest.mark.parametrize("backward", [False, True])

@@ -228,7 +228,7 @@ BACKWARD_HOPPER = Signature("flex_attention_backward", (
 ), _names("""
     BLOCK_M, BLOCK_N, SPARSE_Q_BLOCK_SIZE, SPARSE_KV_BLOCK_SIZE,
     GQA_SHARED_HEADS, KV_BATCH_BROADCAST, HAS_FULL_BLOCKS, BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2,
-    SCORE_AFFINE, LATE_DP_WAIT, NUM_BUFFERS, CONSUMER_REGS, SCORE_DTYPE, DEFER_DQ, DKV_TMA"""), "gl.constexpr")
+    SCORE_AFFINE, LATE_DP_WAIT, NUM_BUFFERS, CONSUMER_REGS, SCORE_DTYPE, DEFER_DQ, DKV_TMA, COMPUTE_DQ"""), "gl.constexpr")
 
 # template -> the signatures of the kernels it defines (each filled through its $<kernel>_params hook)
 TEMPLATES: dict[str, tuple[Signature, ...]] = {

@@ -1,5 +1,7 @@
 """The backward kernels (templates/backward.py): dQ, dK, dV and gradients of captured tensors.
-On Hopper most calls take one Gluon pass instead (`HopperPlan`, templates/backward_hopper.py).
+On Hopper the Gluon kernel (`HopperPlan`, templates/backward_hopper.py) computes dK and dV, and
+either adds dQ into a float32 accumulator in the same pass or leaves dQ and the captured tensors'
+gradients to the Triton dQ pass below (`dq_by_pass`).
 
 Three launches per call: a preprocess (Delta = rowsum(dO * O) - dLSE), a dK/dV pass over the
 transposed block lists (one program per KV tile; GQA heads of a group summed in-program), and a
@@ -9,10 +11,10 @@ batch 1 broadcast over the query's batch get per-batch gradients summed on the h
 masked rows (LSE = -inf) contribute exactly zero. Attention sinks change nothing in the kernels
 (the LSE includes them); their gradient comes from Delta and the LSE (`sink_grad`).
 
-Deterministic mode (kernel option ``DETERMINISTIC``) takes these kernels, never the Hopper one:
-each dQ, dK and dV element is written by one program, which sums in a fixed order, and the
-captured-tensor gradients are exact fixed-point sums (`exact_sum_value`), so the gradients are
-bitwise the same from run to run.
+Deterministic mode (kernel option ``DETERMINISTIC``) takes these kernels, or on Hopper the Gluon
+kernel's dK and dV with the Triton dQ pass: each dQ, dK and dV element is written by one
+program, which sums in a fixed order, and the captured-tensor gradients are exact fixed-point sums
+(`exact_sum_value`), so the gradients are bitwise the same from run to run.
 """
 
 from __future__ import annotations
@@ -181,6 +183,8 @@ class HopperPlan:
     kv_batched: bool
     dense: Direction | None  # the query lists without a block mask
     sizes: tuple             # Hq, Hkv, Q_LEN, KV_LEN, HEAD_GROUP
+    dq_pass: Plan | None = None  # dQ (and captured-tensor gradients) by this plan's dQ pass; the main
+    # kernel then writes dK and dV only, and nothing is zeroed or converted
 
 
 def _preprocess(mod, query, value, has_grad_lse: bool, zero_dq: bool = False) -> launch.Launch:
@@ -217,8 +221,21 @@ def defer_dq(head_dim: int, affine: bool, mask: Mod) -> bool:
     return not reads_memory
 
 
+def dq_by_pass(options: dict, buffer_grads: bool, mask: Mod) -> bool:
+    """Whether the Hopper backward leaves dQ to the Triton dQ pass (`HopperPlan.dq_pass`): always
+    in deterministic mode (the pass writes each dQ element once, summing in a fixed order, and sums
+    captured-tensor gradients exactly) and where captured tensors need gradients (the pass adds
+    them); elsewhere where the kernel option DQ_PASS asks (under a block mask the tuner times
+    both: `tuning.hopper_backward_candidates`)."""
+    if buffer_grads or options.get("DETERMINISTIC", False):
+        return True
+    return options.get("DQ_PASS", False)
+
+
 def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None, explicit: dict,
-                has_grad_lse: bool) -> HopperPlan:
+                has_grad_lse: bool, dq_pass: Plan | None = None) -> HopperPlan:
+    """``dq_pass``: a Triton plan (`make_plan`) whose preprocess and dQ pass the call runs around a
+    main kernel that computes no dQ (`dq_by_pass` says when)."""
     B, Hq, Q_LEN, E = query.shape
     Bkv, Hkv, KV_LEN, _ = value.shape
     device, dtype = query.device, query.dtype
@@ -248,23 +265,24 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         LATE_DP_WAIT=not raw and score_mod_grad(score).score.op == "const",
         NUM_BUFFERS=hopper.BWD_NUM_BUFFERS[E], CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
-        DEFER_DQ=defer_dq(E, affine, mask),
+        DEFER_DQ=dq_pass is None and defer_dq(E, affine, mask),
         DKV_TMA=descriptors.with_out,
+        COMPUTE_DQ=dq_pass is None,
         num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS,
     )
     fast_math = opts.fast_math(explicit, device, dtype)
     kernel = hopper_module(score, mask, fast_math).flex_attention_backward
     grid = (triton.cdiv(KV_LEN, block_n), B * Hkv)
     main = launch.Launch(kernel, grid, constexprs, device)
-    pre = _preprocess(module(score, mask, (), launch.target_for(device), fast_math), query, value, has_grad_lse,
-                      zero_dq=True)
+    pre = dq_pass.preprocess if dq_pass is not None else _preprocess(
+        module(score, mask, (), launch.target_for(device), fast_math), query, value, has_grad_lse, zero_dq=True)
     # a KV head's query heads' Q and dO, and their float32 dQ accumulator
     group = hopper.head_group(device, Q_LEN * E * (2 * query.element_size() + 4) * (Hq // Hkv), B * Hkv,
                               grid[0] * grid[1], tables is not None,
                               explicit.get("HEAD_GROUP"))
     return HopperPlan(pre, main, descriptors, layout.contiguous_or_order(query),
                       key.dtype if kv_batched else torch.float32, kv_batched, lists,
-                      (Hq, Hkv, Q_LEN, KV_LEN, group))
+                      (Hq, Hkv, Q_LEN, KV_LEN, group), dq_pass)
 
 
 def run(plan: Plan | HopperPlan, query, key, value, out, lse, grad_out, grad_lse, score: Mod, score_bufs,
@@ -277,10 +295,7 @@ def run(plan: Plan | HopperPlan, query, key, value, out, lse, grad_out, grad_lse
     B, Hq, Q_LEN, E = query.shape
     _, Hkv, KV_LEN, Ev = value.shape
     device = query.device
-    # (the exact sums: three 64-bit words per element, see exact_sum_value)
-    grad_bufs = {i: torch.zeros((*score_bufs[i].shape, 3) if plan.exact_grads else score_bufs[i].shape,
-                                dtype=torch.int64 if plan.exact_grads else plan.acc, device=device)
-                 for i in plan.grad_buffers}
+    grad_bufs = _grad_buffers(plan, score_bufs, device)
     dq = launch.empty(query.shape, query.dtype, device, plan.dq_order)
     dk = launch.empty((B, Hkv, KV_LEN, E), plan.dk_dtype, device)
     dv = launch.empty((B, Hkv, KV_LEN, Ev), plan.dk_dtype, device)
@@ -304,6 +319,14 @@ def run(plan: Plan | HopperPlan, query, key, value, out, lse, grad_out, grad_lse
         dk = dk.sum(0, keepdim=True).to(key.dtype)
         dv = dv.sum(0, keepdim=True).to(value.dtype)
     return dq, dk, dv, _grad_values(plan, grad_bufs), sink_grad(sinks, lse, delta)
+
+
+def _grad_buffers(plan: Plan, score_bufs, device) -> dict:
+    """Zeroed sums for the captured tensors' gradients (the exact sums: three 64-bit words per
+    element, see `exact_sum_value`)."""
+    return {i: torch.zeros((*score_bufs[i].shape, 3) if plan.exact_grads else score_bufs[i].shape,
+                           dtype=torch.int64 if plan.exact_grads else plan.acc, device=device)
+            for i in plan.grad_buffers}
 
 
 def sink_grad(sinks: torch.Tensor | None, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
@@ -393,17 +416,31 @@ def _run_hopper(plan: HopperPlan, query, key, value, out, lse, grad_out, grad_ls
     device = query.device
     delta = launch.empty((B, Hq, Q_LEN), torch.float32, device)
     dlse = grad_lse if grad_lse is not None else lse
-    # (in the query's layout: the float conversion keeps it, and dQ has the query's layout; the
-    # preprocess zeroes it)
-    dq_acc = launch.empty(query.shape, torch.float32, device, plan.dq_order)
-    plan.preprocess(*preprocess_args(out, grad_out, dlse, delta, dq_acc, Hq, Q_LEN))
+    split = plan.dq_pass
+    if split is None:
+        # (in the query's layout: the float conversion keeps it, and dQ has the query's layout; the
+        # preprocess zeroes it)
+        dq_acc = launch.empty(query.shape, torch.float32, device, plan.dq_order)
+        plan.preprocess(*preprocess_args(out, grad_out, dlse, delta, dq_acc, Hq, Q_LEN))
+    else:  # (the main kernel adds nothing into it: one tile for its descriptor)
+        dq_acc = torch.empty((1, 1, hopper.BWD_BLOCK_M, E), dtype=torch.float32, device=device)
+        plan.preprocess(*preprocess_args(out, grad_out, dlse, delta, None, Hq, Q_LEN))
     dk = launch.empty((B, Hkv, KV_LEN, E), plan.dk_dtype, device)
     dv = launch.empty((B, Hkv, KV_LEN, E), plan.dk_dtype, device)
     lists = plan.dense if plan.dense is not None else q_direction(tables, KV_LEN)
     plan.main(*hopper_args(plan, query, key, value, grad_out, lse, delta, dq_acc, dk, dv, lists, score, score_bufs,
                            mask, mask_bufs, scale))
-    dq = dq_acc.to(query.dtype)
+    grads = {}
+    if split is None:
+        dq = dq_acc.to(query.dtype)
+    else:
+        grad_bufs = _grad_buffers(split, score_bufs, device)
+        dq = launch.empty(query.shape, query.dtype, device, split.dq_order)
+        mod_args = (*launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs))
+        kv_lists = split.dense[1] if split.dense is not None else tables.kv
+        split.dq(*dq_args(split, query, key, value, grad_out, lse, delta, dq, kv_lists, mod_args, grad_bufs, scale))
+        grads = _grad_values(split, grad_bufs)
     if not plan.kv_batched:  # K/V broadcast over the batch: their gradient sums over it
         dk = dk.sum(0, keepdim=True).to(key.dtype)
         dv = dv.sum(0, keepdim=True).to(value.dtype)
-    return dq, dk, dv, {}, sink_grad(sinks, lse, delta)
+    return dq, dk, dv, grads, sink_grad(sinks, lse, delta)

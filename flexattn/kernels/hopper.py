@@ -172,7 +172,7 @@ BWD_HEAD_DIMS = tuple(BWD_NUM_BUFFERS)
 _TRITON_BWD_KNOBS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
 
 
-def backward_reason(query, key, value, grad_out, tables, options: dict, buffer_grads: bool) -> str | None:
+def backward_reason(query, key, value, grad_out, tables, options: dict) -> str | None:
     """Why a backward cannot run the Hopper kernel, or None when it can."""
     why = _machine_reason(query, options)
     if why is not None:
@@ -186,10 +186,6 @@ def backward_reason(query, key, value, grad_out, tables, options: dict, buffer_g
         return "there is nothing to compute"
     if query.shape[2] < BWD_BLOCK_M or key.shape[2] < BWD_BLOCK_N:
         return f"the lengths are below one {BWD_BLOCK_M}x{BWD_BLOCK_N} tile"
-    if buffer_grads:
-        return "the score_mod's captured tensors need gradients (the Triton backward's dQ pass adds them)"
-    if options.get("DETERMINISTIC", False):
-        return "deterministic mode: its dQ is a sum of reduce-adds in no fixed order"
     return (_tma_reason(query=query, key=key, value=value, grad_out=grad_out)
             or _tiles_reason(tables, BWD_BLOCK_M, BWD_BLOCK_N)
             or _knobs_reason(options, _TRITON_BWD_KNOBS, "Triton backward"))

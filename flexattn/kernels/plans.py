@@ -164,9 +164,17 @@ def _make_backward_plan(query, key, value, out, grad_out, score, mask, tables, o
                              score_bufs, has_grad_lse)
 
     buffer_grads = bool(bwd.grad_buffers_of(score, need, score_bufs))
-    if hopper.backward_reason(query, key, value, grad_out, tables, options, buffer_grads) is None:
-        return bwd.hopper_plan(query, key, value, score, mask, tables, options, has_grad_lse)
     extra = ("buffer grads" if any(need) else "", "lse grad" if has_grad_lse else "")
+    if hopper.backward_reason(query, key, value, grad_out, tables, options) is None:
+        def make_hopper(config: dict):
+            split = make({}) if bwd.dq_by_pass({**options, **config}, buffer_grads, mask) else None
+            return bwd.hopper_plan(query, key, value, score, mask, tables, options, has_grad_lse, split)
+
+        plan = None
+        if tables is not None and not buffer_grads:  # (the one pass is ahead without a block mask)
+            plan = _tuned("backward hopper", tuning.HOPPER_BACKWARD_KNOBS, tuning.hopper_backward_candidates,
+                          extra, query, key, value, score, tables, options, make_hopper, launch_once)
+        return plan if plan is not None else make_hopper({})
     plan = _tuned("backward", tuning.BACKWARD_KNOBS, tuning.backward_candidates, extra,
                   query, key, value, score, tables, options, make, launch_once)
     return plan if plan is not None else make({})

@@ -184,7 +184,7 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
              SPARSE_Q_BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
              BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr,
              SCORE_AFFINE: gl.constexpr, LATE_DP_WAIT: gl.constexpr, SCORE_DTYPE: gl.constexpr,
-             DEFER_DQ: gl.constexpr, DKV_TMA: gl.constexpr):
+             DEFER_DQ: gl.constexpr, DKV_TMA: gl.constexpr, COMPUTE_DQ: gl.constexpr):
     NUM_BUFFERS: gl.constexpr = q_bufs.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[3]
@@ -325,28 +325,34 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
             # -- dV += P^T dO; dQ = dS K (after the other consumer's dS); dK += dS^T Q runs while dQ is
             # added
             dv = warpgroup_mma(p_s.permute((1, 0)), do, dv, is_async=True)
-            mbarrier.arrive(ds_ready.index(it % 2), count=1)
-            if DEFER_DQ:
+            if not COMPUTE_DQ:  # (dQ in its own pass: each consumer reads only its own dS)
+                dk = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
+                dv = warpgroup_mma_wait(1, deps=(dv, ))
+                mbarrier.arrive(do_empty.index(slot), count=1)
+            elif DEFER_DQ:
+                mbarrier.arrive(ds_ready.index(it % 2), count=1)
                 # the previous step's dQ (at the first step the product reads a buffer no one wrote
                 # and is not added: one branch around the add, none around the products)
                 if it > 0:  # (the other consumer's dS of the previous step)
                     mbarrier.wait(ds_ready.index((it - 1) % 2), ((it - 1) // 2) & 1)
                 dq_ds = ds_bufs.index((it + 1) % 2)
             else:  # (this step's, after the other consumer's dS)
+                mbarrier.arrive(ds_ready.index(it % 2), count=1)
                 mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
                 dq_ds = ds_s
-            dq = warpgroup_mma(dq_ds, k_dq, zero_dq, use_acc=False, is_async=True)
-            dk = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
-            dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
-            mbarrier.arrive(do_empty.index(slot), count=1)
-            if DEFER_DQ:
-                if it > 0:
-                    mbarrier.arrive(ds_free.index((it - 1) % 2), count=1)
-                    dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, prev_h, prev_start, DQ_COL0)
-                prev_start = start
-                prev_h = h
-            else:
-                dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, h, start, DQ_COL0)
+            if COMPUTE_DQ:
+                dq = warpgroup_mma(dq_ds, k_dq, zero_dq, use_acc=False, is_async=True)
+                dk = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
+                dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
+                mbarrier.arrive(do_empty.index(slot), count=1)
+                if DEFER_DQ:
+                    if it > 0:
+                        mbarrier.arrive(ds_free.index((it - 1) % 2), count=1)
+                        dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, prev_h, prev_start, DQ_COL0)
+                    prev_start = start
+                    prev_h = h
+                else:
+                    dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, h, start, DQ_COL0)
             dk = warpgroup_mma_wait(0, deps=(dk, ))
             mbarrier.arrive(q_empty.index(slot), count=1)
             it += 1
@@ -434,7 +440,7 @@ $flex_attention_backward_params
                     b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
                     0, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
                     BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT, SCORE_DTYPE,
-                    DEFER_DQ, DKV_TMA)),
+                    DEFER_DQ, DKV_TMA, COMPUTE_DQ)),
         (consumer, (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, q_ready, q_empty, do_ready, do_empty,
                     ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
                     $score_mod_params $mask_mod_params
@@ -445,7 +451,7 @@ $flex_attention_backward_params
                     b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
                     1, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
                     BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT, SCORE_DTYPE,
-                    DEFER_DQ, DKV_TMA)),
+                    DEFER_DQ, DKV_TMA, COMPUTE_DQ)),
         (loader, (Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
                   Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
                   stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
