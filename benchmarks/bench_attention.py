@@ -158,7 +158,7 @@ def competitors(q, k, v, score_mod, mask_mod, sdpa_causal, S, block, torch_impls
     """(impl -> forward function, fraction of tiles visited) for one case; ``torch_impls`` is None
     (flexattn only) or (compiled flex_attention, torch's create_block_mask); ``kernel_options``
     go to flexattn's calls; ``deterministic``: also flexattn in deterministic mode (what its
-    backward costs)."""
+    backward costs) and, on the GPU, with dQ by the dQ pass (`DQ_PASS`)."""
     bm = (flexattn.create_block_mask(mask_mod, 1, 1, S, S, device=q.device, BLOCK_SIZE=block)
           if mask_mod is not None else None)
     impls = {"flexattn": lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
@@ -167,6 +167,7 @@ def competitors(q, k, v, score_mod, mask_mod, sdpa_causal, S, block, torch_impls
         impls["flexattn deterministic"] = lambda: flexattn.flex_attention(
             q, k, v, score_mod=score_mod, block_mask=bm,
             kernel_options={**(kernel_options or {}), "DETERMINISTIC": True})
+    if deterministic and q.is_cuda:  # (the Hopper backward's dQ by the Triton dQ pass, where it runs)
         impls["flexattn dq pass"] = lambda: flexattn.flex_attention(
             q, k, v, score_mod=score_mod, block_mask=bm, kernel_options={**(kernel_options or {}), "DQ_PASS": True})
     if torch_impls is None:

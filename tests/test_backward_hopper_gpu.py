@@ -63,10 +63,12 @@ def check(B, Hq, Hkv, S_Q, S_KV, D, score_mod=None, mask_mod=None, Bkv=None, dty
 
     with _Counted() as hopper_runs:
         got = _grads(lambda: flex_attention(q, k, v, **kw, kernel_options=options), (q, k, v), d_out, d_lse)
-        assert hopper_runs.calls == 1, "the backward did not run the Hopper kernel"
+        # (more than once where the tuner timed the Hopper backward's two forms: a block mask, S=4k)
+        assert hopper_runs.calls >= 1, "the backward did not run the Hopper kernel"
+        ran = hopper_runs.calls
         tri = _grads(lambda: flex_attention(q, k, v, **kw, kernel_options={"BACKEND": "TRITON"}), (q, k, v),
                      d_out, d_lse)
-        assert hopper_runs.calls == 1, "BACKEND='TRITON' ran the Hopper backward"
+        assert hopper_runs.calls == ran, "BACKEND='TRITON' ran the Hopper backward"
     eager = _grads(lambda: attention_reference(q, k, v, dtype=None, **kw), (q, k, v), d_out, d_lse)
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     ref = _grads(lambda: attention_reference(q32, k32, v32, dtype=torch.float32, **kw), (q32, k32, v32), d_out,
