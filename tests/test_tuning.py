@@ -246,3 +246,45 @@ def test_explicit_backward_options_or_switch_skip_backward_tuning(fresh, clock, 
     assert len(clock) == (len(tuning.forward_candidates(q.device, q.dtype, 32)) if options.get("AUTOTUNE") else 0)
     stored = json.loads((fresh / tuning._FILE).read_text()) if (fresh / tuning._FILE).exists() else {}
     assert not [key for key in stored if key.startswith("backward|")]
+
+
+def test_the_hopper_backward_times_its_two_forms_under_a_block_mask(monkeypatch):
+    """Where the Gluon Hopper backward runs under a block mask the tuner times the one pass and the
+    dQ pass (default tiles and 64x32 ones) and keeps the winner; without a block mask the one pass
+    runs untimed. (The Gluon kernels need an sm_90 GPU: here the plans are built, not launched.)"""
+    from flexattn import tracer
+    from flexattn.block_mask import create_block_mask
+    from flexattn.kernels import hopper, options
+    from flexattn.kernels.tables import tables_of
+    from flexattn.mods import MASK, SCORE
+
+    monkeypatch.setattr(hopper, "_machine_reason", lambda query, options: None)
+    seen = {}
+
+    def choose(key, candidates, make, run, device):
+        seen["key"], seen["plans"] = key, [make(c) for c in candidates]
+        return seen["plans"][-1], candidates[-1]
+
+    monkeypatch.setattr(tuning, "choose", choose)
+    cpu = torch.device("cpu")
+    score = tracer.trace(lambda s, b, h, q_idx, kv_idx: s, SCORE, score_dtype=torch.float32, device=cpu)
+    causal = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx  # noqa: E731
+    mask = tracer.trace(causal, MASK, score_dtype=torch.float32, device=cpu)
+    S = 4096  # (B x H x S x S reaches plans.TUNE_MIN_WORK)
+    q = torch.empty(1, 8, S, 128, dtype=torch.bfloat16)
+    tables = tables_of(create_block_mask(causal, None, None, S, S, device="cpu"))
+
+    def plan(tables):
+        return plans._make_backward_plan(q, q, q, q, q, score, mask, tables, {"AUTOTUNE": True}, (), (), False,
+                                         launch_once=None)
+
+    chosen = plan(tables)
+    assert seen["key"].startswith("backward hopper|")
+    one_pass, split, small = seen["plans"]
+    assert one_pass.dq_pass is None and one_pass.main.constexprs["COMPUTE_DQ"]
+    default_m2 = options.backward_defaults(cpu, torch.bfloat16, 128, 128)["BLOCK_M2"]
+    assert split.dq_pass.dq.constexprs["BLOCK_M2"] == default_m2 and not split.main.constexprs["COMPUTE_DQ"]
+    assert (small.dq_pass.dq.constexprs["BLOCK_M2"], small.dq_pass.dq.constexprs["BLOCK_N2"]) == (64, 32)
+    assert chosen is small
+    seen.clear()
+    assert plan(None).dq_pass is None and not seen
