@@ -217,7 +217,7 @@ def test_kernel_options_accepted_set():
     every = {"BLOCK_M1": 32, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 32, "bwd_num_warps": 4,
              "bwd_num_stages": 1, "PRESCALE_QK": False, "ROWS_GUARANTEED_SAFE": False,
              "BLOCKS_ARE_CONTIGUOUS": False, "AUTOTUNE": False, "FAST_TANH": True, "LONGEST_FIRST": False,
-             "HEAD_GROUP": 2, "DETERMINISTIC": True}
+             "HEAD_GROUP": 2, "DETERMINISTIC": True, "DQ_PASS": True}
     decode_only = {k for k, (family, _, _) in options.OPTIONS.items() if family == "decode"}
     assert set(every) | decode_only | {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BACKEND"} >= \
         set(options.OPTIONS) - {"FORCE_USE_FLEX_ATTENTION"}
