@@ -221,7 +221,7 @@ def defer_dq(head_dim: int, affine: bool, mask: Mod) -> bool:
     return not reads_memory
 
 
-def dq_by_pass(options: dict, buffer_grads: bool, mask: Mod) -> bool:
+def dq_by_pass(options: dict, buffer_grads: bool) -> bool:
     """Whether the Hopper backward leaves dQ to the Triton dQ pass (`HopperPlan.dq_pass`): always
     in deterministic mode (the pass writes each dQ element once, summing in a fixed order, and sums
     captured-tensor gradients exactly) and where captured tensors need gradients (the pass adds
