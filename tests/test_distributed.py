@@ -378,13 +378,14 @@ def _assert_rounded_once(got: torch.Tensor, want64: torch.Tensor, what: str) -> 
     assert ((got.double() - want64).abs() <= ulp).all(), what
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_merge_kernel(dtype):
-    """The one-pass merge (templates/merge.py, through Triton's interpreter) against the merge by
-    its definition in float64: rows of row views, rows one part or neither sees (LSE -inf: out 0,
-    never NaN), a head dim that is not a power of two, output in float32 and in the inputs'
-    dtype (rounded to nearest once), in place; a last dimension that is not contiguous takes the
-    torch ops."""
+def test_merge_kernel(dtype, device):
+    """The one-pass merge (templates/merge.py, through Triton's interpreter on the CPU, its CUDA
+    kernel with -m gpu) against the merge by its definition in float64: rows of row views, rows
+    one part or neither sees (LSE -inf: out 0, never NaN), a head dim that is not a power of two,
+    output in float32 and in the inputs' dtype (rounded to nearest once), in place; a last
+    dimension that is not contiguous takes the torch ops."""
     from flexattn.kernels import merge
 
     g = torch.Generator().manual_seed(0)
@@ -393,14 +394,16 @@ def test_merge_kernel(dtype):
     lse, part_lse = (torch.randn(B, H, L, generator=g) * 3 for _ in range(2))
     lse[0, 1, 10:14] = -math.inf
     part_lse[0, 1, 12:16] = -math.inf  # rows 12, 13: neither part
-    rows = (lo, hi)
     want_out, want_lse = _merged64([(out[:, :, lo:hi], lse[:, :, lo:hi], (0, hi - lo)),
                                     (part[:, :, lo:hi], part_lse[:, :, lo:hi], (0, hi - lo))], hi - lo)
+    # (the inputs on the device; the expected values and the checks on the CPU)
+    d_out, d_lse, d_part, d_part_lse = (t.to(device) for t in (out, lse, part, part_lse))
     for result_dtype in (torch.float32, dtype):
-        got_lse = lse.clone()
-        got = torch.full((B, H, L, D), math.nan, dtype=result_dtype)
-        merge.merge_into(got[:, :, lo:hi], out[:, :, lo:hi], got_lse[:, :, lo:hi], part[:, :, lo:hi],
-                         part_lse[:, :, lo:hi])
+        got_lse = d_lse.clone()
+        got = torch.full((B, H, L, D), math.nan, dtype=result_dtype, device=device)
+        merge.merge_into(got[:, :, lo:hi], d_out[:, :, lo:hi], got_lse[:, :, lo:hi], d_part[:, :, lo:hi],
+                         d_part_lse[:, :, lo:hi])
+        got, got_lse = got.cpu(), got_lse.cpu()
         if result_dtype == torch.float32:
             torch.testing.assert_close(got[:, :, lo:hi].double(), want_out, rtol=1e-6, atol=1e-6)
         else:
@@ -410,12 +413,12 @@ def test_merge_kernel(dtype):
         assert torch.equal(got_lse[:, :, :lo], lse[:, :, :lo]) and torch.equal(got_lse[:, :, hi:], lse[:, :, hi:])
         assert (got[0, 1, 12:14] == 0).all() and (got_lse[0, 1, 12:14] == -math.inf).all()
     full_out, full_lse = _merged64([(out, lse, (0, L)), (part, part_lse, (0, L))], L)
-    inplace, inplace_lse = out.clone(), lse.clone()  # (the result may be the output it reads)
-    merge.merge_into(inplace, inplace, inplace_lse, part, part_lse)
-    strided = out.transpose(2, 3).contiguous().transpose(2, 3)  # (D not innermost: torch ops)
-    strided_lse = lse.clone()
-    merge.merge_into(strided, strided, strided_lse, part, part_lse)
-    for got, got_lse in ((inplace, inplace_lse), (strided, strided_lse)):
+    inplace, inplace_lse = d_out.clone(), d_lse.clone()  # (the result may be the output it reads)
+    merge.merge_into(inplace, inplace, inplace_lse, d_part, d_part_lse)
+    strided = d_out.transpose(2, 3).contiguous().transpose(2, 3)  # (D not innermost: torch ops)
+    strided_lse = d_lse.clone()
+    merge.merge_into(strided, strided, strided_lse, d_part, d_part_lse)
+    for got, got_lse in ((inplace.cpu(), inplace_lse.cpu()), (strided.cpu(), strided_lse.cpu())):
         if dtype == torch.float32:
             torch.testing.assert_close(got.double(), full_out, rtol=1e-6, atol=1e-6)
         else:

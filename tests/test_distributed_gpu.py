@@ -86,35 +86,3 @@ def test_distributed_nccl(tmp_path):
     P = _world()
     mp.spawn(_worker, args=(P, str(tmp_path / "store"), _body), nprocs=P, join=True)
 
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_merge_kernel_on_the_gpu(dtype):
-    """The one-pass merge's CUDA kernel (one GPU) against the merge by its definition in float64:
-    rows one part or neither sees, a row range of views, the result in float32 and in the inputs'
-    dtype (rounded to nearest once)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
-    from flexattn.kernels import merge
-    from tests.test_distributed import _assert_rounded_once, _merged64
-
-    g = torch.Generator().manual_seed(1)
-    B, H, L, D, lo, hi = 2, 3, 300, 128, 37, 290
-    out, part = (torch.randn(B, H, L, D, generator=g).to(dtype) for _ in range(2))
-    lse, part_lse = (torch.randn(B, H, L, generator=g) * 3 for _ in range(2))
-    lse[0, 1, 40:44] = -float("inf")
-    part_lse[0, 1, 42:46] = -float("inf")  # rows 42, 43: neither part
-    want_out, want_lse = _merged64([(out[:, :, lo:hi], lse[:, :, lo:hi], (0, hi - lo)),
-                                    (part[:, :, lo:hi], part_lse[:, :, lo:hi], (0, hi - lo))], hi - lo)
-    for result_dtype in (torch.float32, dtype):
-        got = torch.full((B, H, L, D), float("nan"), dtype=result_dtype, device="cuda")
-        got_lse = lse.cuda()
-        merge.merge_into(got[:, :, lo:hi], out.cuda()[:, :, lo:hi], got_lse[:, :, lo:hi], part.cuda()[:, :, lo:hi],
-                         part_lse.cuda()[:, :, lo:hi])
-        got, got_lse = got.cpu(), got_lse.cpu()
-        if result_dtype == torch.float32:
-            torch.testing.assert_close(got[:, :, lo:hi].double(), want_out, rtol=1e-6, atol=1e-6)
-        else:
-            _assert_rounded_once(got[:, :, lo:hi], want_out, "merged rows")
-        torch.testing.assert_close(got_lse[:, :, lo:hi].double(), want_lse, rtol=1e-6, atol=1e-6)
-        assert got[:, :, :lo].isnan().all() and got[:, :, hi:].isnan().all()
-        assert (got[0, 1, 42:44] == 0).all() and (got_lse[0, 1, 42:44] == -float("inf")).all()

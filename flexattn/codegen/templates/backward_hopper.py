@@ -328,22 +328,17 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
             # -- dV += P^T dO; dQ = dS K (after the other consumer's dS); dK += dS^T Q runs while dQ is
             # added
             dv = warpgroup_mma(p_s.permute((1, 0)), do, dv, is_async=True)
-            if not COMPUTE_DQ:  # (dQ in its own pass: each consumer reads only its own dS)
-                dk = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
-                dv = warpgroup_mma_wait(1, deps=(dv, ))
-                mbarrier.arrive(do_empty.index(slot), count=1)
-            elif DEFER_DQ:
-                mbarrier.arrive(ds_ready.index(it % 2), count=1)
-                # the previous step's dQ (at the first step the product reads a buffer no one wrote
-                # and is not added: one branch around the add, none around the products)
-                if it > 0:  # (the other consumer's dS of the previous step)
-                    mbarrier.wait(ds_ready.index((it - 1) % 2), ((it - 1) // 2) & 1)
-                dq_ds = ds_bufs.index((it + 1) % 2)
-            else:  # (this step's, after the other consumer's dS)
-                mbarrier.arrive(ds_ready.index(it % 2), count=1)
-                mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
-                dq_ds = ds_s
             if COMPUTE_DQ:
+                mbarrier.arrive(ds_ready.index(it % 2), count=1)
+                if DEFER_DQ:
+                    # the previous step's dQ (at the first step the product reads a buffer no one
+                    # wrote and is not added: one branch around the add, none around the products)
+                    if it > 0:  # (the other consumer's dS of the previous step)
+                        mbarrier.wait(ds_ready.index((it - 1) % 2), ((it - 1) // 2) & 1)
+                    dq_ds = ds_bufs.index((it + 1) % 2)
+                else:  # (this step's, after the other consumer's dS)
+                    mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
+                    dq_ds = ds_s
                 dq = warpgroup_mma(dq_ds, k_dq, zero_dq, use_acc=False, is_async=True)
                 dk = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
                 dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
@@ -356,6 +351,10 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
                     prev_h = h
                 else:
                     dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, h, start, DQ_COL0)
+            else:  # (dQ in its own pass: each consumer reads only its own dS)
+                dk = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
+                dv = warpgroup_mma_wait(1, deps=(dv, ))
+                mbarrier.arrive(do_empty.index(slot), count=1)
             dk = warpgroup_mma_wait(0, deps=(dk, ))
             mbarrier.arrive(q_empty.index(slot), count=1)
             it += 1
