@@ -178,10 +178,13 @@ def test_head_groups(group):
     plans.BACKWARD.plans.clear()
 
 
-def test_dq_by_the_dq_pass():
-    """DQ_PASS: the Gluon kernel computes dK and dV only and the Triton dQ pass writes dQ: GQA with
-    a score_mod and a document mask (partial and full blocks), head dim 64 with lengths that are
-    not multiples of the tiles, K/V broadcast over the batch, fully masked rows."""
+@pytest.mark.parametrize("gluon", [True, False])
+def test_dq_by_the_dq_pass(gluon, monkeypatch):
+    """DQ_PASS: the Gluon kernel computes dK and dV only and a dQ pass writes dQ, the Gluon one
+    (templates/backward_dq_hopper.py) or the Triton one: GQA with a score_mod and a document mask
+    (partial and full blocks), head dim 64 with lengths that are not multiples of the tiles, K/V
+    broadcast over the batch, fully masked rows."""
+    monkeypatch.setattr(bwd, "GLUON_DQ", gluon)
     plans.BACKWARD.plans.clear()
     on = {"DQ_PASS": True}
     S = 1500
@@ -196,6 +199,7 @@ def test_dq_by_the_dq_pass():
     assert (dq[:, :, :300] == 0).all()
     made = [p for p in plans.BACKWARD.plans.values() if hasattr(p, "main")]
     assert made and all(p.dq_pass is not None and not p.main.constexprs["COMPUTE_DQ"] for p in made)
+    assert all(isinstance(p.dq_pass, bwd.HopperDqPlan) == gluon for p in made)
     plans.BACKWARD.plans.clear()
 
 

@@ -168,8 +168,12 @@ def test_the_hopper_backward_leaves_dq_to_the_dq_pass_when_deterministic(monkeyp
     for p in (det, det_grad):
         assert isinstance(p, bwd.HopperPlan) and not p.main.constexprs["COMPUTE_DQ"]
         assert not p.preprocess.constexprs["ZERO_DQ"]  # (no accumulator)
-    assert det.dq_pass.grad_buffers == () and det_grad.dq_pass.grad_buffers == (0,)
+    # (without captured-tensor gradients the Gluon dQ pass, one program per query tile; with them the
+    # Triton one, which sums them)
+    assert isinstance(det.dq_pass, bwd.HopperDqPlan) and det_grad.dq_pass.grad_buffers == (0,)
     assert det_grad.dq_pass.exact_grads and not plan({}, need=(True,)).dq_pass.exact_grads
+    monkeypatch.setattr(bwd, "GLUON_DQ", False)
+    assert plan(DET).dq_pass.grad_buffers == ()
     assert plan({"DQ_PASS": True}).dq_pass is not None and plan({"DQ_PASS": False}).dq_pass is None
     assert plan({**DET, "DQ_PASS": False}).dq_pass is not None  # (determinism wins)
 

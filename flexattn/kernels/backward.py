@@ -171,6 +171,82 @@ def make_plan(query, key, value, out, grad_out, score: Mod, mask: Mod, tables: T
                 key.dtype if kv_batched else acc, kv_batched, dense_lists, strides, (Hq, Hkv, Q_LEN, KV_LEN))
 
 
+def hopper_dq_module(score: Mod, mask: Mod, fast_math: bool):
+    """The Gluon dQ pass (templates/backward_dq_hopper.py) with the mods inlined."""
+    def hooks():
+        score_def, score_params = launch.mod_hooks(score, "gluon", "score_mod", "score_")
+        mask_def, mask_params = launch.mod_hooks(mask, "gluon", "mask_mod", "mask_")
+        dscore = emit.emit_score_grad(score_mod_grad(score).score, (), "score_mod_dscore", "gluon", q_axis=1)
+        return {"score_mod_def": score_def, "mask_mod_def": mask_def, "score_dscore_def": dscore.source,
+                "score_mod_params": score_params, "mask_mod_params": mask_params,
+                "score_dscore_args": dscore.param_list("score_")}
+
+    return launch.kernel_module(
+        "backward_dq_hopper", (score.key(), mask.key()), "gluon", hooks,
+        lambda: {f"score_mod {score.name}": score.source, f"mask_mod {mask.name}": mask.source}, fast_math)
+
+
+@dataclass(frozen=True)
+class HopperDqPlan:
+    """The Gluon dQ pass (templates/backward_dq_hopper.py): one program per query tile over the
+    forward's KV lists, 16-bit dQ written once, no captured-tensor gradients."""
+    main: launch.Launch
+    descriptors: hopper.Descriptors  # Q, K, V, dO and dQ
+    dense: Direction | None          # the KV lists without a block mask
+    sizes: tuple                     # Hq, Q_LEN, KV_LEN, HEAD_GROUP
+
+
+# Whether a dQ pass without captured-tensor gradients is the Gluon one (where it can run).
+GLUON_DQ = True
+
+
+def gluon_dq_reason(tables: Tables | None) -> str | None:
+    """Why the Gluon dQ pass cannot take these tables (the Hopper backward runs otherwise), or None."""
+    if tables is not None and tables.q_block % hopper.DQ_BLOCK_M:
+        return f"its query tiles of {hopper.DQ_BLOCK_M} rows need Q blocks that are multiples of them"
+    return None
+
+
+def hopper_dq_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None, explicit: dict) -> HopperDqPlan:
+    B, Hq, Q_LEN, E = query.shape
+    Bkv, Hkv, KV_LEN, _ = value.shape
+    device, dtype = query.device, query.dtype
+    block_m, block_n = hopper.DQ_BLOCK_M, hopper.DQ_BLOCK_N
+    if tables is None:  # (one row of every KV tile, read by every query tile)
+        sparse_q, sparse_kv, lists = LARGE_BLOCK, block_n, dense(device, triton.cdiv(KV_LEN, block_n))
+    else:
+        sparse_q, sparse_kv, lists = tables.q_block, tables.kv_block, None
+    o = {**opts.forward_defaults(device, dtype, E, E), **explicit}
+    constexprs = dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, SPARSE_Q_BLOCK_SIZE=sparse_q, SPARSE_KV_BLOCK_SIZE=sparse_kv,
+        GQA_SHARED_HEADS=Hq // Hkv, KV_BATCH_BROADCAST=Bkv != B,
+        HAS_FULL_BLOCKS=tables is None or tables.kv.has_full,
+        BLOCKS_ARE_CONTIGUOUS=o["BLOCKS_ARE_CONTIGUOUS"] or tables is None,
+        # (whole blocks: a block mask's blocks may hold several tiles, those past KV_LEN included)
+        IS_DIVISIBLE=KV_LEN % sparse_kv == 0,
+        SCORES_IN_BASE2=launch.raw_scores(score, torch.float32),
+        NUM_BUFFERS=hopper.DQ_NUM_BUFFERS[E], CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
+        SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
+        num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS,
+    )
+    kernel = hopper_dq_module(score, mask, opts.fast_math(explicit, device, dtype)).flex_attention_backward_dq
+    grid = (triton.cdiv(Q_LEN, block_m), B * Hq)
+    # (a query head's K and V, shared by the heads of a GQA group)
+    group = hopper.head_group(device, KV_LEN * 2 * E * key.element_size() // (Hq // Hkv), B * Hq,
+                              grid[0] * grid[1], tables is not None, explicit.get("HEAD_GROUP"))
+    return HopperDqPlan(launch.Launch(kernel, grid, constexprs, device),
+                        hopper.Descriptors(dtype, E, dq_pass=True), lists, (Hq, Q_LEN, KV_LEN, group))
+
+
+def hopper_dq_args(plan: HopperDqPlan, query, key, value, grad_out, dq, lse, delta, lists: Direction, score: Mod,
+                   score_bufs, mask: Mod, mask_bufs, scale: float) -> tuple:
+    """The Gluon dQ pass's arguments, group by group in the order `signatures.BACKWARD_DQ_HOPPER`
+    declares."""
+    return (*plan.descriptors(query, key, value, grad_out, dq), lse, delta, *lists.args(),
+            *launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs),
+            *lse.stride(), *lists.strides(), *plan.sizes, scale)
+
+
 @dataclass(frozen=True)
 class HopperPlan:
     """The Gluon Hopper backward (`hopper.backward_reason` said it can run these inputs): the
@@ -183,8 +259,8 @@ class HopperPlan:
     kv_batched: bool
     dense: Direction | None  # the query lists without a block mask
     sizes: tuple             # Hq, Hkv, Q_LEN, KV_LEN, HEAD_GROUP
-    dq_pass: Plan | None = None  # dQ (and captured-tensor gradients) by this plan's dQ pass; the main
-    # kernel then writes dK and dV only, and nothing is zeroed or converted
+    dq_pass: Plan | HopperDqPlan | None = None  # dQ (and captured-tensor gradients) by this plan's
+    # dQ pass; the main kernel then writes dK and dV only, and nothing is zeroed or converted
 
 
 def _preprocess(mod, query, value, has_grad_lse: bool, zero_dq: bool = False) -> launch.Launch:
@@ -233,9 +309,10 @@ def dq_by_pass(options: dict, buffer_grads: bool) -> bool:
 
 
 def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None, explicit: dict,
-                has_grad_lse: bool, dq_pass: Plan | None = None) -> HopperPlan:
-    """``dq_pass``: a Triton plan (`make_plan`) whose preprocess and dQ pass the call runs around a
-    main kernel that computes no dQ (`dq_by_pass` says when)."""
+                has_grad_lse: bool, dq_pass: Plan | HopperDqPlan | None = None) -> HopperPlan:
+    """``dq_pass``: a Triton plan (`make_plan`) whose preprocess and dQ pass, or a Gluon dQ pass
+    (`hopper_dq_plan`), the call runs around a main kernel that computes no dQ (`dq_by_pass`
+    says when)."""
     B, Hq, Q_LEN, E = query.shape
     Bkv, Hkv, KV_LEN, _ = value.shape
     device, dtype = query.device, query.dtype
@@ -274,8 +351,9 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     kernel = hopper_module(score, mask, fast_math).flex_attention_backward
     grid = (triton.cdiv(KV_LEN, block_n), B * Hkv)
     main = launch.Launch(kernel, grid, constexprs, device)
-    pre = dq_pass.preprocess if dq_pass is not None else _preprocess(
-        module(score, mask, (), launch.target_for(device), fast_math), query, value, has_grad_lse, zero_dq=True)
+    pre = dq_pass.preprocess if isinstance(dq_pass, Plan) else _preprocess(
+        module(score, mask, (), launch.target_for(device), fast_math), query, value, has_grad_lse,
+        zero_dq=dq_pass is None)
     # a KV head's query heads' Q and dO, and their float32 dQ accumulator
     group = hopper.head_group(device, Q_LEN * E * (2 * query.element_size() + 4) * (Hq // Hkv), B * Hkv,
                               grid[0] * grid[1], tables is not None,
@@ -433,6 +511,11 @@ def _run_hopper(plan: HopperPlan, query, key, value, out, lse, grad_out, grad_ls
     grads = {}
     if split is None:
         dq = dq_acc.to(query.dtype)
+    elif isinstance(split, HopperDqPlan):
+        dq = launch.empty(query.shape, query.dtype, device, plan.dq_order)
+        kv_lists = split.dense if split.dense is not None else tables.kv
+        split.main(*hopper_dq_args(split, query, key, value, grad_out, dq, lse, delta, kv_lists, score, score_bufs,
+                                   mask, mask_bufs, scale))
     else:
         grad_bufs = _grad_buffers(split, score_bufs, device)
         dq = launch.empty(query.shape, query.dtype, device, split.dq_order)

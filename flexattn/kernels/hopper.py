@@ -168,6 +168,11 @@ BWD_BLOCK_N = 128
 # elsewhere (python -m benchmarks attention); head dim 128 has room for two.
 BWD_NUM_BUFFERS = {64: 3, 128: 2}
 BWD_HEAD_DIMS = tuple(BWD_NUM_BUFFERS)
+# The backward's Gluon dQ pass (templates/backward_dq_hopper.py): query tiles of DQ_BLOCK_M rows per
+# program (a consumer's 64 each), KV tiles of DQ_BLOCK_N rows per step in a ring of DQ_NUM_BUFFERS.
+DQ_BLOCK_M = 128
+DQ_BLOCK_N = 64
+DQ_NUM_BUFFERS = {64: 4, 128: 3}
 # The backward's own knobs: a call that sets one means the Triton backward.
 _TRITON_BWD_KNOBS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
 
@@ -207,7 +212,8 @@ class Descriptors:
 
     __slots__ = ("make", "blocks", "layouts", "v_k_major", "with_out", "first")
 
-    def __init__(self, dtype: torch.dtype, head_dim: int, backward: bool = False, outputs: bool = True):
+    def __init__(self, dtype: torch.dtype, head_dim: int, backward: bool = False, outputs: bool = True,
+                 dq_pass: bool = False):
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -217,7 +223,10 @@ class Descriptors:
         self.v_k_major = dtype == torch.float8_e4m3fn
         # (float8 inputs: a Q tile has half the room of its bfloat16 output, stored from the registers)
         self.with_out = outputs and dtype != torch.float8_e4m3fn
-        if backward:  # Q, K, V, dO, the float32 dQ accumulator (a consumer's half of the head dim), dK
+        if dq_pass:  # Q, K, V, dO and dQ (a consumer's rows, staged in its rows of the Q tile)
+            q, kv = [1, 1, DQ_BLOCK_M, head_dim], [1, 1, DQ_BLOCK_N, head_dim]
+            blocks = ((q, gdt), (kv, gdt), (kv, gdt), (q, gdt), ([1, 1, DQ_BLOCK_M // 2, head_dim], gdt))
+        elif backward:  # Q, K, V, dO, the float32 dQ accumulator (a consumer's half of the head dim), dK
             # and dV (a consumer's rows)
             q, kv = [1, 1, BWD_BLOCK_M, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
             blocks = ((q, gdt), (kv, gdt), (kv, gdt), (q, gdt), ([1, 1, BWD_BLOCK_M, head_dim // 2], gl.float32))
@@ -234,7 +243,9 @@ class Descriptors:
         if backward:  # K's column halves (dQ = dS K per consumer) must each be whole swizzle rows:
             # 64-byte swizzle at head dim 64 (16-bit elements: a half row is head_dim bytes)
             layouts[1] = gl.NVMMASharedLayout(swizzle_byte_width=min(128, head_dim), element_bitwidth=16, rank=4)
-        if self.with_out:  # the output staged in the Q tile's rows, dV in the V tile's: their layouts
+        if dq_pass:
+            layouts[4] = layouts[0]
+        elif self.with_out:  # the output staged in the Q tile's rows, dV in the V tile's: their layouts
             # (dK, staged in a dQ buffer viewed with any layout, takes K's)
             if backward:
                 layouts[5:7] = layouts[1:3]

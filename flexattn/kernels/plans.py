@@ -168,7 +168,11 @@ def _make_backward_plan(query, key, value, out, grad_out, score, mask, tables, o
     if hopper.backward_reason(query, key, value, grad_out, tables, options) is None:
         def make_hopper(config: dict):  # (DQ_PASS, and the dQ pass's tiles where it is on)
             tiles = {k: v for k, v in config.items() if k != "DQ_PASS"}
-            split = make(tiles) if bwd.dq_by_pass({**options, **config}, buffer_grads) else None
+            split = None
+            if bwd.dq_by_pass({**options, **config}, buffer_grads):
+                gluon = bwd.GLUON_DQ and not buffer_grads and not tiles and bwd.gluon_dq_reason(tables) is None
+                split = (bwd.hopper_dq_plan(query, key, value, score, mask, tables, options) if gluon
+                         else make(tiles))
             return bwd.hopper_plan(query, key, value, score, mask, tables, options, has_grad_lse, split)
 
         plan = None

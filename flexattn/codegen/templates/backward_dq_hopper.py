@@ -1,0 +1,222 @@
+# The backward's dQ for Hopper (sm_90), bfloat16 / float16, in Gluon: one program per query tile
+# walks the forward's KV lists and writes 16-bit dQ once (no float32 accumulator, no atomics, sums
+# in a fixed order: deterministic). It pairs with backward_hopper.py compiled without dQ
+# (COMPUTE_DQ off), which writes dK and dV; together they take the seven products of backward.py's
+# two passes, the two recomputed ones (q.k^T and dO.v^T) here. Read backward.py's header for the
+# math (P from the saved LSE, Delta, d score_mod / d score).
+#
+# One program per (query tile of BLOCK_M = 128 rows, batch x query head), forward_hopper.py's
+# shape, three partitions:
+#   loader      1 warp: TMA copies of the Q and dO tiles once, then of each K and V tile of
+#               BLOCK_N rows into a ring of NUM_BUFFERS slots (k_ready / v_ready: "landed";
+#               k_empty / v_empty: "both consumers are done with the slot")
+#   consumer 0  4 warps (a warp group): query rows 0..63 of the tile
+#   consumer 1  4 warps: rows 64..127
+# Per KV tile a consumer issues S = Q K^T and dP = dO V^T (asynchronous), waits for S and the
+# previous tile's dQ product (then frees that tile's K), forms P = exp2(S / ln 2 - LSE / ln 2)
+# (score_mod, mask and lengths as in backward_hopper.py), waits for dP (then frees V), forms
+# dS = P (dP - Delta) d score_mod / d score in 16 bits in the registers, and issues dQ += dS K
+# with dS as the register operand. The LSE and Delta of a consumer's rows are read once.
+# The epilogue scales dQ by SM_SCALE and stages it in the consumer's rows of the Q tile, which
+# the TMA unit stores (rows past Q_LEN are clipped).
+#
+# Differences from backward.py's dQ pass: Q, K, V, dO and dQ are TMA descriptors (the host checks
+# alignment); E == Ev in (64, 128); no captured-tensor gradients (those calls take backward.py's
+# pass); mask work only on partial blocks and on the tile that holds KV_LEN.
+$prelude
+
+$score_mod_def
+
+$mask_mod_def
+
+$score_dscore_def
+
+
+$gluon_tiles
+
+@gluon.jit
+def loader(Q, K, V, DO, q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+           b, h, b_kv, h_kv, off_m, n_partial, n_tiles, P_IDX, F_IDX,
+           TILES_PER_BLOCK: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+           BLOCKS_ARE_CONTIGUOUS: gl.constexpr):
+    NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
+    if n_tiles > 0:  # (no copy left in flight when the program ends)
+        mbarrier.expect(q_bar, Q.block_type.nbytes + DO.block_type.nbytes)
+        _tma_load(Q, [b, h, off_m, 0], q_bar, q_smem)
+        _tma_load(DO, [b, h, off_m, 0], q_bar, do_smem)
+    for j in range(n_tiles):
+        slot = j % NUM_BUFFERS
+        phase = (j // NUM_BUFFERS) & 1
+        start = tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N,
+                           BLOCKS_ARE_CONTIGUOUS)
+        # a fresh barrier counts as having completed the phase before phase 0: the first round passes
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)
+        mbarrier.expect(k_ready.index(slot), K.block_type.nbytes)
+        _tma_load(K, [b_kv, h_kv, start, 0], k_ready.index(slot), k_bufs.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        mbarrier.expect(v_ready.index(slot), V.block_type.nbytes)
+        _tma_load(V, [b_kv, h_kv, start, 0], v_ready.index(slot), v_bufs.index(slot))
+
+
+@gluon.jit
+def d_scores(s, dp, valid, lse2, delta, b, h, q_idx, kv_idx, SM_SCALE,
+             $score_mod_params
+             SCORES_IN_BASE2: gl.constexpr, SCORE_DTYPE: gl.constexpr):
+    """dS of a tile from its scores and (once ready) dP: P from the saved LSE (base 2), zero where
+    not valid, then dS = P (dP - Delta) through score_mod's derivative."""
+    if SCORES_IN_BASE2:
+        p = gl.where(valid, gl.exp2(s * (SM_SCALE * LOG2E) - lse2), 0.0)
+        dp = warpgroup_mma_wait(1, deps=(dp, ))  # (the dQ product issued after it may still run)
+        ds = p * (dp - delta)
+    else:
+        qk = (s * SM_SCALE).to(SCORE_DTYPE)
+        t = score_mod(qk, b, h, q_idx, kv_idx, $score_mod_params).to(gl.float32)
+        p = gl.where(valid, gl.exp2(t * LOG2E - lse2), 0.0)
+        dp = warpgroup_mma_wait(1, deps=(dp, ))
+        ds = p * (dp - delta)
+        ds = score_mod_dscore(qk, b, h, q_idx, kv_idx, ds, valid, $score_dscore_args).to(gl.float32)
+    return ds
+
+
+@gluon.jit
+def consumer(q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+             DQ, LSE, DELTA, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
+             stride_lm, Q_LEN, KV_LEN, SM_SCALE,
+             $score_mod_params $mask_mod_params
+             WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TILES_PER_BLOCK: gl.constexpr,
+             SPARSE_KV_BLOCK_SIZE: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr,
+             SCORES_IN_BASE2: gl.constexpr, SCORE_DTYPE: gl.constexpr):
+    NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
+    ROWS: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = k_bufs.dtype
+    HEAD_DIM: gl.constexpr = k_bufs.type.shape[4]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    my_m = off_m + WG * ROWS
+    rows = my_m + gl.arange(0, ROWS, layout=row_s)
+    q_idx = gl.expand_dims(rows, 1)
+    # [Note] a fully masked row has LSE -inf: +inf makes its P exactly 0 (rows past Q_LEN too)
+    lse = gl.load(LSE + rows * stride_lm, mask=rows < Q_LEN, other=float("inf"))
+    lse2 = gl.expand_dims(gl.where(lse == -float("inf"), float("inf"), lse * LOG2E), 1)
+    delta = gl.expand_dims(gl.load(DELTA + rows, mask=rows < Q_LEN, other=0.0), 1)
+    q = q_smem.reshape([BLOCK_M, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
+    do = do_smem.reshape([BLOCK_M, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
+    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    ds_op = gl.zeros([ROWS, BLOCK_N], dtype, layout=ds_layout)
+
+    if n_tiles > 0:
+        mbarrier.wait(q_bar, 0)
+        for j in range(n_tiles):
+            slot = j % NUM_BUFFERS
+            phase = (j // NUM_BUFFERS) & 1
+            k = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
+            v = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
+            # the previous tile's K (at the first tile this one's: dS is zero then, and a slot not
+            # yet written could hold NaN bits)
+            k_prev = k_bufs.index(gl.where(j > 0, (j + NUM_BUFFERS - 1) % NUM_BUFFERS, slot))
+            # -- S = Q K^T, dP = dO V^T, then the previous tile's dQ += dS K (dS from the registers)
+            mbarrier.wait(k_ready.index(slot), phase)
+            s = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(slot), phase)
+            dp = warpgroup_mma(do, v.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            acc = warpgroup_mma(ds_op, k_prev.reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            start = tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N,
+                               BLOCKS_ARE_CONTIGUOUS)
+            kv_idx = gl.expand_dims(start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
+            if IS_DIVISIBLE:
+                masked = j < n_partial
+            else:
+                masked = (j < n_partial) | (start + BLOCK_N > KV_LEN)
+            s = warpgroup_mma_wait(2, deps=(s, ))
+            if masked:
+                valid = mask_mod(b, h, q_idx, kv_idx, $mask_mod_params) & (kv_idx < KV_LEN)
+                ds = d_scores(s, dp, valid, lse2, delta, b, h, q_idx, kv_idx, SM_SCALE, $score_mod_params
+                              SCORES_IN_BASE2, SCORE_DTYPE)
+            else:
+                ds = d_scores(s, dp, True, lse2, delta, b, h, q_idx, kv_idx, SM_SCALE, $score_mod_params
+                              SCORES_IN_BASE2, SCORE_DTYPE)
+            mbarrier.arrive(v_empty.index(slot), count=1)
+            # -- the previous dQ product: its K slot is free, its dS registers too
+            acc, ds_op = warpgroup_mma_wait(0, deps=(acc, ds_op))
+            if j > 0:
+                mbarrier.arrive(k_empty.index((j + NUM_BUFFERS - 1) % NUM_BUFFERS), count=1)
+            ds_op = gl.convert_layout(ds.to(dtype), ds_layout)
+        # -- the last tile's dQ product
+        last = (n_tiles - 1) % NUM_BUFFERS
+        acc = warpgroup_mma(ds_op, k_bufs.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        acc, ds_op = warpgroup_mma_wait(0, deps=(acc, ds_op))
+        mbarrier.arrive(k_empty.index(last), count=1)
+
+    # -- dQ (scaled) through this consumer's rows of the Q tile (no product reads them any more;
+    # a tile that sees no KV block writes zeros)
+    q.store((acc * SM_SCALE).to(dtype))
+    fence_async_shared()
+    _sync_warps()
+    _tma_store(DQ, [b, h, my_m, 0], q_smem.slice(WG * ROWS, ROWS, dim=2))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def flex_attention_backward_dq(
+$flex_attention_backward_dq_params
+):
+    gl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M == 0)
+    gl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N == 0)
+    TILES_PER_BLOCK: gl.constexpr = SPARSE_KV_BLOCK_SIZE // BLOCK_N
+    pid_m, pid_bh = program_tile(HEAD_GROUP)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    h_kv = h // GQA_SHARED_HEADS
+    b_kv = 0 if KV_BATCH_BROADCAST else b
+    off_m = pid_m * BLOCK_M
+    b64 = b.to(gl.int64)
+    LSE += b64 * stride_lz + h.to(gl.int64) * stride_lh
+    DELTA += (b64 * HQ + h) * Q_LEN
+
+    q_blk = off_m // SPARSE_Q_BLOCK_SIZE
+    n_partial = gl.load(KV_NUM_BLKS + b64 * stride_nz + h * stride_nh + q_blk * stride_nm) * TILES_PER_BLOCK
+    P_IDX = KV_IDX + b64 * stride_iz + h * stride_ih + q_blk * stride_im
+    F_IDX = FULL_KV_IDX + b64 * stride_fiz + h * stride_fih + q_blk * stride_fim
+    n_tiles = n_partial
+    if HAS_FULL_BLOCKS:
+        n_tiles += gl.load(FULL_KV_NUM_BLKS + b64 * stride_fnz + h * stride_fnh + q_blk * stride_fnm) * TILES_PER_BLOCK
+
+    q_smem = gl.allocate_shared_memory(Q.dtype, Q.block_type.shape, Q.layout)
+    do_smem = gl.allocate_shared_memory(DO.dtype, DO.block_type.shape, DO.layout)
+    k_bufs = gl.allocate_shared_memory(K.dtype, [NUM_BUFFERS] + K.block_type.shape, K.layout)
+    v_bufs = gl.allocate_shared_memory(V.dtype, [NUM_BUFFERS] + V.block_type.shape, V.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=2)
+
+    gl.warp_specialize([
+        (consumer, (q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                    DQ, LSE, DELTA, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
+                    stride_lm, Q_LEN, KV_LEN, SM_SCALE,
+                    $score_mod_params $mask_mod_params
+                    0, BLOCK_M, BLOCK_N, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
+                    IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_DTYPE)),
+        (consumer, (q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                    DQ, LSE, DELTA, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
+                    stride_lm, Q_LEN, KV_LEN, SM_SCALE,
+                    $score_mod_params $mask_mod_params
+                    1, BLOCK_M, BLOCK_N, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
+                    IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_DTYPE)),
+        (loader, (Q, K, V, DO, q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                  b, h, b_kv, h_kv, off_m, n_partial, n_tiles, P_IDX, F_IDX,
+                  TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N, BLOCKS_ARE_CONTIGUOUS)),
+    ], [4, 1], [CONSUMER_REGS, 24])
