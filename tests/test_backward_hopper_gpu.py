@@ -183,7 +183,8 @@ def test_dq_by_the_dq_pass(gluon, monkeypatch):
     """DQ_PASS: the Gluon kernel computes dK and dV only and a dQ pass writes dQ, the Gluon one
     (templates/backward_dq_hopper.py) or the Triton one: GQA with a score_mod and a document mask
     (partial and full blocks), head dim 64 with lengths that are not multiples of the tiles, K/V
-    broadcast over the batch, fully masked rows."""
+    broadcast over the batch, [B, S, H, D] tensors, fully masked rows; the LSE's gradient (which
+    the Gluon pass folds into the Delta it writes) throughout."""
     monkeypatch.setattr(bwd, "GLUON_DQ", gluon)
     plans.BACKWARD.plans.clear()
     on = {"DQ_PASS": True}
@@ -191,6 +192,7 @@ def test_dq_by_the_dq_pass(gluon, monkeypatch):
     check(2, 8, 2, S, S, 128, score_mod=make_alibi(8, "cuda"), mask_mod=make_document_causal(S, "cuda"), options=on)
     check(1, 4, 4, 1333, 700, 64, mask_mod=sliding_window_1024, options=on)
     check(2, 4, 2, 1000, 1000, 128, mask_mod=causal, Bkv=1, options=on)
+    check(2, 4, 4, 777, 777, 128, mask_mod=causal, heads_inside=True, options=on)  # (O's rows strided too)
 
     def late_keys(b, h, q_idx, kv_idx):  # rows q_idx < 300 see nothing
         return (kv_idx <= q_idx) & (q_idx >= 300)

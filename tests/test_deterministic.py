@@ -167,7 +167,8 @@ def test_the_hopper_backward_leaves_dq_to_the_dq_pass_when_deterministic(monkeyp
     assert default.main.constexprs["COMPUTE_DQ"] and default.preprocess.constexprs["ZERO_DQ"]
     for p in (det, det_grad):
         assert isinstance(p, bwd.HopperPlan) and not p.main.constexprs["COMPUTE_DQ"]
-        assert not p.preprocess.constexprs["ZERO_DQ"]  # (no accumulator)
+    # (no accumulator to zero; the Gluon dQ pass writes Delta itself)
+    assert det.preprocess is None and not det_grad.preprocess.constexprs["ZERO_DQ"]
     # (without captured-tensor gradients the Gluon dQ pass, one program per query tile; with them the
     # Triton one, which sums them)
     assert isinstance(det.dq_pass, bwd.HopperDqPlan) and det_grad.dq_pass.grad_buffers == (0,)

@@ -2,9 +2,9 @@
 
 Run on the device machine: ``pytest -m gpu tests/test_deterministic_gpu.py``. bfloat16 at head
 dim 128 (where the default backward's dQ on sm_90 is a sum of reduce-adds in no fixed order; in
-deterministic mode the Hopper kernel leaves dQ to the Triton dQ pass), a document mask and a relative-position table that needs a
-gradient (many scores add into each entry): five backward passes, every gradient bitwise equal,
-and close to the float64 reference.
+deterministic mode the Hopper kernel leaves dQ to a dQ pass), a document mask and a
+relative-position table, with and without its gradient (many scores add into each entry): five
+backward passes, every gradient bitwise equal, and close to the float64 reference.
 """
 
 from __future__ import annotations
@@ -65,9 +65,13 @@ def test_five_backward_passes_are_bitwise_equal(table_grad, monkeypatch):
                 torch.use_deterministic_algorithms(enabled)
         for name, a, b in zip(("dq", "dk", "dv", "d table"), first, again):
             assert torch.equal(a, b), f"run {i + 2}: {name} differs from run 1 in {(a != b).sum().item()} elements"
-    for plan, *_ in runs:  # (on sm_90: the Gluon kernel's dK and dV, and the Triton dQ pass)
-        triton_plan = plan.dq_pass if isinstance(plan, bwd.HopperPlan) else plan
-        assert type(triton_plan) is bwd.Plan and triton_plan.exact_grads == table_grad
+    for plan, *_ in runs:  # (on sm_90: the Gluon kernel's dK and dV, and a dQ pass: the Gluon one, or
+        # the Triton one where the table needs a gradient, which it sums exactly)
+        assert isinstance(plan, bwd.HopperPlan) and not plan.main.constexprs["COMPUTE_DQ"]
+        if table_grad:
+            assert type(plan.dq_pass) is bwd.Plan and plan.dq_pass.exact_grads
+        else:
+            assert isinstance(plan.dq_pass, bwd.HopperDqPlan)
 
     default = grads(None)
     q64, k64, v64, t64 = (t.detach().double().requires_grad_(t.requires_grad) for t in (q, k, v, table))

@@ -234,24 +234,25 @@ def test_backward_compiles(D):
     assert ptx.count(TMA_STORE) == 4
 
 
-def _compile_dq(q, k, v, score_fn=None, mask_fn=None, block_mask=None):
+def _compile_dq(q, k, v, score_fn=None, mask_fn=None, block_mask=None, has_grad_lse=False):
     """Compile the Gluon dQ pass for sm_90 with the argument types a launch passes."""
     score = _mod(score_fn or (lambda s, b, h, q, k: s), SCORE)
     mask = _mod(mask_fn or (lambda b, h, q, k: q >= 0), MASK)
     tables = None if block_mask is None else tables_of(block_mask)
-    plan = bwd.hopper_dq_plan(q, k, v, score, mask, tables, {})
+    plan = bwd.hopper_dq_plan(q, k, v, score, mask, tables, {}, has_grad_lse)
     B, Hq, S, D = q.shape
     lists = plan.dense if plan.dense is not None else tables.kv
-    args = bwd.hopper_dq_args(plan, q, k, v, torch.empty_like(q), torch.empty_like(q), torch.empty(B, Hq, S),
-                              torch.empty(B, Hq, S), lists, score, score.buffers, mask, mask.buffers, 0.125)
+    rows = (torch.empty(B, Hq, S) for _ in range(3))
+    args = bwd.hopper_dq_args(plan, q, k, v, torch.empty_like(q), torch.empty_like(q), torch.empty_like(q), *rows,
+                              lists, score, score.buffers, mask, mask.buffers, 0.125)
     return _compile_gluon(bwd.hopper_dq_module(score, mask, True).flex_attention_backward_dq, list(args), plan.main)
 
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_gluon_dq_pass_compiles(D):
     """The Gluon dQ pass: three products per KV tile (dS as the register operand of the last), no
-    atomics, dQ stored once through the TMA unit; with a score_mod and a document mask, GQA and
-    K/V broadcast over the batch."""
+    atomics, dQ stored once through the TMA unit, Delta written; with a score_mod and a document
+    mask, GQA and K/V broadcast over the batch, and a gradient of the LSE."""
     compiled = _compile_dq(*_qkv(S=300, D=D))
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "red.global" not in ptx and "atom.global" not in ptx
@@ -260,7 +261,7 @@ def test_gluon_dq_pass_compiles(D):
     documents = causal_documents(torch.arange(384, dtype=torch.int32) // 100)
     bm = create_block_mask(documents, None, None, 384, 384, device="cpu")
     _compile_dq(*_qkv(B=2, H=4, Hkv=2, S=384, Bkv=1, D=D), score_fn=alibi, mask_fn=documents, block_mask=bm)
-    _compile_dq(*_qkv(S=256, D=D), score_fn=softcap)
+    _compile_dq(*_qkv(S=256, D=D), score_fn=softcap, has_grad_lse=True)
 
 
 @pytest.mark.parametrize("D", [64, 128])

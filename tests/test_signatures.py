@@ -419,7 +419,8 @@ def test_the_hopper_backward_arguments_land_at_their_names(kv_batched, block_mas
 def test_the_gluon_dq_pass_arguments_land_at_their_names(block_mask):
     """The Gluon dQ pass's arguments (`hopper_dq_args`, through `run` of a Hopper plan that leaves
     dQ to it) of permuted CPU tensors: Q, K, V, dO and the 16-bit dQ as descriptors of those
-    tensors with their tiles' shapes, the forward's KV lists, the LSE and Delta."""
+    tensors with their tiles' shapes, the forward's KV lists, the LSE, the output and the LSE's
+    gradient it computes Delta from, and Delta, which the main kernel then reads."""
     B, HQ, HKV, Q_LEN, KV_LEN, E = 2, 4, 2, 256, 384, 64
     bf16 = dict(dtype=torch.bfloat16)
     query = permuted((B, HQ, Q_LEN, E), (2, 0, 1, 3)).to(**bf16)
@@ -428,24 +429,28 @@ def test_the_gluon_dq_pass_arguments_land_at_their_names(block_mask):
     out = permuted((B, HQ, Q_LEN, E), (1, 2, 0, 3)).to(**bf16)
     grad_out = permuted((B, HQ, Q_LEN, E), (1, 0, 2, 3)).to(**bf16)
     lse = permuted((B, HQ, Q_LEN), (2, 1, 0))
+    dlse = permuted((B, HQ, Q_LEN), (1, 2, 0))
     tables = None
     if block_mask:
         tables = tables_of(flexattn.create_block_mask(lambda b, h, q, kv: kv <= q + 100, B, 1, Q_LEN, KV_LEN,
                                                       device="cpu", BLOCK_SIZE=128))
-    dq_plan = bwd.hopper_dq_plan(query, key, value, SCORE, MASK, tables, {})
+    dq_plan = bwd.hopper_dq_plan(query, key, value, SCORE, MASK, tables, {}, True)
     dq_launch = Recorder()
-    plan = dataclasses.replace(bwd.hopper_plan(query, key, value, SCORE, MASK, tables, {}, False, dq_plan),
-                               preprocess=Recorder(), main=Recorder(),
-                               dq_pass=dataclasses.replace(dq_plan, main=dq_launch))
-    dq, *_ = bwd.run(plan, query, key, value, out, lse, grad_out, None, SCORE, (BIAS,), MASK, (BIAS,), tables, 0.25)
-    delta = plan.preprocess.args[3]
-    assert dq.dtype == torch.bfloat16 and dq.shape == query.shape and dq.stride() == query.stride()
+    plan = dataclasses.replace(bwd.hopper_plan(query, key, value, SCORE, MASK, tables, {}, True, dq_plan),
+                               main=Recorder(), dq_pass=dataclasses.replace(dq_plan, main=dq_launch))
+    assert plan.preprocess is None
+    dq, *_ = bwd.run(plan, query, key, value, out, lse, grad_out, dlse, SCORE, (BIAS,), MASK, (BIAS,), tables, 0.25)
     sig = signatures.BACKWARD_DQ_HOPPER
+    delta = dq_launch.args[sig.group("tensors").index("DELTA")]
+    assert delta.shape == (B, HQ, Q_LEN) and delta.is_contiguous() and delta.dtype == torch.float32
+    assert plan.main.args[signatures.BACKWARD_HOPPER.group("tensors").index("DELTA")] is delta
+    assert dq.dtype == torch.bfloat16 and dq.shape == query.shape and dq.stride() == query.stride()
     m, n = hopper.DQ_BLOCK_M, hopper.DQ_BLOCK_N
     lists = tables.kv.args() if block_mask else dq_plan.dense.args()
     assert_lands(sig, mod_hooks("gluon"), dq_launch.args, {
         "Q": Descriptor(query, [1, 1, m, E]), "K": Descriptor(key, [1, 1, n, E]), "V": Descriptor(value, [1, 1, n, E]),
         "DO": Descriptor(grad_out, [1, 1, m, E]), "DQ": Descriptor(dq, [1, 1, m // 2, E]), "LSE": lse, "DELTA": delta,
+        "OUT": out, "DLSE": dlse,
         **table_values(lists, sig), **buffer_values("score_", (BIAS,)), **buffer_values("mask_", (BIAS,)),
-        **strides_of("l", lse, "zhm"), "HQ": HQ, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "HEAD_GROUP": dq_plan.sizes[-1],
+        **strides_of("l", lse, "zhm"), **strides_of("o", out, "zhmk"), **strides_of("dl", dlse, "zhm"), "HQ": HQ, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "HEAD_GROUP": dq_plan.sizes[-1],
         "SM_SCALE": 0.25})

@@ -207,7 +207,8 @@ def gluon_dq_reason(tables: Tables | None) -> str | None:
     return None
 
 
-def hopper_dq_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None, explicit: dict) -> HopperDqPlan:
+def hopper_dq_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None, explicit: dict,
+                   has_grad_lse: bool) -> HopperDqPlan:
     B, Hq, Q_LEN, E = query.shape
     Bkv, Hkv, KV_LEN, _ = value.shape
     device, dtype = query.device, query.dtype
@@ -224,7 +225,7 @@ def hopper_dq_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | No
         BLOCKS_ARE_CONTIGUOUS=o["BLOCKS_ARE_CONTIGUOUS"] or tables is None,
         # (whole blocks: a block mask's blocks may hold several tiles, those past KV_LEN included)
         IS_DIVISIBLE=KV_LEN % sparse_kv == 0,
-        SCORES_IN_BASE2=launch.raw_scores(score, torch.float32),
+        SCORES_IN_BASE2=launch.raw_scores(score, torch.float32), HAS_GRAD_LSE=has_grad_lse,
         NUM_BUFFERS=hopper.DQ_NUM_BUFFERS[E], CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
         num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS,
@@ -238,20 +239,20 @@ def hopper_dq_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | No
                         hopper.Descriptors(dtype, E, dq_pass=True), lists, (Hq, Q_LEN, KV_LEN, group))
 
 
-def hopper_dq_args(plan: HopperDqPlan, query, key, value, grad_out, dq, lse, delta, lists: Direction, score: Mod,
-                   score_bufs, mask: Mod, mask_bufs, scale: float) -> tuple:
+def hopper_dq_args(plan: HopperDqPlan, query, key, value, out, grad_out, dq, lse, delta, dlse, lists: Direction,
+                   score: Mod, score_bufs, mask: Mod, mask_bufs, scale: float) -> tuple:
     """The Gluon dQ pass's arguments, group by group in the order `signatures.BACKWARD_DQ_HOPPER`
-    declares."""
-    return (*plan.descriptors(query, key, value, grad_out, dq), lse, delta, *lists.args(),
+    declares (``delta``: written by the pass, from ``out``, ``grad_out`` and ``dlse``)."""
+    return (*plan.descriptors(query, key, value, grad_out, dq), lse, delta, out, dlse, *lists.args(),
             *launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs),
-            *lse.stride(), *lists.strides(), *plan.sizes, scale)
+            *lse.stride(), *out.stride(), *dlse.stride(), *lists.strides(), *plan.sizes, scale)
 
 
 @dataclass(frozen=True)
 class HopperPlan:
     """The Gluon Hopper backward (`hopper.backward_reason` said it can run these inputs): the
     preprocess, then one pass that writes dK, dV and adds dQ into a float32 buffer."""
-    preprocess: launch.Launch
+    preprocess: launch.Launch | None  # None: the Gluon dQ pass writes Delta
     main: launch.Launch
     descriptors: hopper.Descriptors  # Q, K, V, dO, the float32 dQ buffer (and 16-bit dK, dV)
     dq_order: tuple[int, ...] | None  # the dQ buffer's layout: the query's (`layout.contiguous_or_order`)
@@ -310,9 +311,9 @@ def dq_by_pass(options: dict, buffer_grads: bool) -> bool:
 
 def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None, explicit: dict,
                 has_grad_lse: bool, dq_pass: Plan | HopperDqPlan | None = None) -> HopperPlan:
-    """``dq_pass``: a Triton plan (`make_plan`) whose preprocess and dQ pass, or a Gluon dQ pass
-    (`hopper_dq_plan`), the call runs around a main kernel that computes no dQ (`dq_by_pass`
-    says when)."""
+    """``dq_pass``: a Triton plan (`make_plan`) whose preprocess and dQ pass the call runs around a
+    main kernel that computes no dQ, or a Gluon dQ pass (`hopper_dq_plan`, which writes Delta:
+    no preprocess) run before it (`dq_by_pass` says when)."""
     B, Hq, Q_LEN, E = query.shape
     Bkv, Hkv, KV_LEN, _ = value.shape
     device, dtype = query.device, query.dtype
@@ -351,9 +352,11 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     kernel = hopper_module(score, mask, fast_math).flex_attention_backward
     grid = (triton.cdiv(KV_LEN, block_n), B * Hkv)
     main = launch.Launch(kernel, grid, constexprs, device)
-    pre = dq_pass.preprocess if isinstance(dq_pass, Plan) else _preprocess(
-        module(score, mask, (), launch.target_for(device), fast_math), query, value, has_grad_lse,
-        zero_dq=dq_pass is None)
+    if isinstance(dq_pass, HopperDqPlan):
+        pre = None
+    else:
+        pre = dq_pass.preprocess if dq_pass is not None else _preprocess(
+            module(score, mask, (), launch.target_for(device), fast_math), query, value, has_grad_lse, zero_dq=True)
     # a KV head's query heads' Q and dO, and their float32 dQ accumulator
     group = hopper.head_group(device, Q_LEN * E * (2 * query.element_size() + 4) * (Hq // Hkv), B * Hkv,
                               grid[0] * grid[1], tables is not None,
@@ -502,7 +505,13 @@ def _run_hopper(plan: HopperPlan, query, key, value, out, lse, grad_out, grad_ls
         plan.preprocess(*preprocess_args(out, grad_out, dlse, delta, dq_acc, Hq, Q_LEN))
     else:  # (the main kernel adds nothing into it: one tile for its descriptor)
         dq_acc = torch.empty((1, 1, hopper.BWD_BLOCK_M, E), dtype=torch.float32, device=device)
-        plan.preprocess(*preprocess_args(out, grad_out, dlse, delta, None, Hq, Q_LEN))
+        if isinstance(split, HopperDqPlan):  # (it writes Delta, which the main kernel reads)
+            dq = launch.empty(query.shape, query.dtype, device, plan.dq_order)
+            kv_lists = split.dense if split.dense is not None else tables.kv
+            split.main(*hopper_dq_args(split, query, key, value, out, grad_out, dq, lse, delta, dlse, kv_lists,
+                                       score, score_bufs, mask, mask_bufs, scale))
+        else:
+            plan.preprocess(*preprocess_args(out, grad_out, dlse, delta, None, Hq, Q_LEN))
     dk = launch.empty((B, Hkv, KV_LEN, E), plan.dk_dtype, device)
     dv = launch.empty((B, Hkv, KV_LEN, E), plan.dk_dtype, device)
     lists = plan.dense if plan.dense is not None else q_direction(tables, KV_LEN)
@@ -511,12 +520,7 @@ def _run_hopper(plan: HopperPlan, query, key, value, out, lse, grad_out, grad_ls
     grads = {}
     if split is None:
         dq = dq_acc.to(query.dtype)
-    elif isinstance(split, HopperDqPlan):
-        dq = launch.empty(query.shape, query.dtype, device, plan.dq_order)
-        kv_lists = split.dense if split.dense is not None else tables.kv
-        split.main(*hopper_dq_args(split, query, key, value, grad_out, dq, lse, delta, kv_lists, score, score_bufs,
-                                   mask, mask_bufs, scale))
-    else:
+    elif not isinstance(split, HopperDqPlan):
         grad_bufs = _grad_buffers(split, score_bufs, device)
         dq = launch.empty(query.shape, query.dtype, device, split.dq_order)
         mod_args = (*launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs))

@@ -171,7 +171,7 @@ def _make_backward_plan(query, key, value, out, grad_out, score, mask, tables, o
             split = None
             if bwd.dq_by_pass({**options, **config}, buffer_grads):
                 gluon = bwd.GLUON_DQ and not buffer_grads and not tiles and bwd.gluon_dq_reason(tables) is None
-                split = (bwd.hopper_dq_plan(query, key, value, score, mask, tables, options) if gluon
+                split = (bwd.hopper_dq_plan(query, key, value, score, mask, tables, options, has_grad_lse) if gluon
                          else make(tiles))
             return bwd.hopper_plan(query, key, value, score, mask, tables, options, has_grad_lse, split)
 

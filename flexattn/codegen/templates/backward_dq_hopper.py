@@ -1,7 +1,7 @@
 # The backward's dQ for Hopper (sm_90), bfloat16 / float16, in Gluon: one program per query tile
 # walks the forward's KV lists and writes 16-bit dQ once (no float32 accumulator, no atomics, sums
 # in a fixed order: deterministic). It pairs with backward_hopper.py compiled without dQ
-# (COMPUTE_DQ off), which writes dK and dV; together they take the seven products of backward.py's
+# (COMPUTE_DQ off), which runs after it and writes dK and dV; together they take the seven products of backward.py's
 # two passes, the two recomputed ones (q.k^T and dO.v^T) here. Read backward.py's header for the
 # math (P from the saved LSE, Delta, d score_mod / d score).
 #
@@ -16,9 +16,13 @@
 # previous tile's dQ product (then frees that tile's K), forms P = exp2(S / ln 2 - LSE / ln 2)
 # (score_mod, mask and lengths as in backward_hopper.py), waits for dP (then frees V), forms
 # dS = P (dP - Delta) d score_mod / d score in 16 bits in the registers, and issues dQ += dS K
-# with dS as the register operand. The LSE and Delta of a consumer's rows are read once.
+# with dS as the register operand. The LSE of a consumer's rows is read once.
 # The epilogue scales dQ by SM_SCALE and stages it in the consumer's rows of the Q tile, which
 # the TMA unit stores (rows past Q_LEN are clipped).
+#
+# The pass also writes Delta = rowsum(dO * O) - dLSE (each consumer its rows, from the dO tile it
+# holds and O read once), which it needs first and backward_hopper.py reads after it: no
+# preprocess launch, and dO is read once for both.
 #
 # Differences from backward.py's dQ pass: Q, K, V, dO and dQ are TMA descriptors (the host checks
 # alignment); E == Ev in (64, 128); no captured-tensor gradients (those calls take backward.py's
@@ -40,10 +44,10 @@ def loader(Q, K, V, DO, q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty
            TILES_PER_BLOCK: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
            BLOCKS_ARE_CONTIGUOUS: gl.constexpr):
     NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
-    if n_tiles > 0:  # (no copy left in flight when the program ends)
-        mbarrier.expect(q_bar, Q.block_type.nbytes + DO.block_type.nbytes)
-        _tma_load(Q, [b, h, off_m, 0], q_bar, q_smem)
-        _tma_load(DO, [b, h, off_m, 0], q_bar, do_smem)
+    # (Q and dO even for a tile that sees no KV block: its Delta is read by the consumers)
+    mbarrier.expect(q_bar, Q.block_type.nbytes + DO.block_type.nbytes)
+    _tma_load(Q, [b, h, off_m, 0], q_bar, q_smem)
+    _tma_load(DO, [b, h, off_m, 0], q_bar, do_smem)
     for j in range(n_tiles):
         slot = j % NUM_BUFFERS
         phase = (j // NUM_BUFFERS) & 1
@@ -79,13 +83,31 @@ def d_scores(s, dp, valid, lse2, delta, b, h, q_idx, kv_idx, SM_SCALE,
 
 
 @gluon.jit
+def row_deltas(OUT, DLSE, DELTA, do, rows_start, stride_om, stride_ok, stride_dlm, Q_LEN,
+               ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, HAS_GRAD_LSE: gl.constexpr):
+    """Delta = rowsum(dO * O) - dLSE of ROWS query rows (dO: their rows of the dO tile in shared
+    memory, landed), stored for the dK/dV kernel and returned (one value per row)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows = rows_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    live = rows < Q_LEN
+    o = gl.load(OUT + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols * stride_ok, 0),
+                mask=gl.expand_dims(live, 1), other=0.0)
+    delta = gl.sum(o.to(gl.float32) * do.load(layout).to(gl.float32), axis=1)
+    if HAS_GRAD_LSE:
+        delta -= gl.load(DLSE + rows * stride_dlm, mask=live, other=0.0).to(gl.float32)
+    gl.store(DELTA + rows, delta, mask=live)
+    return delta
+
+
+@gluon.jit
 def consumer(q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-             DQ, LSE, DELTA, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
-             stride_lm, Q_LEN, KV_LEN, SM_SCALE,
+             DQ, LSE, DELTA, OUT, DLSE, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
+             stride_lm, stride_om, stride_ok, stride_dlm, Q_LEN, KV_LEN, SM_SCALE,
              $score_mod_params $mask_mod_params
              WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TILES_PER_BLOCK: gl.constexpr,
              SPARSE_KV_BLOCK_SIZE: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr,
-             SCORES_IN_BASE2: gl.constexpr, SCORE_DTYPE: gl.constexpr):
+             SCORES_IN_BASE2: gl.constexpr, HAS_GRAD_LSE: gl.constexpr, SCORE_DTYPE: gl.constexpr):
     NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
     ROWS: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = k_bufs.dtype
@@ -103,15 +125,17 @@ def consumer(q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, 
     # [Note] a fully masked row has LSE -inf: +inf makes its P exactly 0 (rows past Q_LEN too)
     lse = gl.load(LSE + rows * stride_lm, mask=rows < Q_LEN, other=float("inf"))
     lse2 = gl.expand_dims(gl.where(lse == -float("inf"), float("inf"), lse * LOG2E), 1)
-    delta = gl.expand_dims(gl.load(DELTA + rows, mask=rows < Q_LEN, other=0.0), 1)
     q = q_smem.reshape([BLOCK_M, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
     do = do_smem.reshape([BLOCK_M, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
+    mbarrier.wait(q_bar, 0)
+    delta = row_deltas(OUT, DLSE, DELTA, do, my_m, stride_om, stride_ok, stride_dlm, Q_LEN, ROWS, HEAD_DIM,
+                       HAS_GRAD_LSE)
+    delta = gl.expand_dims(gl.convert_layout(delta, row_s), 1)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
     ds_op = gl.zeros([ROWS, BLOCK_N], dtype, layout=ds_layout)
 
     if n_tiles > 0:
-        mbarrier.wait(q_bar, 0)
         for j in range(n_tiles):
             slot = j % NUM_BUFFERS
             phase = (j // NUM_BUFFERS) & 1
@@ -178,6 +202,8 @@ $flex_attention_backward_dq_params
     b64 = b.to(gl.int64)
     LSE += b64 * stride_lz + h.to(gl.int64) * stride_lh
     DELTA += (b64 * HQ + h) * Q_LEN
+    OUT += b64 * stride_oz + h.to(gl.int64) * stride_oh
+    DLSE += b64 * stride_dlz + h.to(gl.int64) * stride_dlh
 
     q_blk = off_m // SPARSE_Q_BLOCK_SIZE
     n_partial = gl.load(KV_NUM_BLKS + b64 * stride_nz + h * stride_nh + q_blk * stride_nm) * TILES_PER_BLOCK
@@ -205,17 +231,17 @@ $flex_attention_backward_dq_params
 
     gl.warp_specialize([
         (consumer, (q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                    DQ, LSE, DELTA, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
-                    stride_lm, Q_LEN, KV_LEN, SM_SCALE,
+                    DQ, LSE, DELTA, OUT, DLSE, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
+                    stride_lm, stride_om, stride_ok, stride_dlm, Q_LEN, KV_LEN, SM_SCALE,
                     $score_mod_params $mask_mod_params
                     0, BLOCK_M, BLOCK_N, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
-                    IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_DTYPE)),
+                    IS_DIVISIBLE, SCORES_IN_BASE2, HAS_GRAD_LSE, SCORE_DTYPE)),
         (consumer, (q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                    DQ, LSE, DELTA, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
-                    stride_lm, Q_LEN, KV_LEN, SM_SCALE,
+                    DQ, LSE, DELTA, OUT, DLSE, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
+                    stride_lm, stride_om, stride_ok, stride_dlm, Q_LEN, KV_LEN, SM_SCALE,
                     $score_mod_params $mask_mod_params
                     1, BLOCK_M, BLOCK_N, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
-                    IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_DTYPE)),
+                    IS_DIVISIBLE, SCORES_IN_BASE2, HAS_GRAD_LSE, SCORE_DTYPE)),
         (loader, (Q, K, V, DO, q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                   b, h, b_kv, h_kv, off_m, n_partial, n_tiles, P_IDX, F_IDX,
                   TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N, BLOCKS_ARE_CONTIGUOUS)),
