@@ -83,17 +83,23 @@ def d_scores(s, dp, valid, lse2, delta, b, h, q_idx, kv_idx, SM_SCALE,
 
 
 @gluon.jit
-def row_deltas(OUT, DLSE, DELTA, do, rows_start, stride_om, stride_ok, stride_dlm, Q_LEN,
-               ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, HAS_GRAD_LSE: gl.constexpr):
-    """Delta = rowsum(dO * O) - dLSE of ROWS query rows (dO: their rows of the dO tile in shared
-    memory, landed), stored for the dK/dV kernel and returned (one value per row)."""
+def out_rows(OUT, rows_start, stride_om, stride_ok, Q_LEN, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """ROWS rows of the output from rows_start (zeros past Q_LEN), in `row_deltas`' layout."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rows = rows_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    return gl.load(OUT + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols * stride_ok, 0),
+                   mask=gl.expand_dims(rows < Q_LEN, 1), other=0.0)
+
+
+@gluon.jit
+def row_deltas(o, do, DLSE, DELTA, rows_start, stride_dlm, Q_LEN, HAS_GRAD_LSE: gl.constexpr):
+    """Delta = rowsum(dO * O) - dLSE of the rows `out_rows` gave (``o``; ``do``: their rows of
+    the dO tile in shared memory, landed), stored for the dK/dV kernel and returned (one value
+    per row)."""
+    rows = rows_start + gl.arange(0, o.shape[0], layout=gl.SliceLayout(1, o.type.layout))
     live = rows < Q_LEN
-    o = gl.load(OUT + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols * stride_ok, 0),
-                mask=gl.expand_dims(live, 1), other=0.0)
-    delta = gl.sum(o.to(gl.float32) * do.load(layout).to(gl.float32), axis=1)
+    delta = gl.sum(o.to(gl.float32) * do.load(o.type.layout).to(gl.float32), axis=1)
     if HAS_GRAD_LSE:
         delta -= gl.load(DLSE + rows * stride_dlm, mask=live, other=0.0).to(gl.float32)
     gl.store(DELTA + rows, delta, mask=live)
@@ -127,9 +133,9 @@ def consumer(q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, 
     lse2 = gl.expand_dims(gl.where(lse == -float("inf"), float("inf"), lse * LOG2E), 1)
     q = q_smem.reshape([BLOCK_M, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
     do = do_smem.reshape([BLOCK_M, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
+    o = out_rows(OUT, my_m, stride_om, stride_ok, Q_LEN, ROWS, HEAD_DIM)  # (in flight while dO lands)
     mbarrier.wait(q_bar, 0)
-    delta = row_deltas(OUT, DLSE, DELTA, do, my_m, stride_om, stride_ok, stride_dlm, Q_LEN, ROWS, HEAD_DIM,
-                       HAS_GRAD_LSE)
+    delta = row_deltas(o, do, DLSE, DELTA, my_m, stride_dlm, Q_LEN, HAS_GRAD_LSE)
     delta = gl.expand_dims(gl.convert_layout(delta, row_s), 1)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
