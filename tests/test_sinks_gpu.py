@@ -90,11 +90,13 @@ def test_decoding(split):
     assert (out[2] == 0).all() and torch.allclose(lse[2], sinks.view(8, 1))
 
 
+@pytest.mark.parametrize("dq_pass", [False, True])
 @pytest.mark.parametrize("D", [64, 128])
-def test_backward(D):
+def test_backward(D, dq_pass):
     """The sinks' gradient next to dQ, dK, dV (the Hopper backward at these shapes on sm_90, the
-    Triton one elsewhere): within 3x eager bfloat16 autograd's error of float32 autograd through
-    the reference, as the other backward tests (test_backward_gpu.py)."""
+    Triton one elsewhere; ``dq_pass``: dQ and Delta, which d sinks reads, by the Hopper backward's
+    dQ pass): within 3x eager bfloat16 autograd's error of float32 autograd through the
+    reference, as the other backward tests (test_backward_gpu.py)."""
     q, k, v = (t.requires_grad_() for t in qkv(1, 4, 4, 1001, 1001, D))
     sinks = sinks_for(4).requires_grad_()
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -102,7 +104,8 @@ def test_backward(D):
     d_lse = torch.randn(1, 4, 1001, device="cuda", generator=g)
     bm = create_block_mask(causal, None, None, 1001, 1001, device="cuda")
     kw = dict(block_mask=bm, return_lse=True)
-    got = testing.weighted_grads(*flex_attention(q, k, v, sinks=sinks, **kw), (q, k, v, sinks), d_out, d_lse)
+    got = testing.weighted_grads(*flex_attention(q, k, v, sinks=sinks, kernel_options={"DQ_PASS": dq_pass}, **kw),
+                                 (q, k, v, sinks), d_out, d_lse)
     eager = testing.weighted_grads(*attention_reference(q, k, v, sinks=sinks, dtype=None, **kw), (q, k, v, sinks),
                                    d_out, d_lse)
     q32, k32, v32, s32 = (t.detach().float().requires_grad_() for t in (q, k, v, sinks))
