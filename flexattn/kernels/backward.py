@@ -1,7 +1,8 @@
 """The backward kernels (templates/backward.py): dQ, dK, dV and gradients of captured tensors.
 On Hopper the Gluon kernel (`HopperPlan`, templates/backward_hopper.py) computes dK and dV, and
-either adds dQ into a float32 accumulator in the same pass or leaves dQ and the captured tensors'
-gradients to the Triton dQ pass below (`dq_by_pass`).
+either adds dQ into a float32 accumulator in the same pass or leaves dQ to a dQ pass
+(`dq_by_pass`): the Gluon one (`HopperDqPlan`, templates/backward_dq_hopper.py), or, where
+captured tensors need gradients, the Triton dQ pass below, which sums them.
 
 Three launches per call: a preprocess (Delta = rowsum(dO * O) - dLSE), a dK/dV pass over the
 transposed block lists (one program per KV tile; GQA heads of a group summed in-program), and a
@@ -12,7 +13,7 @@ masked rows (LSE = -inf) contribute exactly zero. Attention sinks change nothing
 (the LSE includes them); their gradient comes from Delta and the LSE (`sink_grad`).
 
 Deterministic mode (kernel option ``DETERMINISTIC``) takes these kernels, or on Hopper the Gluon
-kernel's dK and dV with the Triton dQ pass: each dQ, dK and dV element is written by one
+kernel's dK and dV with a dQ pass: each dQ, dK and dV element is written by one
 program, which sums in a fixed order, and the captured-tensor gradients are exact fixed-point sums
 (`exact_sum_value`), so the gradients are bitwise the same from run to run.
 """

@@ -55,12 +55,13 @@ OPTIONS: dict[str, tuple[str, str, str]] = {
     "bwd_num_warps": ("backward", "warps", "backward: warps per program"),
     "bwd_num_stages": ("backward", "stages", "backward: software-pipelining stages"),
     "DETERMINISTIC": ("backward", "bool", "bitwise-reproducible gradients: dQ, dK and dV without atomics (the "
-                                          "Triton backward, or on Hopper the Gluon dK/dV with the Triton dQ pass), "
+                                          "Triton backward, or on Hopper the Gluon dK/dV with a dQ pass), "
                                           "captured-tensor gradients summed exactly, and "
                                           "no timed tile choice (default: torch.are_deterministic_algorithms_"
                                           "enabled() when the forward is called; an explicit value wins)"),
-    "DQ_PASS": ("backward", "bool", "Gluon Hopper backward: dQ by the Triton dQ pass over the forward's block "
-                                    "lists (16-bit dQ written once, no float32 accumulator to zero and convert) "
+    "DQ_PASS": ("backward", "bool", "Gluon Hopper backward: dQ by a dQ pass over the forward's block lists "
+                                    "(Gluon; Triton where captured tensors need gradients): 16-bit dQ written "
+                                    "once, no float32 accumulator to zero and convert, "
                                     "while the Gluon kernel computes dK and dV only (always in deterministic "
                                     "mode and where captured tensors need gradients; under a block mask the "
                                     "tuner times both)"),
