@@ -131,9 +131,11 @@ class FlexAttentionFunction(torch.autograd.Function):
             grad_out = torch.zeros_like(out)
         score_bufs, mask_bufs = tuple(buffers[:call.n_score]), tuple(buffers[call.n_score:])
         need = tuple(ctx.needs_input_grad[5:5 + call.n_score])
-        # (grad_out's alignment too: the Hopper backward reads it through a TMA descriptor)
+        # (grad_out's alignment too: the Hopper backward reads it through a TMA descriptor; the LSE's
+        # gradient's strides, which a compiled kernel may have specialised on: `lse.sum()` gives an
+        # expanded one)
         plan_key = (call.key, need, grad_out.shape, grad_out.stride(), grad_out.data_ptr() % 16 == 0,
-                    grad_lse is not None)
+                    None if grad_lse is None else grad_lse.stride())
 
         def launch_once(plan):
             return bwd.run(plan, query, key, value, out, lse, grad_out, grad_lse, call.score, score_bufs,

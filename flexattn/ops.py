@@ -143,7 +143,7 @@ def backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor
     t = _tables(block, tables)  # without q_* tables, the dK/dV lists are made from kv_* (bwd.run)
     need_t = tuple(need)
     key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _meta(grad_out), _aligned(query, key, value, grad_out),
-            grad_lse is not None, need_t,
+            None if grad_lse is None else grad_lse.stride(), out.stride(), need_t,
             _metas(score_bufs) + _metas(mask_bufs), None if t is None else t.sig, _sink_meta(sinks))
 
     def launch_once(plan):

@@ -200,6 +200,33 @@ def test_hopper_launches_across_addresses(monkeypatch, nan_outputs):
         assert taken.count(True) >= 2 * 5, taken  # (the forward's and the backward's, from their third calls)
 
 
+@pytest.mark.parametrize("options", [None, {"DQ_PASS": True}], ids=["default", "dq_pass"])
+def test_lse_gradients_of_other_layouts_on_repeated_calls(options):
+    """Repeated backward calls whose LSE gradient changes layout (contiguous, then the expanded one
+    of ``lse.sum()``, then contiguous again), each past the calls that set up the direct launch:
+    the kernels read Delta's dLSE term with each call's strides (the preprocess, or the Gluon dQ
+    pass that writes Delta)."""
+    B, H, S, D = 1, 4, 700, 128
+    mask = flexattn.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device=DEV)
+    g = torch.Generator(device=DEV).manual_seed(3)
+    q, k, v = (torch.randn(B, H, S, D, device=DEV, generator=g).bfloat16().requires_grad_() for _ in range(3))
+    d_out = torch.randn(B, H, S, D, device=DEV, generator=g)
+    w = torch.randn(B, H, S, device=DEV, generator=g)
+    ref_qkv = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = attention_reference(*ref_qkv, block_mask=mask, return_lse=True)
+    for layout in ("contiguous", "expanded", "contiguous"):
+        def loss(out, lse):
+            term = lse.sum() if layout == "expanded" else (lse * w.to(lse.dtype)).sum()
+            return (out * d_out.to(out.dtype)).sum() + term
+
+        want = torch.autograd.grad(loss(ref_out, ref_lse), ref_qkv, retain_graph=True)
+        for _ in range(3):
+            got = torch.autograd.grad(loss(*flexattn.flex_attention(q, k, v, block_mask=mask, return_lse=True,
+                                                                    kernel_options=options)), (q, k, v))
+            for name, a, e in zip(("dq", "dk", "dv"), got, want):
+                torch.testing.assert_close(a.double(), e, atol=5e-2, rtol=5e-2, msg=f"{layout}: {name}")
+
+
 def replays_match_eager(step, inputs):
     """Capture ``step`` (which returns a tuple of outputs), then three times: draw new ``inputs``
     in place, replay, and compare every static output with an eager call's; yields after each."""
