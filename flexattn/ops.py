@@ -53,7 +53,8 @@ def _tables(block: tuple, tensors: list[Tensor]) -> Tables | None:
 
     kv = direction(tensors[:per])
     q = direction(tensors[per:2 * per]) if has_q else None
-    sig = (q_block, kv_block, seq, has_full, kv.num.device, tuple((t.shape, t.stride()) for t in kv.args()))
+    sig = (q_block, kv_block, seq, has_full, kv.num.device, tuple((t.shape, t.stride()) for t in kv.args()),
+           None if q is None else tuple((t.shape, t.stride()) for t in q.args()))
     return Tables(kv, q, q_block, kv_block, seq, sig)
 
 
@@ -143,7 +144,7 @@ def backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor
     t = _tables(block, tables)  # without q_* tables, the dK/dV lists are made from kv_* (bwd.run)
     need_t = tuple(need)
     key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _meta(grad_out), _aligned(query, key, value, grad_out),
-            None if grad_lse is None else grad_lse.stride(), out.stride(), need_t,
+            None if grad_lse is None else grad_lse.stride(), out.stride(), lse.stride(), need_t,
             _metas(score_bufs) + _metas(mask_bufs), None if t is None else t.sig, _sink_meta(sinks))
 
     def launch_once(plan):

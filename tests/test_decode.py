@@ -102,6 +102,12 @@ def test_offset_causal_and_lengths_mask():
                                   kernel_options={"SPLIT_KV": 2})
     torch.testing.assert_close(out2, out, atol=1e-6, rtol=1e-6)
     assert torch.equal(lse2 == -math.inf, lse == -math.inf)
+    # a strided kv_lengths (a column of a [B, 2] tensor) reads its own elements
+    columns = torch.stack([empty, torch.tensor([160, 1], dtype=torch.int32)], dim=1)
+    out3, lse3 = decode_attention(q, k, v, enable_gqa=True, return_lse=True, kv_lengths=columns[:, 0],
+                                  kernel_options={"SPLIT_KV": 2})
+    torch.testing.assert_close(out3, out, atol=1e-6, rtol=1e-6)
+    assert torch.equal(lse3 == -math.inf, lse == -math.inf)
 
 
 def test_captured_position_is_read_in_kernel():

@@ -432,6 +432,32 @@ def test_masks_of_consecutive_blocks_skip_reading_their_lists():
     assert _contiguous_flags_of_plans() == [False]
 
 
+def test_the_tables_signature_holds_both_directions_layouts():
+    """The tables' signature (part of every plan key) tells apart masks whose KV lists are alike
+    and whose transposed q_* lists differ in layout only, or are absent: the backward's kernels
+    take those lists' strides, which a compiled kernel may have specialised on."""
+    from flexattn.kernels import tables
+
+    bm = make_block_mask(causal_mod(), None, None, 150, 150, 32)
+    q_idx = bm.q_indices
+    wide = torch.zeros(*q_idx.shape[:-1], q_idx.shape[-1] + 3, dtype=q_idx.dtype)
+    wide[..., :q_idx.shape[-1]] = q_idx
+    full_q_idx = bm.full_q_indices
+    wide_full = torch.zeros(*full_q_idx.shape[:-1], full_q_idx.shape[-1] + 3, dtype=full_q_idx.dtype)
+    wide_full[..., :full_q_idx.shape[-1]] = full_q_idx
+
+    def with_q(num, idx, full_num, full_idx):
+        return BlockMask(bm.seq_lengths, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+                         num, idx, full_num, full_idx, BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=bm.mask_mod)
+
+    same = with_q(bm.q_num_blocks, q_idx, bm.full_q_num_blocks, full_q_idx)
+    strided = with_q(bm.q_num_blocks, wide[..., :q_idx.shape[-1]], bm.full_q_num_blocks,
+                     wide_full[..., :full_q_idx.shape[-1]])
+    without = with_q(None, None, None, None)
+    sigs = [tables.tables_of(m).sig for m in (bm, same, strided, without)]
+    assert sigs[0] == sigs[1] and len({sigs[0], sigs[2], sigs[3]}) == 3
+
+
 def test_a_list_changed_in_place_is_read_again():
     """The consecutive-blocks answer belongs to the lists it was computed from: after an in-place
     change of kv_indices the kernel reads the lists again (a stale answer would walk the old blocks)."""

@@ -233,8 +233,8 @@ def run(plan: Plan, query, key, value, score_bufs, mask_bufs, tables: Tables | N
         args.append(sinks)
     if tables is not None:
         args += tables.kv.args()
-    if kv_lengths is not None:
-        args.append(kv_lengths)
+    if kv_lengths is not None:  # (the kernel reads it as one element per batch, contiguous)
+        args.append(kv_lengths.contiguous())
     slots = plan.score_slots
     args += score_bufs if slots is None else [score_bufs[i] for i in slots]
     slots = plan.mask_slots

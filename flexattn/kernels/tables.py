@@ -196,8 +196,10 @@ def tables_of(block_mask, check=None) -> Tables:
         raise ValueError("block_mask has full blocks in one direction only (full_kv_* vs full_q_*)")
     seq = getattr(block_mask, "seq_lengths", None)
     seq = None if seq is None else (int(seq[0]), int(seq[1]))
-    sig = (q_block, kv_block, seq, kv.has_full, kv.num.device,
-           tuple((t.shape, t.stride()) for t in kv.args()))
+    # (the q_* tables' layout too: the backward's kernels take their strides, which a compiled
+    # kernel may have specialised on)
+    sig = (q_block, kv_block, seq, kv.has_full, kv.num.device, tuple((t.shape, t.stride()) for t in kv.args()),
+           None if q is None else tuple((t.shape, t.stride()) for t in q.args()))
     tables = Tables(kv, q, q_block, kv_block, seq, sig)
     start_consecutive_check(tables)
     try:
