@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dis
 import functools
+import inspect
 import itertools
 import operator
 import types
@@ -131,13 +132,22 @@ def _root(fn: types.FunctionType, root: tuple) -> Any:
 def _attribute(fn: types.FunctionType, chain: tuple) -> Any:
     """What an attribute chain reads through modules and classes (which the walk keys by
     identity): ``cfg.POS`` is ``POS`` while ``cfg`` is a module or class, ``cfg`` itself when it
-    is an object the walk sees into."""
+    is an object the walk sees into (its own attributes), and its class's ``POS`` where that is
+    a number, a string or a tensor that the object does not hold itself (a class attribute read
+    through an instance, which the walk of the object would not see)."""
     root, attrs = chain
     v = _root(fn, root)
     for a in attrs:
-        if not isinstance(v, (types.ModuleType, type)):
+        if isinstance(v, (types.ModuleType, type)):
+            v = getattr(v, a, _MISSING)
+            continue
+        own = getattr(v, "__dict__", None)
+        if own is None or a in own:
             break
-        v = getattr(v, a, _MISSING)
+        shared = inspect.getattr_static(type(v), a, _MISSING)
+        if type(shared) in _ATOMS or isinstance(shared, torch.Tensor):
+            v = shared
+        break
     return v
 
 
@@ -176,7 +186,7 @@ def _flat_fingerprint(fn: types.FunctionType, names: tuple[str, ...], chains: tu
         t = type(v)
         kind = _FLAT_KINDS.get(t)
         if kind is _ATOM:
-            key.append((t, v))
+            key.append((t, v) if t is not float else (t, v.hex()))  # (0.0 and -0.0 apart)
         elif kind is _TENSOR:
             for i, x in enumerate(tensors):
                 if x is v:
@@ -245,7 +255,7 @@ def _walk(fn: Any) -> tuple[tuple | None, list[torch.Tensor]]:
             return None, tensors
         t = type(v)
         if t in _ATOMS:
-            key.append((t, v))
+            key.append((t, v) if t is not float else (t, v.hex()))
             continue
         if isinstance(v, torch.Tensor):
             prev = seen.get(id(v))

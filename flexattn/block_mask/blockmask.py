@@ -60,7 +60,6 @@ class BlockMask:
         self.dq_kv_order_spt = dq_kv_order_spt
         self.BLOCK_SIZE = block_size_pair(BLOCK_SIZE)
         self.mask_mod = mask_mod
-        self._mod: Mod | None = mask_mod if isinstance(mask_mod, Mod) else None
 
     # -- construction -------------------------------------------------------------------------
 
@@ -153,8 +152,20 @@ class BlockMask:
         return tuple(self.kv_indices.shape[:-2]) + self.seq_lengths
 
     @property
+    def mask_mod(self) -> Callable:
+        return self._mask_mod
+
+    @mask_mod.setter
+    def mask_mod(self, mask_mod: Callable) -> None:
+        # (a mask_mod assigned later is the one the kernels run, as with torch's BlockMask)
+        self._mask_mod = mask_mod
+        self._mod: Mod | None = mask_mod if isinstance(mask_mod, Mod) else None
+
+    @property
     def mod(self) -> Mod:
-        """``mask_mod`` as a traced `Mod` (what the kernels run)."""
+        """``mask_mod`` as a traced `Mod` (what the kernels run), traced once: a tensor it captures is
+        read at each call, but a name it captures bound to another object later is not seen (the
+        block tables were made from the old one: make the BlockMask again)."""
         if self._mod is None:
             self._mod = as_mod(self.mask_mod)
         return self._mod

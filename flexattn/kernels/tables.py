@@ -139,7 +139,7 @@ def _direction(block_mask, prefix: str) -> Direction | None:
 
 
 def _sources(block_mask) -> tuple:
-    return tuple(getattr(block_mask, n, None) for n in (*TABLE_FIELDS, "BLOCK_SIZE"))
+    return tuple(getattr(block_mask, n, None) for n in (*TABLE_FIELDS, "BLOCK_SIZE", "seq_lengths"))
 
 
 def _rows_consecutive(num: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -181,8 +181,9 @@ def tables_of(block_mask, check=None) -> Tables:
     runs then too (the caller's check of the tables' values)."""
     cached = getattr(block_mask, _CACHE_ATTR, None)
     if cached is not None:
-        sources, tables = cached
-        if all(a is b for a, b in zip(sources, _sources(block_mask))):
+        sources, copied, tables = cached
+        if all(a is b for a, b in zip(sources, _sources(block_mask))) and \
+                all(t._version == v for t, v in copied):
             return tables
     sources = _sources(block_mask)
     if sources[0] is None:
@@ -202,8 +203,13 @@ def tables_of(block_mask, check=None) -> Tables:
            None if q is None else tuple((t.shape, t.stride()) for t in q.args()))
     tables = Tables(kv, q, q_block, kv_block, seq, sig)
     start_consecutive_check(tables)
+    # the mask's tables that the launch tables copy (int64, or strided rows): an in-place change of
+    # one makes them again
+    used = {id(t) for t in (*kv.args(), *(q.args() if q is not None else ())) if t is not None}
+    copied = tuple((t, t._version) for t in sources[:len(TABLE_FIELDS)]
+                   if isinstance(t, torch.Tensor) and id(t) not in used)
     try:
-        setattr(block_mask, _CACHE_ATTR, (sources, tables))
+        setattr(block_mask, _CACHE_ATTR, (sources, copied, tables))
     except AttributeError:  # a mask type that refuses attributes: prepared again each call
         pass
     return tables
@@ -244,14 +250,17 @@ def q_direction(tables: Tables, KV_LEN: int) -> Direction:
         return tables.q
     n_kv = triton.cdiv(KV_LEN, tables.kv_block)
     cache = tables.__dict__.setdefault("_transposed", {})
-    q = cache.get(n_kv)
-    if q is None:
+    # (made again after an in-place change of the KV lists)
+    versions = tuple(t._version for t in tables.kv.args() if t is not None)
+    q, made_from = cache.get(n_kv, (None, None))
+    if q is None or made_from != versions:
         kv = tables.kv
         q_num, q_idx = transpose(kv.num, kv.idx, n_kv)
         fq_num = fq_idx = None
         if kv.has_full:
             fq_num, fq_idx = transpose(kv.full_num, kv.full_idx, n_kv)
-        q = cache[n_kv] = Direction(q_num, q_idx, fq_num, fq_idx)
+        q = Direction(q_num, q_idx, fq_num, fq_idx)
+        cache[n_kv] = (q, versions)
     return q
 
 

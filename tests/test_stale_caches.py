@@ -1,0 +1,115 @@
+"""What a repeated call sees again: the caches that make a second call cheap (launch tables per
+BlockMask, the transposed lists, traced mods keyed by what their code reads) against changes the
+user makes between calls, each call compared with the float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexattn
+from flexattn import BlockMask, create_block_mask
+from flexattn.reference import attention_reference
+
+S, D = 150, 16  # (not a multiple of the 32-row blocks)
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+@pytest.fixture
+def qkv():
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(1, 1, S, D, generator=g) for _ in range(3))
+
+
+def assert_matches_reference(qkv, **kw):
+    got = flexattn.flex_attention(*qkv, **kw)
+    want = attention_reference(*(t.double() for t in qkv), **kw)
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+def grads(qkv, block_mask, reference=False):
+    ts = [(t.double() if reference else t).detach().requires_grad_() for t in qkv]
+    fn = attention_reference if reference else flexattn.flex_attention
+    fn(*ts, block_mask=block_mask).sum().backward()
+    return [t.grad.double() for t in ts]
+
+
+@pytest.mark.parametrize("layout", ["int64", "strided"])
+def test_tables_that_are_copied_are_copied_again_after_an_in_place_change(qkv, layout):
+    """Launch tables copy a mask's int64 or row-strided tables: an in-place change of one makes
+    the copy again (the int32 contiguous tables are read where they are)."""
+    made = create_block_mask(causal, None, None, S, S, device="cpu", BLOCK_SIZE=32)
+    num, idx, full_num, full_idx = made.as_tuple()[2:6]
+    if layout == "int64":
+        num, idx, full_num, full_idx = (t.long() for t in (num, idx, full_num, full_idx))
+    else:
+        def strided(t):
+            wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+            wide[..., ::2] = t
+            return wide[..., ::2]
+        full_num = strided(full_num)
+    bm = BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=32, mask_mod=causal, seq_lengths=(S, S))
+    assert_matches_reference(qkv, block_mask=bm)
+    bm.full_kv_num_blocks.zero_()  # (now only the partial diagonal tiles are visited)
+    assert_matches_reference(qkv, block_mask=bm)
+
+
+def test_the_transposed_lists_follow_an_in_place_change(qkv):
+    """A mask without q_* tables: the backward's transposed lists are made again after the KV
+    lists change in place."""
+    made = create_block_mask(causal, None, None, S, S, device="cpu", BLOCK_SIZE=32)
+    bm = BlockMask.from_kv_blocks(*made.as_tuple()[2:6], BLOCK_SIZE=32, mask_mod=causal, seq_lengths=(S, S),
+                                  compute_q_blocks=False)
+    grads(qkv, bm)
+    bm.full_kv_num_blocks[0, 0, 3] = 1  # query block 3 sees only KV block 0 in full now
+    for name, a, e in zip(("dq", "dk", "dv"), grads(qkv, bm), grads(qkv, bm, reference=True)):
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_a_mask_mod_assigned_later_is_the_one_that_runs(qkv):
+    """torch's BlockMask semantics: ``bm.mask_mod = f`` after a call makes the next call run f."""
+    everything = create_block_mask(lambda b, h, q, kv: (q + kv) % 2 == 0, None, None, S, S, device="cpu",
+                                   BLOCK_SIZE=32)  # (every tile partial)
+    assert_matches_reference(qkv, block_mask=everything)
+    everything.mask_mod = causal
+    assert_matches_reference(qkv, block_mask=everything)
+    assert everything.mod.key() != flexattn.create_block_mask(
+        lambda b, h, q, kv: (q + kv) % 2 == 0, None, None, S, S, device="cpu", BLOCK_SIZE=32).mod.key()
+
+
+def test_seq_lengths_assigned_later_are_checked(qkv):
+    bm = create_block_mask(causal, None, None, S, S, device="cpu", BLOCK_SIZE=32)
+    assert_matches_reference(qkv, block_mask=bm)
+    bm.seq_lengths = (140, 140)
+    with pytest.raises(ValueError, match="140"):
+        flexattn.flex_attention(*qkv, block_mask=bm)
+
+
+class Config:
+    scale = 1.0
+
+
+def test_a_class_attribute_read_through_an_instance(qkv):
+    """``cfg.scale`` where ``scale`` lives on cfg's class: changing it changes the next call."""
+    cfg = Config()
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score * cfg.scale
+
+    try:
+        assert_matches_reference(qkv, score_mod=scaled)
+        Config.scale = 3.0
+        assert_matches_reference(qkv, score_mod=scaled)
+    finally:
+        Config.scale = 1.0
+
+
+def test_negative_zero_is_another_constant(qkv):
+    def slope_of(z):
+        return lambda score, b, h, q_idx, kv_idx: score + 0.05 * kv_idx * torch.clamp(1.0 / ((kv_idx * 0 + 1) * z),
+                                                                                    -1.0, 1.0)
+    assert_matches_reference(qkv, score_mod=slope_of(0.0))
+    assert_matches_reference(qkv, score_mod=slope_of(-0.0))
