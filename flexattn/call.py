@@ -398,13 +398,17 @@ def _compiled_mask(block_mask, mask_override) -> tuple[str, list[torch.Tensor]]:
     return capture.capture(fn, MASK, torch.float32)
 
 
-def _compiled_tables(block_mask) -> tuple[tuple, list[torch.Tensor]]:
+def _compiled_tables(block_mask) -> tuple[tuple, list[torch.Tensor], tuple]:
+    """(the block part of the ops' spec, the tables, the mask's (Q_LEN, KV_LEN) or (-1, -1)): the
+    lengths are op arguments, not part of the constant spec, since under dynamic shapes they are
+    symbols."""
     if block_mask is None:
-        return (), []
+        return (), [], (-1, -1)
     size = block_mask.BLOCK_SIZE
     q_block, kv_block = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
     seq = getattr(block_mask, "seq_lengths", None)
-    seq = None if seq is None else (int(seq[0]), int(seq[1]))
+    has_seq = seq is not None
+    seq = (seq[0], seq[1]) if has_seq else (-1, -1)
     has_full = block_mask.full_kv_num_blocks is not None
     has_q = getattr(block_mask, "q_num_blocks", None) is not None
     names = ["kv_num_blocks", "kv_indices"] + (["full_kv_num_blocks", "full_kv_indices"] if has_full else [])
@@ -414,7 +418,7 @@ def _compiled_tables(block_mask) -> tuple[tuple, list[torch.Tensor]]:
     for n in names:
         t = getattr(block_mask, n).to(torch.int32)
         tensors.append(t if t.stride(-1) == 1 else t.contiguous())
-    return (q_block, kv_block, seq, has_full, has_q), tensors
+    return (q_block, kv_block, has_seq, has_full, has_q), tensors, seq
 
 
 def _attend_compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, options, want_max, decoding,
@@ -425,7 +429,7 @@ def _attend_compiled(query, key, value, score_mod, block_mask, scale, enable_gqa
     else:
         score_key, score_bufs = capture.capture(score_mod, SCORE, stat_dtype)
     mask_key, mask_bufs = _compiled_mask(block_mask, mask_override)
-    block, tables = _compiled_tables(block_mask)
+    block, tables, seq = _compiled_tables(block_mask)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     plans.check_sinks(sinks, query)
@@ -434,9 +438,9 @@ def _attend_compiled(query, key, value, score_mod, block_mask, scale, enable_gqa
     _, decoding = _kernel_choice(query, key, value, score_bufs, sinks, options, want_max, decoding)
     spec = ops.spec(score_key, mask_key, block, bool(enable_gqa), tuple(sorted(options.items())), bool(want_max))
     if decoding:
-        out, lse = torch.ops.flexattn.decode(query, key, value, sinks, score_bufs, mask_bufs, tables, kv_lengths,
-                                             spec, float(scale))
+        out, lse = torch.ops.flexattn.decode(query, key, value, sinks, score_bufs, mask_bufs, tables, *seq,
+                                             kv_lengths, spec, float(scale))
         return out, lse, None
-    out, lse, mx = torch.ops.flexattn.forward(query, key, value, sinks, score_bufs, mask_bufs, tables, spec,
+    out, lse, mx = torch.ops.flexattn.forward(query, key, value, sinks, score_bufs, mask_bufs, tables, *seq, spec,
                                               float(scale))
     return out, lse, (mx if want_max else None)

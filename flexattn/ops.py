@@ -26,7 +26,9 @@ from flexattn.mods import template
 @torch.compiler.assume_constant_result
 def spec(score_key: str, mask_key: str, block: tuple, enable_gqa: bool, options: tuple, want_max: bool) -> str:
     """The constant part of one call, as the string argument of the ops. ``block`` is
-    (q_block, kv_block, seq_lengths, has_full, has_q) or () without a block mask."""
+    (q_block, kv_block, has_seq_lengths, has_full, has_q) or () without a block mask (the mask's
+    seq_lengths are the ops' ``seq_q`` and ``seq_kv`` arguments, -1 without: symbols under dynamic
+    shapes)."""
     return repr((score_key, mask_key, block, enable_gqa, options, want_max))
 
 
@@ -42,10 +44,11 @@ def _parse(s: str):
     return parsed
 
 
-def _tables(block: tuple, tensors: list[Tensor]) -> Tables | None:
+def _tables(block: tuple, tensors: list[Tensor], seq_q: int, seq_kv: int) -> Tables | None:
     if not block:
         return None
-    q_block, kv_block, seq, has_full, has_q = block
+    q_block, kv_block, _, has_full, has_q = block
+    seq = (int(seq_q), int(seq_kv)) if seq_q >= 0 else None
     per = 4 if has_full else 2
 
     def direction(ts):
@@ -81,10 +84,12 @@ def _sink_meta(sinks: Tensor | None) -> tuple | None:
 
 @torch.library.custom_op("flexattn::forward", mutates_args=())
 def forward(query: Tensor, key: Tensor, value: Tensor, sinks: Optional[Tensor], score_bufs: list[Tensor],
-            mask_bufs: list[Tensor], tables: list[Tensor], spec: str, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Block-sparse forward: ``(out, lse, max_scores)`` (max_scores is empty unless asked for)."""
+            mask_bufs: list[Tensor], tables: list[Tensor], seq_q: int, seq_kv: int, spec: str,
+            scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Block-sparse forward: ``(out, lse, max_scores)`` (max_scores is empty unless asked for);
+    ``seq_q``, ``seq_kv``: the block mask's (Q_LEN, KV_LEN), -1 without."""
     score, mask, block, enable_gqa, options, want_max = _parse(spec)
-    t = _tables(block, tables)
+    t = _tables(block, tables, seq_q, seq_kv)
     key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _aligned(query, key, value),
             _metas(score_bufs) + _metas(mask_bufs), None if t is None else t.sig, _sink_meta(sinks))
     plan = plans.forward_plan(key_, query, key, value, score, score_bufs, mask, mask_bufs, t, enable_gqa,
@@ -98,7 +103,7 @@ def _stat_dtype(query: Tensor) -> torch.dtype:
 
 
 @forward.register_fake
-def _(query, key, value, sinks, score_bufs, mask_bufs, tables, spec, scale):
+def _(query, key, value, sinks, score_bufs, mask_bufs, tables, seq_q, seq_kv, spec, scale):
     B, Hq, Q_LEN, _ = query.shape
     want_max = ast.literal_eval(spec)[5]
     out = torch.empty_permuted((B, Hq, Q_LEN, value.shape[-1]), layout.stride_order(query),
@@ -109,10 +114,11 @@ def _(query, key, value, sinks, score_bufs, mask_bufs, tables, spec, scale):
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, sinks, score_bufs, mask_bufs, tables, spec_, scale = inputs
+    query, key, value, sinks, score_bufs, mask_bufs, tables, seq_q, seq_kv, spec_, scale = inputs
     out, lse, _ = output
     ctx.save_for_backward(query, key, value, out, lse, sinks, *score_bufs, *mask_bufs, *tables)
     ctx.sizes = (len(score_bufs), len(mask_bufs))
+    ctx.seq = (seq_q, seq_kv)
     ctx.spec, ctx.scale = spec_, scale
     ctx.need = [t.requires_grad and t.dtype.is_floating_point for t in score_bufs]
 
@@ -122,12 +128,12 @@ def _backward(ctx, grad_out, grad_lse, grad_max):
     n_score, n_mask = ctx.sizes
     score_bufs, mask_bufs, tables = rest[:n_score], rest[n_score:n_score + n_mask], rest[n_score + n_mask:]
     dq, dk, dv, dsinks, grads = torch.ops.flexattn.backward(query, key, value, out, lse, grad_out, grad_lse, sinks,
-                                                            score_bufs, mask_bufs, tables, ctx.spec, ctx.scale,
-                                                            ctx.need)
+                                                            score_bufs, mask_bufs, tables, *ctx.seq, ctx.spec,
+                                                            ctx.scale, ctx.need)
     buffer_grads = [g if need else None for g, need in zip(grads, ctx.need)]
     # One entry per input, lists for the list inputs (the mask's tensors and the block tables get none).
     return dq, dk, dv, None if sinks is None else dsinks, buffer_grads, [None] * n_mask, [None] * len(tables), \
-        None, None
+        None, None, None, None
 
 
 torch.library.register_autograd("flexattn::forward", _backward, setup_context=_setup_context)
@@ -136,12 +142,12 @@ torch.library.register_autograd("flexattn::forward", _backward, setup_context=_s
 @torch.library.custom_op("flexattn::backward", mutates_args=())
 def backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor,
              grad_lse: Optional[Tensor], sinks: Optional[Tensor], score_bufs: list[Tensor], mask_bufs: list[Tensor],
-             tables: list[Tensor], spec: str, scale: float,
+             tables: list[Tensor], seq_q: int, seq_kv: int, spec: str, scale: float,
              need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
     """Gradients of `forward`: ``(dq, dk, dv, d sinks, [grad of each score-mod tensor])`` (d sinks
     empty without sinks, a buffer's gradient empty where ``need`` is False)."""
     score, mask, block, _, options, _ = _parse(spec)
-    t = _tables(block, tables)  # without q_* tables, the dK/dV lists are made from kv_* (bwd.run)
+    t = _tables(block, tables, seq_q, seq_kv)  # without q_* tables, the dK/dV lists are made from kv_* (bwd.run)
     need_t = tuple(need)
     key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _meta(grad_out), _aligned(query, key, value, grad_out),
             None if grad_lse is None else grad_lse.stride(), out.stride(), lse.stride(), need_t,
@@ -161,7 +167,8 @@ def backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor
 
 
 @backward.register_fake
-def _(query, key, value, out, lse, grad_out, grad_lse, sinks, score_bufs, mask_bufs, tables, spec, scale, need):
+def _(query, key, value, out, lse, grad_out, grad_lse, sinks, score_bufs, mask_bufs, tables, seq_q, seq_kv, spec, scale,
+      need):
     dq = torch.empty_permuted(query.shape, layout.stride_order(query), dtype=query.dtype, device=query.device)
     dk = key.new_empty(key.shape)
     dv = value.new_empty(value.shape)
@@ -175,11 +182,11 @@ def _(query, key, value, out, lse, grad_out, grad_lse, sinks, score_bufs, mask_b
 
 @torch.library.custom_op("flexattn::decode", mutates_args=())
 def decode(query: Tensor, key: Tensor, value: Tensor, sinks: Optional[Tensor], score_bufs: list[Tensor],
-           mask_bufs: list[Tensor], tables: list[Tensor], kv_lengths: Optional[Tensor], spec: str,
-           scale: float) -> tuple[Tensor, Tensor]:
+           mask_bufs: list[Tensor], tables: list[Tensor], seq_q: int, seq_kv: int, kv_lengths: Optional[Tensor],
+           spec: str, scale: float) -> tuple[Tensor, Tensor]:
     """Split-KV decoding: ``(out, lse)``."""
     score, mask, block, enable_gqa, options, _ = _parse(spec)
-    t = _tables(block, tables)
+    t = _tables(block, tables, seq_q, seq_kv)
     key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _metas(score_bufs) + _metas(mask_bufs),
             None if t is None else t.sig, None if kv_lengths is None else _meta(kv_lengths), _sink_meta(sinks))
     plan = plans.decode_plan(key_, query, key, value, score, score_bufs, mask, mask_bufs, t, enable_gqa, options,
@@ -188,7 +195,7 @@ def decode(query: Tensor, key: Tensor, value: Tensor, sinks: Optional[Tensor], s
 
 
 @decode.register_fake
-def _(query, key, value, sinks, score_bufs, mask_bufs, tables, kv_lengths, spec, scale):
+def _(query, key, value, sinks, score_bufs, mask_bufs, tables, seq_q, seq_kv, kv_lengths, spec, scale):
     B, Hq, Q_LEN, _ = query.shape
     out = torch.empty_permuted((B, Hq, Q_LEN, value.shape[-1]), layout.stride_order(query),
                                dtype=query.dtype, device=query.device)

@@ -331,6 +331,34 @@ def test_compiled_create_block_mask_then_attention():
         torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+def test_compiled_attention_over_lengths_that_change(dynamic):
+    """A block mask built inside the graph for the inputs' lengths, which change from call to call
+    (at the second length torch.compile makes them symbols by default): forward and backward
+    against the float64 reference at each length (the mask's lengths are arguments of the ops,
+    not part of their constant spec)."""
+    torch._dynamo.reset()
+
+    def attend(q, k, v):
+        mask = flexattn.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, q.shape[2], k.shape[2],
+                                          device="cpu", BLOCK_SIZE=16)
+        return flexattn.flex_attention(q, k, v, block_mask=mask, score_mod=lambda s, b, h, qi, ki: s + 0.01 * (qi - ki))
+
+    compiled = torch.compile(attend, fullgraph=True, dynamic=dynamic)
+    for L in (32, 45, 75):
+        q, k, v = (t.requires_grad_() for t in qkv(L=L, seed=L))
+        out = compiled(q, k, v)
+        out.sum().backward()
+        ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref = attention_reference(*ref_in, block_mask=flexattn.create_block_mask(
+            lambda b, h, qi, ki: qi >= ki, None, None, L, L, device="cpu", BLOCK_SIZE=16),
+            score_mod=lambda s, b, h, qi, ki: s + 0.01 * (qi - ki))
+        ref.sum().backward()
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+        for t, r in zip((q, k, v), ref_in):
+            torch.testing.assert_close(t.grad.double(), r.grad, atol=1e-5, rtol=1e-5)
+
+
 def test_compiled_model_with_a_block_mask_made_outside():
     torch._dynamo.reset()
     model = RelativeBias()

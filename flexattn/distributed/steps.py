@@ -39,12 +39,12 @@ class Pair:
         tensor i (None where ``need[i]`` is False)."""
         score, origin = self.score_at(qpos, kvpos)
         step_need = [o is not None and need[o] for o in origin]
-        block, tables = _compiled_tables(block_mask)
+        block, tables, seq = _compiled_tables(block_mask)
         mask = block_mask.mod
         spec = ops.spec(score.key(), mask.key(), block, self.enable_gqa, tuple(sorted(self.options.items())), False)
         dq, dk, dv, _, step_grads = torch.ops.flexattn.backward(
-            q, k, v, out, lse, dout, dlse, None, list(score.buffers), list(mask.buffers), tables, spec, self.scale,
-            step_need)
+            q, k, v, out, lse, dout, dlse, None, list(score.buffers), list(mask.buffers), tables, *seq, spec,
+            self.scale, step_need)
         grads = [None] * len(self.score.buffers)
         for o, g, n in zip(origin, step_grads, step_need):
             if n:
