@@ -13,10 +13,12 @@ per key) is launched. Calls that need no gradient launch directly; the others go
 
 from __future__ import annotations
 
-import math
 import inspect
+import math
+import numbers
 from typing import Callable
 
+import numpy
 import torch
 
 from flexattn import capture, ir, modcache, ops
@@ -225,9 +227,12 @@ def _ones(device: torch.device) -> torch.Tensor:
 
 
 def _check_scale(scale) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {scale!r}")
-    return float(scale)
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        return float(scale)
+    if isinstance(scale, numbers.Real) and not isinstance(scale, (bool, numpy.bool_)):  # (NumPy's numbers)
+        return float(scale)
+    hint = " (a tensor: pass scale.item())" if isinstance(scale, torch.Tensor) else ""
+    raise TypeError(f"scale must be a float or None, got {scale!r}{hint}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -222,6 +222,11 @@ def test_from_kv_blocks_and_as_tuple_match_torch():
     # Default seq_lengths from the table shapes, default mask_mod.
     bare = BlockMask.from_kv_blocks(ours.kv_num_blocks, ours.kv_indices, BLOCK_SIZE=(32, 64))
     assert bare.seq_lengths == (10 * 32, 10 * 64) and bare.mask_mod is noop_mask and bare.full_q_indices is None
+    # torch's keyword-only write-order metadata: kept as given, a bool dq_kv_order makes nothing
+    order = torch.zeros(1, dtype=torch.int32)
+    kept = BlockMask.from_kv_blocks(*args, BLOCK_SIZE=32, seq_lengths=(300, 300), dq_write_order=order,
+                                    dq_kv_order=True)
+    assert kept.as_tuple()[10] is order and kept.as_tuple()[12] is None
 
 
 def test_text_picture_and_repr_match_torch():

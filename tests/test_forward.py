@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy
 import pytest
 import torch
 from hypothesis import given, settings
@@ -554,10 +555,19 @@ def _qkv(**over):
     (_qkv(), {"score_mod": causal_mod()}, TypeError, r"score_mod must be a score mod, got the mask mod"),
     (_qkv(), {"score_mod": 3}, TypeError, r"score_mod must be a function or a flexattn Mod, got int"),
     (_qkv(), {"scale": "big"}, TypeError, r"scale must be a float or None, got 'big'"),
+    (_qkv(), {"scale": torch.tensor(0.5)}, TypeError, r"scale must be a float or None, got tensor\(0.5000\) \(a tensor: "
+     r"pass scale.item\(\)\)"),
 ])
 def test_errors(args, kwargs, error, match):
     with pytest.raises(error, match=match):
         flex_attention(*args, **kwargs)
+
+
+def test_numpy_numbers_as_scale():
+    q, k, v = _qkv()
+    want = flex_attention(q, k, v, scale=0.25)
+    for scale in (numpy.float32(0.25), numpy.float64(0.25)):
+        torch.testing.assert_close(flex_attention(q, k, v, scale=scale), want, atol=0, rtol=0)
 
 
 def test_dtype_and_device_mismatch():

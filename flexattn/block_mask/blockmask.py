@@ -69,8 +69,13 @@ class BlockMask:
                        full_kv_indices: torch.Tensor | None = None,
                        BLOCK_SIZE: int | tuple[int, int] = _DEFAULT_SPARSE_BLOCK_SIZE,
                        mask_mod: Callable | None = None, seq_lengths: tuple[int, int] | None = None,
-                       compute_q_blocks: bool = True) -> "BlockMask":
+                       compute_q_blocks: bool = True, *, dq_write_order: torch.Tensor | None = None,
+                       dq_write_order_full: torch.Tensor | None = None,
+                       dq_kv_order: torch.Tensor | bool | None = None) -> "BlockMask":
         """A BlockMask from the forward tables; the transposed q_* tables are derived on device.
+        ``dq_write_order``, ``dq_write_order_full``, ``dq_kv_order``: torch's metadata for its
+        deterministic backward, kept as given (a bool ``dq_kv_order``, torch's "make it", makes
+        nothing: flexattn's deterministic mode needs none of them).
 
         Example::
 
@@ -97,7 +102,9 @@ class BlockMask:
                 fq_num, fq_idx = transpose(full_kv_num_blocks, full_kv_indices, n_kv)
         return cls(seq_lengths, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                    q_num, q_idx, fq_num, fq_idx, BLOCK_SIZE=block,
-                   mask_mod=mask_mod if mask_mod is not None else noop_mask, validate=False)
+                   mask_mod=mask_mod if mask_mod is not None else noop_mask, validate=False,
+                   dq_write_order=dq_write_order, dq_write_order_full=dq_write_order_full,
+                   dq_kv_order=None if isinstance(dq_kv_order, bool) else dq_kv_order)
 
     # -- views ----------------------------------------------------------------------------------
 
