@@ -371,7 +371,8 @@ def _plan_call(query, key, value, score_mod, mask, mask_bufs, tables, enable_gqa
         bwd.score_mod_grad(score)
     E = query.shape[-1]
     bound = (decoding, plan, plan_key, 1.0 / math.sqrt(E) if E > 0 else 1.0)
-    slots = None if call_key is None else modcache.slots_of(score_bufs, walked[1])
+    # (a mod that read a tensor's value in Python is traced again at each call: `Mod.host_values`)
+    slots = None if call_key is None or score.host_values else modcache.slots_of(score_bufs, walked[1])
     if slots is not None:
         known = _KNOWN.get(call_key)
         if known is None:

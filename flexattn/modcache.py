@@ -42,6 +42,7 @@ import inspect
 import itertools
 import operator
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -425,8 +426,19 @@ def _trace_and_keep(fn: Any, kind: str, score_dtype: torch.dtype, device: torch.
         return mod, buffers
     # The cache keeps the IR, not this call's tensors (nor the function and its closure).
     template = mod.stand_in()
+    if mod.host_values:  # (its constants are tensors' values of this call: trace again each call)
+        _warn_host_values(mod)
+        _CACHE[key] = _Entry(template, None)
+        return mod, buffers
     _CACHE[key] = _Entry(template, slots_of(buffers, tensors))
     return template, buffers
+
+
+def _warn_host_values(mod: Mod) -> None:
+    warnings.warn(f"{mod.kind}_mod '{mod.name}' reads a captured tensor's value in Python (.item(), float(), "
+                  "int(), bool(), .tolist()): flexattn traces it again at every call to see the tensor's "
+                  "current value. Use the tensor in the expression itself (score * t, not score * "
+                  "t.item()) to have the kernel read it and the call cost a lookup.", stacklevel=4)
 
 
 def clear() -> None:

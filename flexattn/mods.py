@@ -52,6 +52,11 @@ def template(key: str) -> "Mod":
 class Mod:
     """A traced mod. ``kind`` is "score" or "mask"; ``buffers`` are the captured tensors."""
 
+    # True where the traced function read a captured tensor's value on the host (``t.item()``,
+    # ``float(t)``, ``if t:``): the IR holds that value as a constant, so the mod is traced again
+    # at each call (`flexattn.modcache`) to see the tensor's current value.
+    host_values = False
+
     def __init__(self, kind: str, root: ir.Node, buffers: Sequence[torch.Tensor] = (),
                  name: str = "mod", source: str = "", fn: Any = None):
         if kind not in ARITY:

@@ -18,7 +18,9 @@ What becomes what:
     call as captured 0-d tensors instead).
   - Captured tensors indexed by (or combined with) a traced value become kernel inputs
     (`ir.Buffer`, numbered in first-use order). A captured 0-d tensor is a buffer read with no
-    index, not a constant: changing its value in place does not need a new kernel.
+    index, not a constant: changing its value in place does not need a new kernel. A captured
+    tensor's value handed to Python (``t.item()``, ``float(t)``, ``if t:``) is a constant of the
+    IR instead: such a mod is marked (`Mod.host_values`) and traced again at each call.
   - ``torch.tensor(3.0)``, ``torch.ones(())``, ``x.new_ones((), dtype=torch.bool)`` inside a mod
     are constants.
   - Python control flow on a traced value (``if``, ``and``, ``int()``, ``range()``...) has no
@@ -114,6 +116,7 @@ class _Trace:
         self.tensors: list[torch.Tensor] = []
         self.buffers: dict[int, ir.Buffer] = {}  # id(tensor) -> Buffer (tensors keeps them alive)
         self.names: set[str] = set()
+        self.host_values = False  # whether the mod read a captured tensor's value on the host
 
     def describe(self) -> str:
         return f"{self.kind}_mod '{self.name}'"
@@ -567,6 +570,11 @@ def _liftable(func, args, kwargs) -> bool:
     return bool(tensors) and all(t.dim() == 0 for t in tensors)
 
 
+# Tensor methods that hand a tensor's value to Python (what a mod then folds as a constant).
+_HOST_READS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
+                         torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.__complex__})
+
+
 class _TraceMode(TorchFunctionMode):
     """Active while a mod runs: routes calls on traced values to the table, and catches the calls
     that have none (``torch.tensor(2.0)``, ``table[t0]`` with a captured 0-d ``t0``) when the mod
@@ -583,6 +591,8 @@ class _TraceMode(TorchFunctionMode):
                     return Proxy(node, _active())
             elif _liftable(func, args, kwargs):
                 return _dispatch(func, args, kwargs)
+        if func in _HOST_READS and args and isinstance(args[0], torch.Tensor) and not _called_internally():
+            _active().host_values = True  # (the value is folded into the IR: `Mod.host_values`)
         return func(*args, **kwargs)
 
 
@@ -671,7 +681,9 @@ def trace(fn, kind: str | None = None, *, score_dtype: torch.dtype = torch.float
             root = _result(t, out)
     finally:
         stack.pop()
-    return Mod(kind, root, t.tensors, name=name, source=_source(fn), fn=fn)
+    mod = Mod(kind, root, t.tensors, name=name, source=_source(fn), fn=fn)
+    mod.host_values = t.host_values
+    return mod
 
 
 def _result(t: _Trace, out) -> ir.Node:

@@ -113,3 +113,27 @@ def test_negative_zero_is_another_constant(qkv):
                                                                                     -1.0, 1.0)
     assert_matches_reference(qkv, score_mod=slope_of(0.0))
     assert_matches_reference(qkv, score_mod=slope_of(-0.0))
+
+
+def test_a_value_read_on_the_host_is_read_again(qkv):
+    """``temp.item()`` in a score_mod folds the value into the IR: the mod is traced again at each
+    call (with a warning saying how to avoid it), so an in-place change is seen."""
+    temp = torch.tensor(2.0)
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score * temp.item()
+
+    with pytest.warns(UserWarning, match="reads a captured tensor's value in Python"):
+        assert_matches_reference(qkv, score_mod=scaled)
+    temp.fill_(5.0)
+    assert_matches_reference(qkv, score_mod=scaled)
+
+    def in_the_kernel(score, b, h, q_idx, kv_idx):  # (the tensor itself: read by the kernel, no warning)
+        return score * temp
+
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_matches_reference(qkv, score_mod=in_the_kernel)
+        temp.fill_(3.0)
+        assert_matches_reference(qkv, score_mod=in_the_kernel)
