@@ -187,7 +187,7 @@ def _flat_fingerprint(fn: types.FunctionType, names: tuple[str, ...], chains: tu
         t = type(v)
         kind = _FLAT_KINDS.get(t)
         if kind is _ATOM:
-            key.append((t, v) if t is not float else (t, v.hex()))  # (0.0 and -0.0 apart)
+            key.append((t, v) if t is not float or v else (t, str(v)))  # (0.0 and -0.0 apart)
         elif kind is _TENSOR:
             for i, x in enumerate(tensors):
                 if x is v:
@@ -256,7 +256,7 @@ def _walk(fn: Any) -> tuple[tuple | None, list[torch.Tensor]]:
             return None, tensors
         t = type(v)
         if t in _ATOMS:
-            key.append((t, v) if t is not float else (t, v.hex()))
+            key.append((t, v) if t is not float or v else (t, str(v)))
             continue
         if isinstance(v, torch.Tensor):
             prev = seen.get(id(v))

@@ -183,7 +183,7 @@ def tables_of(block_mask, check=None) -> Tables:
     if cached is not None:
         sources, copied, tables = cached
         if all(a is b for a, b in zip(sources, _sources(block_mask))) and \
-                all(t._version == v for t, v in copied):
+                (not copied or all(t._version == v for t, v in copied)):
             return tables
     sources = _sources(block_mask)
     if sources[0] is None:
