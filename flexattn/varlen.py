@@ -29,7 +29,7 @@ from flexattn import call, modcache
 from flexattn.block_mask import BlockMask, as_mod
 from flexattn.block_mask import packed
 from flexattn.block_mask.sizes import _DEFAULT_SPARSE_BLOCK_SIZE
-from flexattn.kernels import decode as dec
+from flexattn.kernels import decode as dec, plans
 from flexattn.lru import LRU
 from flexattn.mods import MASK
 
@@ -203,7 +203,11 @@ _LAYOUTS = LRU(64)
 
 
 def _version(t) -> tuple:
-    return (None, None) if t is None else (id(t), t._version)
+    """A layout key's part for an offsets tensor: its identity and in-place version (`_layout`
+    does not cache an inference tensor's, which keeps no version)."""
+    if t is None or torch.compiler.is_compiling():  # (no cache under torch.compile)
+        return None, None
+    return (id(t), None) if t.is_inference() else (id(t), t._version)
 
 
 def _packed_layout(query, key, cu_q, cu_k, seqused_k, max_q, max_k, window, full_blocks) -> _Layout:
@@ -257,9 +261,10 @@ def _batched_layout(query, key, cu_q, cu_k, seqused_k, block_table, max_q, max_k
 
 def _layout(make, key: tuple, sources: tuple) -> _Layout:
     """The cached layout of ``key`` (offsets by identity and in-place version), or a new one.
-    Under torch.compile there is no cache: the graph builds the tables."""
-    if torch.compiler.is_compiling():
-        return make()
+    Under torch.compile, and for offsets made under torch.inference_mode, there is no cache: the
+    tables are made each call."""
+    if torch.compiler.is_compiling() or any(s is not None and s.is_inference() for s in sources):
+        return make()  # (an inference tensor keeps no version to key a cached layout by)
     layout = _LAYOUTS.get(key)
     if layout is not None and all(a is b for a, b in zip(layout.sources, sources)):
         return layout
@@ -391,7 +396,12 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                          "torch.no_grad(), or pass packed key/value with cu_seq_k for training)")
     T_q, Hq, Dv = query.shape[0], query.shape[1], value.shape[-1]
     if T_q == 0 or cu_seq_q.shape[0] == 1 or max_q == 0 or (not paged and key.shape[0] == 0):
-        out = query.new_zeros(T_q, Hq, Dv)
+        # no query sees a key: the same checks as every call, zeros that autograd can follow
+        page_size = key.shape[1] if paged else 0
+        _run_checks(_value_checks(cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k, T_q,
+                                  key.shape[0] * page_size if paged else key.shape[0], page_size), query.device)
+        plans.check_sinks(sinks, query.permute(1, 0, 2).unsqueeze(0))
+        out = _NoKeys.apply(T_q, Hq, Dv, query, key, value, sinks) if need_grad else query.new_zeros(T_q, Hq, Dv)
         lse = torch.full((T_q, Hq), float("-inf"), dtype=torch.float32, device=query.device)
         if sinks is not None:  # (a row that sees no key: its LSE is the sink's)
             lse = torch.maximum(lse, sinks.to(lse.dtype))
@@ -411,6 +421,21 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                               False, False, mask_override=_mask_override(mask, query.device), sinks=sinks)
     out = out[0].permute(1, 0, 2)
     return (out, lse[0].t()) if want_lse else out
+
+
+class _NoKeys(torch.autograd.Function):
+    """The output of a call in which no query sees a key: zeros, and zero gradients for query,
+    key, value and sinks."""
+
+    @staticmethod
+    def forward(ctx, T_q, Hq, Dv, query, key, value, sinks):
+        ctx.metas = [None if t is None else (t.shape, t.dtype, t.device) for t in (query, key, value, sinks)]
+        return query.new_zeros(T_q, Hq, Dv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, None, None, *(None if m is None else torch.zeros(m[0], dtype=m[1], device=m[2])
+                                    for m in ctx.metas))
 
 
 def _batched(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window, enable_gqa, seqused_k,
@@ -441,4 +466,6 @@ def _batched(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window,
     out = torch.where(inside[:, None, None], out.permute(0, 2, 1, 3)[s, p], 0).to(query.dtype)
     if not want_lse:
         return out
-    return out, torch.where(inside[:, None], lse.permute(0, 2, 1)[s, p], float("-inf"))
+    # (rows outside every sequence see no key: LSE -inf, or the sink's)
+    outside = float("-inf") if sinks is None else sinks.to(lse.dtype)
+    return out, torch.where(inside[:, None], lse.permute(0, 2, 1)[s, p], outside)

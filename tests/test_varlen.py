@@ -383,3 +383,52 @@ def test_compiled_fullgraph_forward_and_backward():
         results.append((out, *torch.autograd.grad(out.sum(), (q, k, v, bias))))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-9)
+
+
+def test_under_inference_mode():
+    """Offsets and block masks made under torch.inference_mode (no in-place version to key a
+    cache by): varlen, flex_attention with a block mask and decoding run, and offsets changed in
+    place inside inference mode are read again."""
+    import flexattn
+    q, k, v = packed_inputs([3, 5], [3, 5], dtype=torch.float32)
+    with torch.inference_mode():
+        cu = offsets([3, 5])
+        got = varlen_attention(q, k, v, cu, cu, 5, 5, window_size=(-1, 0))
+        torch.testing.assert_close(got.double(), reference(q, k, v, cu, cu, window=(-1, 0))[0], atol=1e-5, rtol=1e-5)
+        cu[1] = 6  # (lengths 6 and 2 now)
+        got = varlen_attention(q, k, v, cu, cu, 6, 6, window_size=(-1, 0))
+        torch.testing.assert_close(got.double(), reference(q, k, v, cu, cu, window=(-1, 0))[0], atol=1e-5, rtol=1e-5)
+        bm = flexattn.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 40, 40, device="cpu",
+                                        BLOCK_SIZE=16)
+        x = torch.randn(1, 2, 40, 16)
+        for _ in range(2):
+            torch.testing.assert_close(flexattn.flex_attention(x, x, x, block_mask=bm).double(),
+                                       flexattn.reference.attention_reference(x.double(), x.double(), x.double(),
+                                                                              block_mask=bm), atol=1e-5, rtol=1e-5)
+
+
+def test_calls_where_no_query_sees_a_key_check_their_arguments_and_give_zero_gradients():
+    q, k, v = packed_inputs([3, 5], [3, 5], dtype=torch.float32)
+    cu = offsets([3, 5])
+    with pytest.raises(ValueError, match="more than max_q=0"):
+        varlen_attention(q, k, v, cu, cu, 0, 5)
+    with pytest.raises(ValueError, match="sinks"):
+        varlen_attention(q[:0], k, v, torch.zeros(3, dtype=torch.int32), cu, 0, 5, sinks=torch.zeros(3))
+    qg = q.clone().requires_grad_()
+    kg, vg = (t[:0].clone().requires_grad_() for t in (k, v))
+    sinks = torch.tensor([0.5, -1.0], requires_grad=True)
+    out, lse = varlen_attention(qg, kg, vg, cu, torch.zeros(3, dtype=torch.int32), 5, 0, sinks=sinks, return_aux=LSE)
+    assert (out == 0).all() and torch.equal(lse, sinks.detach().expand(8, 2))
+    (out.sum() + lse.sum()).backward()
+    assert (qg.grad == 0).all() and kg.grad.shape == kg.shape and torch.equal(sinks.grad, torch.full((2,), 8.0))
+
+
+def test_rows_outside_every_sequence_get_the_sink_as_lse():
+    """Tokens past the last offset see no key: LSE sinks[h], with and without gradients."""
+    q, k, v = packed_inputs([3], [3], dtype=torch.float32, extra_q=2)
+    cu = offsets([3])
+    sinks = torch.tensor([0.5, -1.0])
+    for grad in (False, True):
+        qq = q.clone().requires_grad_(grad)
+        _, lse = varlen_attention(qq, k, v, cu, cu, 3, 3, sinks=sinks, return_aux=LSE)
+        torch.testing.assert_close(lse[3:], sinks.expand(2, 2))

@@ -27,6 +27,12 @@ TABLE_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_in
 _VERSION = operator.attrgetter("_version")  # a tensor's in-place modification counter
 
 
+def version(t: torch.Tensor) -> int | None:
+    """``t``'s in-place modification counter; None for an inference tensor, which keeps none (a
+    cache keyed by it must not trust a copy made from such a tensor)."""
+    return None if t.is_inference() else t._version
+
+
 @dataclass(frozen=True)
 class Direction:
     """One direction of a block mask: partial and full counts and indices, int32.
@@ -159,6 +165,8 @@ def start_consecutive_check(tables: Tables) -> None:
             device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return
     tensors = (kv.num, kv.idx) + ((kv.full_num, kv.full_idx) if kv.has_full else ())
+    if any(t.is_inference() for t in tensors):  # (no modification counter to trust the answer by)
+        return
     versions = list(map(_VERSION, tensors))
     # (on the lists' GPU: its current stream runs the check and the copy, and the event follows them)
     with torch.no_grad(), (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()):
@@ -183,7 +191,7 @@ def tables_of(block_mask, check=None) -> Tables:
     if cached is not None:
         sources, copied, tables = cached
         if all(a is b for a, b in zip(sources, _sources(block_mask))) and \
-                (not copied or all(t._version == v for t, v in copied)):
+                (not copied or all(v is not None and version(t) == v for t, v in copied)):
             return tables
     sources = _sources(block_mask)
     if sources[0] is None:
@@ -206,7 +214,7 @@ def tables_of(block_mask, check=None) -> Tables:
     # the mask's tables that the launch tables copy (int64, or strided rows): an in-place change of
     # one makes them again
     used = {id(t) for t in (*kv.args(), *(q.args() if q is not None else ())) if t is not None}
-    copied = tuple((t, t._version) for t in sources[:len(TABLE_FIELDS)]
+    copied = tuple((t, version(t)) for t in sources[:len(TABLE_FIELDS)]
                    if isinstance(t, torch.Tensor) and id(t) not in used)
     try:
         setattr(block_mask, _CACHE_ATTR, (sources, copied, tables))
@@ -251,9 +259,9 @@ def q_direction(tables: Tables, KV_LEN: int) -> Direction:
     n_kv = triton.cdiv(KV_LEN, tables.kv_block)
     cache = tables.__dict__.setdefault("_transposed", {})
     # (made again after an in-place change of the KV lists)
-    versions = tuple(t._version for t in tables.kv.args() if t is not None)
+    versions = tuple(version(t) for t in tables.kv.args() if t is not None)
     q, made_from = cache.get(n_kv, (None, None))
-    if q is None or made_from != versions:
+    if q is None or made_from != versions or None in versions:
         kv = tables.kv
         q_num, q_idx = transpose(kv.num, kv.idx, n_kv)
         fq_num = fq_idx = None
