@@ -12,6 +12,7 @@ are computed on one rank of the group only, a different one per case.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import os
@@ -210,8 +211,28 @@ def _errors(group) -> None:
     x = torch.randn(1, 2, n, e)
     with pytest.raises(fd.DistributedMismatchError, match="B, Hq, E"):
         fd.flex_attention(x, x, x, block_mask=bm)
+    # a dtype only one rank has wrong, a head dim every rank has wrong: refused on every rank before
+    # the first transfer (not in the kernel of the ring's first step, with transfers in flight)
+    v64 = q.double() if rank == P - 1 else q
+    with pytest.raises(fd.DistributedMismatchError, match=f"rank {P - 1}: value must have query's dtype"):
+        fd.flex_attention(q, q, v64, block_mask=bm)
+    with pytest.raises(fd.DistributedMismatchError, match="key"):
+        fd.flex_attention(q, q[..., :8].contiguous(), q, block_mask=bm)
     with pytest.raises(ValueError, match="method must be one of"):
         fd.flex_attention(q, q, q, block_mask=bm, method="tree")
+    # a block mask made inside the call, referenced by nothing else: the backward still finds it
+    qg = q.clone().requires_grad_()
+    out = fd.flex_attention(qg, qg, qg, block_mask=fd.create_block_mask(masks.causal, None, None, 40, 40, group,
+                                                                       device="cpu", BLOCK_SIZE=BLOCK))
+    gc.collect()
+    out.sum().backward()
+    assert torch.isfinite(qg.grad).all()
+    # the all-gather method where some ranks hold no query (a sequence of one token)
+    one = torch.randn(1, 2, 1, BLOCK, generator=torch.Generator().manual_seed(5))  # (the same on every rank)
+    tiny = fd.create_block_mask(masks.causal, None, None, 1, 1, group, device="cpu", BLOCK_SIZE=BLOCK)
+    mine = fd.shard(one, group)
+    got = fd.unshard(fd.flex_attention(mine, mine, mine, block_mask=tiny, method="allgather"), group, seq_len=1)
+    torch.testing.assert_close(got, flexattn.flex_attention(one, one, one), atol=1e-6, rtol=1e-6)
     if group is not dist.group.WORLD:
         with pytest.raises(ValueError, match="the block mask was made for another process group"):
             fd.flex_attention(q, q, q, block_mask=bm, group=dist.group.WORLD)

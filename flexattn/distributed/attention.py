@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from flexattn import capture
 from flexattn.call import identity_score_mod, resolve_score_mod
-from flexattn.kernels import options as opts
+from flexattn.kernels import options as opts, plans
 from flexattn.mods import template
 from flexattn.distributed import checks
 from flexattn.distributed.allgather import AllGather
@@ -124,6 +124,7 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(query, key, value, out, lse, *score_bufs)
     ctx.args = (spec_, mask_name, scale)
+    ctx.block_mask = by_name(mask_name)  # (keeps it alive for the backward: the registry holds it weakly)
     ctx.need = [t.requires_grad and t.dtype.is_floating_point for t in score_bufs]
 
 
@@ -139,11 +140,15 @@ def _backward(ctx, grad_out, grad_lse):
 torch.library.register_autograd("flexattn_distributed::attention", _backward, setup_context=_setup_context)
 
 
-def _local_error(q, k, v, bm: DistributedBlockMask, method: str) -> str:
+def _local_error(q, k, v, bm: DistributedBlockMask, method: str, enable_gqa: bool) -> str:
     """What is wrong with this rank's inputs by itself ("" if nothing)."""
     for name, t in (("query", q), ("key", k), ("value", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             return f"{name} must be a 4-D tensor [B, H, L, E], got {getattr(t, 'shape', type(t).__name__)}"
+    try:  # (dtypes, batch and head counts, head dims: what one GPU's call checks)
+        plans.check_inputs(q, k, v, enable_gqa)
+    except (TypeError, ValueError) as err:
+        return str(err)
     want_q, want_kv = bm.qpos.numel(), bm.kvpos[bm.rank].numel()
     if q.shape[2] != want_q or k.shape[2] != want_kv or v.shape[2] != want_kv:
         return (f"the block mask's layout {bm.layout!r} gives this rank {want_q} queries and {want_kv} keys, "
@@ -156,11 +161,13 @@ def _local_error(q, k, v, bm: DistributedBlockMask, method: str) -> str:
 
 def _check_call(q, k, v, bm: DistributedBlockMask, method: str, pair: Pair) -> None:
     """Every rank agrees on the call before the first transfer (once per configuration)."""
-    error = _local_error(q, k, v, bm, method)
+    error = _local_error(q, k, v, bm, method, pair.enable_gqa)
     fields = {
         "mask": bm.name, "method": method, "dtype": str(q.dtype),
         "B, Hq, E": None if error else (*q.shape[:2], q.shape[-1]),
         "Hkv, Ev": None if error else (k.shape[1], v.shape[-1]),
+        # (the score_mod's tensors: their gradients are summed over the ranks)
+        "score_mod tensors": tuple((tuple(t.shape), str(t.dtype), t.requires_grad) for t in pair.score.buffers),
         "score_mod": pair.score.key(), "scale": pair.scale, "enable_gqa": pair.enable_gqa,
         "kernel_options": tuple(sorted(pair.options.items())),
     }

@@ -135,6 +135,9 @@ class DistributedBlockMask:
         all-gather method's; None if empty), and those KV positions; built on first use."""
         if self._gathered is None:
             kvpos = torch.cat(self.kvpos)
+            if self.qpos.numel() == 0 or kvpos.numel() == 0:  # (a rank without queries: nothing to do)
+                self._gathered = (None, kvpos)
+                return self._gathered
             mod, _ = at_global_positions(self.mask_mod, MASK, torch.float32, self.qpos, kvpos)
             bm = flexattn.create_block_mask(mod, self.B, self.H, self.qpos.numel(), kvpos.numel(),
                                             device=self.qpos.device, BLOCK_SIZE=self.BLOCK_SIZE)
