@@ -252,7 +252,8 @@ def hopper_dq_args(plan: HopperDqPlan, query, key, value, out, grad_out, dq, lse
 @dataclass(frozen=True)
 class HopperPlan:
     """The Gluon Hopper backward (`hopper.backward_reason` said it can run these inputs): the
-    preprocess, then one pass that writes dK, dV and adds dQ into a float32 buffer."""
+    preprocess, then one pass that writes dK, dV and adds dQ into a float32 buffer; or, with
+    ``dq_pass``, that pass without dQ beside a dQ pass (`hopper_plan`)."""
     preprocess: launch.Launch | None  # None: the Gluon dQ pass writes Delta
     main: launch.Launch
     descriptors: hopper.Descriptors  # Q, K, V, dO, the float32 dQ buffer (and 16-bit dK, dV)
@@ -300,11 +301,11 @@ def defer_dq(head_dim: int, affine: bool, mask: Mod) -> bool:
 
 
 def dq_by_pass(options: dict, buffer_grads: bool) -> bool:
-    """Whether the Hopper backward leaves dQ to the Triton dQ pass (`HopperPlan.dq_pass`): always
-    in deterministic mode (the pass writes each dQ element once, summing in a fixed order, and sums
-    captured-tensor gradients exactly) and where captured tensors need gradients (the pass adds
-    them); elsewhere where the kernel option DQ_PASS asks (under a block mask the tuner times
-    both: `tuning.hopper_backward_candidates`)."""
+    """Whether the Hopper backward leaves dQ to a dQ pass (`HopperPlan.dq_pass`): always in
+    deterministic mode (the pass writes each dQ element once, summing in a fixed order; the Triton
+    one also sums captured-tensor gradients exactly) and where captured tensors need gradients
+    (the Triton pass adds them); elsewhere where the kernel option DQ_PASS asks (under a block
+    mask the tuner times the forms: `tuning.hopper_backward_candidates`)."""
     if buffer_grads or options.get("DETERMINISTIC", False):
         return True
     return options.get("DQ_PASS", False)

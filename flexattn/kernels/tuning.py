@@ -1,18 +1,18 @@
 """Autotuning: a few tile configs per kernel family, timed once, the winner kept on disk.
 
-A plan (`flexattn.kernels.plans`) is made once per plan key. When tuning is on, making a forward
-or backward plan times a small candidate set (`forward_candidates`, `backward_candidates`: tiles,
-warps and pipelining stages for the GPU, dtype and head dims; `hopper_backward_candidates`: under
-a block mask, the Gluon Hopper backward with dQ added by its one pass or left to the Triton dQ
-pass) on the call's own inputs and keeps the fastest. Winners are keyed by *tuning key*: GPU name, Triton version, dtype, head dims, the
-query and KV lengths and the number of (batch, query head) pairs, each rounded up to a power of
-two (lengths and B x H set the grid, and a winner timed on a grid of a few waves is not the winner
-of many: python -m benchmarks attention), and the mod features that change the
-kernel's cost (score mod or not, block mask or not, its block sizes and the share of its visited
-blocks that need mask work, max-score output, GQA group size; for the backward also whether
-captured tensors get gradients and whether the LSE has one). They are stored in ``<cache
-dir>/tuning-v2.json`` (v1's keys had no B x H), so another process with the same key reuses the
-winner without timing anything.
+A plan (`flexattn.kernels.plans`) is made once per plan key. When tuning is on, making a forward or
+backward plan times a small candidate set (`forward_candidates`, `backward_candidates`: tiles,
+warps and pipelining stages for the GPU, dtype and head dims; `hopper_backward_candidates`: under a
+block mask, the Gluon Hopper backward with dQ added by its one pass or left to the Gluon or the
+Triton dQ pass) on the call's own inputs and keeps the fastest. Winners are keyed by *tuning key*:
+GPU name, Triton version, dtype, head dims, the query and KV lengths and the number of (batch,
+query head) pairs, each rounded up to a power of two (lengths and B x H set the grid, and a winner
+timed on a grid of a few waves is not the winner of many: python -m benchmarks attention), and the
+mod features that change the kernel's cost (score mod or not, block mask or not, its block sizes
+and the share of its visited blocks that need mask work, max-score output, GQA group size; for the
+backward also whether captured tensors get gradients and whether the LSE has one). They are stored
+in ``<cache dir>/tuning-v2.json`` (v1's keys had no B x H), so another process with the same key
+reuses the winner without timing anything.
 
 Tuning is on by default on CUDA and off on the CPU (Triton's interpreter). It is skipped when
 ``kernel_options`` sets any of the tuned knobs (the caller's choice wins), when
@@ -133,12 +133,12 @@ def bench(run: Callable[[], Any], device: torch.device) -> float:
 
 
 def hopper_backward_candidates(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[dict[str, Any]]:
-    """The Gluon Hopper backward's two forms under a block mask (kernels/backward.py): dQ added
-    by the one pass (the default) and dQ by the Triton dQ pass, with its default tiles and with
-    64x32 ones. On the H100 (B=4 H=16 D=128 bfloat16, python -m benchmarks attention) the dQ pass
-    is 1-4% faster on 16 documents at S=8k, 14% faster at S=2k with 64x32 tiles (0.27 against
-    0.31 ms; 1% with the default's), 1-3% slower at 16k and at head dim 64, and 3-18% slower on
-    causal, sliding window and ALiBi masks."""
+    """The Gluon Hopper backward's forms under a block mask (kernels/backward.py): dQ added by the
+    one pass (the default), dQ by the Gluon dQ pass (DQ_PASS alone), and dQ by the Triton dQ pass
+    with 64x32 tiles (a backward tile option selects it). On the H100 (B=4 H=16 D=128 bfloat16,
+    python -m benchmarks attention) the tuner picks the Gluon dQ pass for 16 documents at S=2k,
+    8k and 16k, sliding window 1024 and ALiBi + causal, the one pass for causal and at head dim
+    64 on 16 documents."""
     return [{"DQ_PASS": False}, {"DQ_PASS": True},
             {"DQ_PASS": True, "BLOCK_M2": 64, "BLOCK_N2": 32, "bwd_num_warps": 4, "bwd_num_stages": 4}]
 

@@ -43,23 +43,12 @@ def loader(Q, K, V, DO, q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty
            b, h, b_kv, h_kv, off_m, n_partial, n_tiles, P_IDX, F_IDX,
            TILES_PER_BLOCK: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
            BLOCKS_ARE_CONTIGUOUS: gl.constexpr):
-    NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
     # (Q and dO even for a tile that sees no KV block: its Delta is read by the consumers)
     mbarrier.expect(q_bar, Q.block_type.nbytes + DO.block_type.nbytes)
     _tma_load(Q, [b, h, off_m, 0], q_bar, q_smem)
     _tma_load(DO, [b, h, off_m, 0], q_bar, do_smem)
-    for j in range(n_tiles):
-        slot = j % NUM_BUFFERS
-        phase = (j // NUM_BUFFERS) & 1
-        start = tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N,
-                           BLOCKS_ARE_CONTIGUOUS)
-        # a fresh barrier counts as having completed the phase before phase 0: the first round passes
-        mbarrier.wait(k_empty.index(slot), phase ^ 1)
-        mbarrier.expect(k_ready.index(slot), K.block_type.nbytes)
-        _tma_load(K, [b_kv, h_kv, start, 0], k_ready.index(slot), k_bufs.index(slot))
-        mbarrier.wait(v_empty.index(slot), phase ^ 1)
-        mbarrier.expect(v_ready.index(slot), V.block_type.nbytes)
-        _tma_load(V, [b_kv, h_kv, start, 0], v_ready.index(slot), v_bufs.index(slot))
+    load_kv_ring(K, V, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, b_kv, h_kv, n_partial, n_tiles,
+                 P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N, BLOCKS_ARE_CONTIGUOUS, False)
 
 
 @gluon.jit

@@ -30,7 +30,8 @@
 # The preprocess zeroes DQ_ACC and the host converts it to the query's dtype afterwards; dK is
 # scaled in-program. COMPUTE_DQ off (kernels/backward.py's dq_by_pass: deterministic mode, captured
 # tensors that need gradients, the tuner's choice): no dQ product and no add, each consumer reads
-# only its own dS, and backward.py's dQ pass writes dQ.
+# only its own dS, and a dQ pass writes dQ (backward_dq_hopper.py, which runs first and writes
+# Delta, or backward.py's where captured tensors need gradients).
 # 16-bit dK and dV (DKV_TMA: K/V not broadcast over the batch, whose gradients
 # the host sums in float32) leave through the TMA unit, each consumer's staged in its own shared
 # memory (dV in its rows of the V tile, dK in its dQ buffer): 16 documents 7-10% faster, S=2k 3-5%

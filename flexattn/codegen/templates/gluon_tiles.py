@@ -1,7 +1,8 @@
-# The Gluon templates' shared vocabulary (forward_hopper.py and backward_hopper.py take it at their
-# gluon_tiles hook): the Gluon imports, the TMA load and store and the warp group's barrier under
-# either Triton's names, base-2 constants, the order programs take their tiles in and where the
-# j-th tile of a program's block lists starts.
+# The Gluon templates' shared vocabulary (forward_hopper.py, backward_hopper.py and
+# backward_dq_hopper.py take it at their gluon_tiles hook): the Gluon imports, the TMA load and
+# store and the warp group's barrier under either Triton's names, base-2 constants, the order
+# programs take their tiles in, where the j-th tile of a program's block lists starts, and the
+# loader's walk of a program's K/V tiles through a ring of shared-memory slots.
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait  # noqa: E402,E501
@@ -34,6 +35,31 @@ def tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK: gl.constexpr, SPARSE
     else:
         start = gl.load(IDX + t // TILES_PER_BLOCK) * SPARSE_BLOCK_SIZE + (t % TILES_PER_BLOCK) * BLOCK
     return start
+
+
+@gluon.jit
+def load_kv_ring(K, V, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, b_kv, h_kv, n_partial, n_tiles,
+                 P_IDX, F_IDX, TILES_PER_BLOCK: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr,
+                 BLOCK_N: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr, V_K_MAJOR: gl.constexpr):
+    """TMA copies of a program's n_tiles K and V tiles (`tile_start`'s order) into the ring's
+    slots: a slot is written once its consumers freed it (k_empty / v_empty) and says it landed
+    on k_ready / v_ready. V_K_MAJOR: V is stored transposed (float8's K-major V)."""
+    NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
+    for j in range(n_tiles):
+        slot = j % NUM_BUFFERS
+        phase = (j // NUM_BUFFERS) & 1
+        start = tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N,
+                           BLOCKS_ARE_CONTIGUOUS)
+        # a fresh barrier counts as having completed the phase before phase 0: the first round passes
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)
+        mbarrier.expect(k_ready.index(slot), K.block_type.nbytes)
+        _tma_load(K, [b_kv, h_kv, start, 0], k_ready.index(slot), k_bufs.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        mbarrier.expect(v_ready.index(slot), V.block_type.nbytes)
+        if V_K_MAJOR:
+            _tma_load(V, [b_kv, h_kv, 0, start], v_ready.index(slot), v_bufs.index(slot))
+        else:
+            _tma_load(V, [b_kv, h_kv, start, 0], v_ready.index(slot), v_bufs.index(slot))
 
 
 @gluon.jit
