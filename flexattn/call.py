@@ -227,9 +227,9 @@ def _ones(device: torch.device) -> torch.Tensor:
 
 
 def _check_scale(scale) -> float:
-    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        return float(scale)
-    if isinstance(scale, numbers.Real) and not isinstance(scale, (bool, numpy.bool_)):  # (NumPy's numbers)
+    # (int and float first: the common case answers before the abstract class is asked; NumPy's
+    # numbers are Real)
+    if isinstance(scale, (int, float, numbers.Real)) and not isinstance(scale, (bool, numpy.bool_)):
         return float(scale)
     hint = " (a tensor: pass scale.item())" if isinstance(scale, torch.Tensor) else ""
     raise TypeError(f"scale must be a float or None, got {scale!r}{hint}")
