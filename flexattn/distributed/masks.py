@@ -106,7 +106,8 @@ class DistributedBlockMask:
     ``needs[i][j]``: whether query shard i reads KV shard j (the same on every rank);
     ``qpos`` / ``kvpos[j]``: the global positions of this rank's queries and of KV shard j.
     ``windows[j] = (lo, hi)``: the local KV positions of shard j that ranks other than its owner
-    read (whole KV blocks; the same on every rank): only that part travels in the ring.
+    read (whole KV blocks, or the whole shard where they read most of it; the same on every
+    rank): only that part travels in the ring.
     ``rows[j] = (lo, hi)``: the local query rows of this rank that read KV shard j (whole query
     blocks; None where none does): a step computes, merges and sums only those rows (a sliding
     window's band of its neighbour's shard is read by the first rows alone).
@@ -233,8 +234,14 @@ def _pair_mask(mod, B: int, H: int, qpos, kvpos, device, BLOCK_SIZE):
 
 def _window(every: list, j: int, length: int) -> tuple[int, int]:
     """The part of KV shard j that ranks other than its owner read: the union of their spans
-    (``every[i][j]``: the local positions rank i's tables list in shard j, or None)."""
+    (``every[i][j]``: the local positions rank i's tables list in shard j, or None), or the whole
+    shard where that union covers three quarters of it or more: a window is copied before it is
+    sent (its heads are not contiguous), on the compute stream ahead of the step's kernels, while
+    the rest of a whole shard travels beside them."""
     spans = [r[j] for i, r in enumerate(every) if i != j and r[j] is not None]
     if not spans:
         return (0, 0)
-    return (min(a for a, _ in spans), max(b for _, b in spans))
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    if 4 * (hi - lo) >= 3 * length:  # (most of the shard: it travels whole, with no copy of the window)
+        return (0, length)
+    return (lo, hi)
