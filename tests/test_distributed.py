@@ -479,6 +479,32 @@ def test_ring_merge_rows(dtype):
         torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ring_sums_of_two_parts_in_place(dtype):
+    """The ring adds a second and last dQ part, and the own window's dK/dV sums that come home, in
+    place in the first part's 16-bit dtype: bitwise what converting to float32, adding and rounding
+    at the end gives (the sums that come home in float32 too); three parts or more are summed in
+    float32. Parts of some rows add into those rows only."""
+    from flexattn.distributed.ring import _accumulate, _accumulate_rows
+
+    g = torch.Generator().manual_seed(2)
+    # (magnitudes far apart too: the sum rounds)
+    a, b, c = (torch.randn(2, 3, 40, 8, generator=g) * torch.logspace(-3, 3, 8) for _ in range(3))
+    a16, b16, c16 = (t.to(dtype) for t in (a, b, c))
+    want = (a16.float() + b16.float()).to(dtype)
+    first = a16.clone()
+    got = _accumulate(first, b16, torch.float32, last=True)
+    assert got is first and got.dtype == dtype and torch.equal(got, want)
+    got = _accumulate(a16.clone(), b.clone(), torch.float32, last=True)  # (a float32 part)
+    assert torch.equal(got, (a16.float() + b).to(dtype))
+    rows = _accumulate_rows(a16.clone(), b16[:, :, 8:30], torch.float32, (8, 30), 40, last=True)
+    assert rows.dtype == dtype and torch.equal(rows[:, :, 8:30], want[:, :, 8:30])
+    assert torch.equal(rows[:, :, :8], a16[:, :, :8]) and torch.equal(rows[:, :, 30:], a16[:, :, 30:])
+    three = _accumulate(_accumulate(a16.clone(), b16, torch.float32), c16, torch.float32, last=True)
+    assert three.dtype == torch.float32
+    assert torch.equal(three, a16.float() + b16.float() + c16.float())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_merge_kernel_compiles_for_the_gpu(dtype):
     """The merge's CUDA module compiles for sm_90 without a GPU (ptxas included), its bfloat16

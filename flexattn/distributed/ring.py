@@ -146,6 +146,8 @@ class Ring:
         dq, extras = None, []
         sums_works, sums_next = [], None  # the window sums of the shard held at the next step, in flight
         arrived = None                    # the own window's sums, in flight
+        last_dq = max((s for s in range(self.P) if s <= self.last[self.shard_at(s)]
+                       and self.needs[self.rank][self.shard_at(s)]), default=-1)
         for s in range(self.P):
             j = self.shard_at(s)
             held = s <= self.last[j]     # (the shard is here and someone reads it now or later)
@@ -160,7 +162,6 @@ class Ring:
                 sums = sums_next if s > 1 else self._zeros_like(k, v, j, acc_dtype)
             if part is not None:
                 dq_s, dk_s, dv_s, extra = part
-                dq = _accumulate_rows(dq, dq_s, acc_dtype, self.rows[j], self.n_rows)
                 if s == 0:  # (the own pair's are the first own sums: kept as they come)
                     own = (dk_s, dv_s)
                 elif single:  # (they go home in K/V's dtype: half the bytes of float32 for 16-bit K/V)
@@ -171,6 +172,8 @@ class Ring:
                 extras.append(extra)
             sums_works, sums_next, home = self._send_sums(s, None if s == 0 else sums, k, v, acc_dtype)
             arrived = home if home is not None else arrived
+            if part is not None:  # (after the sums left: the last step's travel home overlaps it)
+                dq = _accumulate_rows(dq, part[0], acc_dtype, self.rows[j], self.n_rows, s == last_dq)
             _wait(works)
             if nxt is not None:
                 k, v = nxt
@@ -182,13 +185,13 @@ class Ring:
 
     def _add_home(self, own, arrived, acc_dtype):
         """The own shard's sums with the own window's (complete: their transfer was waited on)
-        added: in ``acc_dtype`` once there is something to add."""
+        added, in place. It is the one addition to the own pair's part (the window comes home once
+        per call), so it is made in that part's dtype: float32 arithmetic rounded once, as a float32
+        sum rounded at the end would be."""
         if arrived is None:
             return own
         if own is None:
             own = self._zeros_like(arrived[0], arrived[1], self.rank, acc_dtype, whole=True)
-        elif own[0].dtype != acc_dtype:
-            own = (own[0].to(acc_dtype), own[1].to(acc_dtype))
         window = slice(*self.windows[self.rank])
         own[0][:, :, window].add_(arrived[0])
         own[1][:, :, window].add_(arrived[1])
@@ -231,23 +234,25 @@ class Ring:
         return (dist.batch_isend_irecv(ops) if ops else []), nxt, home
 
 
-def _accumulate(total, part, acc_dtype):
-    """``total + part``: the first part as it comes, the sum of two or more in ``acc_dtype``."""
+def _accumulate(total, part, acc_dtype, last: bool = False):
+    """``total + part``: the first part as it comes, the sum of more in ``acc_dtype``; but a
+    ``last`` part added to the first alone is added in place in the first's dtype (float32
+    arithmetic rounded once, as the float32 sum rounded at the end would be: no conversions)."""
     if total is None:
         return part
-    if total.dtype != acc_dtype:
+    if total.dtype != acc_dtype and not last:
         return total.to(acc_dtype).add_(part)
     return total.add_(part)
 
 
-def _accumulate_rows(total, part, acc_dtype, rows: tuple[int, int], n: int):
+def _accumulate_rows(total, part, acc_dtype, rows: tuple[int, int], n: int, last: bool = False):
     """`_accumulate` of a part that covers rows ``[lo, hi)`` of ``n`` (the others add 0)."""
     lo, hi = rows
     if (lo, hi) == (0, n):
-        return _accumulate(total, part, acc_dtype)
+        return _accumulate(total, part, acc_dtype, last)
     if total is None:
         total = part.new_zeros((*part.shape[:2], n, part.shape[3]), dtype=acc_dtype)
-    elif total.dtype != acc_dtype:
+    elif total.dtype != acc_dtype and not last:
         total = total.to(acc_dtype)
     total[:, :, lo:hi] += part
     return total
