@@ -81,6 +81,13 @@ def prefix_or_self(b, h, q_idx, kv_idx):
     return (kv_idx < 20) | (q_idx == kv_idx)
 
 
+def last_rows_read_the_start(b, h, q_idx, kv_idx):
+    """Only the queries from 34 on read the first 10 keys (and each query itself): with 50 tokens
+    on 3 ranks, shard 0 passes through rank 1, which reads none of it, on its way to rank 2 (the
+    window's sums start at zero there)."""
+    return ((kv_idx < 10) & (q_idx >= 34)) | (q_idx == kv_idx)
+
+
 # name, S, Hq, Hkv, mask_mod, layout, score bias?, method, use the LSE in the loss; per world size
 # every layout and both methods, GQA with each method, a captured bias with each method.
 CASES = {
@@ -99,7 +106,8 @@ CASES = {
         # bfloat16, chunks longer than a block: rank 0's second and third merges cover its second
         # chunk only, the last one from float32 sums into bfloat16
         ("causal head_tail bf16", 115, 2, 2, masks.causal, "head_tail", False, "ring", False, torch.bfloat16),
-        ("prefix none GQA bias", 101, 2, 1, prefix_or_self, None, True, "ring", True)],
+        ("prefix none GQA bias", 101, 2, 1, prefix_or_self, None, True, "ring", True),
+        ("passing through none bias", 50, 2, 2, last_rows_read_the_start, None, True, "ring", True)],
 }
 
 

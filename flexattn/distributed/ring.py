@@ -156,20 +156,23 @@ class Ring:
             _wait(sums_works)
             own = self._add_home(own, arrived, acc_dtype)
             arrived = None
-            sums = None
+            # the window's sums: started by the first rank after the owner, carried on by the others
+            sums = sums_next if s > 1 and held else None
             single = s == 1 and self.last[j] == 1  # (one rank reads the window: its sums are its part)
-            if s > 0 and held and not single:  # (the first rank after the owner starts the window's sums)
-                sums = sums_next if s > 1 else self._zeros_like(k, v, j, acc_dtype)
             if part is not None:
                 dq_s, dk_s, dv_s, extra = part
                 if s == 0:  # (the own pair's are the first own sums: kept as they come)
                     own = (dk_s, dv_s)
                 elif single:  # (they go home in K/V's dtype: half the bytes of float32 for 16-bit K/V)
                     sums = (dk_s.to(k.dtype), dv_s.to(v.dtype))
+                elif s == 1:
+                    sums = (dk_s.to(acc_dtype), dv_s.to(acc_dtype))
                 else:
                     sums[0].add_(dk_s)
                     sums[1].add_(dv_s)
                 extras.append(extra)
+            elif s == 1 and held:  # (this rank reads nothing of it, later ones do)
+                sums = self._zeros_like(k, v, j, acc_dtype)
             sums_works, sums_next, home = self._send_sums(s, None if s == 0 else sums, k, v, acc_dtype)
             arrived = home if home is not None else arrived
             if part is not None:  # (after the sums left: the last step's travel home overlaps it)
