@@ -325,7 +325,10 @@ def main(argv=None) -> int:
         suites = by_gpu.setdefault(record["gpu"], {})
         earlier = suites.get(record["suite"])
         if earlier is not None and record["suite"] in BY_GPU_COUNT:
-            record = {**earlier, "rows": earlier["rows"] + record["rows"]}
+            # (one table; the heading names each run's date and commit where they differ)
+            record = {**earlier, "rows": earlier["rows"] + record["rows"],
+                      **{key: " / ".join(dict.fromkeys(f"{r.get(key) or '?'}" for r in (earlier, record)))
+                         for key in ("date", "commit")}}
         suites[record["suite"]] = record
     for suites in by_gpu.values():  # the suites in the order of TABLES
         ordered = {s: suites[s] for s in TABLES if s in suites}

@@ -83,8 +83,8 @@ def prefix_or_self(b, h, q_idx, kv_idx):
 
 def last_rows_read_the_start(b, h, q_idx, kv_idx):
     """Only the queries from 34 on read the first 10 keys (and each query itself): with 50 tokens
-    on 3 ranks, shard 0 passes through rank 1, which reads none of it, on its way to rank 2 (the
-    window's sums start at zero there)."""
+    on 3 ranks, shard 0 passes through rank 1, which reads none of it, on its way to rank 2, whose
+    dK/dV part goes home from two hops away along the ring."""
     return ((kv_idx < 10) & (q_idx >= 34)) | (q_idx == kv_idx)
 
 

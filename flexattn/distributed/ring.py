@@ -11,10 +11,12 @@ Every rank derives the same schedule from ``needs`` and ``windows``, so sends an
 always pair up.
 
 Forward: each step posts the next shard's transfer (double buffers), computes the current one,
-and merges the partial (out, lse) by log-sum-exp. Backward: the K/V travel again, with the dK/dV
-partial sums of each shard's window following them (from the first rank after its owner); a
-window's sums go home (to the rank that owns the shard) from the last rank that reads it and are
-added there to the owner's own.
+and merges the partial (out, lse) by log-sum-exp. Backward: the K/V travel again, and each step's
+dK/dV part of the window it holds goes straight home to the shard's owner, as the kernel gave it
+(K/V's dtype): the owner adds the parts to its own in step order, in float32 where more than one
+comes. That sends each part once in 16 bits, where passing float32 sums along the ring would send
+twice the bytes at every hop; on one host the GPUs reach each other through NVLink switches, so
+the owner being several hops away along the ring costs nothing.
 
 [Note] Overlap and buffer lifetimes. On CUDA, ``batch_isend_irecv`` runs the transfers on NCCL's
 own stream (the second stream), which first waits for the work already on the current stream, so
@@ -23,12 +25,11 @@ current stream, and only then calls ``Work.wait()``: for NCCL that makes the cur
 the host) wait for the transfer, so the kernels of step s run while shard s + 1 travels, and step
 s + 1's kernels are ordered after its shard arrived. Two K/V buffers are alive at a time (the
 held shard and the one arriving; double buffers) besides the rank's own shard, plus in the
-backward the dK/dV sums of both and of the own shard:
+backward the dK/dV of the own shard, the part being sent and the part arriving:
 O(S / P) per rank. A buffer being sent stays referenced by the loop until after its ``wait()``
 (and by NCCL's work object), and once the current stream waits for the transfer, freeing it
-there is ordered after the send: no ``record_stream`` is needed. In the backward, the sums of
-step s are sent after step s's compute (they include it), and waited on after step s + 1's
-compute is enqueued. On gloo (CPU) the transfers run on gloo's threads while the host computes.
+there is ordered after the send: no ``record_stream`` is needed. In the backward, the part of
+step s is sent after step s's compute, and waited on after step s + 1's compute is enqueued. On gloo (CPU) the transfers run on gloo's threads while the host computes.
 """
 
 from __future__ import annotations
@@ -139,102 +140,77 @@ class Ring:
     def backward(self, k: torch.Tensor, v: torch.Tensor, compute: Callable, acc_dtype: torch.dtype):
         """``compute(j, k_j, v_j) -> (dq, dk_j, dv_j, extra)`` for every pair this rank reads (dq of
         the rows ``rows[j]``): ``(dq sum or None, dK, dV of this rank's own shard, [extra of each
-        step])``; each sum as the kernel gave it where it has one part of all rows, in
-        ``acc_dtype`` otherwise."""
+        step])``; each sum as the kernel gave it where it has one part of all rows, in the parts'
+        dtype where it has two, in ``acc_dtype`` otherwise."""
         k, v = k.contiguous(), v.contiguous()
-        own = None                        # this rank's own shard's dK/dV sums
+        P, r = self.P, self.rank
+        own = None                # this rank's own shard's dK/dV: its own pair's part, then the others' added
         dq, extras = None, []
-        sums_works, sums_next = [], None  # the window sums of the shard held at the next step, in flight
-        arrived = None                    # the own window's sums, in flight
-        last_dq = max((s for s in range(self.P) if s <= self.last[self.shard_at(s)]
-                       and self.needs[self.rank][self.shard_at(s)]), default=-1)
-        for s in range(self.P):
+        home_works, arrived = [], None  # a part of the own window on its way home, in flight
+        last_dq = max((s for s in range(P) if s <= self.last[self.shard_at(s)]
+                       and self.needs[r][self.shard_at(s)]), default=-1)
+        # (the steps at which the rank holding this rank's shard reads it: each sends its part home)
+        coming = [s for s in range(1, P) if s <= self.last[r] and self.needs[(r + s) % P][r]]
+        for s in range(P):
             j = self.shard_at(s)
             held = s <= self.last[j]     # (the shard is here and someone reads it now or later)
             works, nxt = self._transfer(s, [k, v], lambda i: self._kv_like(k, v, i), 0)
-            part = compute(j, k, v) if held and self.needs[self.rank][j] else None
-            _wait(sums_works)
-            own = self._add_home(own, arrived, acc_dtype)
-            arrived = None
-            # the window's sums: started by the first rank after the owner, carried on by the others
-            sums = sums_next if s > 1 and held else None
-            single = s == 1 and self.last[j] == 1  # (one rank reads the window: its sums are its part)
+            part = compute(j, k, v) if held and self.needs[r][j] else None
+            _wait(home_works)
+            own = self._add_home(own, arrived, acc_dtype, len(coming) > 1)
             if part is not None:
-                dq_s, dk_s, dv_s, extra = part
+                extras.append(part[3])
                 if s == 0:  # (the own pair's are the first own sums: kept as they come)
-                    own = (dk_s, dv_s)
-                elif single:  # (they go home in K/V's dtype: half the bytes of float32 for 16-bit K/V)
-                    sums = (dk_s.to(k.dtype), dv_s.to(v.dtype))
-                elif s == 1:
-                    sums = (dk_s.to(acc_dtype), dv_s.to(acc_dtype))
-                else:
-                    sums[0].add_(dk_s)
-                    sums[1].add_(dv_s)
-                extras.append(extra)
-            elif s == 1 and held:  # (this rank reads nothing of it, later ones do)
-                sums = self._zeros_like(k, v, j, acc_dtype)
-            sums_works, sums_next, home = self._send_sums(s, None if s == 0 else sums, k, v, acc_dtype)
-            arrived = home if home is not None else arrived
-            if part is not None:  # (after the sums left: the last step's travel home overlaps it)
+                    own = (part[1], part[2])
+            home_works, arrived = self._send_home(s, part if s > 0 else None, k, v, s in coming)
+            if part is not None:  # (after the part left: the last step's travel home overlaps it)
                 dq = _accumulate_rows(dq, part[0], acc_dtype, self.rows[j], self.n_rows, s == last_dq)
             _wait(works)
             if nxt is not None:
                 k, v = nxt
-        _wait(sums_works)
-        own = self._add_home(own, arrived, acc_dtype)
+        _wait(home_works)
+        own = self._add_home(own, arrived, acc_dtype, len(coming) > 1)
         if own is None:  # no rank reads this shard
-            own = self._zeros_like(k, v, self.rank, acc_dtype, whole=True)
+            own = self._own_zeros(k, v, acc_dtype)
         return dq, own[0], own[1], extras
 
-    def _add_home(self, own, arrived, acc_dtype):
-        """The own shard's sums with the own window's (complete: their transfer was waited on)
-        added, in place. It is the one addition to the own pair's part (the window comes home once
-        per call), so it is made in that part's dtype: float32 arithmetic rounded once, as a float32
-        sum rounded at the end would be."""
+    def _add_home(self, own, arrived, acc_dtype, several: bool):
+        """The own shard's dK/dV with a part of its window from another rank (complete: its
+        transfer was waited on) added. Where it is the only one to come (not ``several``), it is
+        added in place in the own part's dtype: float32 arithmetic rounded once, as a float32 sum
+        rounded at the end would be; otherwise the sums are in ``acc_dtype``."""
         if arrived is None:
             return own
         if own is None:
-            own = self._zeros_like(arrived[0], arrived[1], self.rank, acc_dtype, whole=True)
+            own = self._own_zeros(arrived[0], arrived[1], acc_dtype)
+        elif several and own[0].dtype != acc_dtype:
+            own = (own[0].to(acc_dtype), own[1].to(acc_dtype))
         window = slice(*self.windows[self.rank])
         own[0][:, :, window].add_(arrived[0])
         own[1][:, :, window].add_(arrived[1])
         return own
 
-    def _zeros_like(self, k, v, j, dtype, whole: bool = False):
-        """Zeros for KV shard j's window (``whole``: for the whole own shard)."""
-        if whole:
-            n = self.own_length
-            return (k.new_zeros((*k.shape[:2], n, k.shape[3]), dtype=dtype),
-                    v.new_zeros((*v.shape[:2], n, v.shape[3]), dtype=dtype))
-        acc = self._kv_like(k, v, j, dtype)
-        acc[0].zero_()
-        acc[1].zero_()
-        return acc
+    def _own_zeros(self, k, v, dtype):
+        """Zeros for the whole own shard's dK/dV."""
+        n = self.own_length
+        return (k.new_zeros((*k.shape[:2], n, k.shape[3]), dtype=dtype),
+                v.new_zeros((*v.shape[:2], n, v.shape[3]), dtype=dtype))
 
-    def _send_sums(self, s: int, acc, k, v, acc_dtype):
-        """After step s >= 1's compute: the held window's dK/dV sums go on to the next rank (while
-        a later rank reads the shard) or home (from the last one); receive the next step's sums
-        (from step 2 on: the first reader after the owner starts them) and, at the step it ends,
-        this rank's own window's sums. ``(works, next sums, own window sums)``. Sums travel in
-        ``acc_dtype``, but those of a window that one rank alone reads (the one after its owner):
-        that rank's part in K/V's dtype."""
-        ops, nxt, home = [], None, None
-        j = self.shard_at(s)
-        if acc is not None:
-            if s + 1 <= self.last[j]:
-                ops += [dist.P2POp(dist.isend, t, self.peers[0], self.group, 2 + i) for i, t in enumerate(acc)]
-            else:
-                dst = dist.get_global_rank(self.group, j)
-                ops += [dist.P2POp(dist.isend, t, dst, self.group, 4 + i) for i, t in enumerate(acc)]
-        n = self.shard_at(s + 1)
-        if 1 <= s and s + 1 <= self.last[n]:
-            nxt = self._kv_like(k, v, n, acc_dtype)
-            ops += [dist.P2POp(dist.irecv, t, self.peers[1], self.group, 2 + i) for i, t in enumerate(nxt)]
-        if s >= 1 and s == self.last[self.rank]:
+    def _send_home(self, s: int, part, k, v, receive: bool):
+        """After step s >= 1's compute: this step's dK/dV part of the held window goes straight to
+        the shard's owner, as the kernel gave it (K/V's dtype for 16-bit K/V); and, where
+        ``receive``, the part of this rank's own window from the rank holding it at this step
+        comes in. ``(works, arriving part or None)``."""
+        ops, home, sent = [], None, []
+        if part is not None:
+            dst = dist.get_global_rank(self.group, self.shard_at(s))
+            sent = [part[1].to(k.dtype), part[2].to(v.dtype)]
+            ops += [dist.P2POp(dist.isend, t, dst, self.group, 2 + i) for i, t in enumerate(sent)]
+        if receive:
             src = dist.get_global_rank(self.group, (self.rank + s) % self.P)
-            home = self._kv_like(k, v, self.rank, k.dtype if s == 1 else acc_dtype)
-            ops += [dist.P2POp(dist.irecv, t, src, self.group, 4 + i) for i, t in enumerate(home)]
-        return (dist.batch_isend_irecv(ops) if ops else []), nxt, home
+            home = self._kv_like(k, v, self.rank)
+            ops += [dist.P2POp(dist.irecv, t, src, self.group, 2 + i) for i, t in enumerate(home)]
+        return (dist.batch_isend_irecv(ops) + [sent] if ops else []), home
 
 
 def _accumulate(total, part, acc_dtype, last: bool = False):
