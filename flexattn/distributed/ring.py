@@ -82,10 +82,13 @@ def merge_rows(out, lse, part_out, part_lse, rows: tuple[int, int], n: int, dtyp
 
 class Ring:
     """The ring schedule of one group, one ``needs`` table, the travelling ``windows`` (local
-    (lo, hi) of each KV shard) and the query ``rows`` (of ``n_rows``) that read each shard."""
+    (lo, hi) of each KV shard) and the query ``rows`` (of ``n_rows``) that read each shard.
+    ``groups``: the group and a second one over the same ranks (`checks.second_group`); K and dK
+    travel through the first, V and dV through the second."""
 
-    def __init__(self, group, needs: tuple, windows: tuple, own_length: int, rows: tuple, n_rows: int):
-        self.group = group
+    def __init__(self, groups: tuple, needs: tuple, windows: tuple, own_length: int, rows: tuple, n_rows: int):
+        self.groups = groups
+        self.group = group = groups[0]
         self.P, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.needs, self.windows = needs, windows
         self.rows, self.n_rows = rows, n_rows
@@ -101,17 +104,19 @@ class Ring:
         """After step s: send what we hold on to the next rank (at step 0, a copy of the own
         shard's window), receive the next step's shard; ``(works, received tensors or None)``
         (the works list ends with the tensors sent: the caller keeps them alive until it waits)."""
-        ops, received, sends = [], None, []
+        ops, received, sends = [[], []], None, []
         j = self.shard_at(s)
         if s + 1 <= self.last[j]:
             window = slice(*self.windows[j])
             sends = [t[:, :, window].contiguous() for t in held] if s == 0 else held
-            ops += [dist.P2POp(dist.isend, t, self.peers[0], self.group, tag + i) for i, t in enumerate(sends)]
+            for i, t in enumerate(sends):
+                ops[i].append(dist.P2POp(dist.isend, t, self.peers[0], self.groups[i], tag + i))
         nxt = self.shard_at(s + 1)
         if s + 1 <= self.last[nxt]:
             received = make_recv(nxt)
-            ops += [dist.P2POp(dist.irecv, t, self.peers[1], self.group, tag + i) for i, t in enumerate(received)]
-        return (dist.batch_isend_irecv(ops) + [sends] if ops else []), received
+            for i, t in enumerate(received):
+                ops[i].append(dist.P2POp(dist.irecv, t, self.peers[1], self.groups[i], tag + i))
+        return _post(ops, sends), received
 
     def forward(self, k: torch.Tensor, v: torch.Tensor, compute: Callable, out_dtype: torch.dtype):
         """``compute(j, k_j, v_j) -> (out, lse)`` of the rows ``rows[j]`` for every pair this rank
@@ -201,16 +206,18 @@ class Ring:
         the shard's owner, as the kernel gave it (K/V's dtype for 16-bit K/V); and, where
         ``receive``, the part of this rank's own window from the rank holding it at this step
         comes in. ``(works, arriving part or None)``."""
-        ops, home, sent = [], None, []
+        ops, home, sent = [[], []], None, []
         if part is not None:
             dst = dist.get_global_rank(self.group, self.shard_at(s))
             sent = [part[1].to(k.dtype), part[2].to(v.dtype)]
-            ops += [dist.P2POp(dist.isend, t, dst, self.group, 2 + i) for i, t in enumerate(sent)]
+            for i, t in enumerate(sent):
+                ops[i].append(dist.P2POp(dist.isend, t, dst, self.groups[i], 2 + i))
         if receive:
             src = dist.get_global_rank(self.group, (self.rank + s) % self.P)
             home = self._kv_like(k, v, self.rank)
-            ops += [dist.P2POp(dist.irecv, t, src, self.group, 2 + i) for i, t in enumerate(home)]
-        return (dist.batch_isend_irecv(ops) + [sent] if ops else []), home
+            for i, t in enumerate(home):
+                ops[i].append(dist.P2POp(dist.irecv, t, src, self.groups[i], 2 + i))
+        return _post(ops, sent), home
 
 
 def _accumulate(total, part, acc_dtype, last: bool = False):
@@ -235,6 +242,13 @@ def _accumulate_rows(total, part, acc_dtype, rows: tuple[int, int], n: int, last
         total = total.to(acc_dtype)
     total[:, :, lo:hi] += part
     return total
+
+
+def _post(ops: list, keep: list) -> list:
+    """Post each group's transfers (``ops[i]`` through ``groups[i]``), as one batch per group:
+    ``[works..., keep]`` (the tensors sent, kept alive until the wait), or [] if there are none."""
+    works = [w for batch in ops if batch for w in dist.batch_isend_irecv(batch)]
+    return works + [keep] if works else []
 
 
 def _wait(works: list) -> None:
