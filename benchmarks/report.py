@@ -168,9 +168,9 @@ def block_mask_table(record: dict) -> list[str]:
 
 
 def context_parallel_cases(record: dict) -> dict:
-    """(P, S, mask) -> impl -> row, by P, then in the order the runs made them."""
+    """(P, S, mask) -> impl -> row, by P and S, then in the order the runs made them."""
     cases: dict = {}
-    for row in sorted(record["rows"], key=lambda r: r["P"]):
+    for row in sorted(record["rows"], key=lambda r: (r["P"], r["S"])):
         cases.setdefault((row["P"], row["S"], row["mask"]), {})[row["impl"]] = row
     return cases
 
@@ -188,14 +188,15 @@ def context_parallel_table(record: dict) -> list[str]:
     lines = section(f"Context parallelism: B={config.get('B', '?')} H={config.get('H', '?')} D={config.get('D', '?')}, "
                     f"{config.get('dtype', '')}, forward + backward, times per step",
                     ["P", "S", "mask", "ring ms", "all-gather ms", "torch CP ms", "one GPU ms", "ring TF/s per GPU",
-                     "efficiency", "vs torch CP", "peak GiB ring / all-gather / torch CP"])
+                     "efficiency", "vs torch CP", "peak GiB ring / all-gather / torch CP", "flexattn"])
     for (P, S, mask), impls in context_parallel_cases(record).items():
         ring, ag, one, theirs = (impls.get(i) or {} for i in ("ring", "allgather", "one_gpu", "torch_cp"))
         torch_ms = fmt(theirs.get("ms"), ".1f") if "error" not in theirs else "refused"
         peaks = " / ".join(fmt(r.get("peak_gib"), ".1f") for r in (ring, ag, theirs))
         lines.append(f"| {P} | {S} | {mask} | {fmt(ring.get('ms'), '.1f')} | {fmt(ag.get('ms'), '.1f')} | {torch_ms} | "
                      f"{fmt(one.get('ms'), '.1f')} | {fmt(ring.get('tflops_per_gpu'))} | "
-                     f"{fmt(efficiency(impls), '.2f')} | {fmt(ratio(theirs, ring, 'ms'), '.2f', 'x')} | {peaks} |")
+                     f"{fmt(efficiency(impls), '.2f')} | {fmt(ratio(theirs, ring, 'ms'), '.2f', 'x')} | {peaks} | "
+                     f"{ring.get('commit', '?')} |")
     return lines
 
 
@@ -324,11 +325,13 @@ def main(argv=None) -> int:
             raise ValueError(f"{args.results}: unknown suite {record['suite']!r} (known: {', '.join(TABLES)})")
         suites = by_gpu.setdefault(record["gpu"], {})
         earlier = suites.get(record["suite"])
-        if earlier is not None and record["suite"] in BY_GPU_COUNT:
-            # (one table; the heading names each run's date and commit where they differ)
-            record = {**earlier, "rows": earlier["rows"] + record["rows"],
-                      **{key: " / ".join(dict.fromkeys(f"{r.get(key) or '?'}" for r in (earlier, record)))
-                         for key in ("date", "commit")}}
+        if record["suite"] in BY_GPU_COUNT:  # (one table of several runs: each row names its run's commit)
+            record = {**record, "rows": [{"commit": record.get("commit") or "?", **r} for r in record["rows"]]}
+            if earlier is not None:
+                record = {**earlier, "rows": earlier["rows"] + record["rows"],
+                          **{key: " / ".join(dict.fromkeys(part for r in (earlier, record)
+                                                           for part in f"{r.get(key) or '?'}".split(" / ")))
+                             for key in ("date", "commit")}}
         suites[record["suite"]] = record
     for suites in by_gpu.values():  # the suites in the order of TABLES
         ordered = {s: suites[s] for s in TABLES if s in suites}

@@ -131,17 +131,19 @@ def context_parallel_rows(P: int, ring_ms: float) -> list[dict]:
 def test_context_parallel_runs_on_2_and_4_gpus_make_one_table(tmp_path):
     folder = tmp_path / "results"
     config = {"B": 1, "H": 16, "D": 128, "dtype": "bfloat16"}
-    for P, ring_ms in ((4, 50.0), (2, 100.0)):
-        path = results.save("context_parallel", env("NVIDIA H100 80GB HBM3"), {**config, "P": P},
-                            context_parallel_rows(P, ring_ms), folder, tag=f"{P}gpu")
+    for P, ring_ms, commit in ((4, 50.0, "4444444"), (2, 100.0, "2222222")):
+        path = results.save("context_parallel", {**env("NVIDIA H100 80GB HBM3"), "commit": commit},
+                            {**config, "P": P}, context_parallel_rows(P, ring_ms), folder, tag=f"{P}gpu")
         assert path.name == f"context_parallel-{P}gpu-h100-80gb-hbm3.json"
     page = generate(tmp_path, "--no-plot")
     assert "### Context parallelism: B=1 H=16 D=128, bfloat16, forward + backward" in page
     table = page.split("### Context parallelism")[1]
     # by P; efficiency = one GPU / (P x ring) = 0.90; torch CP 1.5x the ring's time
     assert table.index("| 2 | 131072 |") < table.index("| 4 | 131072 |")
-    assert "| 2 | 131072 | causal | 100.0 | 110.0 | 150.0 | 180.0 | 400 | 0.90 | 1.50x | 3.0 / 5.0 / 6.0 |" in table
-    assert "| 4 | 131265 | causal | 50.0 | — | refused | — | 400 | — | — | 3.0 / — / — |" in table
+    assert "| 2 | 131072 | causal | 100.0 | 110.0 | 150.0 | 180.0 | 400 | 0.90 | 1.50x | 3.0 / 5.0 / 6.0 | 2222222 |" \
+        in table
+    assert "| 4 | 131265 | causal | 50.0 | — | refused | — | 400 | — | — | 3.0 / — / — | 4444444 |" in table
+    assert "flexattn 2222222 / 4444444" in page  # (the heading names both runs)
     assert "context parallelism (ring) scales with efficiency 0.90, 1.50x the speed of torch's context parallel" in page
 
 
