@@ -15,8 +15,8 @@ and merges the partial (out, lse) by log-sum-exp. Backward: the K/V travel again
 dK/dV part of the window it holds goes straight home to the shard's owner, as the kernel gave it
 (K/V's dtype): the owner adds the parts to its own in step order, in float32 where more than one
 comes. That sends each part once in 16 bits, where passing float32 sums along the ring would send
-twice the bytes at every hop; on one host the GPUs reach each other through NVLink switches, so
-the owner being several hops away along the ring costs nothing.
+twice the bytes at every hop; where the GPUs reach each other through NVLink switches (one H100 or
+H200 host), an owner several hops away along the ring is as near as the next rank.
 
 [Note] Overlap and buffer lifetimes. On CUDA, ``batch_isend_irecv`` runs the transfers on NCCL's
 own stream (the second stream), which first waits for the work already on the current stream, so
@@ -29,7 +29,8 @@ backward the dK/dV of the own shard, the part being sent and the part arriving:
 O(S / P) per rank. A buffer being sent stays referenced by the loop until after its ``wait()``
 (and by NCCL's work object), and once the current stream waits for the transfer, freeing it
 there is ordered after the send: no ``record_stream`` is needed. In the backward, the part of
-step s is sent after step s's compute, and waited on after step s + 1's compute is enqueued. On gloo (CPU) the transfers run on gloo's threads while the host computes.
+step s is sent after step s's compute, and waited on after step s + 1's compute is enqueued. On
+gloo (CPU) the transfers run on gloo's threads while the host computes.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def merge_rows(out, lse, part_out, part_lse, rows: tuple[int, int], n: int, dtyp
 class Ring:
     """The ring schedule of one group, one ``needs`` table, the travelling ``windows`` (local
     (lo, hi) of each KV shard) and the query ``rows`` (of ``n_rows``) that read each shard.
-    ``groups``: the group and a second one over the same ranks (`checks.second_group`); K and dK
-    travel through the first, V and dV through the second."""
+    ``groups``: the group and a second one over the same ranks, or the group again
+    (`checks.second_group`); K and dK travel through the first, V and dV through the second."""
 
     def __init__(self, groups: tuple, needs: tuple, windows: tuple, own_length: int, rows: tuple, n_rows: int):
         self.groups = groups
