@@ -22,16 +22,24 @@ class AllGather:
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         longest = max(self.lengths)
-        padded = torch.nn.functional.pad(t, (0, 0, 0, longest - t.shape[2])).contiguous()
+        padded = t.contiguous() if t.shape[2] == longest else \
+            torch.nn.functional.pad(t, (0, 0, 0, longest - t.shape[2]))
         parts = [torch.empty_like(padded) for _ in range(self.P)]
         dist.all_gather(parts, padded, group=self.group)
         return torch.cat([p[:, :, :n] for p, n in zip(parts, self.lengths)], dim=2)
 
-    def _scatter_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks of ``t`` (all KV shards in rank order), this rank's slice."""
+    def _scatter_sum(self, t: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
+        """Sum over ranks of ``t`` (all KV shards in rank order) in ``acc_dtype``, this rank's
+        slice. The shards are laid out rank-major (padded to the longest) and converted in one
+        copy each."""
         longest = max(self.lengths)
-        pieces = t.split(self.lengths, dim=2)
-        stacked = torch.cat([torch.nn.functional.pad(p, (0, 0, 0, longest - p.shape[2])) for p in pieces])
+        B, H, _, D = t.shape
+        stacked = t.new_empty((self.P * B, H, longest, D), dtype=acc_dtype)
+        start = 0
+        for i, n in enumerate(self.lengths):
+            stacked[i * B:(i + 1) * B, :, :n].copy_(t[:, :, start:start + n])
+            stacked[i * B:(i + 1) * B, :, n:].zero_()
+            start += n
         if "nccl" in checks.backend_of(self.group):
             out = stacked.new_empty(stacked.shape[0] // self.P, *stacked.shape[1:])
             dist.reduce_scatter_tensor(out, stacked.contiguous(), group=self.group)
@@ -57,4 +65,4 @@ class AllGather:
         else:
             dq, dk_all, dv_all, g = pair.backward(q, k_all, v_all, out, lse, dout, dlse, mask, self.bm.qpos, kvpos, need)
             grads = [g]
-        return (dq, self._scatter_sum(dk_all.to(acc_dtype)), self._scatter_sum(dv_all.to(acc_dtype)), grads)
+        return dq, self._scatter_sum(dk_all, acc_dtype), self._scatter_sum(dv_all, acc_dtype), grads
