@@ -56,9 +56,7 @@ def _tables(block: tuple, tensors: list[Tensor], seq_q: int, seq_kv: int) -> Tab
 
     kv = direction(tensors[:per])
     q = direction(tensors[per:2 * per]) if has_q else None
-    sig = (q_block, kv_block, seq, has_full, kv.num.device, tuple((t.shape, t.stride()) for t in kv.args()),
-           None if q is None else tuple((t.shape, t.stride()) for t in q.args()))
-    return Tables(kv, q, q_block, kv_block, seq, sig)
+    return Tables.of(kv, q, q_block, kv_block, seq)
 
 
 def _meta(t: Tensor) -> tuple:

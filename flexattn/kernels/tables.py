@@ -93,6 +93,17 @@ class Tables:
                 return False
         return list(map(_VERSION, check[1])) == check[2]
 
+    @classmethod
+    def of(cls, kv: Direction, q: Direction | None, q_block: int, kv_block: int,
+           seq_lengths: tuple[int, int] | None) -> "Tables":
+        """The tables with their ``sig``: block sizes, lengths, full blocks, device, and the shapes
+        and strides of both directions' tables (the backward's kernels take the q_* tables'
+        strides, which a compiled kernel may have specialised on)."""
+        sig = (q_block, kv_block, seq_lengths, kv.has_full, kv.num.device,
+               tuple((t.shape, t.stride()) for t in kv.args()),
+               None if q is None else tuple((t.shape, t.stride()) for t in q.args()))
+        return cls(kv, q, q_block, kv_block, seq_lengths, sig)
+
 
 def _index(t: Any, name: str, ndim: int) -> torch.Tensor:
     if not isinstance(t, torch.Tensor) or t.dim() != ndim:
@@ -205,11 +216,7 @@ def tables_of(block_mask, check=None) -> Tables:
         raise ValueError("block_mask has full blocks in one direction only (full_kv_* vs full_q_*)")
     seq = getattr(block_mask, "seq_lengths", None)
     seq = None if seq is None else (int(seq[0]), int(seq[1]))
-    # (the q_* tables' layout too: the backward's kernels take their strides, which a compiled
-    # kernel may have specialised on)
-    sig = (q_block, kv_block, seq, kv.has_full, kv.num.device, tuple((t.shape, t.stride()) for t in kv.args()),
-           None if q is None else tuple((t.shape, t.stride()) for t in q.args()))
-    tables = Tables(kv, q, q_block, kv_block, seq, sig)
+    tables = Tables.of(kv, q, q_block, kv_block, seq)
     start_consecutive_check(tables)
     # the mask's tables that the launch tables copy (int64, or strided rows): an in-place change of
     # one makes them again
