@@ -42,7 +42,7 @@ class AllGather:
             start += n
         if "nccl" in checks.backend_of(self.group):
             out = stacked.new_empty(stacked.shape[0] // self.P, *stacked.shape[1:])
-            dist.reduce_scatter_tensor(out, stacked.contiguous(), group=self.group)
+            dist.reduce_scatter_tensor(out, stacked, group=self.group)
         else:
             dist.all_reduce(stacked, group=self.group)
             out = stacked.chunk(self.P)[self.rank]
