@@ -66,7 +66,7 @@ def competitors(q8, k8, v8, descales, q, k, v, bm, tbm, causal: bool, compiled_f
     return {
         "flexattn float8": fa8(v8),
         "flexattn float8 V K-major": fa8(v8_k_major),
-        # both float8 kernels (the default picks by head dim, see flexattn/kernels/hopper.py)
+        # both float8 kernels (the default times both at head dim 128: hopper.timed_against_triton)
         "flexattn float8 Gluon": fa8(v8_k_major, BACKEND="FLASH"),
         "flexattn float8 Triton": fa8(v8_k_major, BACKEND="TRITON"),
         "flexattn bfloat16": lambda: flexattn.flex_attention(q, k, v, block_mask=bm),

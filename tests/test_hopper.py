@@ -193,9 +193,12 @@ def test_reason_on_a_hopper(monkeypatch):
     q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in _qkv(D=256))
     assert "KV-innermost" in hopper.reason(q8, k8, v8, None, {})
     assert hopper.reason(q8, k8, layout.k_major(v8), None, {}) is None
-    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))  # D=128: the Triton template unless FLASH
-    assert "faster on the Triton template" in hopper.reason(q8, k8, layout.k_major(v8), None, {})
-    assert hopper.reason(q8, k8, layout.k_major(v8), None, {"BACKEND": "FLASH"}) is None
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))  # D=128: runnable, timed against the template
+    v8 = layout.k_major(v8)
+    assert hopper.reason(q8, k8, v8, None, {}) is None
+    assert hopper.timed_against_triton(q8, {}) and not hopper.chosen(q8, k8, v8, None, {})
+    assert not hopper.timed_against_triton(q8, {"BACKEND": "FLASH"}) and hopper.chosen(q8, k8, v8, None, {"BACKEND": "FLASH"})
+    assert not hopper.timed_against_triton(q, {}) and hopper.chosen(q, k, v, None, {})
     assert "head dims" in hopper.reason(*_qkv(D=64), None, {})
     assert "below one 128-row tile" in hopper.reason(*_qkv(S=100), None, {})
     padded = torch.randn(1, 2, 300, 132, dtype=torch.bfloat16)[..., :128]  # rows 264 bytes apart
@@ -203,6 +206,46 @@ def test_reason_on_a_hopper(monkeypatch):
     assert "Triton template's knobs ['BLOCK_N']" in hopper.reason(q, k, v, None, {"BLOCK_N": 64})
     bm = create_block_mask(causal, None, None, 300, 300, device="cpu", BLOCK_SIZE=64)
     assert "64x64" in hopper.reason(q, k, v, tables_of(bm), {})
+
+
+@pytest.mark.parametrize("winner", ["hopper", "triton"])
+def test_float8_forward_at_head_dim_128_is_chosen_by_timing(monkeypatch, tmp_path, winner):
+    """float8 at head dim 128: the tuner times the Hopper kernel beside the Triton template's
+    configs under a key of its own and the plan is the winner's; untimed (tuning off), the Triton
+    template; BACKEND='FLASH', the Hopper kernel without timing."""
+    from flexattn.kernels import plans, tuning
+
+    monkeypatch.setattr(hopper, "_on_sm90", lambda device: True)
+    monkeypatch.setenv("FLEXATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(plans, "TUNE_MIN_WORK", 0)
+    tuning.forget()
+    asked = []
+
+    def choose(key, candidates, make, run, device):  # the fake clock: the winner is the parameter's
+        asked.append((key, candidates))
+        config = candidates[-1] if winner == "hopper" else candidates[0]
+        return make(config), config
+
+    monkeypatch.setattr(tuning, "choose", choose)
+    q, k, v = (t.to(torch.float8_e4m3fn) for t in _qkv())
+    v = layout.k_major(v)
+    score, mask = _mod(lambda s, b, h, q_idx, kv_idx: s, SCORE), _mod(causal, MASK)
+
+    def plan(**options):
+        return plans._make_forward_plan(q, k, v, score, (), mask, (), None, False, options, False, None)
+
+    tuned = plan(AUTOTUNE=True)
+    (key, candidates), = asked
+    assert "or Hopper" in key and candidates[-1] == {"BACKEND": "FLASH"}
+    assert candidates[:-1] == tuning.forward_candidates(torch.device("cpu"), q.dtype, 128)
+    assert (tuned.descriptors is not None) == (winner == "hopper")  # (only the Hopper plan reads descriptors)
+    assert plan(AUTOTUNE=False).descriptors is None
+    assert plan(BACKEND="FLASH").descriptors is not None
+    assert len(asked) == 1
+    bf16 = _qkv()
+    plans._make_forward_plan(*bf16, score, (), mask, (), None, False, {"AUTOTUNE": True}, False, None)
+    assert len(asked) == 1  # 16-bit: the Hopper kernel, untimed
+    tuning.forget()
 
 
 def _compile_backward(q, k, v, score_fn=None, mask_fn=None, block_mask=None, dq_pass=False):

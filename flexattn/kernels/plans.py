@@ -140,17 +140,24 @@ def _make_forward_plan(query, key, value, score, score_bufs, mask, mask_bufs, ta
     _check_mod_devices(query.device, ((score, score_bufs), (mask, mask_bufs)))
 
     def make(config: dict):
+        if config.get("BACKEND") == "FLASH":
+            return fwd.hopper_plan(query, key, value, score, mask, tables, options, want_max, has_sinks)
         return fwd.make_plan(query, key, value, score, mask, tables, {**options, **config}, want_max, has_sinks)
 
     device = query.device
     if hopper.chosen(query, key, value, tables, options):  # one schedule, nothing to tune
-        return fwd.hopper_plan(query, key, value, score, mask, tables, options, want_max, has_sinks)
+        return make({"BACKEND": "FLASH"})
+    candidates_for = tuning.forward_candidates
+    if hopper.runnable(query, key, value, tables, options):  # (and timed_against_triton)
+        def candidates_for(device, dtype, head_dim):
+            return [*tuning.forward_candidates(device, dtype, head_dim), {"BACKEND": "FLASH"}]
     scale = 1.0 / math.sqrt(query.shape[3])
     # float8 kernels read their descale factors: timing runs get real ones (the direct launch
     # passes a missing pointer as null)
     descale = (torch.ones(1, dtype=torch.float32, device=device),) * 3 \
         if query.dtype == torch.float8_e4m3fn else None
-    plan = _tuned("forward", tuning.FORWARD_KNOBS, tuning.forward_candidates, ("max" if want_max else "",),
+    extra = ("max" if want_max else "",) + (() if candidates_for is tuning.forward_candidates else ("or Hopper",))
+    plan = _tuned("forward", tuning.FORWARD_KNOBS, candidates_for, extra,
                   query, key, value, score, tables, options, make,
                   lambda p: fwd.run(p, query, key, value, score, score_bufs, mask, mask_bufs, tables, scale, descale,
                                     sinks))

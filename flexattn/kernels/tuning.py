@@ -2,9 +2,10 @@
 
 A plan (`flexattn.kernels.plans`) is made once per plan key. When tuning is on, making a forward or
 backward plan times a small candidate set (`forward_candidates`, `backward_candidates`: tiles,
-warps and pipelining stages for the GPU, dtype and head dims; `hopper_backward_candidates`: under a
-block mask, the Gluon Hopper backward with dQ added by its one pass or left to the Gluon or the
-Triton dQ pass) on the call's own inputs and keeps the fastest. Winners are keyed by *tuning key*:
+warps and pipelining stages for the GPU, dtype and head dims, and for float8 at head dim 128 the
+Gluon Hopper kernel beside them, see `hopper.timed_against_triton`; `hopper_backward_candidates`:
+under a block mask, the Gluon Hopper backward with dQ added by its one pass or left to the Gluon
+or the Triton dQ pass) on the call's own inputs and keeps the fastest. Winners are keyed by *tuning key*:
 GPU name, Triton version, dtype, head dims, the query and KV lengths and the number of (batch,
 query head) pairs, each rounded up to a power of two (lengths and B x H set the grid, and a winner
 timed on a grid of a few waves is not the winner of many: python -m benchmarks attention), and the
