@@ -488,29 +488,72 @@ def test_ring_merge_rows(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_ring_sums_of_two_parts_in_place(dtype):
-    """The ring adds a second and last dQ part, and the own window's dK/dV sums that come home, in
-    place in the first part's 16-bit dtype: bitwise what converting to float32, adding and rounding
-    at the end gives (the sums that come home in float32 too); three parts or more are summed in
-    float32. Parts of some rows add into those rows only."""
-    from flexattn.distributed.ring import _accumulate, _accumulate_rows
+def test_ring_sums_rounded_once(dtype):
+    """The ring's dQ and own dK/dV sums (`_sum_rows`): a second and last part is added in place in
+    the first part's 16-bit dtype, three parts are summed in float32 and the last sum is written
+    in the parts' dtype: bitwise what converting to float32, adding and rounding at the end gives.
+    Parts of some rows add into those rows only; a first part of some rows starts from zeros."""
+    from flexattn.distributed.ring import _sum_rows
 
     g = torch.Generator().manual_seed(2)
     # (magnitudes far apart too: the sum rounds)
     a, b, c = (torch.randn(2, 3, 40, 8, generator=g) * torch.logspace(-3, 3, 8) for _ in range(3))
     a16, b16, c16 = (t.to(dtype) for t in (a, b, c))
-    want = (a16.float() + b16.float()).to(dtype)
+    whole = (0, 40)
+    assert _sum_rows(None, a16, torch.float32, whole, 40) is a16  # (the first part of all rows, as it came)
     first = a16.clone()
-    got = _accumulate(first, b16, torch.float32, last=True)
-    assert got is first and got.dtype == dtype and torch.equal(got, want)
-    got = _accumulate(a16.clone(), b.clone(), torch.float32, last=True)  # (a float32 part)
-    assert torch.equal(got, (a16.float() + b).to(dtype))
-    rows = _accumulate_rows(a16.clone(), b16[:, :, 8:30], torch.float32, (8, 30), 40, last=True)
-    assert rows.dtype == dtype and torch.equal(rows[:, :, 8:30], want[:, :, 8:30])
+    got = _sum_rows(first, b16, torch.float32, whole, 40, last=True)
+    assert got is first and torch.equal(got, (a16.float() + b16.float()).to(dtype))
+    rows = _sum_rows(a16.clone(), b16[:, :, 8:30], torch.float32, (8, 30), 40, last=True)
+    assert rows.dtype == dtype and torch.equal(rows[:, :, 8:30], (a16.float() + b16.float()).to(dtype)[:, :, 8:30])
     assert torch.equal(rows[:, :, :8], a16[:, :, :8]) and torch.equal(rows[:, :, 30:], a16[:, :, 30:])
-    three = _accumulate(_accumulate(a16.clone(), b16, torch.float32), c16, torch.float32, last=True)
-    assert three.dtype == torch.float32
-    assert torch.equal(three, a16.float() + b16.float() + c16.float())
+    two = _sum_rows(a16.clone(), b16, torch.float32, whole, 40)
+    assert two.dtype == torch.float32 and torch.equal(two, a16.float() + b16.float())
+    three = _sum_rows(two, c16[:, :, 5:33], torch.float32, (5, 33), 40, last=True)
+    want = a16.float() + b16.float()
+    want[:, :, 5:33] += c16[:, :, 5:33].float()
+    assert three.dtype == dtype and torch.equal(three, want.to(dtype))
+    lone = _sum_rows(None, b16[:, :, 8:30], torch.float32, (8, 30), 40)  # (a first part of some rows)
+    assert lone.dtype == torch.float32 and (lone[:, :, :8] == 0).all() and (lone[:, :, 30:] == 0).all()
+    assert torch.equal(lone[:, :, 8:30], b16[:, :, 8:30].float())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.bfloat16, torch.float32),
+                                    (torch.float32, torch.bfloat16, torch.bfloat16),
+                                    (torch.float32, torch.float16, torch.float32),
+                                    (None, torch.bfloat16, torch.float32)])
+def test_add_rows_kernel(dtypes, device):
+    """`merge.add_rows` (templates/merge.py, through Triton's interpreter on the CPU, its CUDA
+    kernel with -m gpu): a part of some rows added to a total (or to zeros) in float32, rounded
+    once into the result's dtype, every row of the result written, in place too; a head dim that
+    is not a power of two; a last dimension that is not contiguous takes the torch ops."""
+    from flexattn.kernels import merge
+
+    total_dtype, part_dtype, result_dtype = dtypes
+    g = torch.Generator().manual_seed(3)
+    B, H, L, D, lo, hi = 2, 3, 75, 24, 9, 70
+    total = None if total_dtype is None else (torch.randn(B, H, L, D, generator=g) * 30).to(total_dtype)
+    part = torch.randn(B, H, hi - lo, D, generator=g).to(part_dtype)
+    want = torch.zeros(B, H, L, D) if total is None else total.float().clone()
+    want[:, :, lo:hi] += part.float()
+    want = want.to(result_dtype)
+    d_total = None if total is None else total.to(device)
+    got = torch.full((B, H, L, D), math.nan, dtype=result_dtype, device=device)
+    merge.add_rows(got, d_total, part.to(device), lo)
+    assert torch.equal(got.cpu(), want)
+    if total is not None:
+        assert torch.equal(d_total.cpu(), total)  # (read, not written)
+        if total_dtype == result_dtype:
+            inplace = d_total.clone()
+            merge.add_rows(inplace, inplace, part.to(device), lo)
+            assert torch.equal(inplace.cpu(), want)
+        strided = d_total.transpose(2, 3).contiguous().transpose(2, 3)
+        got = torch.full((B, H, L, D), math.nan, dtype=result_dtype, device=device)
+        merge.add_rows(got, strided, part.to(device), lo)
+        assert torch.equal(got.cpu(), want)
+    with pytest.raises(ValueError, match="add_rows: shapes differ"):
+        merge.add_rows(got, d_total, part.to(device), L - 3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -146,8 +146,8 @@ class Ring:
     def backward(self, k: torch.Tensor, v: torch.Tensor, compute: Callable, acc_dtype: torch.dtype):
         """``compute(j, k_j, v_j) -> (dq, dk_j, dv_j, extra)`` for every pair this rank reads (dq of
         the rows ``rows[j]``): ``(dq sum or None, dK, dV of this rank's own shard, [extra of each
-        step])``; each sum as the kernel gave it where it has one part of all rows, in the parts'
-        dtype where it has two, in ``acc_dtype`` otherwise."""
+        step])``; each sum as the kernel gave it where it has one part of all rows, else in the
+        parts' dtype: float32 (``acc_dtype``) sums rounded once (`_sum_rows`)."""
         k, v = k.contiguous(), v.contiguous()
         P, r = self.P, self.rank
         own = None                # this rank's own shard's dK/dV: its own pair's part, then the others' added
@@ -163,38 +163,32 @@ class Ring:
             works, nxt = self._transfer(s, [k, v], lambda i: self._kv_like(k, v, i), 0)
             part = compute(j, k, v) if held and self.needs[r][j] else None
             _wait(home_works)
-            own = self._add_home(own, arrived, acc_dtype, len(coming) > 1)
+            own = self._add_home(own, arrived, acc_dtype, s - 1 == coming[-1] if coming else True)
             if part is not None:
                 extras.append(part[3])
                 if s == 0:  # (the own pair's are the first own sums: kept as they come)
                     own = (part[1], part[2])
             home_works, arrived = self._send_home(s, part if s > 0 else None, k, v, s in coming)
             if part is not None:  # (after the part left: the last step's travel home overlaps it)
-                dq = _accumulate_rows(dq, part[0], acc_dtype, self.rows[j], self.n_rows, s == last_dq)
+                dq = _sum_rows(dq, part[0], acc_dtype, self.rows[j], self.n_rows, s == last_dq)
             _wait(works)
             if nxt is not None:
                 k, v = nxt
         _wait(home_works)
-        own = self._add_home(own, arrived, acc_dtype, len(coming) > 1)
+        own = self._add_home(own, arrived, acc_dtype, True)
         if own is None:  # no rank reads this shard
             own = self._own_zeros(k, v, acc_dtype)
         return dq, own[0], own[1], extras
 
-    def _add_home(self, own, arrived, acc_dtype, several: bool):
+    def _add_home(self, own, arrived, acc_dtype, last: bool):
         """The own shard's dK/dV with a part of its window from another rank (complete: its
-        transfer was waited on) added. Where it is the only one to come (not ``several``), it is
-        added in place in the own part's dtype: float32 arithmetic rounded once, as a float32 sum
-        rounded at the end would be; otherwise the sums are in ``acc_dtype``."""
+        transfer was waited on) added (`_sum_rows`: the sums in ``acc_dtype``, the ``last`` part's
+        in the parts' dtype, in place where it is the only one)."""
         if arrived is None:
             return own
-        if own is None:
-            own = self._own_zeros(arrived[0], arrived[1], acc_dtype)
-        elif several and own[0].dtype != acc_dtype:
-            own = (own[0].to(acc_dtype), own[1].to(acc_dtype))
-        window = slice(*self.windows[self.rank])
-        own[0][:, :, window].add_(arrived[0])
-        own[1][:, :, window].add_(arrived[1])
-        return own
+        rows = self.windows[self.rank]
+        return tuple(_sum_rows(None if own is None else own[i], arrived[i], acc_dtype, rows, self.own_length, last)
+                     for i in range(2))
 
     def _own_zeros(self, k, v, dtype):
         """Zeros for the whole own shard's dK/dV."""
@@ -221,28 +215,20 @@ class Ring:
         return _post(ops, sent), home
 
 
-def _accumulate(total, part, acc_dtype, last: bool = False):
-    """``total + part``: the first part as it comes, the sum of more in ``acc_dtype``; but a
-    ``last`` part added to the first alone is added in place in the first's dtype (float32
-    arithmetic rounded once, as the float32 sum rounded at the end would be: no conversions)."""
-    if total is None:
-        return part
-    if total.dtype != acc_dtype and not last:
-        return total.to(acc_dtype).add_(part)
-    return total.add_(part)
-
-
-def _accumulate_rows(total, part, acc_dtype, rows: tuple[int, int], n: int, last: bool = False):
-    """`_accumulate` of a part that covers rows ``[lo, hi)`` of ``n`` (the others add 0)."""
+def _sum_rows(total, part, acc_dtype, rows: tuple[int, int], n: int, last: bool = False):
+    """``total + part``, a part of the rows ``[lo, hi)`` of ``n`` (the others add 0), in one pass
+    (`merge.add_rows`): the first part of all rows as it comes; a sum of more in ``acc_dtype``,
+    but the ``last`` sum in the part's dtype, float32 arithmetic rounded once (bitwise what a float32
+    sum converted at the end gives, without the conversion's pass); in place where the total
+    already has the sum's dtype."""
     lo, hi = rows
-    if (lo, hi) == (0, n):
-        return _accumulate(total, part, acc_dtype, last)
-    if total is None:
-        total = part.new_zeros((*part.shape[:2], n, part.shape[3]), dtype=acc_dtype)
-    elif total.dtype != acc_dtype and not last:
-        total = total.to(acc_dtype)
-    total[:, :, lo:hi] += part
-    return total
+    if total is None and (lo, hi) == (0, n):
+        return part
+    dtype = part.dtype if last else acc_dtype
+    result = total if total is not None and total.dtype == dtype else \
+        part.new_empty((*part.shape[:2], n, part.shape[3]), dtype=dtype)
+    merge.add_rows(result, total, part, lo)
+    return result
 
 
 def _post(ops: list, keep: list) -> list:

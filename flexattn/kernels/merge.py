@@ -1,8 +1,9 @@
-"""Merging two partial attentions of the same rows by their log-sum-exp (templates/merge.py):
-what the ring does after each step (flexattn/distributed/ring.py).
+"""Merging partial results (templates/merge.py), what the ring does after each step
+(flexattn/distributed/ring.py): two partial attentions of the same rows by their log-sum-exp
+(`merge_into`), and a gradient part of some rows added to a total (`add_rows`).
 
-`merge_into` runs the one-pass kernel where the tensors allow it (float32 LSE, 16-bit or float32
-outputs, the last dimension contiguous) and `merge_torch` otherwise (float64, other layouts)."""
+Each runs a one-pass kernel where the tensors allow it (float32 LSE, 16-bit or float32 tensors, the
+last dimension contiguous) and torch ops otherwise (float64, other layouts)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,39 @@ def merge_into(result: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, part_
     run, n_row_blocks = site
     run(out, lse, part_out, part_lse, result, H, L, D, n_row_blocks, *out.stride()[:3], *lse.stride(),
         *part_out.stride()[:3], *part_lse.stride(), *result.stride()[:3])
+
+
+def add_rows(result: torch.Tensor, total: torch.Tensor | None, part: torch.Tensor, lo: int) -> None:
+    """``result`` = ``total`` with ``part`` added to its rows ``[lo, lo + part rows)``, all
+    [B, H, L(, D)] (``total`` None: zeros; ``result`` may be ``total``): float32 arithmetic (float64
+    for float64) rounded once into ``result``'s dtype, in one pass over ``result``."""
+    B, H, L, D = result.shape
+    PL = part.shape[2]
+    if (total is not None and total.shape != result.shape) or part.shape != (B, H, PL, D) or not 0 <= lo <= L - PL:
+        raise ValueError(f"add_rows: shapes differ: result {tuple(result.shape)}, total "
+                         f"{None if total is None else tuple(total.shape)}, part {tuple(part.shape)} at row {lo}")
+    if B * H * L * D == 0:
+        return
+    tensors = (result, part) if total is None else (result, total, part)
+    if not all(t.dtype in _KERNEL_DTYPES and (t.stride(3) == 1 or D == 1) for t in tensors):
+        acc = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+        whole = torch.zeros(result.shape, dtype=acc, device=result.device) if total is None else total.to(acc, copy=True)
+        whole[:, :, lo:lo + PL] += part.to(acc)
+        result.copy_(whole)
+        return
+    a = part if total is None else total  # (HAS_A False: a stand-in the kernel does not read)
+    key = ("add", result.device, result.dtype, a.dtype, part.dtype, total is None, result.shape, PL,
+           *(t.stride() for t in (a, part, result)))
+    site = _SITES.get(key)
+    if site is None:
+        block_d = launch.pow2_at_least(D)
+        block_l = max(1, min(BLOCK_ELEMENTS // block_d, launch.pow2_at_least(L)))
+        n_row_blocks = triton.cdiv(L, block_l)
+        module = launch.kernel_module("merge", (), launch.target_for(result.device), dict, dict)
+        constexprs = dict(HAS_A=total is not None, BLOCK_L=block_l, BLOCK_D=block_d)
+        if result.device.type == "cuda":
+            constexprs["num_warps"] = 4
+        site = _SITES[key] = (launch.Launch(module.add_rows_kernel, (n_row_blocks * B * H,), constexprs,
+                                            result.device), n_row_blocks)
+    run, n_row_blocks = site
+    run(a, part, result, H, L, D, lo, PL, n_row_blocks, *a.stride()[:3], *part.stride()[:3], *result.stride()[:3])

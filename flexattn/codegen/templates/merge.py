@@ -50,3 +50,34 @@ def merge_kernel(O, LSE, PO, PLSE, R, H, L, D, N_ROW_BLOCKS,
         out = merged.to(R.dtype.element_ty)
     tl.store(R + b * stride_rb + h * stride_rh + rows[:, None] * stride_rl + cols[None, :], out, mask=keep2)
     tl.store(lse_ptrs, tl.where(total == 0.0, -float("inf"), top + tl.log(safe)), mask=keep)
+
+
+# The sum of a total and a part of its rows (the ring's dQ and dK/dV sums), in one pass:
+#   R[l] = A[l] + P[l - LO]   for LO <= l < LO + PL,   R[l] = A[l] elsewhere
+# float32 math rounded once into R's dtype; HAS_A False reads A as zeros. R may be A itself (each
+# element is read before it is written, by the same program). Same layouts and grid as the merge:
+#   A, P, R         [B, H, L (PL for P), D], the last dimension contiguous
+@triton.jit
+def add_rows_kernel(A, P, R, H, L, D, LO, PL, N_ROW_BLOCKS,
+                    stride_ab, stride_ah, stride_al, stride_pb, stride_ph, stride_pl,
+                    stride_rb, stride_rh, stride_rl,
+                    HAS_A: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = pid // N_ROW_BLOCKS
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    rows = ((pid % N_ROW_BLOCKS) * BLOCK_L + tl.arange(0, BLOCK_L)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    keep = (rows < L)[:, None] & (cols[None, :] < D)
+    in_part = keep & ((rows >= LO) & (rows < LO + PL))[:, None]
+    total = tl.load(P + b * stride_pb + h * stride_ph + (rows - LO)[:, None] * stride_pl + cols[None, :],
+                    mask=in_part, other=0.0).to(tl.float32)
+    if HAS_A:
+        a = tl.load(A + b * stride_ab + h * stride_ah + rows[:, None] * stride_al + cols[None, :], mask=keep,
+                    other=0.0)
+        total += a.to(tl.float32)
+    if R.dtype.element_ty == tl.bfloat16:
+        out = _fa_to_bf16(total)
+    else:
+        out = total.to(R.dtype.element_ty)
+    tl.store(R + b * stride_rb + h * stride_rh + rows[:, None] * stride_rl + cols[None, :], out, mask=keep)
