@@ -11,7 +11,8 @@ GPUs)), peak memory per GPU, and torch's context parallel (all-gathered K/V,
 ``torch.compile(flex_attention)``) at the same shapes; also a length torch refuses (not a multiple
 of P x 128). The one-GPU baseline (flexattn's single-GPU flex_attention on the whole sequence)
 runs up to ``--one-gpu-max-seq``. Rank 0 writes ``benchmarks/results/context_parallel-<P>gpu-<gpu>.json``
-(the record format of `benchmarks.results`; `benchmarks.report` makes its table).
+(the record format of `benchmarks.results`; `benchmarks.report` makes its table) after each case,
+so that a run cut short keeps the cases it finished.
 """
 
 from __future__ import annotations
@@ -157,8 +158,9 @@ def bench_torch_cp(mesh, S: int, mask_name: str, iters: int) -> dict:
     return {"impl": "torch_cp", "ms": ms, "peak_gib": gib, "tflops_per_gpu": flops(S, kept) / P / ms / 1e9}
 
 
-def run(args) -> list[dict]:
-    """Every (S, mask): one row per competitor, with P, S and the mask."""
+def run(args, save=lambda rows: None) -> list[dict]:
+    """Every (S, mask): one row per competitor, with P, S and the mask; ``save(rows so far)`` after
+    each (a run cut short keeps what it measured)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     P = dist.get_world_size()
@@ -182,6 +184,7 @@ def run(args) -> list[dict]:
             rows += [{**case, **r} for r in found]
             if dist.get_rank() == 0:
                 print(line(rows[-len(found):]), flush=True)
+                save(rows)
     return rows
 
 
@@ -213,11 +216,14 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     P = dist.get_world_size()
     env = results.environment("cuda")
-    rows = run(args)
-    if dist.get_rank() == 0 and not args.no_save:
-        config = {"P": P, "B": B, "H": H, "D": D, "dtype": str(DTYPE).removeprefix("torch."), "iters": args.iters}
-        path = results.save("context_parallel", env, config, rows, args.results, tag=f"{P}gpu")
-        print(f"# results: {path}")
+    config = {"P": P, "B": B, "H": H, "D": D, "dtype": str(DTYPE).removeprefix("torch."), "iters": args.iters}
+
+    def save(rows: list[dict]) -> None:
+        if not args.no_save:
+            path = results.save("context_parallel", env, config, rows, args.results, tag=f"{P}gpu")
+            print(f"# results: {path}", flush=True)
+
+    run(args, save)
     dist.destroy_process_group()
 
 
