@@ -558,21 +558,22 @@ def test_add_rows_kernel(dtypes, device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_merge_kernel_compiles_for_the_gpu(dtype):
-    """The merge's CUDA module compiles for sm_90 without a GPU (ptxas included), its bfloat16
-    result rounded to nearest by the hardware's conversion."""
+    """The merge's and the row sum's CUDA kernels compile for sm_90 without a GPU (ptxas
+    included), a bfloat16 result rounded to nearest by the hardware's conversion."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import mangle_type
 
     from flexattn.kernels import launch
 
-    kernel = launch.kernel_module("merge", (), "cuda", dict, dict).merge_kernel
-    pointers = [torch.empty(1, dtype=dtype), torch.empty(1), torch.empty(1, dtype=dtype), torch.empty(1),
-                torch.empty(1, dtype=dtype)]
-    constexprs = dict(BLOCK_L=32, BLOCK_D=128)
-    integers = kernel.arg_names[len(pointers):len(kernel.arg_names) - len(constexprs)]
-    signature = {n: mangle_type(a) for n, a in zip(kernel.arg_names, pointers + [7] * len(integers))}
-    signature.update({n: "constexpr" for n in constexprs})
-    ptx = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": 4, "enable_fp_fusion": True}).asm["ptx"]
-    assert ("cvt.rn.bf16" in ptx) == (dtype == torch.bfloat16)
+    module = launch.kernel_module("merge", (), "cuda", dict, dict)
+    sixteen, f32 = torch.empty(1, dtype=dtype), torch.empty(1)
+    for kernel, pointers, constexprs in [
+            (module.merge_kernel, [sixteen, f32, sixteen, f32, sixteen], dict(BLOCK_L=32, BLOCK_D=128)),
+            (module.add_rows_kernel, [f32, sixteen, sixteen], dict(HAS_A=True, BLOCK_L=32, BLOCK_D=128))]:
+        integers = kernel.arg_names[len(pointers):len(kernel.arg_names) - len(constexprs)]
+        signature = {n: mangle_type(a) for n, a in zip(kernel.arg_names, pointers + [7] * len(integers))}
+        signature.update({n: "constexpr" for n in constexprs})
+        ptx = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": 4, "enable_fp_fusion": True}).asm["ptx"]
+        assert ("cvt.rn.bf16" in ptx) == (dtype == torch.bfloat16), kernel

@@ -49,20 +49,8 @@ def merge_into(result: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, part_
         result.copy_(merged)
         lse.copy_(new_lse)
         return
-    key = (out.device, result.dtype, out.dtype, part_out.dtype, out.shape,
-           *(t.stride() for t in (out, lse, part_out, part_lse, result)))
-    site = _SITES.get(key)
-    if site is None:
-        block_d = launch.pow2_at_least(D)
-        block_l = max(1, min(BLOCK_ELEMENTS // block_d, launch.pow2_at_least(L)))
-        n_row_blocks = triton.cdiv(L, block_l)
-        module = launch.kernel_module("merge", (), launch.target_for(out.device), dict, dict)
-        constexprs = dict(BLOCK_L=block_l, BLOCK_D=block_d)
-        if out.device.type == "cuda":
-            constexprs["num_warps"] = 4
-        site = _SITES[key] = (launch.Launch(module.merge_kernel, (n_row_blocks * B * H,), constexprs, out.device),
-                              n_row_blocks)
-    run, n_row_blocks = site
+    run, n_row_blocks = _site("merge_kernel", out, {}, (result.dtype, out.dtype, part_out.dtype,
+                                                        *(t.stride() for t in (out, lse, part_out, part_lse, result))))
     run(out, lse, part_out, part_lse, result, H, L, D, n_row_blocks, *out.stride()[:3], *lse.stride(),
         *part_out.stride()[:3], *part_lse.stride(), *result.stride()[:3])
 
@@ -86,18 +74,26 @@ def add_rows(result: torch.Tensor, total: torch.Tensor | None, part: torch.Tenso
         result.copy_(whole)
         return
     a = part if total is None else total  # (HAS_A False: a stand-in the kernel does not read)
-    key = ("add", result.device, result.dtype, a.dtype, part.dtype, total is None, result.shape, PL,
-           *(t.stride() for t in (a, part, result)))
-    site = _SITES.get(key)
+    run, n_row_blocks = _site("add_rows_kernel", result, {"HAS_A": total is not None},
+                              (result.dtype, a.dtype, part.dtype, PL, *(t.stride() for t in (a, part, result))))
+    run(a, part, result, H, L, D, lo, PL, n_row_blocks, *a.stride()[:3], *part.stride()[:3], *result.stride()[:3])
+
+
+def _site(kernel: str, like: torch.Tensor, constexprs: dict, key: tuple) -> tuple:
+    """``(launch, row blocks)`` of one of the template's kernels over the rows of ``like``
+    [B, H, L, D] (programs of BLOCK_L rows of one (batch, head), in a flat grid), made once per
+    ``key`` (dtypes, strides: every integer argument fixed)."""
+    B, H, L, D = like.shape
+    full_key = (kernel, like.device, like.shape, tuple(constexprs.items()), *key)
+    site = _SITES.get(full_key)
     if site is None:
         block_d = launch.pow2_at_least(D)
         block_l = max(1, min(BLOCK_ELEMENTS // block_d, launch.pow2_at_least(L)))
         n_row_blocks = triton.cdiv(L, block_l)
-        module = launch.kernel_module("merge", (), launch.target_for(result.device), dict, dict)
-        constexprs = dict(HAS_A=total is not None, BLOCK_L=block_l, BLOCK_D=block_d)
-        if result.device.type == "cuda":
+        module = launch.kernel_module("merge", (), launch.target_for(like.device), dict, dict)
+        constexprs = dict(constexprs, BLOCK_L=block_l, BLOCK_D=block_d)
+        if like.device.type == "cuda":
             constexprs["num_warps"] = 4
-        site = _SITES[key] = (launch.Launch(module.add_rows_kernel, (n_row_blocks * B * H,), constexprs,
-                                            result.device), n_row_blocks)
-    run, n_row_blocks = site
-    run(a, part, result, H, L, D, lo, PL, n_row_blocks, *a.stride()[:3], *part.stride()[:3], *result.stride()[:3])
+        site = _SITES[full_key] = (launch.Launch(getattr(module, kernel), (n_row_blocks * B * H,), constexprs,
+                                                 like.device), n_row_blocks)
+    return site

@@ -17,16 +17,21 @@ $prelude
 
 
 @triton.jit
+def _program_rows(H, N_ROW_BLOCKS, BLOCK_L: tl.constexpr):
+    """(batch, head, rows) of this program: the flat grid's (row block, batch x head)."""
+    pid = tl.program_id(0)
+    bh = pid // N_ROW_BLOCKS
+    rows = ((pid % N_ROW_BLOCKS) * BLOCK_L + tl.arange(0, BLOCK_L)).to(tl.int64)
+    return (bh // H).to(tl.int64), (bh % H).to(tl.int64), rows
+
+
+@triton.jit
 def merge_kernel(O, LSE, PO, PLSE, R, H, L, D, N_ROW_BLOCKS,
                  stride_ob, stride_oh, stride_ol, stride_lb, stride_lh, stride_ll,
                  stride_pob, stride_poh, stride_pol, stride_plb, stride_plh, stride_pll,
                  stride_rb, stride_rh, stride_rl,
                  BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid = tl.program_id(0)
-    bh = pid // N_ROW_BLOCKS
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    rows = ((pid % N_ROW_BLOCKS) * BLOCK_L + tl.arange(0, BLOCK_L)).to(tl.int64)
+    b, h, rows = _program_rows(H, N_ROW_BLOCKS, BLOCK_L)
     cols = tl.arange(0, BLOCK_D)
     keep = rows < L
     keep2 = keep[:, None] & (cols[None, :] < D)
@@ -62,11 +67,7 @@ def add_rows_kernel(A, P, R, H, L, D, LO, PL, N_ROW_BLOCKS,
                     stride_ab, stride_ah, stride_al, stride_pb, stride_ph, stride_pl,
                     stride_rb, stride_rh, stride_rl,
                     HAS_A: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid = tl.program_id(0)
-    bh = pid // N_ROW_BLOCKS
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    rows = ((pid % N_ROW_BLOCKS) * BLOCK_L + tl.arange(0, BLOCK_L)).to(tl.int64)
+    b, h, rows = _program_rows(H, N_ROW_BLOCKS, BLOCK_L)
     cols = tl.arange(0, BLOCK_D)
     keep = (rows < L)[:, None] & (cols[None, :] < D)
     in_part = keep & ((rows >= LO) & (rows < LO + PL))[:, None]
