@@ -326,7 +326,8 @@ def main(argv=None) -> int:
         suites = by_gpu.setdefault(record["gpu"], {})
         earlier = suites.get(record["suite"])
         if record["suite"] in BY_GPU_COUNT:  # (one table of several runs: each row names its run's commit)
-            rows = [{"commit": record.get("commit") or "?", **r} for r in record["rows"]]  # (a row may name its own)
+            rows = [{**r, "commit": r.get("commit") or record.get("commit") or "?"}  # (a row may name its own)
+                    for r in record["rows"]]
             record = {**record, "rows": rows, "commit": " / ".join(dict.fromkeys(r["commit"] for r in rows))}
             if earlier is not None:
                 record = {**earlier, "rows": earlier["rows"] + record["rows"],

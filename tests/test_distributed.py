@@ -552,6 +552,14 @@ def test_add_rows_kernel(dtypes, device):
         got = torch.full((B, H, L, D), math.nan, dtype=result_dtype, device=device)
         merge.add_rows(got, strided, part.to(device), lo)
         assert torch.equal(got.cpu(), want)
+    # (the same shapes at other rows, again and again: a launch that kept a row offset would show)
+    short = part[:, :, :16]
+    for at in (1, 1, 1, 5, 16, 5):
+        want = (torch.zeros(B, H, L, D) if total is None else total.float().clone())
+        want[:, :, at:at + 16] += short.float()
+        got = torch.full((B, H, L, D), math.nan, dtype=result_dtype, device=device)
+        merge.add_rows(got, d_total, short.to(device), at)
+        assert torch.equal(got.cpu(), want.to(result_dtype)), at
     with pytest.raises(ValueError, match="add_rows: shapes differ"):
         merge.add_rows(got, d_total, part.to(device), L - 3)
 

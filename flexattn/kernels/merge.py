@@ -75,14 +75,14 @@ def add_rows(result: torch.Tensor, total: torch.Tensor | None, part: torch.Tenso
         return
     a = part if total is None else total  # (HAS_A False: a stand-in the kernel does not read)
     run, n_row_blocks = _site("add_rows_kernel", result, {"HAS_A": total is not None},
-                              (result.dtype, a.dtype, part.dtype, PL, *(t.stride() for t in (a, part, result))))
+                              (result.dtype, a.dtype, part.dtype, lo, PL, *(t.stride() for t in (a, part, result))))
     run(a, part, result, H, L, D, lo, PL, n_row_blocks, *a.stride()[:3], *part.stride()[:3], *result.stride()[:3])
 
 
 def _site(kernel: str, like: torch.Tensor, constexprs: dict, key: tuple) -> tuple:
     """``(launch, row blocks)`` of one of the template's kernels over the rows of ``like``
     [B, H, L, D] (programs of BLOCK_L rows of one (batch, head), in a flat grid), made once per
-    ``key`` (dtypes, strides: every integer argument fixed)."""
+    ``key`` (dtypes, strides and every other integer argument: a launch fixes them all)."""
     B, H, L, D = like.shape
     full_key = (kernel, like.device, like.shape, tuple(constexprs.items()), *key)
     site = _SITES.get(full_key)
