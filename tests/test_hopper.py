@@ -180,8 +180,8 @@ def test_reason_names_what_keeps_a_call_off_the_kernel():
     assert "compute capability 9.0" in hopper.reason(q, k, v, None, {})
     assert hopper.reason(q, k, v, None, {"BACKEND": "TRITON"}) == "kernel_options BACKEND='TRITON'"
     with pytest.raises(ValueError, match="BACKEND='FLASH'.*compute capability 9.0"):
-        hopper.chosen(q, k, v, None, {"BACKEND": "FLASH"})
-    assert not hopper.chosen(q, k, v, None, {})
+        hopper.runnable(q, k, v, None, {"BACKEND": "FLASH"})
+    assert not hopper.runnable(q, k, v, None, {})
 
 
 def test_reason_on_a_hopper(monkeypatch):
@@ -196,9 +196,9 @@ def test_reason_on_a_hopper(monkeypatch):
     q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))  # D=128: runnable, timed against the template
     v8 = layout.k_major(v8)
     assert hopper.reason(q8, k8, v8, None, {}) is None
-    assert hopper.timed_against_triton(q8, {}) and not hopper.chosen(q8, k8, v8, None, {})
-    assert not hopper.timed_against_triton(q8, {"BACKEND": "FLASH"}) and hopper.chosen(q8, k8, v8, None, {"BACKEND": "FLASH"})
-    assert not hopper.timed_against_triton(q, {}) and hopper.chosen(q, k, v, None, {})
+    assert hopper.runnable(q8, k8, v8, None, {}) and hopper.timed_against_triton(q8, {})
+    assert not hopper.timed_against_triton(q8, {"BACKEND": "FLASH"})
+    assert not hopper.timed_against_triton(q, {})
     assert "head dims" in hopper.reason(*_qkv(D=64), None, {})
     assert "below one 128-row tile" in hopper.reason(*_qkv(S=100), None, {})
     padded = torch.randn(1, 2, 300, 132, dtype=torch.bfloat16)[..., :128]  # rows 264 bytes apart

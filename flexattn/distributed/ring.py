@@ -163,7 +163,7 @@ class Ring:
             works, nxt = self._transfer(s, [k, v], lambda i: self._kv_like(k, v, i), 0)
             part = compute(j, k, v) if held and self.needs[r][j] else None
             _wait(home_works)
-            own = self._add_home(own, arrived, acc_dtype, s - 1 == coming[-1] if coming else True)
+            own = self._add_home(own, arrived, acc_dtype, s - 1 == max(coming, default=-1))
             if part is not None:
                 extras.append(part[3])
                 if s == 0:  # (the own pair's are the first own sums: kept as they come)

@@ -168,10 +168,6 @@ def timed_against_triton(query, options: dict) -> bool:
             and options.get("BACKEND") != "FLASH")
 
 
-def chosen(query, key, value, tables, options: dict) -> bool:
-    """Whether the forward runs the Hopper kernel without timing it against the Triton template."""
-    return runnable(query, key, value, tables, options) and not timed_against_triton(query, options)
-
 
 # The backward (templates/backward_hopper.py): KV tiles of BWD_BLOCK_N rows per program, query
 # tiles of BWD_BLOCK_M rows per step, at these head dims (E == Ev).

@@ -145,18 +145,19 @@ def _make_forward_plan(query, key, value, score, score_bufs, mask, mask_bufs, ta
         return fwd.make_plan(query, key, value, score, mask, tables, {**options, **config}, want_max, has_sinks)
 
     device = query.device
-    if hopper.chosen(query, key, value, tables, options):  # one schedule, nothing to tune
+    flash = hopper.runnable(query, key, value, tables, options)
+    if flash and not hopper.timed_against_triton(query, options):  # one schedule, nothing to tune
         return make({"BACKEND": "FLASH"})
-    candidates_for = tuning.forward_candidates
-    if hopper.runnable(query, key, value, tables, options):  # (and timed_against_triton)
-        def candidates_for(device, dtype, head_dim):
-            return [*tuning.forward_candidates(device, dtype, head_dim), {"BACKEND": "FLASH"}]
+
+    def candidates_for(device, dtype, head_dim):  # (the Hopper kernel too where it can run)
+        return [*tuning.forward_candidates(device, dtype, head_dim), *([{"BACKEND": "FLASH"}] if flash else [])]
+
     scale = 1.0 / math.sqrt(query.shape[3])
     # float8 kernels read their descale factors: timing runs get real ones (the direct launch
     # passes a missing pointer as null)
     descale = (torch.ones(1, dtype=torch.float32, device=device),) * 3 \
         if query.dtype == torch.float8_e4m3fn else None
-    extra = ("max" if want_max else "",) + (() if candidates_for is tuning.forward_candidates else ("or Hopper",))
+    extra = ("max" if want_max else "",) + (("or Hopper",) if flash else ())
     plan = _tuned("forward", tuning.FORWARD_KNOBS, candidates_for, extra,
                   query, key, value, score, tables, options, make,
                   lambda p: fwd.run(p, query, key, value, score, score_bufs, mask, mask_bufs, tables, scale, descale,
