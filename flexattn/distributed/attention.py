@@ -25,7 +25,7 @@ METHODS = ("ring", "allgather")
 def _ring(bm: DistributedBlockMask) -> Ring:
     ring = getattr(bm, "_ring", None)
     if ring is None:
-        ring = bm._ring = Ring((bm.group, checks.second_group(bm.group)), bm.needs, bm.windows,
+        ring = bm._ring = Ring(checks.ring_groups(bm.group), bm.needs, bm.windows,
                                bm.kvpos[bm.rank].numel(), bm.rows, bm.qpos.numel())
     return ring
 

@@ -36,24 +36,37 @@ def resolve_group(group_or_mesh) -> dist.ProcessGroup:
                     f"{type(group_or_mesh).__name__}")
 
 
-_SECOND: dict[str, dist.ProcessGroup] = {}
+_RING: dict[str, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
-def second_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """For the default group, a second process group over all ranks, made once (by every rank:
-    `create_block_mask` calls it); for any other group, that group itself. The ring sends V and dV
-    through it while K and dK go through ``group``: NCCL runs a communicator's point-to-point
-    transfers to one peer on a few channels, and two communicators carry more (K and V of 134 MB
-    each to the next of 4 H100s: 1.70 ms through one communicator, 0.96 ms through two; 0.98 and
-    0.85 ms on 2). A subgroup gets none: `torch.distributed.new_group` is a collective of every
-    rank, and groups made by their members alone are named after how many groups each member has
-    made, so that ranks that made different ones would wait for each other for ever."""
+def ring_groups(group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """The two process groups the ring sends through: K and dK through the first, V and dV
+    through the second. For the default group, two groups of its own over all ranks, made once (by
+    every rank: `create_block_mask` calls it), whose NCCL streams have high priority; for any other
+    group, that group twice.
+
+    Why two: NCCL runs a communicator's point-to-point transfers to one peer on a few channels,
+    and two communicators carry more (K and V of 134 MB each to the next of 4 H100s: 1.70 ms
+    through one communicator, 0.96 ms through two; 0.98 and 0.85 ms on 2).
+    Why high priority: a transfer kernel that becomes ready while an attention kernel is running
+    gets SMs only once that kernel has handed out all its programs (CUDA gives a later kernel's
+    programs SMs in order, unless its stream has a higher priority), so the next shard's transfer
+    would wait for the current shard's compute instead of overlapping it.
+    A subgroup gets neither: `torch.distributed.new_group` is a collective of every rank, and
+    groups made by their members alone are named after how many groups each member has made, so
+    that ranks that made different ones would wait for each other for ever."""
     if group is not dist.group.WORLD:
-        return group
+        return group, group
     name = group.group_name
-    if name not in _SECOND:
-        _SECOND[name] = dist.new_group(backend=dist.get_backend(group), group_desc="flexattn second of WORLD")
-    return _SECOND[name]
+    if name not in _RING:
+        backend = dist.get_backend(group)
+        options = None
+        if "nccl" in str(backend).lower():
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = True
+        _RING[name] = tuple(dist.new_group(backend=backend, pg_options=options, group_desc=f"flexattn ring {i}")
+                            for i in range(2))
+    return _RING[name]
 
 
 def backend_of(group: dist.ProcessGroup) -> str:

@@ -218,7 +218,7 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         held = (0, kvpos[j].numel()) if j == r else windows[j]
         if rows[j] != (0, L) or held != (0, kvpos[j].numel()):
             masks[j] = _pair_mask(mod, B, H, qpos[slice(*rows[j])], kvpos[j][slice(*held)], device, BLOCK_SIZE)
-    checks.second_group(group)  # (made here, where every rank of the group is: the ring sends through both)
+    checks.ring_groups(group)  # (made here, where every rank of the group is)
     counter = _TOKENS.setdefault(group.group_name, itertools.count())
     token = (mod.key(), layout.key(), Q_LEN, KV_LEN, B, H, BLOCK_SIZE, group.group_name, next(counter))
     return DistributedBlockMask(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, qpos, kvpos, masks,

@@ -84,8 +84,7 @@ def merge_rows(out, lse, part_out, part_lse, rows: tuple[int, int], n: int, dtyp
 class Ring:
     """The ring schedule of one group, one ``needs`` table, the travelling ``windows`` (local
     (lo, hi) of each KV shard) and the query ``rows`` (of ``n_rows``) that read each shard.
-    ``groups``: the group and a second one over the same ranks, or the group again
-    (`checks.second_group`); K and dK travel through the first, V and dV through the second."""
+    ``groups``: the two process groups K/dK and V/dV travel through (`checks.ring_groups`)."""
 
     def __init__(self, groups: tuple, needs: tuple, windows: tuple, own_length: int, rows: tuple, n_rows: int):
         self.groups = groups
