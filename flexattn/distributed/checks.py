@@ -54,7 +54,8 @@ def ring_groups(group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, dist.Proce
     would wait for the current shard's compute instead of overlapping it.
     A subgroup gets neither: `torch.distributed.new_group` is a collective of every rank, and
     groups made by their members alone are named after how many groups each member has made, so
-    that ranks that made different ones would wait for each other for ever."""
+    that ranks that made different ones would wait for each other for ever. (A subgroup made with
+    ``ProcessGroupNCCL.Options(is_high_priority_stream=True)`` has the priority.)"""
     if group is not dist.group.WORLD:
         return group, group
     name = group.group_name
