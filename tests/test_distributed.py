@@ -5,9 +5,10 @@ One spawn of 3 processes serves both world sizes (spawning and the Triton interp
 the cases run on the group of ranks 1 and 2 (P = 2, group ranks differ from global ranks), then
 on all three (P = 3). Between them they cover odd lengths, GQA, every load balance, causal /
 sliding window / documents / a score_mod with a captured bias that requires grad, both methods,
-torch.compile, the errors raised on every rank before a collective, and torch's own context
-parallel with flexattn's flex_attention inside. Each case's single-process and reference results
-are computed on one rank of the group only, a different one per case.
+torch.compile, the errors raised on every rank before a collective, torch's own context
+parallel with flexattn's flex_attention inside, and a ring call after the default group is made
+again. Each case's single-process and reference results are computed on one rank of the group
+only, a different one per case.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def _worker(rank: int, world_size: int, store_path: str) -> None:
         if rank in (1, 2):
             _body(pair)
         _body(dist.group.WORLD)
+        # the default group made again: the ring makes its groups again (those of the first are gone)
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", store=dist.FileStore(store_path + ".again", world_size), rank=rank,
+                                world_size=world_size)
+        _check_case(dist.group.WORLD, 2, CASES[3][2])
     except BaseException:  # the other ranks then fail on a closed connection: say which rank failed first
         print(f"rank {rank} of {world_size}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         raise

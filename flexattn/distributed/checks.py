@@ -36,7 +36,7 @@ def resolve_group(group_or_mesh) -> dist.ProcessGroup:
                     f"{type(group_or_mesh).__name__}")
 
 
-_RING: dict[str, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+_RING: dict[str, tuple] = {}  # group name: (the group, its two ring groups)
 
 
 def ring_groups(group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -58,16 +58,16 @@ def ring_groups(group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, dist.Proce
     ``ProcessGroupNCCL.Options(is_high_priority_stream=True)`` has the priority.)"""
     if group is not dist.group.WORLD:
         return group, group
-    name = group.group_name
-    if name not in _RING:
+    made = _RING.get(group.group_name)
+    if made is None or made[0] is not group:  # (a default group made again after destroy_process_group)
         backend = dist.get_backend(group)
         options = None
         if "nccl" in str(backend).lower():
             options = dist.ProcessGroupNCCL.Options()
             options.is_high_priority_stream = True
-        _RING[name] = tuple(dist.new_group(backend=backend, pg_options=options, group_desc=f"flexattn ring {i}")
-                            for i in range(2))
-    return _RING[name]
+        made = _RING[group.group_name] = (group, tuple(
+            dist.new_group(backend=backend, pg_options=options, group_desc=f"flexattn ring {i}") for i in range(2)))
+    return made[1]
 
 
 def backend_of(group: dist.ProcessGroup) -> str:
