@@ -62,7 +62,7 @@ def ring_groups(group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, dist.Proce
     if made is None or made[0] is not group:  # (a default group made again after destroy_process_group)
         backend = dist.get_backend(group)
         options = None
-        if "nccl" in str(backend).lower():
+        if "nccl" in backend_of(group):
             options = dist.ProcessGroupNCCL.Options()
             options.is_high_priority_stream = True
         made = _RING[group.group_name] = (group, tuple(
