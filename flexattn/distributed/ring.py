@@ -19,19 +19,19 @@ twice the bytes at every hop; where the GPUs reach each other through NVLink swi
 H200 host), an owner several hops away along the ring is as near as the next rank.
 
 [Note] Overlap and buffer lifetimes. On CUDA, ``batch_isend_irecv`` runs the transfers on NCCL's
-own stream (the second stream; of high priority for the ring's own groups, `checks.ring_groups`,
-so that a transfer gets SMs while a step's kernel runs), which first waits for the work already on
-the current stream, so the shard being sent is complete. Each step posts its transfers, then enqueues its compute on the
-current stream, and only then calls ``Work.wait()``: for NCCL that makes the current stream (not
-the host) wait for the transfer, so the kernels of step s run while shard s + 1 travels, and step
-s + 1's kernels are ordered after its shard arrived. Two K/V buffers are alive at a time (the
-held shard and the one arriving; double buffers) besides the rank's own shard, plus in the
-backward the dK/dV of the own shard, the part being sent and the part arriving:
-O(S / P) per rank. A buffer being sent stays referenced by the loop until after its ``wait()``
-(and by NCCL's work object), and once the current stream waits for the transfer, freeing it
-there is ordered after the send: no ``record_stream`` is needed. In the backward, the part of
-step s is sent after step s's compute, and waited on after step s + 1's compute is enqueued. On
-gloo (CPU) the transfers run on gloo's threads while the host computes.
+own stream (the second stream; of high priority for the ring's own groups, `checks.ring_groups`, so
+that a transfer gets SMs while a step's kernel runs), which first waits for the work already on the
+current stream, so the shard being sent is complete. Each step posts its transfers, then enqueues
+its compute on the current stream, and only then calls ``Work.wait()``: for NCCL that makes the
+current stream (not the host) wait for the transfer, so the kernels of step s run while shard s + 1
+travels, and step s + 1's kernels are ordered after its shard arrived. Two K/V buffers are alive at
+a time (the held shard and the one arriving; double buffers) besides the rank's own shard, plus in
+the backward the dK/dV of the own shard, the part being sent and the part arriving: O(S / P) per
+rank. A buffer being sent stays referenced by the loop until after its ``wait()`` (and by NCCL's
+work object), and once the current stream waits for the transfer, freeing it there is ordered after
+the send: no ``record_stream`` is needed. In the backward, the part of step s is sent after step
+s's compute, and waited on after step s + 1's compute is enqueued. On gloo (CPU) the transfers run
+on gloo's threads while the host computes.
 """
 
 from __future__ import annotations
