@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from flexattn.auxiliary import AuxOutput, AuxRequest
+from flexattn.auxiliary import AuxOutput, AuxRequest, check_request
 from flexattn.call import attend
 from flexattn.mods import Mod
 
@@ -58,11 +58,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     >>> flex_attention(q, k, v, score_mod=soft).shape
     torch.Size([1, 2, 40, 16])
     """
-    if return_aux is not None:
-        if not (hasattr(return_aux, "lse") and hasattr(return_aux, "max_scores")):  # flexattn's or torch's
-            raise TypeError(f"return_aux must be an AuxRequest or None, got {type(return_aux).__name__}")
-        if return_lse:
-            raise ValueError("pass either return_lse=True or return_aux=AuxRequest(lse=True), not both")
+    check_request(return_aux, return_lse)
     want_max = return_aux is not None and return_aux.max_scores
     descale = None if descale_q is None and descale_k is None and descale_v is None else \
         (descale_q, descale_k, descale_v)

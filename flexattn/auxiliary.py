@@ -54,3 +54,14 @@ class AuxOutput(NamedTuple):
 
     lse: Tensor | None = None
     max_scores: Tensor | None = None
+
+
+def check_request(return_aux, return_lse: bool) -> None:
+    """Raise if ``return_aux`` is not an AuxRequest (flexattn's or torch's) or None, or if it comes
+    with ``return_lse=True``."""
+    if return_aux is None:
+        return
+    if not (hasattr(return_aux, "lse") and hasattr(return_aux, "max_scores")):
+        raise TypeError(f"return_aux must be an AuxRequest or None, got {type(return_aux).__name__}")
+    if return_lse:
+        raise ValueError("pass either return_lse=True or return_aux=AuxRequest(lse=True), not both")

@@ -5,10 +5,10 @@ One spawn of 3 processes serves both world sizes (spawning and the Triton interp
 the cases run on the group of ranks 1 and 2 (P = 2, group ranks differ from global ranks), then
 on all three (P = 3). Between them they cover odd lengths, GQA, every load balance, causal /
 sliding window / documents / a score_mod with a captured bias that requires grad, both methods,
-torch.compile, the errors raised on every rank before a collective, torch's own context
-parallel with flexattn's flex_attention inside, and a ring call after the default group is made
-again. Each case's single-process and reference results are computed on one rank of the group
-only, a different one per case.
+return_aux (lse and max scores), torch.compile, the errors raised on every rank before a
+collective, torch's own context parallel with flexattn's flex_attention inside, and a ring call
+after the default group is made again. Each case's single-process and reference results are
+computed on one rank of the group only, a different one per case.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import triton
 
 import flexattn
 import flexattn.distributed as fd
-from flexattn import masks
-from flexattn.reference import attention_reference
+from flexattn import AuxRequest, masks
+from flexattn.reference import apply_score_mod, attention_reference
 from tests.helpers.testing import assert_close_to_reference, backward_atol, weighted_grads
 
 BLOCK = 16
@@ -274,6 +274,49 @@ def _compiled(group) -> None:
         torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
 
 
+def _soft_per_head(score, b, h, q_idx, kv_idx):
+    return 8 * torch.tanh(score / 8) + 0.1 * h
+
+
+def _late_causal(b, h, q_idx, kv_idx):  # rows 0..4 see no key: their lse and max scores are -inf
+    return (q_idx >= 5) & (kv_idx <= q_idx)
+
+
+def _aux(group) -> None:
+    """``return_aux``: every rank's lse and max scores (the maximum over all KV shards) are the rows
+    single-process flexattn gives, and the float64 reference's; both methods; under
+    torch.compile(fullgraph=True) the same; AuxRequest() gives neither; with return_lse an error."""
+    S, scale = 45, 0.4
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, S, BLOCK, generator=g) for _ in range(3))
+    q64, k64 = q.double(), k.double()
+    keep = _late_causal(0, 0, torch.arange(S)[:, None], torch.arange(S)[None, :])
+    max64 = apply_score_mod(_soft_per_head, q64 @ k64.transpose(-2, -1) * scale).masked_fill(~keep, -math.inf).amax(-1)
+    bm1 = flexattn.create_block_mask(_late_causal, None, None, S, S, device="cpu", BLOCK_SIZE=BLOCK)
+    _, want = flexattn.flex_attention(q, k, v, score_mod=_soft_per_head, block_mask=bm1, scale=scale,
+                                      return_aux=AuxRequest(lse=True, max_scores=True))
+    assert torch.isneginf(max64[..., :5]).all() and torch.isneginf(want.max_scores[..., :5]).all()
+    bm = fd.create_block_mask(_late_causal, None, None, S, S, group, load_balance="head_tail", device="cpu",
+                              BLOCK_SIZE=BLOCK)
+    local = [fd.shard(t, group, seq_dim=2, load_balance="head_tail") for t in (q, k, v)]
+
+    def attn(q, k, v, method="ring", request=AuxRequest(lse=True, max_scores=True)):
+        return fd.flex_attention(q, k, v, score_mod=_soft_per_head, block_mask=bm, scale=scale, method=method,
+                                 return_aux=request)
+
+    for method in ("ring", "allgather"):
+        out, aux = attn(*local, method=method)
+        lse, mx = (fd.unshard(t, group, seq_dim=2, load_balance="head_tail") for t in aux)
+        torch.testing.assert_close(mx, want.max_scores, rtol=1e-6, atol=1e-6, msg=f"{method}: max_scores")
+        torch.testing.assert_close(mx.double(), max64, rtol=2e-5, atol=2e-5, msg=f"{method}: max_scores, float64")
+        torch.testing.assert_close(lse, want.lse, rtol=1e-5, atol=1e-5, msg=f"{method}: lse")
+    compiled = torch.compile(attn, fullgraph=True, backend="aot_eager")(*local)[1]
+    torch.testing.assert_close(compiled.max_scores, aux.max_scores, rtol=0, atol=0)
+    assert attn(*local, request=AuxRequest())[1] == (None, None)
+    with pytest.raises(ValueError, match="return_lse=True or return_aux"):
+        fd.flex_attention(*local, block_mask=bm, return_lse=True, return_aux=AuxRequest(lse=True))
+
+
 class _Attention(torch.nn.Module):
     def __init__(self, fn, block_mask):
         super().__init__()
@@ -334,6 +377,7 @@ def _body(group) -> None:
     P = dist.get_world_size(group)
     _layouts_and_masks(group)
     _errors(group)
+    _aux(group)
     if P == 2:
         _compiled(group)
         _torch_context_parallel(group)

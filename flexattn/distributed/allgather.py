@@ -52,7 +52,7 @@ class AllGather:
         k_all, v_all = self._gather(k), self._gather(v)
         mask, kvpos = self.bm.gathered()
         if mask is None:
-            return None, None
+            return None, None, None
         return pair.forward(q, k_all, v_all, mask, self.bm.qpos, kvpos)
 
     def backward(self, q, k, v, out, lse, dout, dlse, pair, need, acc_dtype):

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from flexattn import capture
+from flexattn.auxiliary import AuxOutput, AuxRequest, check_request
 from flexattn.call import identity_score_mod, resolve_score_mod
 from flexattn.kernels import options as opts, plans
 from flexattn.mods import template
@@ -36,16 +37,16 @@ def _rows(t: torch.Tensor | None, rows: tuple[int, int]) -> torch.Tensor | None:
 
 
 @torch.compiler.assume_constant_result
-def spec(score_key: str, method: str, enable_gqa: bool, options: tuple) -> str:
+def spec(score_key: str, method: str, enable_gqa: bool, options: tuple, want_max: bool = False) -> str:
     """The constant part of a call, as the ops' string argument."""
-    return repr((score_key, method, enable_gqa, options))
+    return repr((score_key, method, enable_gqa, options, want_max))
 
 
 def _setup(spec_: str, mask_name: str, score_bufs, scale: float, stat_dtype):
-    score_key, method, enable_gqa, options = ast.literal_eval(spec_)
+    score_key, method, enable_gqa, options, want_max = ast.literal_eval(spec_)
     bm = by_name(mask_name)
     score = template(score_key).rebind(score_bufs)
-    return bm, method, Pair(score, scale, enable_gqa, dict(options), stat_dtype)
+    return bm, method, Pair(score, scale, enable_gqa, dict(options), stat_dtype, want_max)
 
 
 def _stat_dtype(q: torch.Tensor) -> torch.dtype:
@@ -54,28 +55,35 @@ def _stat_dtype(q: torch.Tensor) -> torch.dtype:
 
 @torch.library.custom_op("flexattn_distributed::attention", mutates_args=())
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_bufs: list[torch.Tensor],
-              spec: str, mask_name: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's ``(out, lse)``; the block mask is named by ``mask_name`` (`masks.by_name`)."""
+              spec: str, mask_name: str, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's ``(out, lse, max_scores)`` (max_scores empty unless the spec asks for them); the
+    block mask is named by ``mask_name`` (`masks.by_name`)."""
     acc = _stat_dtype(query)
     bm, method, pair = _setup(spec, mask_name, score_bufs, scale, acc)
     _check_call(query, key, value, bm, method, pair)
     if method == "ring":
-        out, lse = _ring(bm).forward(key, value, lambda j, kj, vj: pair.forward(
+        out, lse, mx = _ring(bm).forward(key, value, lambda j, kj, vj: pair.forward(
             _rows(query, bm.rows[j]), kj, vj, bm.masks[j], bm.qpos_rows[j], bm.kvpos_held[j]), query.dtype)
     else:
-        out, lse = AllGather(bm).forward(query, key, value, pair)
+        out, lse, mx = AllGather(bm).forward(query, key, value, pair)
     B, Hq, L, _ = query.shape
     if out is None:  # this rank's queries see no key at all
         out = query.new_zeros((B, Hq, L, value.shape[-1]), dtype=acc)
         lse = query.new_full((B, Hq, L), -math.inf, dtype=acc)
-    return out.to(query.dtype), lse
+    if not pair.want_max:
+        mx = lse.new_empty(0)
+    elif mx is None:
+        mx = lse.new_full((B, Hq, L), -math.inf)
+    return out.to(query.dtype), lse, mx
 
 
 @attention.register_fake
 def _(query, key, value, score_bufs, spec, mask_name, scale):
     B, Hq, L, _ = query.shape
+    want_max = ast.literal_eval(spec)[4]
     return (query.new_empty((B, Hq, L, value.shape[-1])),
-            query.new_empty((B, Hq, L), dtype=_stat_dtype(query)))
+            query.new_empty((B, Hq, L), dtype=_stat_dtype(query)),
+            query.new_empty((B, Hq, L) if want_max else (0,), dtype=_stat_dtype(query)))
 
 
 @torch.library.custom_op("flexattn_distributed::attention_backward", mutates_args=())
@@ -121,14 +129,14 @@ def _(query, key, value, out, lse, grad_out, grad_lse, score_bufs, spec, mask_na
 
 def _setup_context(ctx, inputs, output):
     query, key, value, score_bufs, spec_, mask_name, scale = inputs
-    out, lse = output
+    out, lse, _ = output
     ctx.save_for_backward(query, key, value, out, lse, *score_bufs)
     ctx.args = (spec_, mask_name, scale)
     ctx.block_mask = by_name(mask_name)  # (keeps it alive for the backward: the registry holds it weakly)
     ctx.need = [t.requires_grad and t.dtype.is_floating_point for t in score_bufs]
 
 
-def _backward(ctx, grad_out, grad_lse):
+def _backward(ctx, grad_out, grad_lse, grad_max):  # (max_scores carry no gradient, as on one GPU)
     query, key, value, out, lse, *score_bufs = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
@@ -177,13 +185,16 @@ def _check_call(q, k, v, bm: DistributedBlockMask, method: str, pair: Pair) -> N
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    score_mod: Callable | None = None, block_mask: DistributedBlockMask | None = None,
                    scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
-                   kernel_options: dict | None = None, *, group=None, method: str = "ring"):
+                   kernel_options: dict | None = None, *, return_aux: AuxRequest | None = None, group=None,
+                   method: str = "ring"):
     """Attention over a sequence sharded across ranks; query/key/value are this rank's shards
     (`shard`), ``block_mask`` this rank's tables from `flexattn.distributed.create_block_mask`,
     which also fixes the group and the layout. Mods see global ``q_idx`` / ``kv_idx``; tensors a
     score_mod captures get gradients summed over the ranks. ``method``: "ring" (K/V shards travel
     by point-to-point sends overlapped with compute; K/V memory O(S / P)) or "allgather" (one
-    all-gather of K/V). Returns this rank's output shard (and its LSE with ``return_lse``).
+    all-gather of K/V). Returns this rank's output shard (and its LSE with ``return_lse``; with
+    ``return_aux=AuxRequest(lse=..., max_scores=...)``, ``(out, AuxOutput(...))`` of its rows, the
+    max scores over every KV shard, as on one GPU).
     Inside ``torch.compile(fullgraph=True)`` the call is one custom op with its backward.
 
     Example (under torchrun, ``q``, ``k``, ``v`` the whole sequence on every rank)::
@@ -202,6 +213,8 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          "to create_block_mask, or leave group=None")
     if not isinstance(query, torch.Tensor):
         raise TypeError(f"query must be a tensor, got {type(query).__name__}")
+    check_request(return_aux, return_lse)
+    want_max = return_aux is not None and bool(return_aux.max_scores)
     stat_dtype = _stat_dtype(query)
     if torch.compiler.is_compiling():
         score_key, score_bufs = capture.capture(score_mod, SCORE, stat_dtype) if score_mod is not None else \
@@ -213,7 +226,9 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         scale = 1.0 / math.sqrt(query.shape[-1])
     # (torch's deterministic flag, read here: every step's backward follows this call's options)
     options = opts.with_deterministic(opts.check(kernel_options))
-    spec_ = spec(score_key, method, bool(enable_gqa), tuple(sorted(options.items())))
-    out, lse = torch.ops.flexattn_distributed.attention(query, key, value, list(score_bufs), spec_,
-                                                        block_mask.name, float(scale))
+    spec_ = spec(score_key, method, bool(enable_gqa), tuple(sorted(options.items())), want_max)
+    out, lse, mx = torch.ops.flexattn_distributed.attention(query, key, value, list(score_bufs), spec_,
+                                                            block_mask.name, float(scale))
+    if return_aux is not None:
+        return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=mx if want_max else None)
     return (out, lse) if return_lse else out

@@ -82,6 +82,18 @@ def merge_rows(out, lse, part_out, part_lse, rows: tuple[int, int], n: int, dtyp
     return result, lse
 
 
+def max_rows(mx, part: torch.Tensor, rows: tuple[int, int], n: int) -> torch.Tensor:
+    """``mx`` [B, H, n] with the rows ``[lo, hi)`` raised to ``part``'s where it is larger (``mx``
+    None: -inf outside the rows)."""
+    lo, hi = rows
+    if mx is None:
+        if (lo, hi) == (0, n):
+            return part
+        mx = part.new_full((*part.shape[:2], n), -math.inf)
+    mx[:, :, lo:hi] = torch.maximum(mx[:, :, lo:hi], part)
+    return mx
+
+
 class Ring:
     """The ring schedule of one group, one ``needs`` table, the travelling ``windows`` (local
     (lo, hi) of each KV shard) and the query ``rows`` (of ``n_rows``) that read each shard.
@@ -120,23 +132,27 @@ class Ring:
         return _post(ops, sends), received
 
     def forward(self, k: torch.Tensor, v: torch.Tensor, compute: Callable, out_dtype: torch.dtype):
-        """``compute(j, k_j, v_j) -> (out, lse)`` of the rows ``rows[j]`` for every pair this rank
-        reads, merged: ``(out, lse)`` of all rows, out as the kernel gave it for one pair of all
-        rows and in ``out_dtype`` otherwise (the last merge writes it); (None, None) if it reads
-        nothing."""
-        out = lse = None
+        """``compute(j, k_j, v_j) -> (out, lse, max_scores or None)`` of the rows ``rows[j]`` for
+        every pair this rank reads, merged: ``(out, lse, max_scores)`` of all rows, out as the
+        kernel gave it for one pair of all rows and in ``out_dtype`` otherwise (the last merge
+        writes it), max_scores the rows' maximum over the pairs (None where compute gives none);
+        (None, None, None) if it reads nothing."""
+        out = lse = mx = None
         k, v = k.contiguous(), v.contiguous()
         last = max((s for s in range(self.P) if self.needs[self.rank][self.shard_at(s)]), default=-1)
         for s in range(self.P):
             j = self.shard_at(s)
             works, nxt = self._transfer(s, [k, v], lambda i: self._kv_like(k, v, i), 0)
             if self.needs[self.rank][j]:
-                out, lse = merge_rows(out, lse, *compute(j, k, v), self.rows[j], self.n_rows,
+                part_out, part_lse, part_max = compute(j, k, v)
+                out, lse = merge_rows(out, lse, part_out, part_lse, self.rows[j], self.n_rows,
                                       out_dtype if s == last else None)
+                if part_max is not None:
+                    mx = max_rows(mx, part_max, self.rows[j], self.n_rows)
             _wait(works)
             if nxt is not None:
                 k, v = nxt
-        return out, lse
+        return out, lse, mx
 
     def _kv_like(self, k, v, j, dtype=None):
         n = self.lengths[j]

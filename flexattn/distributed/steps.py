@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 import flexattn
-from flexattn import ops  # noqa: F401  (registers torch.ops.flexattn.*)
+from flexattn import AuxRequest, ops  # noqa: F401  (registers torch.ops.flexattn.*)
 from flexattn.call import _compiled_tables  # private: a BlockMask's tables as the backward op takes them
 from flexattn.distributed.masks import SCORE, at_global_positions
 
@@ -21,18 +21,21 @@ class Pair:
     tensors), scale, GQA, kernel options and the score dtype. A step passes the global positions
     of its query rows (``qpos``) and of the KV it holds (``kvpos``)."""
 
-    def __init__(self, score, scale: float, enable_gqa: bool, options: dict, stat_dtype):
+    def __init__(self, score, scale: float, enable_gqa: bool, options: dict, stat_dtype, want_max: bool = False):
         self.score, self.scale = score, scale
         self.enable_gqa, self.options, self.stat_dtype = enable_gqa, options, stat_dtype
+        self.want_max = want_max
 
     def score_at(self, qpos, kvpos):
         return at_global_positions(self.score, SCORE, self.stat_dtype, qpos, kvpos)
 
     def forward(self, q, k, v, block_mask, qpos, kvpos):
+        """``(out, lse, max_scores or None)`` of the pair (max_scores where the call asked for them)."""
         score, _ = self.score_at(qpos, kvpos)
-        return flexattn.flex_attention(q, k, v, score_mod=score, block_mask=block_mask, scale=self.scale,
-                                       enable_gqa=self.enable_gqa, return_lse=True,
-                                       kernel_options=self.options or None)
+        out, aux = flexattn.flex_attention(q, k, v, score_mod=score, block_mask=block_mask, scale=self.scale,
+                                           enable_gqa=self.enable_gqa, kernel_options=self.options or None,
+                                           return_aux=AuxRequest(lse=True, max_scores=self.want_max))
+        return out, aux.lse, aux.max_scores
 
     def backward(self, q, k, v, out, lse, dout, dlse, block_mask, qpos, kvpos, need: tuple):
         """``(dq, dk, dv, grads)``: ``grads[i]`` is the gradient of the score mod's captured
