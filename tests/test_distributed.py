@@ -304,14 +304,16 @@ def _aux(group) -> None:
         return fd.flex_attention(q, k, v, score_mod=_soft_per_head, block_mask=bm, scale=scale, method=method,
                                  return_aux=request)
 
+    eager = {}
     for method in ("ring", "allgather"):
-        out, aux = attn(*local, method=method)
+        out, aux = eager[method] = attn(*(t.clone().requires_grad_() for t in local), method=method)
+        assert aux.lse.requires_grad and not aux.max_scores.requires_grad
         lse, mx = (fd.unshard(t, group, seq_dim=2, load_balance="head_tail") for t in aux)
         torch.testing.assert_close(mx, want.max_scores, rtol=1e-6, atol=1e-6, msg=f"{method}: max_scores")
         torch.testing.assert_close(mx.double(), max64, rtol=2e-5, atol=2e-5, msg=f"{method}: max_scores, float64")
         torch.testing.assert_close(lse, want.lse, rtol=1e-5, atol=1e-5, msg=f"{method}: lse")
     compiled = torch.compile(attn, fullgraph=True, backend="aot_eager")(*local)[1]
-    torch.testing.assert_close(compiled.max_scores, aux.max_scores, rtol=0, atol=0)
+    torch.testing.assert_close(compiled.max_scores, eager["ring"][1].max_scores, rtol=0, atol=0)
     assert attn(*local, request=AuxRequest())[1] == (None, None)
     with pytest.raises(ValueError, match="return_lse=True or return_aux"):
         fd.flex_attention(*local, block_mask=bm, return_lse=True, return_aux=AuxRequest(lse=True))

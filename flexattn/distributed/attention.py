@@ -230,5 +230,6 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     out, lse, mx = torch.ops.flexattn_distributed.attention(query, key, value, list(score_bufs), spec_,
                                                             block_mask.name, float(scale))
     if return_aux is not None:
-        return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=mx if want_max else None)
+        # (max scores carry no gradient: detached, as on one GPU and in torch)
+        return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=mx.detach() if want_max else None)
     return (out, lse) if return_lse else out
