@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 import flexattn
 import flexattn.distributed as fd
-from flexattn import masks
+from flexattn import AuxRequest, masks
 from tests.test_distributed import context_parallel_module
 
 pytestmark = pytest.mark.gpu
@@ -42,16 +42,19 @@ def _against_one_gpu(rank, P):
         k, v = (torch.randn(1, Hkv, S, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
         d_out = torch.randn(1, 8, S, 128, device="cuda", dtype=torch.bfloat16, generator=g)
         ins = [t.clone().requires_grad_() for t in (q, k, v)]
+        request = AuxRequest(lse=True, max_scores=True)
         bm1 = flexattn.create_block_mask(mask, None, None, S, S, device="cuda")
-        out1 = flexattn.flex_attention(*ins, block_mask=bm1, enable_gqa=Hkv != 8)
+        out1, aux1 = flexattn.flex_attention(*ins, block_mask=bm1, enable_gqa=Hkv != 8, return_aux=request)
         grads1 = torch.autograd.grad(out1, ins, d_out)
         local = [fd.shard(t, load_balance=lb).requires_grad_() for t in (q, k, v)]
         bm = fd.create_block_mask(mask, None, None, S, S, load_balance=lb, device="cuda")
-        out = fd.flex_attention(*local, block_mask=bm, enable_gqa=Hkv != 8, method=method)
+        out, aux = fd.flex_attention(*local, block_mask=bm, enable_gqa=Hkv != 8, method=method, return_aux=request)
         grads = torch.autograd.grad(out, local, fd.shard(d_out, load_balance=lb))
         for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (out1, *grads1)):
             whole = fd.unshard(a, load_balance=lb)
             torch.testing.assert_close(whole.float(), b.float(), atol=2e-2, rtol=2e-2, msg=f"{name} S={S}")
+        for name, a, b in zip(("lse", "max_scores"), aux, aux1):
+            torch.testing.assert_close(fd.unshard(a, load_balance=lb), b, atol=1e-3, rtol=1e-3, msg=f"{name} S={S}")
 
 
 def _torch_cp_parity(rank, P):
