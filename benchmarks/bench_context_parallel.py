@@ -4,15 +4,17 @@
     torchrun --nproc-per-node 4 benchmarks/bench_context_parallel.py --seq 131072,524288
     torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --seq 131072 --iters 3   (short)
 
-B=1, H=16, D=128, bfloat16, forward + backward; masks: causal (head-tail layout), 16 documents
-(per-document head-tail, torch's layout, and whole documents per rank), sliding window 4096.
-Prints per-GPU TFLOP/s, scaling efficiency (time of the whole sequence on one GPU / (P x time on P
-GPUs)), peak memory per GPU, and torch's context parallel (all-gathered K/V,
-``torch.compile(flex_attention)``) at the same shapes; also a length torch refuses (not a multiple
-of P x 128). The one-GPU baseline (flexattn's single-GPU flex_attention on the whole sequence)
-runs up to ``--one-gpu-max-seq``. Rank 0 writes ``benchmarks/results/context_parallel-<P>gpu-<gpu>.json``
-(the record format of `benchmarks.results`; `benchmarks.report` makes its table) after each case,
-so that a run cut short keeps the cases it finished.
+B=1, H=16, D=128, bfloat16, forward + backward; masks: causal (head-tail layout), 16 documents (per-
+document head-tail, torch's layout, and whole documents per rank), sliding window 4096. Prints per-
+GPU TFLOP/s, scaling efficiency (time of the whole sequence on one GPU / (P x time on P GPUs)), peak
+memory per GPU, and torch's context parallel (all-gathered K/V, ``torch.compile(flex_attention)``)
+at the same shapes; records the time to build each one's block mask (a repeated call:
+`flexattn.distributed.create_block_mask` on every rank, flexattn's one-GPU `create_block_mask` of
+the whole sequence, torch's compiled CP mask); also a length torch refuses (not a multiple of P x
+128). The one-GPU baseline (flexattn's single-GPU flex_attention on the whole sequence) runs up to
+``--one-gpu-max-seq``. Rank 0 writes ``benchmarks/results/context_parallel-<P>gpu-<gpu>.json`` (the
+record format of `benchmarks.results`; `benchmarks.report` makes its table) after each case, so that
+a run cut short keeps the cases it finished.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -75,6 +78,22 @@ def timed(fn, iters: int, warmup: int = 2, barrier: bool = True) -> tuple[float,
     return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
 
 
+def mask_ms(build, barrier: bool = True, repeats: int = 3) -> float:
+    """Median wall ms of ``build()`` (a block mask), after one call that warms its caches (and,
+    for torch's, compiles it); with a barrier before each call unless ``barrier`` is False."""
+    build()
+    times = []
+    for _ in range(repeats):
+        if barrier:
+            dist.barrier()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        build()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
 def fwd_bwd(attn, q, k, v):
     def run():
         out = attn(q, k, v)
@@ -98,12 +117,19 @@ def flops(S: int, kept: float) -> float:
 
 def bench_flexattn(S: int, mask_name: str, method: str, iters: int) -> dict:
     mask, lb, kept = mask_of(mask_name, S)
-    bm = fd.create_block_mask(mask, None, None, S, S, load_balance=lb, device="cuda")
+
+    def build():
+        return fd.create_block_mask(mask, None, None, S, S, load_balance=lb, device="cuda")
+
+    bm = build()
     q, k, v = inputs(bm.qpos.numel(), bm.kvpos[bm.rank].numel())
     ms, gib = timed(fwd_bwd(lambda q, k, v: fd.flex_attention(q, k, v, block_mask=bm, method=method), q, k, v),
                     iters)
-    return {"impl": method, "ms": ms, "peak_gib": gib, "tflops_per_gpu": flops(S, kept) / dist.get_world_size() / ms / 1e9,
-            "kv_gib": _kv_gib(k, v, method)}
+    row = {"impl": method, "ms": ms, "peak_gib": gib, "tflops_per_gpu": flops(S, kept) / dist.get_world_size() / ms / 1e9,
+           "kv_gib": _kv_gib(k, v, method)}
+    if method == "ring":  # (the same mask serves both methods)
+        row["mask_ms"] = mask_ms(build)
+    return row
 
 
 def _kv_gib(k, v, method) -> float:
@@ -118,11 +144,16 @@ def bench_one_gpu(S: int, mask_name: str, iters: int) -> dict | None:
     result = None
     if dist.get_rank() == 0:
         mask, _, kept = mask_of(mask_name, S)
-        bm = flexattn.create_block_mask(mask, None, None, S, S, device="cuda")
+
+        def build():
+            return flexattn.create_block_mask(mask, None, None, S, S, device="cuda")
+
+        bm = build()
         q, k, v = inputs(S, S)
         run = fwd_bwd(lambda q, k, v: flexattn.flex_attention(q, k, v, block_mask=bm), q, k, v)
         ms, gib = timed(run, iters, barrier=False)
-        result = {"impl": "one_gpu", "ms": ms, "peak_gib": gib, "tflops_per_gpu": flops(S, kept) / ms / 1e9}
+        result = {"impl": "one_gpu", "ms": ms, "peak_gib": gib, "tflops_per_gpu": flops(S, kept) / ms / 1e9,
+                  "mask_ms": mask_ms(build, barrier=False)}
         del q, k, v, run
         torch.cuda.empty_cache()
     dist.barrier()
@@ -141,10 +172,14 @@ def bench_torch_cp(mesh, S: int, mask_name: str, iters: int) -> dict:
     P = dist.get_world_size()
     mask, lb, kept = mask_of(mask_name, S)
     balancer = _HeadTailLoadBalancer(S, P, "cuda") if lb == "head_tail" else None
+    def build():
+        return _create_cp_block_mask(mask, B, H, S, S, mesh, balancer)
+
     try:
-        bm = _create_cp_block_mask(mask, B, H, S, S, mesh, balancer)
+        bm = build()
     except (NotImplementedError, AssertionError) as e:
         return {"impl": "torch_cp", "error": results.error_text(e)}
+    build_ms = mask_ms(build)
     compiled = torch.compile(flex_attention)
 
     class Attention(torch.nn.Module):
@@ -155,7 +190,8 @@ def bench_torch_cp(mesh, S: int, mask_name: str, iters: int) -> dict:
         seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
     q, k, v = inputs(S // P, S // P)
     ms, gib = timed(fwd_bwd(module, q, k, v), iters)
-    return {"impl": "torch_cp", "ms": ms, "peak_gib": gib, "tflops_per_gpu": flops(S, kept) / P / ms / 1e9}
+    return {"impl": "torch_cp", "ms": ms, "peak_gib": gib, "tflops_per_gpu": flops(S, kept) / P / ms / 1e9,
+            "mask_ms": build_ms}
 
 
 def run(args, save=lambda rows: None) -> list[dict]:
@@ -195,10 +231,12 @@ def line(rows: list[dict]) -> str:
     eff = f"{one['ms'] / (ring['P'] * ring['ms']):.2f}" if "ms" in one else one.get("skipped", "-")
     torch_txt = f"{theirs['ms']:8.1f} ms (ring x{theirs['ms'] / ring['ms']:.2f}) peak {theirs['peak_gib']:5.1f} GiB" \
         if "ms" in theirs else theirs.get("error", "-")
+    masks_txt = " / ".join(f"{r['mask_ms']:.1f}" if "mask_ms" in r else "-" for r in (ring, one, theirs))
     return (f"P={ring['P']} S={ring['S']:>7} {ring['mask']:<15} ring {ring['ms']:8.1f} ms "
             f"{ring['tflops_per_gpu']:6.1f} TF/s/GPU peak {ring['peak_gib']:5.1f} GiB KV {ring['kv_gib']:.2f} GiB | "
             f"allgather {ag['ms']:8.1f} ms peak {ag['peak_gib']:5.1f} GiB KV {ag['kv_gib']:.2f} GiB | "
-            f"one GPU {one['ms'] if 'ms' in one else '-'} ms, efficiency {eff} | torch CP {torch_txt}")
+            f"one GPU {one['ms'] if 'ms' in one else '-'} ms, efficiency {eff} | torch CP {torch_txt} | "
+            f"mask ms ring / one GPU / torch CP {masks_txt}")
 
 
 def main() -> None:

@@ -42,7 +42,9 @@ METHOD = """\
 - Context parallelism runs under `torchrun --nproc-per-node P benchmarks/bench_context_parallel.py`
   (one results file per P): times are per training step on every GPU, FLOPs count the (q, kv)
   pairs the mask keeps; efficiency is the one-GPU time of the whole sequence (flexattn) over P times
-  the ring's; torch CP is torch's context parallel with `torch.compile(flex_attention)`.
+  the ring's; torch CP is torch's context parallel with `torch.compile(flex_attention)`. Mask ms:
+  the wall time of a repeated block-mask build (`flexattn.distributed.create_block_mask` on every
+  rank, flexattn's `create_block_mask` of the whole sequence on one GPU, torch's compiled CP mask).
 - Per-call times are wall clock over a loop of calls (model code that builds its score_mod anew
   each call), the median of five interleaved rounds: host work plus launch for these small shapes.
 """
@@ -185,18 +187,23 @@ def efficiency(impls: dict) -> float | None:
 
 def context_parallel_table(record: dict) -> list[str]:
     config = record.get("config", {})
+    cases = context_parallel_cases(record)
+    # (the mask build times: a column where any row has them; older runs did not record them)
+    with_masks = any("mask_ms" in row for impls in cases.values() for row in impls.values())
     lines = section(f"Context parallelism: B={config.get('B', '?')} H={config.get('H', '?')} D={config.get('D', '?')}, "
                     f"{config.get('dtype', '')}, forward + backward, times per step",
                     ["P", "S", "mask", "ring ms", "all-gather ms", "torch CP ms", "one GPU ms", "ring TF/s per GPU",
-                     "efficiency", "vs torch CP", "peak GiB ring / all-gather / torch CP", "flexattn"])
-    for (P, S, mask), impls in context_parallel_cases(record).items():
+                     "efficiency", "vs torch CP", "peak GiB ring / all-gather / torch CP"]
+                    + ["mask ms ring / one GPU / torch CP"] * with_masks + ["flexattn"])
+    for (P, S, mask), impls in cases.items():
         ring, ag, one, theirs = (impls.get(i) or {} for i in ("ring", "allgather", "one_gpu", "torch_cp"))
         torch_ms = fmt(theirs.get("ms"), ".1f") if "error" not in theirs else "refused"
         peaks = " / ".join(fmt(r.get("peak_gib"), ".1f") for r in (ring, ag, theirs))
+        mask_times = " / ".join(fmt(r.get("mask_ms"), ".1f") for r in (ring, one, theirs)) + " | " if with_masks else ""
         lines.append(f"| {P} | {S} | {mask} | {fmt(ring.get('ms'), '.1f')} | {fmt(ag.get('ms'), '.1f')} | {torch_ms} | "
                      f"{fmt(one.get('ms'), '.1f')} | {fmt(ring.get('tflops_per_gpu'))} | "
                      f"{fmt(efficiency(impls), '.2f')} | {fmt(ratio(theirs, ring, 'ms'), '.2f', 'x')} | {peaks} | "
-                     f"{ring.get('commit', '?')} |")
+                     f"{mask_times}{ring.get('commit', '?')} |")
     return lines
 
 
