@@ -11,15 +11,17 @@ from __future__ import annotations
 import torch
 
 import flexattn
-from flexattn import AuxRequest, ops  # noqa: F401  (registers torch.ops.flexattn.*)
+from flexattn import ops  # noqa: F401  (registers torch.ops.flexattn.*)
+from flexattn.auxiliary import AuxRequest
 from flexattn.call import _compiled_tables  # private: a BlockMask's tables as the backward op takes them
 from flexattn.distributed.masks import SCORE, at_global_positions
 
 
 class Pair:
     """What every step of one call shares: the score mod (a `flexattn.Mod` with its captured
-    tensors), scale, GQA, kernel options and the score dtype. A step passes the global positions
-    of its query rows (``qpos``) and of the KV it holds (``kvpos``)."""
+    tensors), scale, GQA, kernel options, the score dtype and whether the forward also gives the
+    rows' max scores (``want_max``). A step passes the global positions of its query rows
+    (``qpos``) and of the KV it holds (``kvpos``)."""
 
     def __init__(self, score, scale: float, enable_gqa: bool, options: dict, stat_dtype, want_max: bool = False):
         self.score, self.scale = score, scale
