@@ -79,9 +79,8 @@ def timed(fn, iters: int, warmup: int = 2, barrier: bool = True) -> tuple[float,
 
 
 def mask_ms(build, barrier: bool = True, repeats: int = 3) -> float:
-    """Median wall ms of ``build()`` (a block mask), after one call that warms its caches (and,
-    for torch's, compiles it); with a barrier before each call unless ``barrier`` is False."""
-    build()
+    """Median wall ms of ``build()`` (a block mask) called again: the caller's own first call warmed
+    its caches (and compiled torch's); with a barrier before each call unless ``barrier`` is False."""
     times = []
     for _ in range(repeats):
         if barrier:
@@ -172,6 +171,7 @@ def bench_torch_cp(mesh, S: int, mask_name: str, iters: int) -> dict:
     P = dist.get_world_size()
     mask, lb, kept = mask_of(mask_name, S)
     balancer = _HeadTailLoadBalancer(S, P, "cuda") if lb == "head_tail" else None
+
     def build():
         return _create_cp_block_mask(mask, B, H, S, S, mesh, balancer)
 

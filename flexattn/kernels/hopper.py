@@ -168,7 +168,6 @@ def timed_against_triton(query, options: dict) -> bool:
             and options.get("BACKEND") != "FLASH")
 
 
-
 # The backward (templates/backward_hopper.py): KV tiles of BWD_BLOCK_N rows per program, query
 # tiles of BWD_BLOCK_M rows per step, at these head dims (E == Ev).
 BWD_BLOCK_M = 64
