@@ -35,12 +35,15 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from flexattn import ir
+from flexattn.lru import LRU
 
 # Tile states, shared with the block-mask kernels.
 EMPTY, PARTIAL, FULL, UNKNOWN = 0, 1, 2, 3
@@ -127,33 +130,72 @@ class Summary:
 
     @staticmethod
     def of(t: torch.Tensor) -> "Summary":
+        """The summary of ``t``; inside `shared_summaries`, computed once per tensor and version
+        (several block masks built from one captured table share it)."""
+        memo = _MEMO.get()
+        if memo is None:
+            return Summary._of(t)
+        key = (id(t), t._version, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+        hit = memo.get(key)
+        if hit is None or hit[0] is not t:
+            hit = memo[key] = (t, Summary._of(t))
+        return hit[1]
+
+    @staticmethod
+    def _of(t: torch.Tensor) -> "Summary":
         x = t.detach()
-        if x.dtype.is_floating_point:
-            hi_pad, lo_pad = float("inf"), float("-inf")
-        else:
+        if not x.dtype.is_floating_point:
             x = x.to(I64)
-            hi_pad, lo_pad = I64_MAX, I64_MIN
         device = x.device
         if x.numel() == 0:
             zero = torch.zeros(1, dtype=x.dtype, device=device)
-            return Summary(zero, zero.clone(), torch.zeros(1, dtype=I64, device=device), t.dim())
+            return Summary(zero, zero.clone(), _offsets(0, device), t.dim())
         if x.dim() != 1:
-            mn, mx = x.amin().reshape(1), x.amax().reshape(1)
-            return Summary(mn, mx, torch.zeros(1, dtype=I64, device=device), t.dim())
+            mn, mx = torch.aminmax(x)
+            return Summary(mn.reshape(1), mx.reshape(1), _offsets(0, device), t.dim())
+        # Level 0 has 2**K granules: the tail is padded with the last element, which every entry
+        # that covers a padded position also covers, so no entry's bounds change. Minima and
+        # order-reversed maxima (negated floats; complemented ints, which cannot overflow) sit in
+        # one [2, n] tensor, so that each level is one reduction of the one below.
+        K = (-(-x.numel() // GRANULE) - 1).bit_length()
+        extra = (GRANULE << K) - x.numel()
+        if extra:
+            x = torch.cat([x, x[-1:].expand(extra)])
+        flip = torch.neg if x.dtype.is_floating_point else torch.bitwise_not
+        levels = [torch.stack([x, flip(x)]).view(2, -1, GRANULE).amin(-1)]
+        for _ in range(K):
+            levels.append(levels[-1].view(2, -1, 2).amin(-1))
+        both = torch.cat(levels, dim=1)
+        return Summary(both[0], flip(both[1]), _offsets(K, device), 1)
 
-        def level(v, pad, width, reduce):
-            extra = (-v.numel()) % width
-            if extra:
-                v = torch.cat([v, v.new_full((extra,), pad)])
-            return reduce(v.view(-1, width), dim=1)
 
-        mins, maxs = [level(x, hi_pad, GRANULE, torch.amin)], [level(x, lo_pad, GRANULE, torch.amax)]
-        while mins[-1].numel() > 1:
-            mins.append(level(mins[-1], hi_pad, 2, torch.amin))
-            maxs.append(level(maxs[-1], lo_pad, 2, torch.amax))
-        sizes = [m.numel() for m in mins]
-        offsets = torch.tensor([sum(sizes[:k]) for k in range(len(sizes))], dtype=I64, device=device)
-        return Summary(torch.cat(mins), torch.cat(maxs), offsets, 1)
+_MEMO: contextvars.ContextVar = contextvars.ContextVar("flexattn_summaries", default=None)
+
+
+@contextlib.contextmanager
+def shared_summaries():
+    """Within it, `Summary.of` computes each tensor's summary once (keyed by the tensor, its
+    version and layout; the memo holds the tensors, so none is mistaken for a new one at the same
+    address): for code that builds several block masks from the same tables in one go."""
+    token = _MEMO.set({} if _MEMO.get() is None else _MEMO.get())
+    try:
+        yield
+    finally:
+        _MEMO.reset(token)
+
+
+_OFFSETS = LRU(64)  # (levels, device) -> offsets tensor
+
+
+def _offsets(K: int, device: torch.device) -> torch.Tensor:
+    """Where each level of a pyramid of ``2**K`` granules starts (level k has ``2**(K - k)``
+    entries), on ``device``: made once (a host-to-device copy waits for the stream)."""
+    hit = _OFFSETS.get((K, device))
+    if hit is None:
+        hit = torch.tensor([(2 << K) - (2 << (K - k)) for k in range(K + 1)],
+                           dtype=I64, device=device)
+        _OFFSETS[(K, device)] = hit
+    return hit
 
 
 @dataclass

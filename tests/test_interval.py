@@ -240,6 +240,39 @@ def test_summary_pyramid_is_exact_on_tile_aligned_ranges():
         assert _one(ir.binary("gt", ir.load(buf, [Q]), mn), tile, [x]) == UNKNOWN
 
 
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 1000, 4096])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.float32])
+def test_summary_entries_bound_exactly_the_elements_they_cover(n, dtype):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * 100
+    if dtype == torch.float32:
+        x[n // 3] = float("inf")  # (infinities stay exact; the extremes sit in several entries)
+        x[n // 2] = -float("inf")
+    x = x.to(dtype)
+    s = interval.Summary.of(x)
+    ref = x.to(torch.int64) if not dtype.is_floating_point else x
+    G, offsets = interval.GRANULE, s.offsets.tolist()
+    assert s.mins[s.top] == ref.min() and s.maxs[s.top] == ref.max()
+    for k, off in enumerate(offsets):
+        width = G << k
+        for i in range(-(-n // width)):  # (every entry that covers an element)
+            part = ref[i * width:(i + 1) * width]
+            assert s.mins[off + i] == part.min() and s.maxs[off + i] == part.max(), (k, i)
+
+
+def test_summaries_are_shared_inside_shared_summaries_only():
+    x = torch.arange(100)
+    assert interval.Summary.of(x) is not interval.Summary.of(x)
+    with interval.shared_summaries():
+        a = interval.Summary.of(x)
+        assert interval.Summary.of(x) is a
+        assert interval.Summary.of(x[:50]) is not a  # (another view: another summary)
+        x[3] = 1000  # (an in-place change: the summary is made again)
+        b = interval.Summary.of(x)
+        assert b is not a and int(b.maxs[b.top]) == 1000
+    assert interval.Summary.of(x) is not b
+
+
 def test_constant_mask_broadcasts_to_tiles():
     t = torch.arange(4)
     states = interval.tile_states(ir.const(True), {"b": (t[:1], t[:1]), "h": (t[:1], t[:1]),
