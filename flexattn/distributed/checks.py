@@ -93,23 +93,26 @@ _AGREED: set = set()
 _AGREED_LIMIT = 4096
 
 
-def agree(group: dist.ProcessGroup, what: str, fields: dict, local_error: str = "", cache: bool = True) -> None:
+def agree(group: dist.ProcessGroup, what: str, fields: dict, local_error: str = "", cache: bool = True,
+          payload=None) -> list | None:
     """Every rank of ``group`` passes equal ``fields`` (name -> value) and no ``local_error``,
-    else every rank raises the same `DistributedMismatchError` naming ``what``.
+    else every rank raises the same `DistributedMismatchError` naming ``what``. With a
+    ``payload`` (any picklable value, gathered in the same collective; no ``cache``), returns
+    every rank's payload in rank order.
 
     With ``cache``, a description this rank agreed on before skips the gather (all ranks must
     then see the same description again, which a matching earlier agreement makes likely)."""
-    token = (id(group), what, tuple(fields.items()), local_error) if cache else None
+    token = (id(group), what, tuple(fields.items()), local_error) if cache and payload is None else None
     if token is not None and token in _AGREED:
-        return
+        return None
     size = dist.get_world_size(group)
     gathered: list = [None] * size
-    dist.all_gather_object(gathered, (local_error, fields), group=group)
-    errors = [f"rank {r}: {err}" for r, (err, _) in enumerate(gathered) if err]
+    dist.all_gather_object(gathered, (local_error, fields, payload), group=group)
+    errors = [f"rank {r}: {err}" for r, (err, _, _) in enumerate(gathered) if err]
     if errors:
         raise DistributedMismatchError(f"{what}: " + "; ".join(errors))
     first = gathered[0][1]
-    for r, (_, theirs) in enumerate(gathered[1:], start=1):
+    for r, (_, theirs, _) in enumerate(gathered[1:], start=1):
         if theirs != first:
             diff = [k for k in first.keys() | theirs.keys() if first.get(k) != theirs.get(k)]
             detail = ", ".join(f"{k}: rank 0 has {first.get(k)!r}, rank {r} has {theirs.get(k)!r}"
@@ -119,3 +122,4 @@ def agree(group: dist.ProcessGroup, what: str, fields: dict, local_error: str = 
         if len(_AGREED) >= _AGREED_LIMIT:
             _AGREED.clear()
         _AGREED.add(token)
+    return None if payload is None else [p for _, _, p in gathered]

@@ -20,6 +20,12 @@ from __future__ import annotations
 
 import torch
 
+from flexattn.lru import LRU
+
+# (layout key, length, world size, rank, device) -> positions: a block mask's build reads every
+# shard's, and a training loop builds a mask of the same layout for every batch
+_POSITIONS = LRU(256)
+
 
 def _chunk_bounds(start: int, length: int, n: int) -> list[tuple[int, int]]:
     """``[start, start + length)`` cut into n chunks as ``torch.tensor_split``: (begin, end) each."""
@@ -48,12 +54,21 @@ class Layout:
         raise NotImplementedError
 
     def positions(self, length: int, world_size: int, rank: int, device=None) -> torch.Tensor:
-        """int32 global position of each local index of ``rank``'s shard.
+        """int32 global position of each local index of ``rank``'s shard (made once per layout,
+        length, rank and device, and shared: read it, do not change it).
 
         >>> HeadTail().positions(10, 2, 0).tolist()
         [0, 1, 2, 8, 9]
         """
-        return _runs_to_positions(self.runs(length, world_size, rank), device)
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (self.key(), length, world_size, rank, device)
+        hit = _POSITIONS.get(key)
+        if hit is None:
+            hit = _runs_to_positions(self.runs(length, world_size, rank), device)
+            _POSITIONS[key] = hit
+        return hit
 
     def shard_length(self, length: int, world_size: int, rank: int) -> int:
         return sum(b - a for a, b in self.runs(length, world_size, rank))

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import flexattn
+from flexattn import interval
 from flexattn.distributed import checks
 from flexattn.distributed.layout import Layout, as_layout
 
@@ -73,31 +74,37 @@ def as_mask_mod(mask_mod) -> "flexattn.Mod":
     return flexattn.trace(mask_mod, MASK)
 
 
-def q_block_range(block_mask) -> tuple[int, int] | None:
-    """``(first, last + 1)`` of the query blocks whose rows list a KV block in any batch and head,
-    or None when none does (a host sync: mask-building time only)."""
-    listed = block_mask.kv_num_blocks > 0
-    if block_mask.full_kv_num_blocks is not None:
-        listed = listed | (block_mask.full_kv_num_blocks > 0)
-    rows = listed.flatten(0, -2).any(0).nonzero()
-    return None if rows.numel() == 0 else (int(rows[0]), int(rows[-1]) + 1)
-
-
-def kv_block_range(block_mask) -> tuple[int, int] | None:
-    """``(first, last + 1)`` of the KV blocks ``block_mask`` lists in any row, or None when it
-    lists none (a host sync: mask-building time only)."""
-    first, end = None, 0
-    for num, idx in ((block_mask.kv_num_blocks, block_mask.kv_indices),
-                     (block_mask.full_kv_num_blocks, block_mask.full_kv_indices)):
-        if num is None or idx.shape[-1] == 0:
-            continue
-        listed = torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1)
-        if not bool(listed.any()):
-            continue
-        big = torch.iinfo(idx.dtype).max
-        lo, hi = int(torch.where(listed, idx, big).min()), int(torch.where(listed, idx, -1).max()) + 1
-        first, end = (lo if first is None else min(first, lo)), max(end, hi)
-    return None if first is None else (first, end)
+def block_ranges(block_masks: list) -> list[tuple | None]:
+    """For each BlockMask (or None): ``((first, last + 1) of the KV blocks it lists in any row,
+    (first, last + 1) of the query blocks whose rows list any)``, or None where it lists none.
+    Computed on the masks' device and read with one host sync (mask-building time only)."""
+    found = [bm for bm in block_masks if bm is not None]
+    if not found:
+        return [None] * len(block_masks)
+    device = found[0].kv_num_blocks.device
+    big = torch.iinfo(torch.int32).max
+    bounds = []
+    for bm in found:
+        kv_lo = kv_hi = q_rows = None
+        for num, idx in ((bm.kv_num_blocks, bm.kv_indices), (bm.full_kv_num_blocks, bm.full_kv_indices)):
+            if num is None:
+                continue
+            listed = torch.arange(idx.shape[-1], device=device) < num.unsqueeze(-1)
+            lo = torch.where(listed, idx, big).amin()
+            hi = torch.where(listed, idx, -1).amax()
+            kv_lo = lo if kv_lo is None else torch.minimum(kv_lo, lo)
+            kv_hi = hi if kv_hi is None else torch.maximum(kv_hi, hi)
+            rows = (num > 0).flatten(0, -2).any(0)
+            q_rows = rows if q_rows is None else q_rows | rows
+        at = torch.arange(q_rows.numel(), device=device)
+        bounds.append(torch.stack([kv_lo.long(), kv_hi.long(), torch.where(q_rows, at, big).amin(),
+                                   torch.where(q_rows, at, -1).amax()]))
+    values = iter(torch.stack(bounds).tolist())
+    out = []
+    for bm in block_masks:
+        kv_lo, kv_hi, q_lo, q_hi = next(values) if bm is not None else (0, -1, 0, -1)
+        out.append(None if kv_hi < 0 else ((kv_lo, kv_hi + 1), (q_lo, q_hi + 1)))
+    return out
 
 
 class DistributedBlockMask:
@@ -142,7 +149,7 @@ class DistributedBlockMask:
             mod, _ = at_global_positions(self.mask_mod, MASK, torch.float32, self.qpos, kvpos)
             bm = flexattn.create_block_mask(mod, self.B, self.H, self.qpos.numel(), kvpos.numel(),
                                             device=self.qpos.device, BLOCK_SIZE=self.BLOCK_SIZE)
-            self._gathered = (None if kv_block_range(bm) is None else bm, kvpos)
+            self._gathered = (None if block_ranges([bm])[0] is None else bm, kvpos)
         return self._gathered
 
     def sparsity(self) -> float:
@@ -189,40 +196,56 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     B, H = B or 1, H or 1
     device = torch.device(device) if device is not None else \
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    error = ""
-    try:
-        qpos = layout.positions(Q_LEN, P, r, device)
-        kvpos = [layout.positions(KV_LEN, P, j, device) for j in range(P)]
-    except ValueError as e:
-        error, qpos, kvpos = str(e), None, None
+    q_block, kv_block = BLOCK_SIZE if isinstance(BLOCK_SIZE, tuple) else (BLOCK_SIZE, BLOCK_SIZE)
     fields = {"mask_mod": mod.key(), "B": B, "H": H, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "layout": layout.key(),
               "BLOCK_SIZE": BLOCK_SIZE, "device type": device.type}
-    checks.agree(group, "flexattn.distributed.create_block_mask", fields, error, cache=False)
-    q_block, kv_block = BLOCK_SIZE if isinstance(BLOCK_SIZE, tuple) else (BLOCK_SIZE, BLOCK_SIZE)
-    L = qpos.numel()
-    masks, spans, rows = [], [], []
-    for j in range(P):
-        bm = _pair_mask(mod, B, H, qpos, kvpos[j], device, BLOCK_SIZE)
-        span = None if bm is None else kv_block_range(bm)
-        masks.append(None if span is None else bm)
-        spans.append(None if span is None else (span[0] * kv_block, min(span[1] * kv_block, kvpos[j].numel())))
-        q_span = None if span is None else q_block_range(bm)
-        rows.append(None if q_span is None else (q_span[0] * q_block, min(q_span[1] * q_block, L)))
-    every: list = [None] * P
-    dist.all_gather_object(every, spans, group=group)
-    needs = tuple(tuple(span is not None for span in r) for r in every)
-    windows = tuple(_window(every, j, kvpos[j].numel()) for j in range(P))
-    for j in range(P):  # the tables of the rows that read shard j, against what travels of it
-        if masks[j] is None:
-            continue
-        held = (0, kvpos[j].numel()) if j == r else windows[j]
-        if rows[j] != (0, L) or held != (0, kvpos[j].numel()):
-            masks[j] = _pair_mask(mod, B, H, qpos[slice(*rows[j])], kvpos[j][slice(*held)], device, BLOCK_SIZE)
+    # (each rank builds its tables, then one gather both checks that the ranks agree and shares
+    # which KV blocks each rank's tables list; an error while building is reported by that gather)
+    with interval.shared_summaries():  # (the position tables and captured tensors: one summary each)
+        error, failure = "", None
+        try:
+            qpos = layout.positions(Q_LEN, P, r, device)
+            kvpos = [layout.positions(KV_LEN, P, j, device) for j in range(P)]
+            masks, spans, rows = _pair_masks(mod, B, H, qpos, kvpos, device, BLOCK_SIZE, q_block, kv_block)
+        except (ValueError, TypeError, RuntimeError) as e:
+            error, failure, spans = str(e), e, None
+        try:
+            every = checks.agree(group, "flexattn.distributed.create_block_mask", fields, error, cache=False,
+                                 payload=spans)
+        except checks.DistributedMismatchError as e:
+            raise e from failure
+        L = qpos.numel()
+        needs = tuple(tuple(span is not None for span in r) for r in every)
+        windows = tuple(_window(every, j, kvpos[j].numel()) for j in range(P))
+        for j in range(P):  # the tables of the rows that read shard j, against what travels of it
+            if masks[j] is None:
+                continue
+            held = (0, kvpos[j].numel()) if j == r else windows[j]
+            if rows[j] != (0, L) or held != (0, kvpos[j].numel()):
+                masks[j] = _pair_mask(mod, B, H, qpos[slice(*rows[j])], kvpos[j][slice(*held)], device, BLOCK_SIZE)
     checks.ring_groups(group)  # (made here, where every rank of the group is)
     counter = _TOKENS.setdefault(group.group_name, itertools.count())
     token = (mod.key(), layout.key(), Q_LEN, KV_LEN, B, H, BLOCK_SIZE, group.group_name, next(counter))
     return DistributedBlockMask(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, qpos, kvpos, masks,
                                 needs, windows, tuple(rows), token)
+
+
+def _pair_masks(mod, B: int, H: int, qpos, kvpos: list, device, BLOCK_SIZE, q_block: int, kv_block: int):
+    """This rank's BlockMask against each KV shard (None where empty), the local KV positions
+    each lists (its span, whole blocks) and the query rows that list any (whole blocks)."""
+    L = qpos.numel()
+    masks = [_pair_mask(mod, B, H, qpos, kvpos_j, device, BLOCK_SIZE) for kvpos_j in kvpos]
+    spans, rows = [], []
+    for j, ranges in enumerate(block_ranges(masks)):
+        if ranges is None:
+            masks[j] = None
+            spans.append(None)
+            rows.append(None)
+            continue
+        (kv_lo, kv_hi), (q_lo, q_hi) = ranges
+        spans.append((kv_lo * kv_block, min(kv_hi * kv_block, kvpos[j].numel())))
+        rows.append((q_lo * q_block, min(q_hi * q_block, L)))
+    return masks, spans, rows
 
 
 def _pair_mask(mod, B: int, H: int, qpos, kvpos, device, BLOCK_SIZE):
