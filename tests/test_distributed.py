@@ -417,6 +417,47 @@ def test_whole_documents_is_the_most_even_cut():
         fd.WholeDocuments([4, 5]).runs(10, 2, 0)
 
 
+@pytest.mark.parametrize("layout", ["head_tail", "documents"])
+def test_rows_of_is_the_mask_built_for_those_rows(layout):
+    """A pair's tables restricted to the query rows that read the shard (sliced, not built again)
+    list what a mask built for those rows lists, and evaluate the same mask_mod on its blocks."""
+    from flexattn.distributed.masks import MASK, _pair_mask, at_global_positions, block_ranges, rows_of
+    S, P = 1501, 3
+    docs = [600, 500, 401]
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor(docs))
+    mod, lb = (masks.causal, fd.HeadTail()) if layout == "head_tail" else \
+        (masks.document(ids, causal=True), fd.PerDocument(docs))
+    mod = flexattn.trace(mod, "mask")
+    checked = 0
+    for r, j in itertools.product(range(P), range(P)):
+        qpos, kvpos = lb.positions(S, P, r), lb.positions(S, P, j)
+        bm = _pair_mask(mod, 1, 1, qpos, kvpos, torch.device("cpu"), 64)
+        ranges = block_ranges([bm])[0]
+        if ranges is None:
+            continue
+        rows = (ranges[1][0] * 64, min(ranges[1][1] * 64, qpos.numel()))
+        if rows == (0, qpos.numel()):
+            continue
+        sliced = rows_of(bm, mod, qpos, kvpos, rows)
+        built = _pair_mask(mod, 1, 1, qpos[slice(*rows)], kvpos, torch.device("cpu"), 64)
+        assert sliced.seq_lengths == built.seq_lengths
+        assert torch.equal(sliced.to_dense(), built.to_dense())
+        for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+            assert torch.equal(getattr(sliced, name), getattr(built, name)), name
+        for num, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                         ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+            n = getattr(built, num)
+            a, b = getattr(sliced, idx), getattr(built, idx)
+            listed = torch.arange(b.shape[-1]) < n.unsqueeze(-1)
+            assert torch.equal(a[..., :b.shape[-1]][listed], b[listed]), idx
+        local, _ = at_global_positions(mod, MASK, torch.float32, qpos[slice(*rows)], kvpos)
+        dense = flexattn.create_mask(local, 1, 1, rows[1] - rows[0], kvpos.numel(), device="cpu")
+        assert torch.equal(flexattn.create_mask(sliced.mask_mod, 1, 1, rows[1] - rows[0], kvpos.numel(),
+                                                device="cpu"), dense)
+        checked += 1
+    assert checked >= 2
+
+
 @pytest.mark.parametrize("P", [2, 3])
 def test_layouts_match_torch(P):
     """Every rank's positions together cover the sequence once; head-tail in the order of torch's

@@ -11,6 +11,7 @@ every KV shard, and the ranks share which pairs are empty so that the ring skips
 from __future__ import annotations
 
 import itertools
+import socket
 import weakref
 from typing import Callable
 
@@ -134,6 +135,7 @@ class DistributedBlockMask:
         self.kvpos_held = [p if j == self.rank else p[slice(*windows[j])] for j, p in enumerate(kvpos)]
         self.qpos_rows = [None if r is None else qpos[slice(*r)] for r in rows]
         self._gathered = None
+        self.one_host = False  # (every rank on this host: the ring may use the copy engines)
         # (the name the custom ops know it by; equal on every rank, new for every mask)
         self.name = repr(token)
         _BY_NAME[self.name] = self
@@ -210,10 +212,11 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         except (ValueError, TypeError, RuntimeError) as e:
             error, failure, spans = str(e), e, None
         try:
-            every = checks.agree(group, "flexattn.distributed.create_block_mask", fields, error, cache=False,
-                                 payload=spans)
+            gathered = checks.agree(group, "flexattn.distributed.create_block_mask", fields, error, cache=False,
+                                    payload=(spans, socket.gethostname()))
         except checks.DistributedMismatchError as e:
             raise e from failure
+        every = [spans_i for spans_i, _ in gathered]
         L = qpos.numel()
         needs = tuple(tuple(span is not None for span in r) for r in every)
         windows = tuple(_window(every, j, kvpos[j].numel()) for j in range(P))
@@ -221,13 +224,17 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
             if masks[j] is None:
                 continue
             held = (0, kvpos[j].numel()) if j == r else windows[j]
-            if rows[j] != (0, L) or held != (0, kvpos[j].numel()):
+            if held != (0, kvpos[j].numel()):
                 masks[j] = _pair_mask(mod, B, H, qpos[slice(*rows[j])], kvpos[j][slice(*held)], device, BLOCK_SIZE)
+            elif rows[j] != (0, L):  # (the whole shard travels: the tables of those rows are a slice)
+                masks[j] = rows_of(masks[j], mod, qpos, kvpos[j], rows[j])
     checks.ring_groups(group)  # (made here, where every rank of the group is)
     counter = _TOKENS.setdefault(group.group_name, itertools.count())
     token = (mod.key(), layout.key(), Q_LEN, KV_LEN, B, H, BLOCK_SIZE, group.group_name, next(counter))
-    return DistributedBlockMask(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, qpos, kvpos, masks,
-                                needs, windows, tuple(rows), token)
+    bm = DistributedBlockMask(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, qpos, kvpos, masks,
+                              needs, windows, tuple(rows), token)
+    bm.one_host = len({host for _, host in gathered}) == 1
+    return bm
 
 
 def _pair_masks(mod, B: int, H: int, qpos, kvpos: list, device, BLOCK_SIZE, q_block: int, kv_block: int):
@@ -246,6 +253,29 @@ def _pair_masks(mod, B: int, H: int, qpos, kvpos: list, device, BLOCK_SIZE, q_bl
         spans.append((kv_lo * kv_block, min(kv_hi * kv_block, kvpos[j].numel())))
         rows.append((q_lo * q_block, min(q_hi * q_block, L)))
     return masks, spans, rows
+
+
+def rows_of(bm, mod, qpos, kvpos, rows: tuple[int, int]):
+    """The BlockMask of the query rows ``[lo, hi)`` of ``bm`` (the mask of ``mod`` at ``qpos``
+    against ``kvpos``), without building it again: ``lo`` is a multiple of the query block and
+    ``hi`` one or the end of the rows, and no row outside lists a KV block, so its tables are
+    ``bm``'s rows and its query lists ``bm``'s, shifted."""
+    lo, hi = rows
+    q_block = bm.BLOCK_SIZE[0]
+    first, n = lo // q_block, -(-(hi - lo) // q_block)
+
+    def kv_rows(t):
+        return None if t is None else t[:, :, first:first + n].contiguous()
+
+    def q_lists(t):
+        return None if t is None else (t[..., :n] - first).contiguous()
+
+    local, _ = at_global_positions(mod, MASK, torch.float32, qpos[lo:hi], kvpos)
+    out = flexattn.BlockMask((hi - lo, bm.seq_lengths[1]), kv_rows(bm.kv_num_blocks), kv_rows(bm.kv_indices),
+                             kv_rows(bm.full_kv_num_blocks), kv_rows(bm.full_kv_indices),
+                             bm.q_num_blocks, q_lists(bm.q_indices), bm.full_q_num_blocks,
+                             q_lists(bm.full_q_indices), BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=local, validate=False)
+    return out
 
 
 def _pair_mask(mod, B: int, H: int, qpos, kvpos, device, BLOCK_SIZE):
