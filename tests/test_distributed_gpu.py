@@ -3,6 +3,8 @@ torch's context parallel with flexattn's flex_attention inside against torch's o
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,7 +25,8 @@ def _world() -> int:
     return n
 
 
-def _worker(rank, world_size, store_path, body):
+def _worker(rank, world_size, store_path, body, copy_engines="1"):
+    os.environ["FLEXATTN_RING_COPY"] = copy_engines
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", store=dist.FileStore(store_path, world_size), rank=rank,
                             world_size=world_size, device_id=torch.device("cuda", rank))
@@ -34,8 +37,12 @@ def _worker(rank, world_size, store_path, body):
 
 
 def _against_one_gpu(rank, P):
+    docs = torch.repeat_interleave(torch.arange(3), torch.tensor([1500, 1100, 777])).cuda()
     for S, mask, lb, Hkv, method in [(4099, masks.causal, "head_tail", 4, "ring"),
                                      (3000, masks.sliding_window(512), None, 8, "ring"),
+                                     (3377, masks.document(docs, causal=True), fd.PerDocument([1500, 1100, 777]), 8,
+                                      "ring"),
+                                     (4099, masks.causal, "head_tail", 4, "ring"),  # (again: the slots are reused)
                                      (2500, masks.causal, "head_tail", 2, "allgather")]:
         g = torch.Generator(device="cuda").manual_seed(S)
         q = torch.randn(1, 8, S, 128, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -85,7 +92,9 @@ def _body(rank, P):
     _torch_cp_parity(rank, P)
 
 
-def test_distributed_nccl(tmp_path):
+@pytest.mark.parametrize("copy_engines", ["1", "0"], ids=["copy engines", "nccl"])
+def test_distributed_nccl(tmp_path, copy_engines):
+    """The ring's K/V by the copy engines (the default on one host) and by NCCL's sends."""
     P = _world()
-    mp.spawn(_worker, args=(P, str(tmp_path / "store"), _body), nprocs=P, join=True)
+    mp.spawn(_worker, args=(P, str(tmp_path / "store"), _body, copy_engines), nprocs=P, join=True)
 

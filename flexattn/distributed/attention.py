@@ -14,7 +14,7 @@ from flexattn.auxiliary import AuxOutput, AuxRequest, check_request
 from flexattn.call import identity_score_mod, resolve_score_mod
 from flexattn.kernels import options as opts, plans
 from flexattn.mods import template
-from flexattn.distributed import checks
+from flexattn.distributed import checks, copies
 from flexattn.distributed.allgather import AllGather
 from flexattn.distributed.masks import SCORE, DistributedBlockMask, by_name
 from flexattn.distributed.ring import Ring
@@ -27,8 +27,21 @@ def _ring(bm: DistributedBlockMask) -> Ring:
     ring = getattr(bm, "_ring", None)
     if ring is None:
         ring = bm._ring = Ring(checks.ring_groups(bm.group), bm.needs, bm.windows,
-                               bm.kvpos[bm.rank].numel(), bm.rows, bm.qpos.numel())
+                               bm.kvpos[bm.rank].numel(), bm.rows, bm.qpos.numel(), _copies_of(bm))
     return ring
+
+
+def _copies_of(bm: DistributedBlockMask):
+    """How the ring's K/V travel by the copy engines (`copies`): where every rank is a GPU of
+    this host; None (NCCL's sends) elsewhere, or where ``FLEXATTN_RING_COPY=0``."""
+    if not (bm.one_host and bm.qpos.device.type == "cuda" and copies.enabled() and copies.available()):
+        return None
+
+    def make(k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> copies.Copies:
+        capacity = max(copies.capacity_of((((*k.shape[:2], n, k.shape[3]), k.dtype),
+                                           ((*v.shape[:2], n, v.shape[3]), v.dtype))) for n in lengths)
+        return copies.Copies(copies.workspace(bm.group, capacity, k.device))
+    return make
 
 
 def _rows(t: torch.Tensor | None, rows: tuple[int, int]) -> torch.Tensor | None:

@@ -99,8 +99,12 @@ class Ring:
     (lo, hi) of each KV shard) and the query ``rows`` (of ``n_rows``) that read each shard.
     ``groups``: the two process groups K/dK and V/dV travel through (`checks.ring_groups`)."""
 
-    def __init__(self, groups: tuple, needs: tuple, windows: tuple, own_length: int, rows: tuple, n_rows: int):
+    def __init__(self, groups: tuple, needs: tuple, windows: tuple, own_length: int, rows: tuple, n_rows: int,
+                 copies: Callable | None = None):
         self.groups = groups
+        # (``copies(k, v, lengths)``: a `copies.Copies` for K/V of this call's shapes, or None: NCCL)
+        self.make_copies = copies
+        self.copies = None
         self.group = group = groups[0]
         self.P, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.needs, self.windows = needs, windows
@@ -116,20 +120,37 @@ class Ring:
     def _transfer(self, s: int, held: list[torch.Tensor], make_recv: Callable, tag: int):
         """After step s: send what we hold on to the next rank (at step 0, a copy of the own
         shard's window), receive the next step's shard; ``(works, received tensors or None)``
-        (the works list ends with the tensors sent: the caller keeps them alive until it waits)."""
+        (the works list ends with the tensors sent: the caller keeps them alive until it waits).
+        Through the copy engines where the ring has them (`copies`), else NCCL's (gloo's) sends."""
         ops, received, sends = [[], []], None, []
         j = self.shard_at(s)
         if s + 1 <= self.last[j]:
             window = slice(*self.windows[j])
             sends = [t[:, :, window].contiguous() for t in held] if s == 0 else held
-            for i, t in enumerate(sends):
-                ops[i].append(dist.P2POp(dist.isend, t, self.peers[0], self.groups[i], tag + i))
         nxt = self.shard_at(s + 1)
-        if s + 1 <= self.last[nxt]:
+        receiving = s + 1 <= self.last[nxt]
+        if self.copies is not None:
+            metas = tuple(((*t.shape[:2], self.lengths[nxt], t.shape[3]), t.dtype) for t in held) if receiving else None
+            works, received = self.copies.exchange(s, sends, metas)
+            return works + [sends], received
+        for i, t in enumerate(sends):
+            ops[i].append(dist.P2POp(dist.isend, t, self.peers[0], self.groups[i], tag + i))
+        if receiving:
             received = make_recv(nxt)
             for i, t in enumerate(received):
                 ops[i].append(dist.P2POp(dist.irecv, t, self.peers[1], self.groups[i], tag + i))
         return _post(ops, sends), received
+
+    def _begin(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        travels = [n for j, n in enumerate(self.lengths) if self.last[j] > 0]
+        self.copies = None if self.make_copies is None or not travels else self.make_copies(k, v, travels)
+        if self.copies is not None:
+            self.copies.begin()
+
+    def _end(self) -> None:
+        if self.copies is not None:
+            self.copies.end()
+            self.copies = None
 
     def forward(self, k: torch.Tensor, v: torch.Tensor, compute: Callable, out_dtype: torch.dtype):
         """``compute(j, k_j, v_j) -> (out, lse, max_scores or None)`` of the rows ``rows[j]`` for
@@ -140,6 +161,7 @@ class Ring:
         out = lse = mx = None
         k, v = k.contiguous(), v.contiguous()
         last = max((s for s in range(self.P) if self.needs[self.rank][self.shard_at(s)]), default=-1)
+        self._begin(k, v)
         for s in range(self.P):
             j = self.shard_at(s)
             works, nxt = self._transfer(s, [k, v], lambda i: self._kv_like(k, v, i), 0)
@@ -152,6 +174,7 @@ class Ring:
             _wait(works)
             if nxt is not None:
                 k, v = nxt
+        self._end()
         return out, lse, mx
 
     def _kv_like(self, k, v, j, dtype=None):
@@ -173,6 +196,7 @@ class Ring:
                        and self.needs[r][self.shard_at(s)]), default=-1)
         # (the steps at which the rank holding this rank's shard reads it: each sends its part home)
         coming = [s for s in range(1, P) if s <= self.last[r] and self.needs[(r + s) % P][r]]
+        self._begin(k, v)
         for s in range(P):
             j = self.shard_at(s)
             held = s <= self.last[j]     # (the shard is here and someone reads it now or later)
@@ -190,6 +214,7 @@ class Ring:
             _wait(works)
             if nxt is not None:
                 k, v = nxt
+        self._end()
         _wait(home_works)
         own = self._add_home(own, arrived, acc_dtype, True)
         if own is None:  # no rank reads this shard
