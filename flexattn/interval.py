@@ -132,6 +132,9 @@ class Summary:
     def of(t: torch.Tensor) -> "Summary":
         """The summary of ``t``; inside `shared_summaries`, computed once per tensor and version
         (several block masks built from one captured table share it)."""
+        kept = _KEPT.get(id(t))
+        if kept is not None and kept[0] is t and kept[1] == t._version:
+            return kept[2]
         memo = _MEMO.get()
         if memo is None:
             return Summary._of(t)
@@ -140,6 +143,12 @@ class Summary:
         if hit is None or hit[0] is not t:
             hit = memo[key] = (t, Summary._of(t))
         return hit[1]
+
+    @staticmethod
+    def keep(t: torch.Tensor) -> None:
+        """Keep ``t``'s summary for every later `of` (while ``t`` is unchanged): for tables that
+        flexattn makes once and reads in many block masks (the positions of a shard)."""
+        _KEPT[id(t)] = (t, t._version, Summary._of(t))
 
     @staticmethod
     def _of(t: torch.Tensor) -> "Summary":
@@ -185,6 +194,7 @@ def shared_summaries():
 
 
 _OFFSETS = LRU(64)  # (levels, device) -> offsets tensor
+_KEPT = LRU(256)  # id -> (tensor, version, Summary), `Summary.keep`
 
 
 def _offsets(K: int, device: torch.device) -> torch.Tensor:

@@ -273,6 +273,16 @@ def test_summaries_are_shared_inside_shared_summaries_only():
     assert interval.Summary.of(x) is not b
 
 
+def test_kept_summaries_last_until_the_tensor_changes():
+    x = torch.arange(100)
+    interval.Summary.keep(x)
+    a = interval.Summary.of(x)
+    assert interval.Summary.of(x) is a and interval.Summary.of(x.clone()) is not a
+    x[5] = -7
+    b = interval.Summary.of(x)
+    assert b is not a and int(b.mins[b.top]) == -7
+
+
 def test_constant_mask_broadcasts_to_tiles():
     t = torch.arange(4)
     states = interval.tile_states(ir.const(True), {"b": (t[:1], t[:1]), "h": (t[:1], t[:1]),

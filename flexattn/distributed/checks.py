@@ -9,6 +9,9 @@ seen before (on this rank) is not gathered again.
 
 from __future__ import annotations
 
+import hashlib
+import socket
+
 import torch
 import torch.distributed as dist
 
@@ -89,30 +92,53 @@ def backend_error(group: dist.ProcessGroup, device: torch.device, method: str) -
     return ""
 
 
+def _digest(value) -> int:
+    """A signed 64-bit digest of ``repr(value)``, equal in every process (unlike ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def agree_table(group: dist.ProcessGroup, what: str, fields: dict, local_error: str, table: torch.Tensor | None,
+                width: int) -> tuple[list[list[int]], bool]:
+    """`agree` and a gather of an int64 ``table`` of ``width`` entries (on the device that
+    ``group``'s backend sends from; None where ``local_error``) in one fixed-size collective and one
+    host sync: ``(every rank's table, whether every rank runs on this host)``. A disagreement or an
+    error anywhere then takes `agree`'s gather of the descriptions, which raises on every rank."""
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend_of(group) else torch.device("cpu")
+    header = torch.tensor([0 if local_error else 1, _digest(sorted(fields.items())), _digest(socket.gethostname())],
+                          dtype=torch.int64, pin_memory=device.type == "cuda")
+    body = table.to(device=device, dtype=torch.int64).flatten() if table is not None and not local_error else \
+        torch.zeros(width, dtype=torch.int64, device=device)
+    mine = torch.cat([header.to(device, non_blocking=True), body])
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    rows = torch.stack(every).tolist()
+    if not all(r[0] for r in rows) or len({r[1] for r in rows}) > 1:
+        agree(group, what, fields, local_error, cache=False)  # (raises, naming what differs)
+        raise DistributedMismatchError(f"{what}: the ranks' descriptions differ")  # (equal reprs, unequal digests)
+    return [r[3:] for r in rows], len({r[2] for r in rows}) == 1
+
+
 _AGREED: set = set()
 _AGREED_LIMIT = 4096
 
 
-def agree(group: dist.ProcessGroup, what: str, fields: dict, local_error: str = "", cache: bool = True,
-          payload=None) -> list | None:
+def agree(group: dist.ProcessGroup, what: str, fields: dict, local_error: str = "", cache: bool = True) -> None:
     """Every rank of ``group`` passes equal ``fields`` (name -> value) and no ``local_error``,
-    else every rank raises the same `DistributedMismatchError` naming ``what``. With a
-    ``payload`` (any picklable value, gathered in the same collective; no ``cache``), returns
-    every rank's payload in rank order.
+    else every rank raises the same `DistributedMismatchError` naming ``what``.
 
     With ``cache``, a description this rank agreed on before skips the gather (all ranks must
     then see the same description again, which a matching earlier agreement makes likely)."""
-    token = (id(group), what, tuple(fields.items()), local_error) if cache and payload is None else None
+    token = (id(group), what, tuple(fields.items()), local_error) if cache else None
     if token is not None and token in _AGREED:
-        return None
+        return
     size = dist.get_world_size(group)
     gathered: list = [None] * size
-    dist.all_gather_object(gathered, (local_error, fields, payload), group=group)
-    errors = [f"rank {r}: {err}" for r, (err, _, _) in enumerate(gathered) if err]
+    dist.all_gather_object(gathered, (local_error, fields), group=group)
+    errors = [f"rank {r}: {err}" for r, (err, _) in enumerate(gathered) if err]
     if errors:
         raise DistributedMismatchError(f"{what}: " + "; ".join(errors))
     first = gathered[0][1]
-    for r, (_, theirs, _) in enumerate(gathered[1:], start=1):
+    for r, (_, theirs) in enumerate(gathered[1:], start=1):
         if theirs != first:
             diff = [k for k in first.keys() | theirs.keys() if first.get(k) != theirs.get(k)]
             detail = ", ".join(f"{k}: rank 0 has {first.get(k)!r}, rank {r} has {theirs.get(k)!r}"
@@ -122,4 +148,3 @@ def agree(group: dist.ProcessGroup, what: str, fields: dict, local_error: str = 
         if len(_AGREED) >= _AGREED_LIMIT:
             _AGREED.clear()
         _AGREED.add(token)
-    return None if payload is None else [p for _, _, p in gathered]

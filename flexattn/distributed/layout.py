@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from flexattn import interval
 from flexattn.lru import LRU
 
 # (layout key, length, world size, rank, device) -> positions: a block mask's build reads every
@@ -67,6 +68,7 @@ class Layout:
         hit = _POSITIONS.get(key)
         if hit is None:
             hit = _runs_to_positions(self.runs(length, world_size, rank), device)
+            interval.Summary.keep(hit)  # (every block mask of the shard reads its summary)
             _POSITIONS[key] = hit
         return hit
 

@@ -11,7 +11,6 @@ every KV shard, and the ranks share which pairs are empty so that the ring skips
 from __future__ import annotations
 
 import itertools
-import socket
 import weakref
 from typing import Callable
 
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 import flexattn
 from flexattn import interval
+from flexattn.block_mask.create import _resolve_mask as resolve_mask
 from flexattn.distributed import checks
 from flexattn.distributed.layout import Layout, as_layout
 
@@ -67,45 +67,54 @@ def at_global_positions(mod, kind: str, score_dtype: torch.dtype, qpos: torch.Te
     return wrapped.rebind([pool[i] for i in slots]), tuple(i if i < n else None for i in slots)
 
 
-def as_mask_mod(mask_mod) -> "flexattn.Mod":
+def as_mask_mod(mask_mod, device=None) -> "flexattn.Mod":
+    """``mask_mod`` as a `flexattn.Mod`; a Python mod through the one-GPU trace cache (a mod made
+    anew for every batch, such as one over new document ids, is traced once)."""
     if isinstance(mask_mod, flexattn.Mod):
         return mask_mod
     if not callable(mask_mod):
         raise TypeError(f"mask_mod must be a function or a flexattn Mod, got {type(mask_mod).__name__}")
-    return flexattn.trace(mask_mod, MASK)
+    return resolve_mask(mask_mod, torch.device(device) if device is not None else torch.device("cpu"))
+
+
+def block_range_table(block_masks: list, device) -> torch.Tensor:
+    """int64 [len(block_masks), 4] on ``device``, no host sync: for each BlockMask (made by
+    `flexattn.create_block_mask`, which makes its query lists too), the first and last + 1 of the
+    KV blocks it lists in any row, then of the query blocks whose rows list any; (0, 0, 0, 0) where
+    it lists none (or is None)."""
+    vectors = []  # (per mask: KV blocks listed, query blocks listing; from its query and KV lists' counts)
+    for bm in block_masks:
+        if bm is None:
+            vectors += [torch.zeros(1, dtype=torch.bool, device=device)] * 2
+            continue
+        for counts in ((bm.q_num_blocks, bm.full_q_num_blocks), (bm.kv_num_blocks, bm.full_kv_num_blocks)):
+            listed = None
+            for num in counts:
+                if num is not None:
+                    any_ = (num > 0).flatten(0, -2).any(0)
+                    listed = any_ if listed is None else listed | any_
+            vectors.append(listed)
+    flags = torch.nn.utils.rnn.pad_sequence(vectors, batch_first=True)  # [2n, longest]
+    at = torch.arange(1, flags.shape[1] + 1, device=device)
+    last = torch.where(flags, at, 0).amax(1)                      # (last + 1; 0 where none)
+    first = torch.where(flags, at, flags.shape[1] + 1).amin(1) - 1
+    first = torch.where(last > 0, first, 0)
+    return torch.stack([first, last], 1).view(-1, 4)
 
 
 def block_ranges(block_masks: list) -> list[tuple | None]:
     """For each BlockMask (or None): ``((first, last + 1) of the KV blocks it lists in any row,
-    (first, last + 1) of the query blocks whose rows list any)``, or None where it lists none.
-    Computed on the masks' device and read with one host sync (mask-building time only)."""
+    (first, last + 1) of the query blocks whose rows list any)``, or None where it lists none
+    (one host sync: mask-building time only)."""
     found = [bm for bm in block_masks if bm is not None]
     if not found:
         return [None] * len(block_masks)
-    device = found[0].kv_num_blocks.device
-    big = torch.iinfo(torch.int32).max
-    bounds = []
-    for bm in found:
-        kv_lo = kv_hi = q_rows = None
-        for num, idx in ((bm.kv_num_blocks, bm.kv_indices), (bm.full_kv_num_blocks, bm.full_kv_indices)):
-            if num is None:
-                continue
-            listed = torch.arange(idx.shape[-1], device=device) < num.unsqueeze(-1)
-            lo = torch.where(listed, idx, big).amin()
-            hi = torch.where(listed, idx, -1).amax()
-            kv_lo = lo if kv_lo is None else torch.minimum(kv_lo, lo)
-            kv_hi = hi if kv_hi is None else torch.maximum(kv_hi, hi)
-            rows = (num > 0).flatten(0, -2).any(0)
-            q_rows = rows if q_rows is None else q_rows | rows
-        at = torch.arange(q_rows.numel(), device=device)
-        bounds.append(torch.stack([kv_lo.long(), kv_hi.long(), torch.where(q_rows, at, big).amin(),
-                                   torch.where(q_rows, at, -1).amax()]))
-    values = iter(torch.stack(bounds).tolist())
-    out = []
-    for bm in block_masks:
-        kv_lo, kv_hi, q_lo, q_hi = next(values) if bm is not None else (0, -1, 0, -1)
-        out.append(None if kv_hi < 0 else ((kv_lo, kv_hi + 1), (q_lo, q_hi + 1)))
-    return out
+    return [_ranges(row) for row in block_range_table(block_masks, found[0].kv_num_blocks.device).tolist()]
+
+
+def _ranges(row: list[int]) -> tuple | None:
+    kv_lo, kv_hi, q_lo, q_hi = row
+    return None if kv_hi == 0 else ((kv_lo, kv_hi), (q_lo, q_hi))
 
 
 class DistributedBlockMask:
@@ -194,30 +203,43 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     group = checks.resolve_group(group_or_mesh)
     layout = as_layout(load_balance)
     P, r = dist.get_world_size(group), dist.get_rank(group)
-    mod = as_mask_mod(mask_mod)
     B, H = B or 1, H or 1
     device = torch.device(device) if device is not None else \
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    mod = as_mask_mod(mask_mod, device)
     q_block, kv_block = BLOCK_SIZE if isinstance(BLOCK_SIZE, tuple) else (BLOCK_SIZE, BLOCK_SIZE)
     fields = {"mask_mod": mod.key(), "B": B, "H": H, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "layout": layout.key(),
               "BLOCK_SIZE": BLOCK_SIZE, "device type": device.type}
     # (each rank builds its tables, then one gather both checks that the ranks agree and shares
     # which KV blocks each rank's tables list; an error while building is reported by that gather)
     with interval.shared_summaries():  # (the position tables and captured tensors: one summary each)
-        error, failure = "", None
+        error, failure, table = "", None, None
         try:
             qpos = layout.positions(Q_LEN, P, r, device)
             kvpos = [layout.positions(KV_LEN, P, j, device) for j in range(P)]
-            masks, spans, rows = _pair_masks(mod, B, H, qpos, kvpos, device, BLOCK_SIZE, q_block, kv_block)
+            masks = [_pair_mask(mod, B, H, qpos, kvpos_j, device, BLOCK_SIZE) for kvpos_j in kvpos]
+            table = block_range_table(masks, device)
         except (ValueError, TypeError, RuntimeError) as e:
-            error, failure, spans = str(e), e, None
+            error, failure = str(e), e
         try:
-            gathered = checks.agree(group, "flexattn.distributed.create_block_mask", fields, error, cache=False,
-                                    payload=(spans, socket.gethostname()))
+            tables, one_host = checks.agree_table(group, "flexattn.distributed.create_block_mask", fields, error,
+                                                  table, 4 * P)
         except checks.DistributedMismatchError as e:
             raise e from failure
-        every = [spans_i for spans_i, _ in gathered]
         L = qpos.numel()
+        every, rows = [], []  # (every[i][j]: the local KV positions rank i's tables list in shard j, or None)
+        for i, flat in enumerate(tables):
+            spans = []
+            for j in range(P):
+                ranges = _ranges(flat[4 * j:4 * j + 4])
+                spans.append(None if ranges is None else
+                             (ranges[0][0] * kv_block, min(ranges[0][1] * kv_block, kvpos[j].numel())))
+                if i == r:
+                    if ranges is None:
+                        masks[j] = None
+                    rows.append(None if ranges is None else
+                                (ranges[1][0] * q_block, min(ranges[1][1] * q_block, L)))
+            every.append(spans)
         needs = tuple(tuple(span is not None for span in r) for r in every)
         windows = tuple(_window(every, j, kvpos[j].numel()) for j in range(P))
         for j in range(P):  # the tables of the rows that read shard j, against what travels of it
@@ -233,26 +255,8 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     token = (mod.key(), layout.key(), Q_LEN, KV_LEN, B, H, BLOCK_SIZE, group.group_name, next(counter))
     bm = DistributedBlockMask(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, qpos, kvpos, masks,
                               needs, windows, tuple(rows), token)
-    bm.one_host = len({host for _, host in gathered}) == 1
+    bm.one_host = one_host
     return bm
-
-
-def _pair_masks(mod, B: int, H: int, qpos, kvpos: list, device, BLOCK_SIZE, q_block: int, kv_block: int):
-    """This rank's BlockMask against each KV shard (None where empty), the local KV positions
-    each lists (its span, whole blocks) and the query rows that list any (whole blocks)."""
-    L = qpos.numel()
-    masks = [_pair_mask(mod, B, H, qpos, kvpos_j, device, BLOCK_SIZE) for kvpos_j in kvpos]
-    spans, rows = [], []
-    for j, ranges in enumerate(block_ranges(masks)):
-        if ranges is None:
-            masks[j] = None
-            spans.append(None)
-            rows.append(None)
-            continue
-        (kv_lo, kv_hi), (q_lo, q_hi) = ranges
-        spans.append((kv_lo * kv_block, min(kv_hi * kv_block, kvpos[j].numel())))
-        rows.append((q_lo * q_block, min(q_hi * q_block, L)))
-    return masks, spans, rows
 
 
 def rows_of(bm, mod, qpos, kvpos, rows: tuple[int, int]):
