@@ -61,7 +61,7 @@ class Workspace:
 
     def __init__(self, group: dist.ProcessGroup, capacity: int, device: torch.device):
         import torch.distributed._symmetric_memory as symm
-        self.capacity, self.device = capacity, device
+        self.group, self.capacity, self.device = group, capacity, device
         self.buffer = symm.empty(2 * capacity, dtype=torch.uint8, device=device)
         self.handle = symm.rendezvous(self.buffer, group)
         self.rank, self.P = self.handle.rank, self.handle.world_size
@@ -104,7 +104,7 @@ def workspace(group: dist.ProcessGroup, capacity: int, device: torch.device) -> 
     windows fix)."""
     key = (group.group_name, device)
     ws = _WORKSPACES.get(key)
-    if ws is None or ws.capacity < capacity:
+    if ws is None or ws.capacity < capacity or ws.group is not group:  # (or a default group made again)
         if ws is not None:
             torch.cuda.current_stream(device).wait_stream(ws.stream)
         size = -(-capacity // _GRANULE) * _GRANULE

@@ -31,7 +31,10 @@ rank. A buffer being sent stays referenced by the loop until after its ``wait()`
 work object), and once the current stream waits for the transfer, freeing it there is ordered after
 the send: no ``record_stream`` is needed. In the backward, the part of step s is sent after step
 s's compute, and waited on after step s + 1's compute is enqueued. On gloo (CPU) the transfers run
-on gloo's threads while the host computes.
+on gloo's threads while the host computes. Where the ring has copy engines (`copies`: every rank a
+GPU of one host), K/V go by device-to-device copies into the next rank's slots instead, on a
+stream of the ring's own with the same ordering (its module docstring gives the protocol); the
+dK/dV parts go through NCCL as above.
 """
 
 from __future__ import annotations
@@ -143,7 +146,9 @@ class Ring:
 
     def _begin(self, k: torch.Tensor, v: torch.Tensor) -> None:
         travels = [n for j, n in enumerate(self.lengths) if self.last[j] > 0]
-        self.copies = None if self.make_copies is None or not travels else self.make_copies(k, v, travels)
+        # (not while a CUDA graph is captured: the slots are made by a collective at first use)
+        usable = self.make_copies is not None and travels and not torch.cuda.is_current_stream_capturing()
+        self.copies = self.make_copies(k, v, travels) if usable else None
         if self.copies is not None:
             self.copies.begin()
 
