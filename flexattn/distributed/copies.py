@@ -106,7 +106,10 @@ def workspace(group: dist.ProcessGroup, capacity: int, device: torch.device) -> 
     ws = _WORKSPACES.get(key)
     if ws is None or ws.capacity < capacity or ws.group is not group:  # (or a default group made again)
         if ws is not None:
-            torch.cuda.current_stream(device).wait_stream(ws.stream)
+            # (a signal or a push of this rank's may still be on its way into another's old slots:
+            # every rank's old work is done before any rank frees them)
+            torch.cuda.synchronize(device)
+            dist.barrier(group=group)
         size = -(-capacity // _GRANULE) * _GRANULE
         _WORKSPACES.pop(key, None)  # (the old slots go before the new ones are made)
         ws = _WORKSPACES[key] = Workspace(group, size, device)
