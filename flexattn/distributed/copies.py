@@ -18,6 +18,9 @@ stream). Between calls, FREE of both slots is pending at the previous rank: post
 workspace is made, then re-posted by every call for each slot it received into. Each signal is
 posted once and consumed once per use of a slot, so none is ever posted twice unconsumed
 (``put_signal`` would then wait) and none waits for a signal that a later step posts.
+``tests/test_distributed.py`` runs the protocol on simulated streams and signal pads (random
+schedules, several calls in a row), where a missing wait or re-post shows as a deadlock or a step
+reading the wrong shard.
 
 The copy stream has high priority, so that the signal kernels (one block each) get an SM while an
 attention kernel runs. A step's ``wait()`` also makes the compute stream wait for this rank's push,
@@ -37,7 +40,8 @@ _GRANULE = 2 << 20  # bytes: a slot's capacity is a multiple of this
 
 
 def enabled() -> bool:
-    """``FLEXATTN_RING_COPY=0`` keeps the ring on NCCL (for comparisons)."""
+    """``FLEXATTN_RING_COPY=0`` keeps the ring on NCCL (for comparisons, and where the processes
+    may not share GPU memory handles)."""
     return os.environ.get("FLEXATTN_RING_COPY", "1") != "0"
 
 
