@@ -34,6 +34,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from flexattn.lru import LRU
+
 FREE, FILLED = (0, 1), (2, 3)
 _ALIGN = 256  # bytes: each tensor in a slot starts at a multiple of this
 _GRANULE = 2 << 20  # bytes: a slot's capacity is a multiple of this
@@ -74,7 +76,7 @@ class Workspace:
         with torch.cuda.stream(self.stream):
             for x in range(2):  # (the invariant between calls: both slots free at the previous rank)
                 self.handle.put_signal(self.prev, FREE[x])
-        self._views: dict = {}
+        self._views = LRU(256)  # (rank, slot, metas) -> tensors laid out there
 
     def views(self, rank: int, x: int, metas: tuple) -> list[torch.Tensor]:
         """Tensors of ``metas`` ((shape, dtype) each) laid out in slot x of ``rank``."""
@@ -93,13 +95,13 @@ class Workspace:
                     numel *= d
                 hit.append(raw[:numel * dtype.itemsize].view(dtype).view(shape))
                 at += n
-            if len(self._views) > 256:
-                self._views.clear()
             self._views[key] = hit
         return hit
 
 
-_WORKSPACES: dict = {}  # (group name, device) -> Workspace
+# (group name, device) -> Workspace: one per process group and GPU, not a cache (the ranks make and
+# drop them together; see `workspace`)
+_WORKSPACES: dict = {}
 
 
 def workspace(group: dist.ProcessGroup, capacity: int, device: torch.device) -> Workspace:

@@ -22,12 +22,12 @@ from flexattn import interval
 from flexattn.block_mask.create import _resolve_mask as resolve_mask
 from flexattn.distributed import checks
 from flexattn.distributed.layout import Layout, as_layout
+from flexattn.lru import LRU
 
 SCORE, MASK = "score", "mask"
 
 # (mod key, captured tensors' metas, kind, score dtype) -> (wrapped template, slots)
-_WRAPPED: dict[tuple, tuple] = {}
-_WRAPPED_LIMIT = 1024
+_WRAPPED = LRU(1024)
 
 
 def _template(mod, kind: str, score_dtype: torch.dtype):
@@ -51,8 +51,6 @@ def _template(mod, kind: str, score_dtype: torch.dtype):
     wrapped = flexattn.trace(at_positions, kind, score_dtype=score_dtype, name=f"{mod.name}_at_global_positions")
     by_id = {id(t): i for i, t in enumerate([*stand_ins, qpos, kvpos])}
     hit = (wrapped, tuple(by_id[id(t)] for t in wrapped.buffers))
-    if len(_WRAPPED) >= _WRAPPED_LIMIT:
-        _WRAPPED.clear()
     _WRAPPED[key] = hit
     return hit
 
