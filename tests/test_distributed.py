@@ -234,6 +234,13 @@ def _errors(group) -> None:
         fd.flex_attention(q, q[..., :8].contiguous(), q, block_mask=bm)
     with pytest.raises(ValueError, match="method must be one of"):
         fd.flex_attention(q, q, q, block_mask=bm, method="tree")
+    # the copy engines only where every rank can use them (one rank's FLEXATTN_RING_COPY=0 keeps
+    # every rank on NCCL: a rank pushing into slots while another sends through NCCL would hang)
+    from flexattn.distributed import checks
+    for cans, expect in (([True] * P, True), ([r != P - 1 for r in range(P)], False)):
+        table = torch.arange(4, dtype=torch.int64) + 10 * rank
+        every, both = checks.agree_table(group, "test", {"x": 1}, "", table, 4, can=cans[rank])
+        assert both is expect and every == [list(range(10 * i, 10 * i + 4)) for i in range(P)], (every, both)
     # a block mask made inside the call, referenced by nothing else: the backward still finds it
     qg = q.clone().requires_grad_()
     out = fd.flex_attention(qg, qg, qg, block_mask=fd.create_block_mask(masks.causal, None, None, 40, 40, group,

@@ -33,8 +33,8 @@ def _ring(bm: DistributedBlockMask) -> Ring:
 
 def _copies_of(bm: DistributedBlockMask):
     """How the ring's K/V travel by the copy engines (`copies`): where every rank is a GPU of
-    this host; None (NCCL's sends) elsewhere, or where ``FLEXATTN_RING_COPY=0``."""
-    if not (bm.one_host and bm.qpos.device.type == "cuda" and copies.enabled() and copies.available()):
+    this host that can use them (agreed when the mask was made); None (NCCL's sends) elsewhere."""
+    if not bm.copy_engines:
         return None
 
     def make(k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> copies.Copies:

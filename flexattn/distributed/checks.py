@@ -98,14 +98,15 @@ def _digest(value) -> int:
 
 
 def agree_table(group: dist.ProcessGroup, what: str, fields: dict, local_error: str, table: torch.Tensor | None,
-                width: int) -> tuple[list[list[int]], bool]:
+                width: int, can: bool = True) -> tuple[list[list[int]], bool]:
     """`agree` and a gather of an int64 ``table`` of ``width`` entries (on the device that
     ``group``'s backend sends from; None where ``local_error``) in one fixed-size collective and one
-    host sync: ``(every rank's table, whether every rank runs on this host)``. A disagreement or an
-    error anywhere then takes `agree`'s gather of the descriptions, which raises on every rank."""
+    host sync: ``(every rank's table, whether every rank runs on this host and passed can=True)``.
+    A disagreement or an error anywhere then takes `agree`'s gather of the descriptions, which
+    raises on every rank."""
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend_of(group) else torch.device("cpu")
-    header = torch.tensor([0 if local_error else 1, _digest(sorted(fields.items())), _digest(socket.gethostname())],
-                          dtype=torch.int64, pin_memory=device.type == "cuda")
+    header = torch.tensor([0 if local_error else 1, _digest(sorted(fields.items())), _digest(socket.gethostname()),
+                           int(bool(can))], dtype=torch.int64, pin_memory=device.type == "cuda")
     body = table.to(device=device, dtype=torch.int64).flatten() if table is not None and not local_error else \
         torch.zeros(width, dtype=torch.int64, device=device)
     mine = torch.cat([header.to(device, non_blocking=True), body])
@@ -115,7 +116,7 @@ def agree_table(group: dist.ProcessGroup, what: str, fields: dict, local_error: 
     if not all(r[0] for r in rows) or len({r[1] for r in rows}) > 1:
         agree(group, what, fields, local_error, cache=False)  # (raises, naming what differs)
         raise DistributedMismatchError(f"{what}: the ranks' descriptions differ")  # (equal reprs, unequal digests)
-    return [r[3:] for r in rows], len({r[2] for r in rows}) == 1
+    return [r[4:] for r in rows], len({r[2] for r in rows}) == 1 and all(r[3] for r in rows)
 
 
 _AGREED: set = set()

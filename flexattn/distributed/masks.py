@@ -20,7 +20,7 @@ import torch.distributed as dist
 import flexattn
 from flexattn import interval
 from flexattn.block_mask.create import _resolve_mask as resolve_mask
-from flexattn.distributed import checks
+from flexattn.distributed import checks, copies
 from flexattn.distributed.layout import Layout, as_layout
 from flexattn.lru import LRU
 
@@ -142,7 +142,8 @@ class DistributedBlockMask:
         self.kvpos_held = [p if j == self.rank else p[slice(*windows[j])] for j, p in enumerate(kvpos)]
         self.qpos_rows = [None if r is None else qpos[slice(*r)] for r in rows]
         self._gathered = None
-        self.one_host = False  # (every rank on this host: the ring may use the copy engines)
+        # (every rank a GPU of this host that can and may use the copy engines, `copies.usable`)
+        self.copy_engines = False
         # (the name the custom ops know it by; equal on every rank, new for every mask)
         self.name = repr(token)
         _BY_NAME[self.name] = self
@@ -220,8 +221,10 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         except (ValueError, TypeError, RuntimeError) as e:
             error, failure = str(e), e
         try:
-            tables, one_host = checks.agree_table(group, "flexattn.distributed.create_block_mask", fields, error,
-                                                  table, 4 * P)
+            # (the copy engines only where every rank can use them: one rank's FLEXATTN_RING_COPY=0
+            # keeps every rank's K/V on NCCL, so that sends and receives still pair up)
+            tables, copy_engines = checks.agree_table(group, "flexattn.distributed.create_block_mask", fields,
+                                                      error, table, 4 * P, can=copies.usable(device))
         except checks.DistributedMismatchError as e:
             raise e from failure
         L = qpos.numel()
@@ -253,7 +256,7 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     token = (mod.key(), layout.key(), Q_LEN, KV_LEN, B, H, BLOCK_SIZE, group.group_name, next(counter))
     bm = DistributedBlockMask(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, qpos, kvpos, masks,
                               needs, windows, tuple(rows), token)
-    bm.one_host = one_host
+    bm.copy_engines = copy_engines
     return bm
 
 
