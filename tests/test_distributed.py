@@ -789,7 +789,6 @@ def _ring_call(sim, workspaces, needs):
     for r in range(P):
         sim.rank = r
         c = copies.Copies(workspaces[r])
-        c.begin()
         held = [_Cell(sim, r, None, i) for i in range(2)]
         for s in range(P):
             j, nxt = (r - s) % P, (r - s - 1) % P

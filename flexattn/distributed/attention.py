@@ -36,12 +36,7 @@ def _copies_of(bm: DistributedBlockMask):
     this host that can use them (agreed when the mask was made); None (NCCL's sends) elsewhere."""
     if not bm.copy_engines:
         return None
-
-    def make(k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> copies.Copies:
-        capacity = max(copies.capacity_of((((*k.shape[:2], n, k.shape[3]), k.dtype),
-                                           ((*v.shape[:2], n, v.shape[3]), v.dtype))) for n in lengths)
-        return copies.Copies(copies.workspace(bm.group, capacity, k.device))
-    return make
+    return lambda capacity, device: copies.Copies(copies.workspace(bm.group, capacity, device))
 
 
 def _rows(t: torch.Tensor | None, rows: tuple[int, int]) -> torch.Tensor | None:

@@ -29,6 +29,7 @@ so a buffer it sent (the own shard, or a slot) may be freed or reused after it, 
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -56,10 +57,8 @@ def usable(device: torch.device) -> bool:
 
 
 def _nbytes(shape, dtype) -> int:
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    return -(-n // _ALIGN) * _ALIGN
+    """Bytes a tensor takes in a slot (rounded up to `_ALIGN`)."""
+    return -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
 
 
 class Workspace:
@@ -90,10 +89,7 @@ class Workspace:
                     raw = self.buffer[at:at + n]
                 else:
                     raw = self.handle.get_buffer(rank, (n,), torch.uint8, at)
-                numel = 1
-                for d in shape:
-                    numel *= d
-                hit.append(raw[:numel * dtype.itemsize].view(dtype).view(shape))
+                hit.append(raw[:math.prod(shape) * dtype.itemsize].view(dtype).view(shape))
                 at += n
             self._views[key] = hit
         return hit
@@ -128,11 +124,8 @@ def workspace_bytes(device: torch.device | None = None) -> int:
     return sum(2 * ws.capacity for (_, d), ws in _WORKSPACES.items() if device is None or d == device)
 
 
-def slot_metas(tensors_meta: list) -> tuple:
-    return tuple((tuple(shape), dtype) for shape, dtype in tensors_meta)
-
-
 def capacity_of(metas: tuple) -> int:
+    """Bytes of a slot that holds tensors of ``metas`` ((shape, dtype) each)."""
     return sum(_nbytes(shape, dtype) for shape, dtype in metas)
 
 
@@ -151,14 +144,11 @@ class _Step:
 
 
 class Copies:
-    """One ring call's K/V travel through the workspace (`begin`, `exchange` per step, `end`)."""
+    """One ring call's K/V travel through the workspace (`exchange` per step, then `end`)."""
 
     def __init__(self, ws: Workspace):
         self.ws = ws
         self.consumed: set = set()  # slots received into whose FREE is not yet re-posted
-
-    def begin(self) -> None:
-        self.consumed.clear()
 
     def exchange(self, s: int, sends: list[torch.Tensor] | None, receive: tuple | None):
         """Step s: push ``sends`` (contiguous) into slot s % 2 of the next rank, and receive the
@@ -172,7 +162,7 @@ class Copies:
                 ws.handle.put_signal(ws.prev, FREE[x])
                 self.consumed.discard(x)
             if sends:
-                metas = slot_metas([(t.shape, t.dtype) for t in sends])
+                metas = tuple((tuple(t.shape), t.dtype) for t in sends)
                 ws.handle.wait_signal(ws.next, FREE[x])
                 for dst, src in zip(ws.views(ws.next, x, metas), sends):
                     dst.copy_(src)

@@ -228,19 +228,12 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         except checks.DistributedMismatchError as e:
             raise e from failure
         L = qpos.numel()
-        every, rows = [], []  # (every[i][j]: the local KV positions rank i's tables list in shard j, or None)
-        for i, flat in enumerate(tables):
-            spans = []
-            for j in range(P):
-                ranges = _ranges(flat[4 * j:4 * j + 4])
-                spans.append(None if ranges is None else
-                             (ranges[0][0] * kv_block, min(ranges[0][1] * kv_block, kvpos[j].numel())))
-                if i == r:
-                    if ranges is None:
-                        masks[j] = None
-                    rows.append(None if ranges is None else
-                                (ranges[1][0] * q_block, min(ranges[1][1] * q_block, L)))
-            every.append(spans)
+        ranges = [[_ranges(flat[4 * j:4 * j + 4]) for j in range(P)] for flat in tables]  # (rank i's, pair j's)
+        # (every[i][j]: the local KV positions rank i's tables list in shard j, or None)
+        every = [[None if g is None else (g[0][0] * kv_block, min(g[0][1] * kv_block, kvpos[j].numel()))
+                  for j, g in enumerate(mine)] for mine in ranges]
+        rows = [None if g is None else (g[1][0] * q_block, min(g[1][1] * q_block, L)) for g in ranges[r]]
+        masks = [None if g is None else m for m, g in zip(masks, ranges[r])]
         needs = tuple(tuple(span is not None for span in r) for r in every)
         windows = tuple(_window(every, j, kvpos[j].numel()) for j in range(P))
         for j in range(P):  # the tables of the rows that read shard j, against what travels of it
@@ -276,11 +269,10 @@ def rows_of(bm, mod, qpos, kvpos, rows: tuple[int, int]):
         return None if t is None else (t[..., :n] - first).contiguous()
 
     local, _ = at_global_positions(mod, MASK, torch.float32, qpos[lo:hi], kvpos)
-    out = flexattn.BlockMask((hi - lo, bm.seq_lengths[1]), kv_rows(bm.kv_num_blocks), kv_rows(bm.kv_indices),
-                             kv_rows(bm.full_kv_num_blocks), kv_rows(bm.full_kv_indices),
-                             bm.q_num_blocks, q_lists(bm.q_indices), bm.full_q_num_blocks,
-                             q_lists(bm.full_q_indices), BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=local, validate=False)
-    return out
+    return flexattn.BlockMask((hi - lo, bm.seq_lengths[1]), kv_rows(bm.kv_num_blocks), kv_rows(bm.kv_indices),
+                              kv_rows(bm.full_kv_num_blocks), kv_rows(bm.full_kv_indices),
+                              bm.q_num_blocks, q_lists(bm.q_indices), bm.full_q_num_blocks,
+                              q_lists(bm.full_q_indices), BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=local, validate=False)
 
 
 def _pair_mask(mod, B: int, H: int, qpos, kvpos, device, BLOCK_SIZE):

@@ -45,6 +45,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from flexattn.distributed.copies import capacity_of as copies_capacity
 from flexattn.kernels import merge
 
 
@@ -105,7 +106,8 @@ class Ring:
     def __init__(self, groups: tuple, needs: tuple, windows: tuple, own_length: int, rows: tuple, n_rows: int,
                  copies: Callable | None = None):
         self.groups = groups
-        # (``copies(k, v, lengths)``: a `copies.Copies` for K/V of this call's shapes, or None: NCCL)
+        # (``copies(capacity, device)``: a `copies.Copies` with slots of at least ``capacity`` bytes, or
+        # None: NCCL)
         self.make_copies = copies
         self.copies = None
         self.group = group = groups[0]
@@ -133,8 +135,7 @@ class Ring:
         nxt = self.shard_at(s + 1)
         receiving = s + 1 <= self.last[nxt]
         if self.copies is not None:
-            metas = tuple(((*t.shape[:2], self.lengths[nxt], t.shape[3]), t.dtype) for t in held) if receiving else None
-            works, received = self.copies.exchange(s, sends, metas)
+            works, received = self.copies.exchange(s, sends, self._metas(held, nxt) if receiving else None)
             return works + [sends], received
         for i, t in enumerate(sends):
             ops[i].append(dist.P2POp(dist.isend, t, self.peers[0], self.groups[i], tag + i))
@@ -144,13 +145,16 @@ class Ring:
                 ops[i].append(dist.P2POp(dist.irecv, t, self.peers[1], self.groups[i], tag + i))
         return _post(ops, sends), received
 
+    def _metas(self, held: list[torch.Tensor], j: int) -> tuple:
+        """(shape, dtype) of K and V of shard j's travelling window."""
+        return tuple(((*t.shape[:2], self.lengths[j], t.shape[3]), t.dtype) for t in held)
+
     def _begin(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        travels = [n for j, n in enumerate(self.lengths) if self.last[j] > 0]
+        travels = [j for j in range(self.P) if self.last[j] > 0]
         # (not while a CUDA graph is captured: the slots are made by a collective at first use)
-        usable = self.make_copies is not None and travels and not torch.cuda.is_current_stream_capturing()
-        self.copies = self.make_copies(k, v, travels) if usable else None
-        if self.copies is not None:
-            self.copies.begin()
+        if self.make_copies is not None and travels and not torch.cuda.is_current_stream_capturing():
+            capacity = max(copies_capacity(self._metas([k, v], j)) for j in travels)
+            self.copies = self.make_copies(capacity, k.device)
 
     def _end(self) -> None:
         if self.copies is not None:
@@ -183,9 +187,8 @@ class Ring:
         return out, lse, mx
 
     def _kv_like(self, k, v, j, dtype=None):
-        n = self.lengths[j]
-        return (k.new_empty((*k.shape[:2], n, k.shape[3]), dtype=dtype or k.dtype),
-                v.new_empty((*v.shape[:2], n, v.shape[3]), dtype=dtype or v.dtype))
+        return tuple(t.new_empty(shape, dtype=dtype or kind)
+                     for t, (shape, kind) in zip((k, v), self._metas([k, v], j)))
 
     def backward(self, k: torch.Tensor, v: torch.Tensor, compute: Callable, acc_dtype: torch.dtype):
         """``compute(j, k_j, v_j) -> (dq, dk_j, dv_j, extra)`` for every pair this rank reads (dq of
