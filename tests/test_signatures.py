@@ -302,7 +302,7 @@ def test_the_block_mask_arguments_land_at_their_names(separate_full, monkeypatch
         if not separate_full:  # no full lists: both kernels get the KV counts in their (unread) place
             full = [flat[0], flat[0]]
         tensors = dict(zip(sig.group("tensors")[1:], [*lists, *full]))
-        assert_lands(sig, hooks, args, {**states, **tensors, "N_Q_TILES": n_q, "N_KV_TILES": n_kv})
+        assert_lands(sig, hooks, args, {**states, **tensors, "N_Q_TILES": n_q, "N_KV_TILES": n_kv, "Q0": 0, "KV0": 0})
 
 
 def test_the_forward_plan_strides_and_sizes_land_at_their_names():

@@ -12,7 +12,7 @@ from flexattn import capture, interval, ir, modcache
 from flexattn.block_mask.blockmask import BlockMask
 from flexattn.block_mask.mask_mods import as_mod
 from flexattn.block_mask.sizes import _DEFAULT_SPARSE_BLOCK_SIZE, _check_block_sizes, _check_positive
-from flexattn.codegen.block_mask_kernel import build_tables
+from flexattn.codegen import block_mask_kernel
 from flexattn.kernels.tables import block_size_pair, ordered
 from flexattn.mods import MASK, SCORE, Mod, template
 
@@ -187,17 +187,63 @@ def _resolve_mask(mask_mod, device: torch.device) -> Mod:
 def _build_tables(mod: Mod, B, H, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOCK: int, device: torch.device,
                   separate_full: bool, backend: str) -> tuple:
     """The eight tables of ``mod``'s BlockMask (the full_* ones None unless ``separate_full``)."""
+    return classify(mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, backend).tables(separate_full=separate_full)
+
+
+def classify(mod: Mod, B: int, H: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOCK: int,
+             device: torch.device, backend: str) -> "Classified":
+    """Every (query tile, KV tile) of ``mod`` classified (empty, partial, full), on ``backend``:
+    the tables of its block mask, or of any rectangle of its tiles, come from it."""
     used = {n.arg for n in ir.toposort(mod.ir) if n.op == "input"}
     BD = B if "b" in used else 1
     HD = H if "h" in used else 1
     if backend == "triton":
-        tables = build_tables(mod, BD, HD, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, separate_full=separate_full)
+        tiles = block_mask_kernel.classify(mod, BD, HD, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device)
     else:
-        states = _classify_torch(mod, BD, HD, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device)
-        tables = _tables_from_states(states, separate_full)
-    if (BD, HD) != (B, H):
-        tables = tuple(None if t is None else t.expand(B, H, *t.shape[2:]).contiguous() for t in tables)
-    return tables
+        tiles = _TorchTiles(_classify_torch(mod, BD, HD, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device))
+    return Classified(tiles, B, H)
+
+
+class Classified:
+    """A mask's classified tiles (`classify`) for [B, H] (a mask that ignores b or h is classified
+    once and its tables repeated)."""
+
+    def __init__(self, tiles, B: int, H: int):
+        self.tiles, self.B, self.H = tiles, B, H
+        self.n_q, self.n_kv = tiles.n_q, tiles.n_kv
+
+    def nonempty(self) -> torch.Tensor:
+        """bool [BD, HD, n_q, n_kv] (BD = 1 where the mask ignores b, HD likewise): the tiles that
+        keep any element."""
+        return self.tiles.nonempty()
+
+    def tables(self, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None,
+               separate_full: bool = True) -> tuple:
+        """The eight tables of the block mask of the query tiles ``rows = (first, last + 1)``
+        against the KV tiles ``cols`` (default: all), each [B, H, ...]."""
+        tables = self.tiles.tables(rows, cols, separate_full)
+        if (self.tiles.BD, self.tiles.HD) != (self.B, self.H):
+            tables = tuple(None if t is None else t.expand(self.B, self.H, *t.shape[2:]).contiguous() for t in tables)
+        return tables
+
+
+class _TorchTiles:
+    """`block_mask_kernel.Tiles` of the torch backend: int8 tile states [BD, HD, n_q, n_kv]."""
+
+    def __init__(self, states: torch.Tensor):
+        self.states = states
+        self.BD, self.HD, self.n_q, self.n_kv = states.shape
+
+    def nonempty(self) -> torch.Tensor:
+        return self.states != interval.EMPTY
+
+    def tables(self, rows, cols, separate_full: bool) -> tuple:
+        q0, q1 = rows if rows is not None else (0, self.n_q)
+        kv0, kv1 = cols if cols is not None else (0, self.n_kv)
+        if not (0 <= q0 < q1 <= self.n_q and 0 <= kv0 < kv1 <= self.n_kv):
+            raise ValueError(f"tile rectangle rows={rows}, cols={cols} is not a non-empty part of "
+                             f"{self.n_q} x {self.n_kv} tiles")
+        return _tables_from_states(self.states[:, :, q0:q1, kv0:kv1], separate_full)
 
 
 @torch.library.custom_op("flexattn::block_mask_tables", mutates_args=())

@@ -1,8 +1,9 @@
 """Host side of the block-mask kernels (templates/block_mask.py): render, launch, return tables.
 
-`build_tables` classifies every (query tile, KV tile) of a mask mod with the generated
-``classify_kernel`` (interval analysis first, element evaluation only for undecided tiles) and
-writes the eight index tensors of a BlockMask with ``kv_order_kernel`` / ``q_order_kernel``.
+`classify` classifies every (query tile, KV tile) of a mask mod with the generated
+``classify_kernel`` (interval analysis first, element evaluation only for undecided tiles);
+`Tiles.tables` writes the eight index tensors of a BlockMask, of all tiles or of a rectangle of
+them, with ``kv_order_kernel`` / ``q_order_kernel``; `build_tables` does both.
 Scratch memory is 2 bits per tile; nothing of size Q_LEN x KV_LEN is ever allocated.
 
 ``mod`` is a mask `flexattn.mods.Mod`; only what the IR layer defines is read from it (its IR,
@@ -70,32 +71,36 @@ def build_tables(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, K
                  device: torch.device, separate_full: bool = True, use_interval: bool = True):
     """(kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx), each
     shaped [BD, HD, ...] (int32); the full_* ones are None unless ``separate_full``."""
-    interpret = device.type == "cpu"
-    module = kernel_module(mod, "interpret" if interpret else "cuda")
-    used = ir.buffers_of(mod.ir)
-    summaries = {buf.index: interval.Summary.of(mod.buffers[buf.index]) for buf in used}
-    n_q, n_kv = triton.cdiv(Q_LEN, Q_BLOCK), triton.cdiv(KV_LEN, KV_BLOCK)
-    n_words = triton.cdiv(n_kv, 16)
-    BH = BD * HD
-    state = torch.empty(BH, n_q, n_words, dtype=torch.int32, device=device)
-    # The interpreter runs one program at a time: bigger vectors, fewer steps. On the GPU, sub-tiles
-    # of 64 x 64 keep registers in check.
-    sub_q, sub_kv = (Q_BLOCK, KV_BLOCK) if interpret else (min(Q_BLOCK, 64), min(KV_BLOCK, 64))
-    chunk_words, chunk_q, chunk_kv = chunks(n_q, n_kv, interpret)
-    # (each launch's arguments in the order `signatures.CLASSIFY`, `KV_ORDER`, `Q_ORDER` declare)
-    # (CPU: Triton's interpreter runs one launch at a time; GPU: threads' first launches of a
-    # module compile it once, under a guard of the tensors' device, where Triton launches)
-    with INTERPRETER_LOCK if interpret else _GPU_LAUNCH_LOCK, \
-            contextlib.nullcontext() if interpret else torch.cuda.device(device):
-        module.classify_kernel[(n_q, BH)](
-            state, *emit.launch_args(used, mod.buffers), *summary_args(used, summaries),
-            state.stride(0), state.stride(1),
-            HD, Q_LEN, KV_LEN, n_kv, n_words,
-            BLOCK_Q=Q_BLOCK, BLOCK_KV=KV_BLOCK, SUB_Q=sub_q, SUB_KV=sub_kv,
-            CHUNK_WORDS=chunk_words, USE_INTERVAL=use_interval,
-            # No FMA contraction: interval bounds rely on every float op rounding like torch's.
-            enable_fp_fusion=False,
-        )
+    tiles = classify(mod, BD, HD, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, use_interval)
+    return tiles.tables(separate_full=separate_full)
+
+
+class Tiles:
+    """The classification of every (query tile, KV tile) of a mask (`classify`): 2 bits per
+    tile, ``state[BD * HD, n_q, n_words]`` (see templates/block_mask.py)."""
+
+    def __init__(self, module, state: torch.Tensor, BD: int, HD: int, n_q: int, n_kv: int, interpret: bool):
+        self.module, self.state, self.BD, self.HD = module, state, BD, HD
+        self.n_q, self.n_kv, self.interpret = n_q, n_kv, interpret
+
+    def nonempty(self) -> torch.Tensor:
+        """bool [BD, HD, n_q, n_kv]: the tiles that keep any element (partial or full)."""
+        lanes = 2 * torch.arange(16, dtype=torch.int32, device=self.state.device)
+        bits = (self.state.unsqueeze(-1) >> lanes) & 3
+        return (bits != 0).flatten(-2)[..., :self.n_kv].view(self.BD, self.HD, self.n_q, self.n_kv)
+
+    def tables(self, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None,
+               separate_full: bool = True) -> tuple:
+        """The eight tables (as `build_tables`) of the query tiles ``rows = (first, last + 1)``
+        against the KV tiles ``cols`` (default: all), numbered from the rectangle's corner: the
+        tables of the block mask of those rows and columns alone."""
+        q0, q1 = rows if rows is not None else (0, self.n_q)
+        kv0, kv1 = cols if cols is not None else (0, self.n_kv)
+        if not (0 <= q0 < q1 <= self.n_q and 0 <= kv0 < kv1 <= self.n_kv):
+            raise ValueError(f"tile rectangle rows={rows}, cols={cols} is not a non-empty part of "
+                             f"{self.n_q} x {self.n_kv} tiles")
+        n_q, n_kv, BH, device, state = q1 - q0, kv1 - kv0, self.BD * self.HD, self.state.device, self.state
+        _, chunk_q, chunk_kv = chunks(n_q, n_kv, self.interpret)
 
         def tables(n_rows, n_cols):
             num = torch.empty(BH, n_rows, dtype=torch.int32, device=device)
@@ -111,15 +116,54 @@ def build_tables(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, K
             fkv_num = fkv_idx = fq_num = fq_idx = kv_num  # unused by the kernels
         # (integer kernels: fp fusion is moot, set so that Triton 3.9 has no default to warn about)
         common = dict(SEPARATE_FULL=separate_full, SEL=1 if separate_full else 0, enable_fp_fusion=False)
-        module.kv_order_kernel[(n_q, BH)](
-            state, kv_num, kv_idx, fkv_num, fkv_idx, state.stride(0), state.stride(1), n_q, n_kv,
-            CHUNK=chunk_kv, **common,
+        with _launching(device, self.interpret):
+            self.module.kv_order_kernel[(n_q, BH)](
+                state, kv_num, kv_idx, fkv_num, fkv_idx, state.stride(0), state.stride(1), n_q, n_kv, q0, kv0,
+                CHUNK=chunk_kv, **common,
+            )
+            self.module.q_order_kernel[(n_kv, BH)](
+                state, q_num, q_idx, fq_num, fq_idx, state.stride(0), state.stride(1), n_q, n_kv, q0, kv0,
+                CHUNK=chunk_q, **common,
+            )
+        out = [kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx]
+        if not separate_full:
+            out[2] = out[3] = out[6] = out[7] = None
+        return tuple(None if t is None else t.view(self.BD, self.HD, *t.shape[1:]) for t in out)
+
+
+@contextlib.contextmanager
+def _launching(device: torch.device, interpret: bool):
+    # (CPU: Triton's interpreter runs one launch at a time; GPU: threads' first launches of a
+    # module compile it once, under a guard of the tensors' device, where Triton launches)
+    with INTERPRETER_LOCK if interpret else _GPU_LAUNCH_LOCK, \
+            contextlib.nullcontext() if interpret else torch.cuda.device(device):
+        yield
+
+
+def classify(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOCK: int,
+             device: torch.device, use_interval: bool = True) -> Tiles:
+    """Every (query tile, KV tile) of ``mod`` classified as empty, partial or full, for [BD, HD]."""
+    interpret = device.type == "cpu"
+    module = kernel_module(mod, "interpret" if interpret else "cuda")
+    used = ir.buffers_of(mod.ir)
+    summaries = {buf.index: interval.Summary.of(mod.buffers[buf.index]) for buf in used}
+    n_q, n_kv = triton.cdiv(Q_LEN, Q_BLOCK), triton.cdiv(KV_LEN, KV_BLOCK)
+    n_words = triton.cdiv(n_kv, 16)
+    BH = BD * HD
+    state = torch.empty(BH, n_q, n_words, dtype=torch.int32, device=device)
+    # The interpreter runs one program at a time: bigger vectors, fewer steps. On the GPU, sub-tiles
+    # of 64 x 64 keep registers in check.
+    sub_q, sub_kv = (Q_BLOCK, KV_BLOCK) if interpret else (min(Q_BLOCK, 64), min(KV_BLOCK, 64))
+    chunk_words, _, _ = chunks(n_q, n_kv, interpret)
+    # (each launch's arguments in the order `signatures.CLASSIFY`, `KV_ORDER`, `Q_ORDER` declare)
+    with _launching(device, interpret):
+        module.classify_kernel[(n_q, BH)](
+            state, *emit.launch_args(used, mod.buffers), *summary_args(used, summaries),
+            state.stride(0), state.stride(1),
+            HD, Q_LEN, KV_LEN, n_kv, n_words,
+            BLOCK_Q=Q_BLOCK, BLOCK_KV=KV_BLOCK, SUB_Q=sub_q, SUB_KV=sub_kv,
+            CHUNK_WORDS=chunk_words, USE_INTERVAL=use_interval,
+            # No FMA contraction: interval bounds rely on every float op rounding like torch's.
+            enable_fp_fusion=False,
         )
-        module.q_order_kernel[(n_kv, BH)](
-            state, q_num, q_idx, fq_num, fq_idx, state.stride(0), state.stride(1), n_q, n_kv,
-            CHUNK=chunk_q, **common,
-        )
-    out = [kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx]
-    if not separate_full:
-        out[2] = out[3] = out[6] = out[7] = None
-    return tuple(None if t is None else t.view(BD, HD, *t.shape[1:]) for t in out)
+    return Tiles(module, state, BD, HD, n_q, n_kv, interpret)

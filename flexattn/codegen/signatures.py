@@ -159,13 +159,13 @@ CLASSIFY = Signature("classify_kernel", (
 KV_ORDER = Signature("kv_order_kernel", (
     ("tensors", _names("State, KvNum, KvIdx, FullNum, FullIdx")),
     _STATE_STRIDES,
-    ("sizes", _names("N_Q_TILES, N_KV_TILES")),
+    ("sizes", _names("N_Q_TILES, N_KV_TILES, Q0, KV0")),
 ), _ORDER_CONSTEXPRS)
 
 Q_ORDER = Signature("q_order_kernel", (
     ("tensors", _names("State, QNum, QIdx, FullNum, FullIdx")),
     _STATE_STRIDES,
-    ("sizes", _names("N_Q_TILES, N_KV_TILES")),
+    ("sizes", _names("N_Q_TILES, N_KV_TILES, Q0, KV0")),
 ), _ORDER_CONSTEXPRS)
 
 _BACKWARD_CONSTEXPRS = _names("""

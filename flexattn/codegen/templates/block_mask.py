@@ -9,6 +9,8 @@
 #   kv_order_kernel  grid (N_Q_TILES, BH): per query-tile row, counts and indices of the partial
 #                    and full KV tiles (kv_num_blocks / kv_indices / full_kv_*).
 #   q_order_kernel   grid (N_KV_TILES, BH): the same per KV-tile column (q_* / full_q_*).
+# The order kernels may read a rectangle of the state (Q0, KV0): one classification gives the
+# tables of several block masks whose tiles it holds (flexattn.distributed's pairs of shards).
 #
 # Index layout (torch's, from a stable descending argsort of the 0/1 tile row): a row of
 # *_indices holds the selected tiles in ascending order, then all other tiles in ascending order.
@@ -127,14 +129,15 @@ $classify_kernel_params
 
 @triton.jit
 def _states(Words, i, real, stride, lane, COLUMN: tl.constexpr):
-    # Row of tiles: tile i sits in word i // 16. Column (KV tile `lane` of word column Words):
-    # query-tile row i's word is Words + i * stride.
+    # Row of tiles: tile `lane + i` sits in word (lane + i) // 16 (`lane`: the row's first tile).
+    # Column (KV tile `lane` of word column Words): query-tile row i's word is Words + i * stride.
     if COLUMN:
         word = tl.load(Words + i.to(tl.int64) * stride, mask=real, other=0)
         return (word >> (2 * lane)) & 3
     else:
-        word = tl.load(Words + i // 16, mask=real, other=0)
-        return (word >> (2 * (i % 16))) & 3
+        t = lane + i
+        word = tl.load(Words + t // 16, mask=real, other=0)
+        return (word >> (2 * (t % 16))) & 3
 
 
 @triton.jit
@@ -174,28 +177,32 @@ def _order(Words, N, stride, lane, Num, Idx,
     tl.store(Num, n_sel)
 
 
-@triton.jit(do_not_specialize=["stride_sbh", "stride_sm", "N_Q_TILES", "N_KV_TILES"])
+# Both order kernels list the tiles of a rectangle of the state: query-tile rows Q0 .. Q0 +
+# N_Q_TILES - 1 against KV-tile columns KV0 .. KV0 + N_KV_TILES - 1, numbered from its corner (the
+# tables of a block mask of those rows and columns; 0, 0 and the whole state for the whole mask).
+@triton.jit(do_not_specialize=["stride_sbh", "stride_sm", "N_Q_TILES", "N_KV_TILES", "Q0", "KV0"])
 def kv_order_kernel(
 $kv_order_kernel_params
 ):
     # SEL: the state listed in KvIdx (PARTIAL, or 0 = any non-empty when not SEPARATE_FULL)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    words = State + pid_bh.to(tl.int64) * stride_sbh + pid_m.to(tl.int64) * stride_sm
+    words = State + pid_bh.to(tl.int64) * stride_sbh + (Q0 + pid_m).to(tl.int64) * stride_sm
     row = pid_bh.to(tl.int64) * N_Q_TILES + pid_m
-    _order(words, N_KV_TILES, 0, 0, KvNum + row, KvIdx + row * N_KV_TILES, SEL, False, CHUNK)
+    _order(words, N_KV_TILES, 0, KV0, KvNum + row, KvIdx + row * N_KV_TILES, SEL, False, CHUNK)
     if SEPARATE_FULL:
-        _order(words, N_KV_TILES, 0, 0, FullNum + row, FullIdx + row * N_KV_TILES, FULL, False, CHUNK)
+        _order(words, N_KV_TILES, 0, KV0, FullNum + row, FullIdx + row * N_KV_TILES, FULL, False, CHUNK)
 
 
-@triton.jit(do_not_specialize=["stride_sbh", "stride_sm", "N_Q_TILES", "N_KV_TILES"])
+@triton.jit(do_not_specialize=["stride_sbh", "stride_sm", "N_Q_TILES", "N_KV_TILES", "Q0", "KV0"])
 def q_order_kernel(
 $q_order_kernel_params
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    words = State + pid_bh.to(tl.int64) * stride_sbh + pid_n // 16
-    lane = pid_n % 16
+    c = KV0 + pid_n
+    words = State + pid_bh.to(tl.int64) * stride_sbh + Q0.to(tl.int64) * stride_sm + c // 16
+    lane = c % 16
     col = pid_bh.to(tl.int64) * N_KV_TILES + pid_n
     _order(words, N_Q_TILES, stride_sm, lane, QNum + col, QIdx + col * N_Q_TILES, SEL, True, CHUNK)
     if SEPARATE_FULL:
