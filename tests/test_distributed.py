@@ -424,45 +424,59 @@ def test_whole_documents_is_the_most_even_cut():
         fd.WholeDocuments([4, 5]).runs(10, 2, 0)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("layout", ["head_tail", "documents"])
-def test_rows_of_is_the_mask_built_for_those_rows(layout):
-    """A pair's tables restricted to the query rows that read the shard (sliced, not built again)
-    list what a mask built for those rows lists, and evaluate the same mask_mod on its blocks."""
-    from flexattn.distributed.masks import MASK, _pair_mask, at_global_positions, block_ranges, rows_of
-    S, P = 1501, 3
+def test_pair_tables_are_the_masks_built_for_those_positions(layout, backend):
+    """One classification of a rank's queries against every KV shard side by side (each padded to
+    whole blocks, the padding masked out) lists, for any rectangle of query blocks and KV blocks
+    of one shard, the tables of a block mask built for those queries and keys alone; its block
+    ranges are those of each pair's own mask."""
+    from flexattn.block_mask.create import classify
+    from flexattn.distributed.masks import MASK, _ranges, at_global_positions, block_range_table
+    S, P, QB, KVB = 1501, 3, 64, 32
     docs = [600, 500, 401]
     ids = torch.repeat_interleave(torch.arange(3), torch.tensor(docs))
     mod, lb = (masks.causal, fd.HeadTail()) if layout == "head_tail" else \
         (masks.document(ids, causal=True), fd.PerDocument(docs))
     mod = flexattn.trace(mod, "mask")
-    checked = 0
-    for r, j in itertools.product(range(P), range(P)):
-        qpos, kvpos = lb.positions(S, P, r), lb.positions(S, P, j)
-        bm = _pair_mask(mod, 1, 1, qpos, kvpos, torch.device("cpu"), 64)
-        ranges = block_ranges([bm])[0]
-        if ranges is None:
-            continue
-        rows = (ranges[1][0] * 64, min(ranges[1][1] * 64, qpos.numel()))
-        if rows == (0, qpos.numel()):
-            continue
-        sliced = rows_of(bm, mod, qpos, kvpos, rows)
-        built = _pair_mask(mod, 1, 1, qpos[slice(*rows)], kvpos, torch.device("cpu"), 64)
-        assert sliced.seq_lengths == built.seq_lengths
-        assert torch.equal(sliced.to_dense(), built.to_dense())
-        for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
-            assert torch.equal(getattr(sliced, name), getattr(built, name)), name
-        for num, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
-                         ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
-            n = getattr(built, num)
-            a, b = getattr(sliced, idx), getattr(built, idx)
-            listed = torch.arange(b.shape[-1]) < n.unsqueeze(-1)
-            assert torch.equal(a[..., :b.shape[-1]][listed], b[listed]), idx
-        local, _ = at_global_positions(mod, MASK, torch.float32, qpos[slice(*rows)], kvpos)
-        dense = flexattn.create_mask(local, 1, 1, rows[1] - rows[0], kvpos.numel(), device="cpu")
-        assert torch.equal(flexattn.create_mask(sliced.mask_mod, 1, 1, rows[1] - rows[0], kvpos.numel(),
-                                                device="cpu"), dense)
-        checked += 1
-    assert checked >= 2
+    cpu = torch.device("cpu")
+    tiled, kept, n = lb.tiled_positions(S, P, KVB, cpu)
+    partial_rows = partial_cols = 0
+    for r in range(P):
+        qpos = lb.positions(S, P, r)
+        local, _ = at_global_positions(mod, MASK, torch.float32, qpos, tiled, kept)
+        tiles = classify(local, 2, 1, qpos.numel(), tiled.numel(), QB, KVB, cpu, backend)
+        table = block_range_table(tiles.nonempty(), P, n).tolist()
+        for j in range(P):
+            kvpos = lb.positions(S, P, j)
+            whole, _ = at_global_positions(mod, MASK, torch.float32, qpos, kvpos)
+            dense = flexattn.create_mask(whole, 1, 1, qpos.numel(), kvpos.numel(), device=cpu)[0, 0]
+            ranges = _ranges(table[j])
+            if not dense.any():
+                assert ranges is None
+                continue
+            listed_kv = torch.nn.functional.pad(dense.any(0), (0, -dense.shape[1] % KVB)).view(-1, KVB).any(1)
+            listed_q = torch.nn.functional.pad(dense.any(1), (0, -dense.shape[0] % QB)).view(-1, QB).any(1)
+            assert ranges == ((int(listed_kv.nonzero()[0]), int(listed_kv.nonzero()[-1]) + 1),
+                              (int(listed_q.nonzero()[0]), int(listed_q.nonzero()[-1]) + 1)), (r, j)
+            (kv_lo, kv_hi), (q_lo, q_hi) = ranges
+            # (the pair whole, the rows that read the shard against all of it, and those rows against
+            # the blocks they read: the rectangles create_block_mask lists)
+            for tq, tk in {((0, tiles.n_q), (0, -(-kvpos.numel() // KVB))), ((q_lo, q_hi), (0, -(-kvpos.numel() // KVB))),
+                           ((q_lo, q_hi), (kv_lo, kv_hi))}:
+                rows = (tq[0] * QB, min(tq[1] * QB, qpos.numel()))
+                held = (tk[0] * KVB, min(tk[1] * KVB, kvpos.numel()))
+                partial_rows += rows != (0, qpos.numel())
+                partial_cols += held != (0, kvpos.numel())
+                got = tiles.tables(tq, (n * j + tk[0], n * j + tk[1]))
+                pair, _ = at_global_positions(mod, MASK, torch.float32, qpos[slice(*rows)], kvpos[slice(*held)])
+                built = flexattn.create_block_mask(pair, 2, 1, rows[1] - rows[0], held[1] - held[0], device=cpu,
+                                                   BLOCK_SIZE=(QB, KVB), backend=backend)
+                names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                         "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+                for name, t in zip(names, got):
+                    assert torch.equal(t, getattr(built, name)), (r, j, tq, tk, name)
+    assert partial_rows and partial_cols
 
 
 @pytest.mark.parametrize("P", [2, 3])
@@ -835,3 +849,11 @@ def test_copy_protocol_delivers_every_shard_and_never_deadlocks(P, monkeypatch):
     sim.rank = 0
     workspaces[0].handle.wait_signal(1, copies.FILLED[0])
     assert sim.run() == ["compute 0"]
+
+
+def test_layout_docstring_examples():
+    import doctest
+
+    from flexattn.distributed import layout
+    result = doctest.testmod(layout, raise_on_error=False)
+    assert result.failed == 0 and result.attempted > 0

@@ -72,6 +72,33 @@ class Layout:
             _POSITIONS[key] = hit
         return hit
 
+    def tiled_positions(self, length: int, world_size: int, block: int, device=None) -> tuple:
+        """Every shard's positions side by side, each padded to ``n`` blocks of ``block`` (``n``:
+        the longest shard's block count): ``(positions, kept, n)``, int32 positions (0 in the
+        padding) and bool, False in the padding. Blocks ``n * j .. n * j + n - 1`` are shard j's,
+        so one block mask over them holds every shard's tiles (made once per layout, length and
+        block, and shared).
+
+        >>> pos, kept, n = HeadTail().tiled_positions(10, 2, 4)
+        >>> n, pos.tolist(), kept.int().tolist()
+        (2, [0, 1, 2, 8, 9, 0, 0, 0, 3, 4, 5, 6, 7, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0])
+        """
+        shards = [self.positions(length, world_size, j, device) for j in range(world_size)]
+        key = (self.key(), length, world_size, "tiled", block, shards[0].device)
+        hit = _POSITIONS.get(key)
+        if hit is None:
+            n = max(1, max(-(-s.numel() // block) for s in shards))
+            positions = torch.zeros(world_size, n * block, dtype=torch.int32, device=shards[0].device)
+            kept = torch.zeros(world_size, n * block, dtype=torch.bool, device=shards[0].device)
+            for j, s in enumerate(shards):
+                positions[j, :s.numel()] = s
+                kept[j, :s.numel()] = True
+            hit = (positions.flatten(), kept.flatten(), n)
+            interval.Summary.keep(hit[0])
+            interval.Summary.keep(hit[1])
+            _POSITIONS[key] = hit
+        return hit
+
     def shard_length(self, length: int, world_size: int, rank: int) -> int:
         return sum(b - a for a, b in self.runs(length, world_size, rank))
 

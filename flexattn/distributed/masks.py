@@ -3,9 +3,11 @@
 A rank's shard holds some global positions (`flexattn.distributed.layout`); the user's mods are
 written for global ``q_idx`` / ``kv_idx``. `at_global_positions` rewrites a mod into
 ``mod(b, h, qpos[q_idx], kvpos[kv_idx])`` with ``qpos`` / ``kvpos`` captured int32 tensors, traced
-once per mod; a step binds the positions of its own query and KV shards. Each rank builds, with
-flexattn's own `create_block_mask` (no torch.compile), one BlockMask of its query shard against
-every KV shard, and the ranks share which pairs are empty so that the ring skips them.
+once per mod; a step binds the positions of its own query and KV shards. Each rank classifies, with
+flexattn's own block-mask kernels (no torch.compile), every tile of its query shard against all
+KV shards at once (the KV shards side by side, each padded to whole blocks), lists from that one
+classification the tables of each pair of shards, and the ranks share which pairs are empty so
+that the ring skips them.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.distributed as dist
 
 import flexattn
 from flexattn import interval
-from flexattn.block_mask.create import _resolve_mask as resolve_mask
+from flexattn.block_mask.create import _resolve_mask as resolve_mask, classify
 from flexattn.distributed import checks, copies
 from flexattn.distributed.layout import Layout, as_layout
 from flexattn.lru import LRU
@@ -30,37 +32,44 @@ SCORE, MASK = "score", "mask"
 _WRAPPED = LRU(1024)
 
 
-def _template(mod, kind: str, score_dtype: torch.dtype):
+def _template(mod, kind: str, score_dtype: torch.dtype, kept: bool = False):
     """``mod`` read at global positions: (template Mod, slots); buffer i of the template is entry
-    ``slots[i]`` of ``(*mod.buffers, qpos, kvpos)``."""
+    ``slots[i]`` of ``(*mod.buffers, qpos, kvpos)``, or of ``(*mod.buffers, qpos, kvpos, kept)``
+    with ``kept`` (a mask that also keeps only the keys where the bool table ``kept`` is True)."""
     metas = tuple((t.dtype, t.dim()) for t in mod.buffers)
-    key = (mod.key(), metas, kind, score_dtype)
+    key = (mod.key(), metas, kind, score_dtype, kept)
     hit = _WRAPPED.get(key)
     if hit is not None:
         return hit
     stand_ins = [torch.empty((0,) * t.dim(), dtype=t.dtype, device="meta") for t in mod.buffers]
     qpos = torch.empty(0, dtype=torch.int32, device="meta")
     kvpos = torch.empty(0, dtype=torch.int32, device="meta")
+    keep = torch.empty(0, dtype=torch.bool, device="meta")
     inner = mod.rebind(stand_ins)
     if kind == SCORE:
         def at_positions(score, b, h, q_idx, kv_idx):
             return inner(score, b, h, qpos[q_idx], kvpos[kv_idx])
+    elif kept:
+        def at_positions(b, h, q_idx, kv_idx):
+            return inner(b, h, qpos[q_idx], kvpos[kv_idx]) & keep[kv_idx]
     else:
         def at_positions(b, h, q_idx, kv_idx):
             return inner(b, h, qpos[q_idx], kvpos[kv_idx])
     wrapped = flexattn.trace(at_positions, kind, score_dtype=score_dtype, name=f"{mod.name}_at_global_positions")
-    by_id = {id(t): i for i, t in enumerate([*stand_ins, qpos, kvpos])}
+    by_id = {id(t): i for i, t in enumerate([*stand_ins, qpos, kvpos, keep])}
     hit = (wrapped, tuple(by_id[id(t)] for t in wrapped.buffers))
     _WRAPPED[key] = hit
     return hit
 
 
-def at_global_positions(mod, kind: str, score_dtype: torch.dtype, qpos: torch.Tensor, kvpos: torch.Tensor):
+def at_global_positions(mod, kind: str, score_dtype: torch.dtype, qpos: torch.Tensor, kvpos: torch.Tensor,
+                        kept: torch.Tensor | None = None):
     """``mod`` (a `flexattn.Mod` with its captured tensors) as seen from local indices whose
-    global positions are ``qpos`` / ``kvpos``; also returns, for each buffer of the result, the
-    index of the ``mod`` buffer it is (None for the position tables)."""
-    wrapped, slots = _template(mod, kind, score_dtype)
-    pool = (*mod.buffers, qpos, kvpos)
+    global positions are ``qpos`` / ``kvpos`` (a mask: and only at the keys where ``kept`` is True,
+    if given); also returns, for each buffer of the result, the index of the ``mod`` buffer it is
+    (None for the position tables)."""
+    wrapped, slots = _template(mod, kind, score_dtype, kept is not None)
+    pool = (*mod.buffers, qpos, kvpos, kept)
     n = len(mod.buffers)
     return wrapped.rebind([pool[i] for i in slots]), tuple(i if i < n else None for i in slots)
 
@@ -75,39 +84,21 @@ def as_mask_mod(mask_mod, device=None) -> "flexattn.Mod":
     return resolve_mask(mask_mod, torch.device(device) if device is not None else torch.device("cpu"))
 
 
-def block_range_table(block_masks: list, device) -> torch.Tensor:
-    """int64 [len(block_masks), 4] on ``device``, no host sync: for each BlockMask (made by
-    `flexattn.create_block_mask`, which makes its query lists too), the first and last + 1 of the
-    KV blocks it lists in any row, then of the query blocks whose rows list any; (0, 0, 0, 0) where
-    it lists none (or is None)."""
-    vectors = []  # (per mask: KV blocks listed, query blocks listing; from its query and KV lists' counts)
-    for bm in block_masks:
-        if bm is None:
-            vectors += [torch.zeros(1, dtype=torch.bool, device=device)] * 2
-            continue
-        for counts in ((bm.q_num_blocks, bm.full_q_num_blocks), (bm.kv_num_blocks, bm.full_kv_num_blocks)):
-            listed = None
-            for num in counts:
-                if num is not None:
-                    any_ = (num > 0).flatten(0, -2).any(0)
-                    listed = any_ if listed is None else listed | any_
-            vectors.append(listed)
-    flags = torch.nn.utils.rnn.pad_sequence(vectors, batch_first=True)  # [2n, longest]
-    at = torch.arange(1, flags.shape[1] + 1, device=device)
-    last = torch.where(flags, at, 0).amax(1)                      # (last + 1; 0 where none)
+def block_range_table(nonempty: torch.Tensor, P: int, n: int) -> torch.Tensor:
+    """int64 [P, 4], no host sync: from the tiles of a rank's queries against every KV shard
+    (``nonempty``: bool [..., n_q, P * n], shard j's tiles at n * j .. n * j + n - 1), for each
+    shard the first and last + 1 of its KV blocks that any query block keeps, then of the query
+    blocks that keep any of its KV blocks; (0, 0, 0, 0) where none is kept."""
+    kept = nonempty.flatten(0, -3).any(0).view(nonempty.shape[-2], P, n)  # [n_q, P, n]
+    return torch.cat([_spans(kept.any(0)), _spans(kept.any(2).t())], 1)
+
+
+def _spans(flags: torch.Tensor) -> torch.Tensor:
+    """[R, 2]: the first and last + 1 of each row's True columns; (0, 0) where none."""
+    at = torch.arange(1, flags.shape[1] + 1, device=flags.device)
+    last = torch.where(flags, at, 0).amax(1)
     first = torch.where(flags, at, flags.shape[1] + 1).amin(1) - 1
-    first = torch.where(last > 0, first, 0)
-    return torch.stack([first, last], 1).view(-1, 4)
-
-
-def block_ranges(block_masks: list) -> list[tuple | None]:
-    """For each BlockMask (or None): ``((first, last + 1) of the KV blocks it lists in any row,
-    (first, last + 1) of the query blocks whose rows list any)``, or None where it lists none
-    (one host sync: mask-building time only)."""
-    found = [bm for bm in block_masks if bm is not None]
-    if not found:
-        return [None] * len(block_masks)
-    return [_ranges(row) for row in block_range_table(block_masks, found[0].kv_num_blocks.device).tolist()]
+    return torch.stack([torch.where(last > 0, first, 0), last], 1)
 
 
 def _ranges(row: list[int]) -> tuple | None:
@@ -159,7 +150,8 @@ class DistributedBlockMask:
             mod, _ = at_global_positions(self.mask_mod, MASK, torch.float32, self.qpos, kvpos)
             bm = flexattn.create_block_mask(mod, self.B, self.H, self.qpos.numel(), kvpos.numel(),
                                             device=self.qpos.device, BLOCK_SIZE=self.BLOCK_SIZE)
-            self._gathered = (None if block_ranges([bm])[0] is None else bm, kvpos)
+            listed = any(t is not None and bool(t.any()) for t in (bm.kv_num_blocks, bm.full_kv_num_blocks))
+            self._gathered = (bm if listed else None, kvpos)
         return self._gathered
 
     def sparsity(self) -> float:
@@ -191,7 +183,7 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     """This rank's block tables of ``mask_mod`` (written for global ``q_idx`` / ``kv_idx``) for
     sequences of Q_LEN queries and KV_LEN keys sharded over ``group_or_mesh`` by ``load_balance``
     (None, "head_tail" or a layout of `flexattn.distributed`). Any lengths work; each rank's
-    tables are built with flexattn's `create_block_mask` (no torch.compile). A collective: every
+    tables come from flexattn's block-mask kernels (no torch.compile). A collective: every
     rank calls it with the same arguments (checked: a mismatch raises on every rank).
 
     Example (under torchrun)::
@@ -209,15 +201,23 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     q_block, kv_block = BLOCK_SIZE if isinstance(BLOCK_SIZE, tuple) else (BLOCK_SIZE, BLOCK_SIZE)
     fields = {"mask_mod": mod.key(), "B": B, "H": H, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "layout": layout.key(),
               "BLOCK_SIZE": BLOCK_SIZE, "device type": device.type}
-    # (each rank builds its tables, then one gather both checks that the ranks agree and shares
-    # which KV blocks each rank's tables list; an error while building is reported by that gather)
-    with interval.shared_summaries():  # (the position tables and captured tensors: one summary each)
-        error, failure, table = "", None, None
+    # (each rank classifies the tiles of its queries against every KV shard at once, then one
+    # gather both checks that the ranks agree and shares which tiles each rank keeps; an error
+    # while classifying is reported by that gather; then each pair's tables, of the rows that read
+    # the shard against what travels of it, are listed from the one classification)
+    with interval.shared_summaries():  # (the captured tensors: one summary each)
+        error, failure, table, tiles = "", None, None, None
         try:
             qpos = layout.positions(Q_LEN, P, r, device)
             kvpos = [layout.positions(KV_LEN, P, j, device) for j in range(P)]
-            masks = [_pair_mask(mod, B, H, qpos, kvpos_j, device, BLOCK_SIZE) for kvpos_j in kvpos]
-            table = block_range_table(masks, device)
+            tiled, kept, n = layout.tiled_positions(KV_LEN, P, kv_block, device)
+            if qpos.numel() == 0:  # (a rank without queries keeps nothing)
+                table = torch.zeros(P, 4, dtype=torch.int64, device=device)
+            else:
+                local, _ = at_global_positions(mod, MASK, torch.float32, qpos, tiled, kept)
+                tiles = classify(local, B, H, qpos.numel(), tiled.numel(), q_block, kv_block, device,
+                                 "triton" if device.type == "cuda" else "torch")
+                table = block_range_table(tiles.nonempty(), P, n)
         except (ValueError, TypeError, RuntimeError) as e:
             error, failure = str(e), e
         try:
@@ -233,17 +233,20 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         every = [[None if g is None else (g[0][0] * kv_block, min(g[0][1] * kv_block, kvpos[j].numel()))
                   for j, g in enumerate(mine)] for mine in ranges]
         rows = [None if g is None else (g[1][0] * q_block, min(g[1][1] * q_block, L)) for g in ranges[r]]
-        masks = [None if g is None else m for m, g in zip(masks, ranges[r])]
         needs = tuple(tuple(span is not None for span in r) for r in every)
         windows = tuple(_window(every, j, kvpos[j].numel()) for j in range(P))
-        for j in range(P):  # the tables of the rows that read shard j, against what travels of it
-            if masks[j] is None:
+        masks = []
+        for j, g in enumerate(ranges[r]):  # the tables of the rows that read shard j, against what travels of it
+            if g is None:
+                masks.append(None)
                 continue
             held = (0, kvpos[j].numel()) if j == r else windows[j]
-            if held != (0, kvpos[j].numel()):
-                masks[j] = _pair_mask(mod, B, H, qpos[slice(*rows[j])], kvpos[j][slice(*held)], device, BLOCK_SIZE)
-            elif rows[j] != (0, L):  # (the whole shard travels: the tables of those rows are a slice)
-                masks[j] = rows_of(masks[j], mod, qpos, kvpos[j], rows[j])
+            tile_rows = (g[1][0], g[1][1])
+            tile_cols = (n * j + held[0] // kv_block, n * j + -(-held[1] // kv_block))
+            pair, _ = at_global_positions(mod, MASK, torch.float32, qpos[slice(*rows[j])], kvpos[j][slice(*held)])
+            bm = flexattn.BlockMask((rows[j][1] - rows[j][0], held[1] - held[0]), *tiles.tables(tile_rows, tile_cols),
+                                    BLOCK_SIZE=(q_block, kv_block), mask_mod=pair, validate=False)
+            masks.append(bm)
     checks.ring_groups(group)  # (made here, where every rank of the group is)
     counter = _TOKENS.setdefault(group.group_name, itertools.count())
     token = (mod.key(), layout.key(), Q_LEN, KV_LEN, B, H, BLOCK_SIZE, group.group_name, next(counter))
@@ -251,36 +254,6 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
                               needs, windows, tuple(rows), token)
     bm.copy_engines = copy_engines
     return bm
-
-
-def rows_of(bm, mod, qpos, kvpos, rows: tuple[int, int]):
-    """The BlockMask of the query rows ``[lo, hi)`` of ``bm`` (the mask of ``mod`` at ``qpos``
-    against ``kvpos``), without building it again: ``lo`` is a multiple of the query block and
-    ``hi`` one or the end of the rows, and no row outside lists a KV block, so its tables are
-    ``bm``'s rows and its query lists ``bm``'s, shifted."""
-    lo, hi = rows
-    q_block = bm.BLOCK_SIZE[0]
-    first, n = lo // q_block, -(-(hi - lo) // q_block)
-
-    def kv_rows(t):
-        return None if t is None else t[:, :, first:first + n].contiguous()
-
-    def q_lists(t):
-        return None if t is None else (t[..., :n] - first).contiguous()
-
-    local, _ = at_global_positions(mod, MASK, torch.float32, qpos[lo:hi], kvpos)
-    return flexattn.BlockMask((hi - lo, bm.seq_lengths[1]), kv_rows(bm.kv_num_blocks), kv_rows(bm.kv_indices),
-                              kv_rows(bm.full_kv_num_blocks), kv_rows(bm.full_kv_indices),
-                              bm.q_num_blocks, q_lists(bm.q_indices), bm.full_q_num_blocks,
-                              q_lists(bm.full_q_indices), BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=local, validate=False)
-
-
-def _pair_mask(mod, B: int, H: int, qpos, kvpos, device, BLOCK_SIZE):
-    """The BlockMask of queries at ``qpos`` against keys at ``kvpos`` (None if either is empty)."""
-    if qpos.numel() == 0 or kvpos.numel() == 0:
-        return None
-    local, _ = at_global_positions(mod, MASK, torch.float32, qpos, kvpos)
-    return flexattn.create_block_mask(local, B, H, qpos.numel(), kvpos.numel(), device=device, BLOCK_SIZE=BLOCK_SIZE)
 
 
 def _window(every: list, j: int, length: int) -> tuple[int, int]:
