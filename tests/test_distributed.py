@@ -425,28 +425,29 @@ def test_whole_documents_is_the_most_even_cut():
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("layout", ["head_tail", "documents"])
+@pytest.mark.parametrize("layout", ["head_tail", "documents", "window"])
 def test_pair_tables_are_the_masks_built_for_those_positions(layout, backend):
     """One classification of a rank's queries against every KV shard side by side (each padded to
     whole blocks, the padding masked out) lists, for any rectangle of query blocks and KV blocks
     of one shard, the tables of a block mask built for those queries and keys alone; its block
     ranges are those of each pair's own mask."""
     from flexattn.block_mask.create import classify
-    from flexattn.distributed.masks import MASK, _ranges, at_global_positions, block_range_table
+    from flexattn.distributed.masks import MASK, _ranges, at_global_positions
     S, P, QB, KVB = 1501, 3, 64, 32
     docs = [600, 500, 401]
     ids = torch.repeat_interleave(torch.arange(3), torch.tensor(docs))
-    mod, lb = (masks.causal, fd.HeadTail()) if layout == "head_tail" else \
-        (masks.document(ids, causal=True), fd.PerDocument(docs))
+    mod, lb = {"head_tail": (masks.causal, fd.HeadTail()),
+               "documents": (masks.document(ids, causal=True), fd.PerDocument(docs)),
+               "window": (masks.sliding_window(200), fd.Contiguous())}[layout]  # (pairs that keep nothing)
     mod = flexattn.trace(mod, "mask")
     cpu = torch.device("cpu")
     tiled, kept, n = lb.tiled_positions(S, P, KVB, cpu)
-    partial_rows = partial_cols = 0
+    partial_rows = partial_cols = empty = 0
     for r in range(P):
         qpos = lb.positions(S, P, r)
         local, _ = at_global_positions(mod, MASK, torch.float32, qpos, tiled, kept)
         tiles = classify(local, 2, 1, qpos.numel(), tiled.numel(), QB, KVB, cpu, backend)
-        table = block_range_table(tiles.nonempty(), P, n).tolist()
+        table = tiles.shard_ranges(P, n).tolist()
         for j in range(P):
             kvpos = lb.positions(S, P, j)
             whole, _ = at_global_positions(mod, MASK, torch.float32, qpos, kvpos)
@@ -454,6 +455,7 @@ def test_pair_tables_are_the_masks_built_for_those_positions(layout, backend):
             ranges = _ranges(table[j])
             if not dense.any():
                 assert ranges is None
+                empty += 1
                 continue
             listed_kv = torch.nn.functional.pad(dense.any(0), (0, -dense.shape[1] % KVB)).view(-1, KVB).any(1)
             listed_q = torch.nn.functional.pad(dense.any(1), (0, -dense.shape[0] % QB)).view(-1, QB).any(1)
@@ -476,7 +478,7 @@ def test_pair_tables_are_the_masks_built_for_those_positions(layout, backend):
                          "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
                 for name, t in zip(names, got):
                     assert torch.equal(t, getattr(built, name)), (r, j, tq, tk, name)
-    assert partial_rows and partial_cols
+    assert partial_rows and partial_cols and (empty > 0) == (layout == "window")
 
 
 @pytest.mark.parametrize("P", [2, 3])

@@ -212,10 +212,11 @@ class Classified:
         self.tiles, self.B, self.H = tiles, B, H
         self.n_q, self.n_kv = tiles.n_q, tiles.n_kv
 
-    def nonempty(self) -> torch.Tensor:
-        """bool [BD, HD, n_q, n_kv] (BD = 1 where the mask ignores b, HD likewise): the tiles that
-        keep any element."""
-        return self.tiles.nonempty()
+    def shard_ranges(self, shards: int, n: int) -> torch.Tensor:
+        """int32 [shards, 4], no host sync, where the KV tiles are ``shards`` shards of ``n`` tiles
+        side by side: for each, the first and last + 1 of its tiles (from its first) that any row
+        keeps, then of the query tiles that keep any of them; (n, 0, n_q, 0) where none is kept."""
+        return self.tiles.shard_ranges(shards, n)
 
     def tables(self, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None,
                separate_full: bool = True) -> tuple:
@@ -234,8 +235,16 @@ class _TorchTiles:
         self.states = states
         self.BD, self.HD, self.n_q, self.n_kv = states.shape
 
-    def nonempty(self) -> torch.Tensor:
-        return self.states != interval.EMPTY
+    def shard_ranges(self, shards: int, n: int) -> torch.Tensor:
+        if shards * n != self.n_kv:
+            raise ValueError(f"{shards} shards of {n} tiles do not make the {self.n_kv} KV tiles")
+        kept = (self.states != interval.EMPTY).flatten(0, 1).any(0).view(self.n_q, shards, n)
+
+        def spans(flags):  # [shards, m] -> first, last + 1 of each row's True columns; (m, 0) where none
+            at = torch.arange(flags.shape[1], device=flags.device)
+            return torch.stack([torch.where(flags, at, flags.shape[1]).amin(1), torch.where(flags, at + 1, 0).amax(1)], 1)
+
+        return torch.cat([spans(kept.any(0)), spans(kept.any(2).t())], 1).int()
 
     def tables(self, rows, cols, separate_full: bool) -> tuple:
         q0, q1 = rows if rows is not None else (0, self.n_q)

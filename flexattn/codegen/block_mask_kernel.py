@@ -28,6 +28,8 @@ from flexattn.lru import LRU
 
 # Bound: a module holds its three Triton kernels; a dropped one is imported again from disk.
 _MODULES = LRU(256)
+# (shards, tiles per shard, query tiles, device) -> the start of `Tiles.shard_ranges`' atomics
+_RANGES_START = LRU(64)
 _GPU_LAUNCH_LOCK = threading.Lock()
 
 
@@ -83,11 +85,25 @@ class Tiles:
         self.module, self.state, self.BD, self.HD = module, state, BD, HD
         self.n_q, self.n_kv, self.interpret = n_q, n_kv, interpret
 
-    def nonempty(self) -> torch.Tensor:
-        """bool [BD, HD, n_q, n_kv]: the tiles that keep any element (partial or full)."""
-        lanes = 2 * torch.arange(16, dtype=torch.int32, device=self.state.device)
-        bits = (self.state.unsqueeze(-1) >> lanes) & 3
-        return (bits != 0).flatten(-2)[..., :self.n_kv].view(self.BD, self.HD, self.n_q, self.n_kv)
+    def shard_ranges(self, shards: int, n: int) -> torch.Tensor:
+        """int32 [shards, 4], no host sync, for KV tiles that are ``shards`` shards of ``n`` tiles
+        side by side: for each shard the first and last + 1 of its tiles (from its first) that any
+        row keeps, then of the query-tile rows that keep any; (n, 0, n_q, 0) where none is kept
+        (templates/tile_ranges.py)."""
+        if shards * n != self.n_kv:
+            raise ValueError(f"{shards} shards of {n} tiles do not make the {self.n_kv} KV tiles")
+        device = self.state.device
+        interpret = device.type == "cpu"
+        out = _RANGES_START.get_or_make((shards, n, self.n_q, device), lambda: torch.tensor(
+            [[n, 0, self.n_q, 0]] * shards, dtype=torch.int32, device=device)).clone()
+        module = _MODULES.get_or_make(("tile_ranges", "interpret" if interpret else "cuda"), lambda: load_kernel_module(
+            "tile_ranges", {"prelude": emit.prelude("interpret" if interpret else "cuda")}, {}, interpret=interpret))
+        chunk = min(1024, triton.next_power_of_2(n)) if interpret else 256
+        with _launching(device, interpret):
+            module.tile_ranges_kernel[(self.n_q, shards)](
+                self.state, out, self.BD * self.HD, self.n_q, n, self.state.stride(0), self.state.stride(1),
+                CHUNK=chunk)
+        return out
 
     def tables(self, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None,
                separate_full: bool = True) -> tuple:

@@ -84,24 +84,9 @@ def as_mask_mod(mask_mod, device=None) -> "flexattn.Mod":
     return resolve_mask(mask_mod, torch.device(device) if device is not None else torch.device("cpu"))
 
 
-def block_range_table(nonempty: torch.Tensor, P: int, n: int) -> torch.Tensor:
-    """int64 [P, 4], no host sync: from the tiles of a rank's queries against every KV shard
-    (``nonempty``: bool [..., n_q, P * n], shard j's tiles at n * j .. n * j + n - 1), for each
-    shard the first and last + 1 of its KV blocks that any query block keeps, then of the query
-    blocks that keep any of its KV blocks; (0, 0, 0, 0) where none is kept."""
-    kept = nonempty.flatten(0, -3).any(0).view(nonempty.shape[-2], P, n)  # [n_q, P, n]
-    return torch.cat([_spans(kept.any(0)), _spans(kept.any(2).t())], 1)
-
-
-def _spans(flags: torch.Tensor) -> torch.Tensor:
-    """[R, 2]: the first and last + 1 of each row's True columns; (0, 0) where none."""
-    at = torch.arange(1, flags.shape[1] + 1, device=flags.device)
-    last = torch.where(flags, at, 0).amax(1)
-    first = torch.where(flags, at, flags.shape[1] + 1).amin(1) - 1
-    return torch.stack([torch.where(last > 0, first, 0), last], 1)
-
-
 def _ranges(row: list[int]) -> tuple | None:
+    """``((first, last + 1) of the KV blocks kept, (first, last + 1) of the query blocks keeping
+    them)`` from a row of `Classified.shard_ranges`, or None where it keeps none."""
     kv_lo, kv_hi, q_lo, q_hi = row
     return None if kv_hi == 0 else ((kv_lo, kv_hi), (q_lo, q_hi))
 
@@ -217,7 +202,7 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
                 local, _ = at_global_positions(mod, MASK, torch.float32, qpos, tiled, kept)
                 tiles = classify(local, B, H, qpos.numel(), tiled.numel(), q_block, kv_block, device,
                                  "triton" if device.type == "cuda" else "torch")
-                table = block_range_table(tiles.nonempty(), P, n)
+                table = tiles.shard_ranges(P, n)
         except (ValueError, TypeError, RuntimeError) as e:
             error, failure = str(e), e
         try:
