@@ -55,6 +55,8 @@ def _against_one_gpu(rank, P):
         grads1 = torch.autograd.grad(out1, ins, d_out)
         local = [fd.shard(t, load_balance=lb).requires_grad_() for t in (q, k, v)]
         bm = fd.create_block_mask(mask, None, None, S, S, load_balance=lb, device="cuda")
+        # (the case runs on the transport it names: this machine's GPUs are of one host)
+        assert bm.copy_engines == (os.environ["FLEXATTN_RING_COPY"] != "0")
         out, aux = fd.flex_attention(*local, block_mask=bm, enable_gqa=Hkv != 8, method=method, return_aux=request)
         grads = torch.autograd.grad(out, local, fd.shard(d_out, load_balance=lb))
         for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (out1, *grads1)):
