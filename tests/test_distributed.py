@@ -424,7 +424,7 @@ def test_whole_documents_is_the_most_even_cut():
         fd.WholeDocuments([4, 5]).runs(10, 2, 0)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("layout", ["head_tail", "documents", "window"])
 def test_pair_tables_are_the_masks_built_for_those_positions(layout, backend):
     """One classification of a rank's queries against every KV shard side by side (each padded to
@@ -439,19 +439,21 @@ def test_pair_tables_are_the_masks_built_for_those_positions(layout, backend):
     mod, lb = {"head_tail": (masks.causal, fd.HeadTail()),
                "documents": (masks.document(ids, causal=True), fd.PerDocument(docs)),
                "window": (masks.sliding_window(200), fd.Contiguous())}[layout]  # (pairs that keep nothing)
+    device = torch.device("cuda" if backend == "cuda" else "cpu")
+    backend = "triton" if backend == "cuda" else backend  # (the generated kernels, on the GPU or interpreted)
     mod = flexattn.trace(mod, "mask")
-    cpu = torch.device("cpu")
-    tiled, kept, n = lb.tiled_positions(S, P, KVB, cpu)
+    mod = mod.rebind([t.to(device) for t in mod.buffers])
+    tiled, kept, n = lb.tiled_positions(S, P, KVB, device)
     partial_rows = partial_cols = empty = 0
     for r in range(P):
-        qpos = lb.positions(S, P, r)
+        qpos = lb.positions(S, P, r, device)
         local, _ = at_global_positions(mod, MASK, torch.float32, qpos, tiled, kept)
-        tiles = classify(local, 2, 1, qpos.numel(), tiled.numel(), QB, KVB, cpu, backend)
+        tiles = classify(local, 2, 1, qpos.numel(), tiled.numel(), QB, KVB, device, backend)
         table = tiles.shard_ranges(P, n).tolist()
         for j in range(P):
-            kvpos = lb.positions(S, P, j)
+            kvpos = lb.positions(S, P, j, device)
             whole, _ = at_global_positions(mod, MASK, torch.float32, qpos, kvpos)
-            dense = flexattn.create_mask(whole, 1, 1, qpos.numel(), kvpos.numel(), device=cpu)[0, 0]
+            dense = flexattn.create_mask(whole, 1, 1, qpos.numel(), kvpos.numel(), device=device)[0, 0]
             ranges = _ranges(table[j])
             if not dense.any():
                 assert ranges is None
@@ -472,7 +474,7 @@ def test_pair_tables_are_the_masks_built_for_those_positions(layout, backend):
                 partial_cols += held != (0, kvpos.numel())
                 got = tiles.tables(tq, (n * j + tk[0], n * j + tk[1]))
                 pair, _ = at_global_positions(mod, MASK, torch.float32, qpos[slice(*rows)], kvpos[slice(*held)])
-                built = flexattn.create_block_mask(pair, 2, 1, rows[1] - rows[0], held[1] - held[0], device=cpu,
+                built = flexattn.create_block_mask(pair, 2, 1, rows[1] - rows[0], held[1] - held[0], device=device,
                                                    BLOCK_SIZE=(QB, KVB), backend=backend)
                 names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                          "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")

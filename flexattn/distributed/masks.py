@@ -226,10 +226,9 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
                 masks.append(None)
                 continue
             held = (0, kvpos[j].numel()) if j == r else windows[j]
-            tile_rows = (g[1][0], g[1][1])
-            tile_cols = (n * j + held[0] // kv_block, n * j + -(-held[1] // kv_block))
+            tile_cols = (n * j + held[0] // kv_block, n * j + -(-held[1] // kv_block))  # (shard j's tiles: n j ..)
             pair, _ = at_global_positions(mod, MASK, torch.float32, qpos[slice(*rows[j])], kvpos[j][slice(*held)])
-            bm = flexattn.BlockMask((rows[j][1] - rows[j][0], held[1] - held[0]), *tiles.tables(tile_rows, tile_cols),
+            bm = flexattn.BlockMask((rows[j][1] - rows[j][0], held[1] - held[0]), *tiles.tables(g[1], tile_cols),
                                     BLOCK_SIZE=(q_block, kv_block), mask_mod=pair, validate=False)
             masks.append(bm)
     checks.ring_groups(group)  # (made here, where every rank of the group is)
