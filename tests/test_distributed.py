@@ -213,6 +213,10 @@ def _errors(group) -> None:
     # lengths that differ between ranks: the same clear error on every rank, no hang
     with pytest.raises(fd.DistributedMismatchError, match="Q_LEN: rank 0 has 40"):
         fd.create_block_mask(masks.causal, None, None, 40 + rank, 40 + rank, group, device="cpu", BLOCK_SIZE=BLOCK)
+    # a block size one rank has wrong: checked before the gather, raised on every rank
+    with pytest.raises(fd.DistributedMismatchError, match=f"rank {P - 1}: BLOCK_SIZE: the query block size"):
+        fd.create_block_mask(masks.causal, None, None, 40, 40, group, device="cpu",
+                             BLOCK_SIZE=24 if rank == P - 1 else BLOCK)
     bm = fd.create_block_mask(masks.causal, None, None, 40, 40, group, device="cpu", BLOCK_SIZE=BLOCK)
     n = bm.qpos.numel()
     q = torch.randn(1, 2, n, BLOCK)
@@ -430,30 +434,37 @@ def test_pair_tables_are_the_masks_built_for_those_positions(layout, backend):
     """One classification of a rank's queries against every KV shard side by side (each padded to
     whole blocks, the padding masked out) lists, for any rectangle of query blocks and KV blocks
     of one shard, the tables of a block mask built for those queries and keys alone; its block
-    ranges are those of each pair's own mask."""
+    ranges are those of each pair's own mask. (A shard has 13 KV blocks: shards start inside the
+    state's 16-tile words; the window grows with b and h: its tiles differ between them.)"""
     from flexattn.block_mask.create import classify
     from flexattn.distributed.masks import MASK, _ranges, at_global_positions
-    S, P, QB, KVB = 1501, 3, 64, 32
-    docs = [600, 500, 401]
+    S, P, QB, KVB, B, H = 1201, 3, 64, 32, 2, 2
+    docs = [500, 400, 301]
     ids = torch.repeat_interleave(torch.arange(3), torch.tensor(docs))
+
+    def window(b, h, q_idx, kv_idx):  # (pairs that keep nothing)
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 100 + 150 * h + 60 * b)
+
     mod, lb = {"head_tail": (masks.causal, fd.HeadTail()),
                "documents": (masks.document(ids, causal=True), fd.PerDocument(docs)),
-               "window": (masks.sliding_window(200), fd.Contiguous())}[layout]  # (pairs that keep nothing)
+               "window": (window, fd.Contiguous())}[layout]
     device = torch.device("cuda" if backend == "cuda" else "cpu")
     backend = "triton" if backend == "cuda" else backend  # (the generated kernels, on the GPU or interpreted)
     mod = flexattn.trace(mod, "mask")
     mod = mod.rebind([t.to(device) for t in mod.buffers])
     tiled, kept, n = lb.tiled_positions(S, P, KVB, device)
+    assert n % 16
     partial_rows = partial_cols = empty = 0
     for r in range(P):
         qpos = lb.positions(S, P, r, device)
         local, _ = at_global_positions(mod, MASK, torch.float32, qpos, tiled, kept)
-        tiles = classify(local, 2, 1, qpos.numel(), tiled.numel(), QB, KVB, device, backend)
+        tiles = classify(local, B, H, qpos.numel(), tiled.numel(), QB, KVB, device, backend)
+        assert (tiles.tiles.BD, tiles.tiles.HD) == ((B, H) if layout == "window" else (1, 1))
         table = tiles.shard_ranges(P, n).tolist()
         for j in range(P):
             kvpos = lb.positions(S, P, j, device)
             whole, _ = at_global_positions(mod, MASK, torch.float32, qpos, kvpos)
-            dense = flexattn.create_mask(whole, 1, 1, qpos.numel(), kvpos.numel(), device=device)[0, 0]
+            dense = flexattn.create_mask(whole, B, H, qpos.numel(), kvpos.numel(), device=device).flatten(0, 1).any(0)
             ranges = _ranges(table[j])
             if not dense.any():
                 assert ranges is None
@@ -474,7 +485,7 @@ def test_pair_tables_are_the_masks_built_for_those_positions(layout, backend):
                 partial_cols += held != (0, kvpos.numel())
                 got = tiles.tables(tq, (n * j + tk[0], n * j + tk[1]))
                 pair, _ = at_global_positions(mod, MASK, torch.float32, qpos[slice(*rows)], kvpos[slice(*held)])
-                built = flexattn.create_block_mask(pair, 2, 1, rows[1] - rows[0], held[1] - held[0], device=device,
+                built = flexattn.create_block_mask(pair, B, H, rows[1] - rows[0], held[1] - held[0], device=device,
                                                    BLOCK_SIZE=(QB, KVB), backend=backend)
                 names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                          "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")

@@ -303,6 +303,15 @@ def test_the_block_mask_arguments_land_at_their_names(separate_full, monkeypatch
             full = [flat[0], flat[0]]
         tensors = dict(zip(sig.group("tensors")[1:], [*lists, *full]))
         assert_lands(sig, hooks, args, {**states, **tensors, "N_Q_TILES": n_q, "N_KV_TILES": n_kv, "Q0": 0, "KV0": 0})
+    # a rectangle of the tiles: query tiles 1..2 against KV tiles 2..8, numbered from its corner
+    rect = block_mask_kernel.Tiles(kernels, state, BD, HD, n_q, n_kv, True).tables((1, 3), (2, 9), separate_full)
+    flat = [None if t is None else t.view(BD * HD, *t.shape[2:]) for t in rect]
+    assert flat[0].shape == (BD * HD, 2) and flat[1].shape == (BD * HD, 2, 7)
+    for sig, lists, full in ((signatures.KV_ORDER, flat[0:2], flat[2:4]), (signatures.Q_ORDER, flat[4:6], flat[6:8])):
+        full = full if separate_full else [flat[0], flat[0]]
+        tensors = dict(zip(sig.group("tensors")[1:], [*lists, *full]))
+        assert_lands(sig, hooks, vars(kernels)[sig.kernel].recorder.args,
+                     {**states, **tensors, "N_Q_TILES": 2, "N_KV_TILES": 7, "Q0": 1, "KV0": 2})
 
 
 def test_the_forward_plan_strides_and_sizes_land_at_their_names():

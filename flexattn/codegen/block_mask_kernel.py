@@ -92,8 +92,7 @@ class Tiles:
         (templates/tile_ranges.py)."""
         if shards * n != self.n_kv:
             raise ValueError(f"{shards} shards of {n} tiles do not make the {self.n_kv} KV tiles")
-        device = self.state.device
-        interpret = device.type == "cpu"
+        device, interpret = self.state.device, self.interpret
         out = _RANGES_START.get_or_make((shards, n, self.n_q, device), lambda: torch.tensor(
             [[n, 0, self.n_q, 0]] * shards, dtype=torch.int32, device=device)).clone()
         module = _MODULES.get_or_make(("tile_ranges", "interpret" if interpret else "cuda"), lambda: load_kernel_module(
@@ -101,7 +100,7 @@ class Tiles:
         chunk = min(1024, triton.next_power_of_2(n)) if interpret else 256
         with _launching(device, interpret):
             module.tile_ranges_kernel[(self.n_q, shards)](
-                self.state, out, self.BD * self.HD, self.n_q, n, self.state.stride(0), self.state.stride(1),
+                self.state, out, self.BD * self.HD, n, self.state.stride(0), self.state.stride(1),
                 CHUNK=chunk)
         return out
 
@@ -132,6 +131,7 @@ class Tiles:
             fkv_num = fkv_idx = fq_num = fq_idx = kv_num  # unused by the kernels
         # (integer kernels: fp fusion is moot, set so that Triton 3.9 has no default to warn about)
         common = dict(SEPARATE_FULL=separate_full, SEL=1 if separate_full else 0, enable_fp_fusion=False)
+        # (the arguments in the order `signatures.KV_ORDER` / `Q_ORDER` declare)
         with _launching(device, self.interpret):
             self.module.kv_order_kernel[(n_q, BH)](
                 state, kv_num, kv_idx, fkv_num, fkv_idx, state.stride(0), state.stride(1), n_q, n_kv, q0, kv0,
@@ -171,7 +171,7 @@ def classify(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BL
     # of 64 x 64 keep registers in check.
     sub_q, sub_kv = (Q_BLOCK, KV_BLOCK) if interpret else (min(Q_BLOCK, 64), min(KV_BLOCK, 64))
     chunk_words, _, _ = chunks(n_q, n_kv, interpret)
-    # (each launch's arguments in the order `signatures.CLASSIFY`, `KV_ORDER`, `Q_ORDER` declare)
+    # (the arguments in the order `signatures.CLASSIFY` declares)
     with _launching(device, interpret):
         module.classify_kernel[(n_q, BH)](
             state, *emit.launch_args(used, mod.buffers), *summary_args(used, summaries),

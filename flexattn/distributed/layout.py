@@ -23,7 +23,8 @@ import torch
 from flexattn import interval
 from flexattn.lru import LRU
 
-# (layout key, length, world size, rank, device) -> positions: a block mask's build reads every
+# (layout key, length, world size, rank, device) -> positions, and (layout key, length, world
+# size, "tiled", block, device) -> `Layout.tiled_positions`: a block mask's build reads every
 # shard's, and a training loop builds a mask of the same layout for every batch
 _POSITIONS = LRU(256)
 

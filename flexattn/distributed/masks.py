@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 
 import flexattn
-from flexattn import interval
 from flexattn.block_mask.create import _resolve_mask as resolve_mask, classify
+from flexattn.block_mask.sizes import _check_block_sizes, _check_positive
 from flexattn.distributed import checks, copies
 from flexattn.distributed.layout import Layout, as_layout
+from flexattn.kernels.tables import block_size_pair
 from flexattn.lru import LRU
 
 SCORE, MASK = "score", "mask"
@@ -179,58 +180,59 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     group = checks.resolve_group(group_or_mesh)
     layout = as_layout(load_balance)
     P, r = dist.get_world_size(group), dist.get_rank(group)
-    B, H = B or 1, H or 1
     device = torch.device(device) if device is not None else \
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     mod = as_mask_mod(mask_mod, device)
-    q_block, kv_block = BLOCK_SIZE if isinstance(BLOCK_SIZE, tuple) else (BLOCK_SIZE, BLOCK_SIZE)
     fields = {"mask_mod": mod.key(), "B": B, "H": H, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "layout": layout.key(),
               "BLOCK_SIZE": BLOCK_SIZE, "device type": device.type}
     # (each rank classifies the tiles of its queries against every KV shard at once, then one
     # gather both checks that the ranks agree and shares which tiles each rank keeps; an error
     # while classifying is reported by that gather; then each pair's tables, of the rows that read
     # the shard against what travels of it, are listed from the one classification)
-    with interval.shared_summaries():  # (the captured tensors: one summary each)
-        error, failure, table, tiles = "", None, None, None
-        try:
-            qpos = layout.positions(Q_LEN, P, r, device)
-            kvpos = [layout.positions(KV_LEN, P, j, device) for j in range(P)]
-            tiled, kept, n = layout.tiled_positions(KV_LEN, P, kv_block, device)
-            if qpos.numel() == 0:  # (a rank without queries keeps nothing)
-                table = torch.zeros(P, 4, dtype=torch.int64, device=device)
-            else:
-                local, _ = at_global_positions(mod, MASK, torch.float32, qpos, tiled, kept)
-                tiles = classify(local, B, H, qpos.numel(), tiled.numel(), q_block, kv_block, device,
-                                 "triton" if device.type == "cuda" else "torch")
-                table = tiles.shard_ranges(P, n)
-        except (ValueError, TypeError, RuntimeError) as e:
-            error, failure = str(e), e
-        try:
-            # (the copy engines only where every rank can use them: one rank's FLEXATTN_RING_COPY=0
-            # keeps every rank's K/V on NCCL, so that sends and receives still pair up)
-            tables, copy_engines = checks.agree_table(group, "flexattn.distributed.create_block_mask", fields,
-                                                      error, table, 4 * P, can=copies.usable(device))
-        except checks.DistributedMismatchError as e:
-            raise e from failure
-        L = qpos.numel()
-        ranges = [[_ranges(flat[4 * j:4 * j + 4]) for j in range(P)] for flat in tables]  # (rank i's, pair j's)
-        # (every[i][j]: the local KV positions rank i's tables list in shard j, or None)
-        every = [[None if g is None else (g[0][0] * kv_block, min(g[0][1] * kv_block, kvpos[j].numel()))
-                  for j, g in enumerate(mine)] for mine in ranges]
-        rows = [None if g is None else (g[1][0] * q_block, min(g[1][1] * q_block, L)) for g in ranges[r]]
-        needs = tuple(tuple(span is not None for span in r) for r in every)
-        windows = tuple(_window(every, j, kvpos[j].numel()) for j in range(P))
-        masks = []
-        for j, g in enumerate(ranges[r]):  # the tables of the rows that read shard j, against what travels of it
-            if g is None:
-                masks.append(None)
-                continue
-            held = (0, kvpos[j].numel()) if j == r else windows[j]
-            tile_cols = (n * j + held[0] // kv_block, n * j + -(-held[1] // kv_block))  # (shard j's tiles: n j ..)
-            pair, _ = at_global_positions(mod, MASK, torch.float32, qpos[slice(*rows[j])], kvpos[j][slice(*held)])
-            bm = flexattn.BlockMask((rows[j][1] - rows[j][0], held[1] - held[0]), *tiles.tables(g[1], tile_cols),
-                                    BLOCK_SIZE=(q_block, kv_block), mask_mod=pair, validate=False)
-            masks.append(bm)
+    error, failure, table, tiles = "", None, None, None
+    try:  # (arguments checked here: an error on one rank is raised on every rank by the gather)
+        B, H = _check_positive("B", B, allow_none=True), _check_positive("H", H, allow_none=True)
+        Q_LEN, KV_LEN = _check_positive("Q_LEN", Q_LEN), _check_positive("KV_LEN", KV_LEN)
+        q_block, kv_block = block_size_pair(BLOCK_SIZE)
+        _check_block_sizes((q_block, kv_block))
+        qpos = layout.positions(Q_LEN, P, r, device)
+        kvpos = [layout.positions(KV_LEN, P, j, device) for j in range(P)]
+        tiled, kept, n = layout.tiled_positions(KV_LEN, P, kv_block, device)
+        if qpos.numel() == 0:  # (a rank without queries keeps nothing)
+            table = torch.zeros(P, 4, dtype=torch.int64, device=device)
+        else:
+            local, _ = at_global_positions(mod, MASK, torch.float32, qpos, tiled, kept)
+            tiles = classify(local, B, H, qpos.numel(), tiled.numel(), q_block, kv_block, device,
+                             "triton" if device.type == "cuda" else "torch")
+            table = tiles.shard_ranges(P, n)
+    except (ValueError, TypeError, RuntimeError) as e:
+        error, failure = str(e), e
+    try:
+        # (the copy engines only where every rank can use them: one rank's FLEXATTN_RING_COPY=0
+        # keeps every rank's K/V on NCCL, so that sends and receives still pair up)
+        tables, copy_engines = checks.agree_table(group, "flexattn.distributed.create_block_mask", fields,
+                                                  error, table, 4 * P, can=copies.usable(device))
+    except checks.DistributedMismatchError as e:
+        raise e from failure
+    L = qpos.numel()
+    ranges = [[_ranges(flat[4 * j:4 * j + 4]) for j in range(P)] for flat in tables]  # (rank i's, pair j's)
+    # (every[i][j]: the local KV positions rank i's tables list in shard j, or None)
+    every = [[None if g is None else (g[0][0] * kv_block, min(g[0][1] * kv_block, kvpos[j].numel()))
+              for j, g in enumerate(mine)] for mine in ranges]
+    rows = [None if g is None else (g[1][0] * q_block, min(g[1][1] * q_block, L)) for g in ranges[r]]
+    needs = tuple(tuple(span is not None for span in r) for r in every)
+    windows = tuple(_window(every, j, kvpos[j].numel()) for j in range(P))
+    masks = []
+    for j, g in enumerate(ranges[r]):  # the tables of the rows that read shard j, against what travels of it
+        if g is None:
+            masks.append(None)
+            continue
+        held = (0, kvpos[j].numel()) if j == r else windows[j]
+        tile_cols = (n * j + held[0] // kv_block, n * j + -(-held[1] // kv_block))  # (shard j's tiles: n j ..)
+        pair, _ = at_global_positions(mod, MASK, torch.float32, qpos[slice(*rows[j])], kvpos[j][slice(*held)])
+        bm = flexattn.BlockMask((rows[j][1] - rows[j][0], held[1] - held[0]), *tiles.tables(g[1], tile_cols),
+                                BLOCK_SIZE=(q_block, kv_block), mask_mod=pair, validate=False)
+        masks.append(bm)
     checks.ring_groups(group)  # (made here, where every rank of the group is)
     counter = _TOKENS.setdefault(group.group_name, itertools.count())
     token = (mod.key(), layout.key(), Q_LEN, KV_LEN, B, H, BLOCK_SIZE, group.group_name, next(counter))

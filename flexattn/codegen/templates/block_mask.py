@@ -25,6 +25,8 @@
 #   USE_INTERVAL: decide tiles by interval analysis first (else evaluate every tile)
 #   SEPARATE_FULL: full tiles go to full_* (else every non-empty tile is "partial")
 #   HD: heads in the evaluated grid (program_id(1) = b * HD + h)
+#   Q0, KV0: the order kernels' rectangle corner (first query-tile row, first KV-tile column of
+#            the state they list); their N_Q_TILES / N_KV_TILES are the rectangle's rows / columns
 $prelude
 
 $mod_def

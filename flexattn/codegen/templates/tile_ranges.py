@@ -8,6 +8,7 @@
 # reads keeps them (its last + 1 entries stay 0).
 #
 # grid (N_Q_TILES, SHARDS): one program per query-tile row and shard, every (batch, head) in turn.
+# (32-bit offsets into STATE: it holds far fewer than 2**31 words.)
 #
 # sub notation:
 #   BH: batch x head rows of STATE;  N: tiles per shard;  CHUNK: tiles per loop step (power of two)
@@ -17,15 +18,15 @@ _min_op = tl.standard._elementwise_min
 _max_op = tl.standard._elementwise_max
 
 
-@triton.jit(do_not_specialize=["BH", "N_Q_TILES", "N", "stride_sbh", "stride_sm"])
-def tile_ranges_kernel(State, Out, BH, N_Q_TILES, N, stride_sbh, stride_sm, CHUNK: tl.constexpr):
+@triton.jit(do_not_specialize=["BH", "N", "stride_sbh", "stride_sm"])
+def tile_ranges_kernel(State, Out, BH, N, stride_sbh, stride_sm, CHUNK: tl.constexpr):
     m = tl.program_id(0)
     j = tl.program_id(1)
     offs = tl.arange(0, CHUNK)
     first = tl.full([], 0, tl.int32) + N
     last = tl.full([], 0, tl.int32)
     for bh in range(BH):
-        row = State + bh * stride_sbh + m * stride_sm  # (the state is far below 2**31 words)
+        row = State + bh * stride_sbh + m * stride_sm
         for c in range(0, N, CHUNK):
             i = c + offs
             real = i < N
