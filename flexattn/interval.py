@@ -35,8 +35,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,19 +128,11 @@ class Summary:
 
     @staticmethod
     def of(t: torch.Tensor) -> "Summary":
-        """The summary of ``t``; inside `shared_summaries`, computed once per tensor and version
-        (several block masks built from one captured table share it)."""
+        """The summary of ``t`` (the one `keep` made, while ``t`` is unchanged)."""
         kept = _KEPT.get(id(t))
         if kept is not None and kept[0] is t and kept[1] == t._version:
             return kept[2]
-        memo = _MEMO.get()
-        if memo is None:
-            return Summary._of(t)
-        key = (id(t), t._version, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
-        hit = memo.get(key)
-        if hit is None or hit[0] is not t:
-            hit = memo[key] = (t, Summary._of(t))
-        return hit[1]
+        return Summary._of(t)
 
     @staticmethod
     def keep(t: torch.Tensor) -> None:
@@ -176,21 +166,6 @@ class Summary:
             levels.append(levels[-1].view(2, -1, 2).amin(-1))
         both = torch.cat(levels, dim=1)
         return Summary(both[0], flip(both[1]), _offsets(K, device), 1)
-
-
-_MEMO: contextvars.ContextVar = contextvars.ContextVar("flexattn_summaries", default=None)
-
-
-@contextlib.contextmanager
-def shared_summaries():
-    """Within it, `Summary.of` computes each tensor's summary once (keyed by the tensor, its
-    version and layout; the memo holds the tensors, so none is mistaken for a new one at the same
-    address): for code that builds several block masks from the same tables in one go."""
-    token = _MEMO.set({} if _MEMO.get() is None else _MEMO.get())
-    try:
-        yield
-    finally:
-        _MEMO.reset(token)
 
 
 _OFFSETS = LRU(64)  # (levels, device) -> offsets tensor

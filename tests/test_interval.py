@@ -260,19 +260,6 @@ def test_summary_entries_bound_exactly_the_elements_they_cover(n, dtype):
             assert s.mins[off + i] == part.min() and s.maxs[off + i] == part.max(), (k, i)
 
 
-def test_summaries_are_shared_inside_shared_summaries_only():
-    x = torch.arange(100)
-    assert interval.Summary.of(x) is not interval.Summary.of(x)
-    with interval.shared_summaries():
-        a = interval.Summary.of(x)
-        assert interval.Summary.of(x) is a
-        assert interval.Summary.of(x[:50]) is not a  # (another view: another summary)
-        x[3] = 1000  # (an in-place change: the summary is made again)
-        b = interval.Summary.of(x)
-        assert b is not a and int(b.maxs[b.top]) == 1000
-    assert interval.Summary.of(x) is not b
-
-
 def test_kept_summaries_last_until_the_tensor_changes():
     x = torch.arange(100)
     interval.Summary.keep(x)

@@ -216,12 +216,19 @@ class Classified:
         """int32 [shards, 4], no host sync, where the KV tiles are ``shards`` shards of ``n`` tiles
         side by side: for each, the first and last + 1 of its tiles (from its first) that any row
         keeps, then of the query tiles that keep any of them; (n, 0, n_q, 0) where none is kept."""
+        if shards * n != self.n_kv:
+            raise ValueError(f"{shards} shards of {n} tiles do not make the {self.n_kv} KV tiles")
         return self.tiles.shard_ranges(shards, n)
 
     def tables(self, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None,
                separate_full: bool = True) -> tuple:
         """The eight tables of the block mask of the query tiles ``rows = (first, last + 1)``
         against the KV tiles ``cols`` (default: all), each [B, H, ...]."""
+        rows = rows if rows is not None else (0, self.n_q)
+        cols = cols if cols is not None else (0, self.n_kv)
+        if not (0 <= rows[0] < rows[1] <= self.n_q and 0 <= cols[0] < cols[1] <= self.n_kv):
+            raise ValueError(f"tile rectangle rows={rows}, cols={cols} is not a non-empty part of "
+                             f"{self.n_q} x {self.n_kv} tiles")
         tables = self.tiles.tables(rows, cols, separate_full)
         if (self.tiles.BD, self.tiles.HD) != (self.B, self.H):
             tables = tuple(None if t is None else t.expand(self.B, self.H, *t.shape[2:]).contiguous() for t in tables)
@@ -236,8 +243,6 @@ class _TorchTiles:
         self.BD, self.HD, self.n_q, self.n_kv = states.shape
 
     def shard_ranges(self, shards: int, n: int) -> torch.Tensor:
-        if shards * n != self.n_kv:
-            raise ValueError(f"{shards} shards of {n} tiles do not make the {self.n_kv} KV tiles")
         kept = (self.states != interval.EMPTY).flatten(0, 1).any(0).view(self.n_q, shards, n)
 
         def spans(flags):  # [shards, m] -> first, last + 1 of each row's True columns; (m, 0) where none
@@ -246,13 +251,8 @@ class _TorchTiles:
 
         return torch.cat([spans(kept.any(0)), spans(kept.any(2).t())], 1).int()
 
-    def tables(self, rows, cols, separate_full: bool) -> tuple:
-        q0, q1 = rows if rows is not None else (0, self.n_q)
-        kv0, kv1 = cols if cols is not None else (0, self.n_kv)
-        if not (0 <= q0 < q1 <= self.n_q and 0 <= kv0 < kv1 <= self.n_kv):
-            raise ValueError(f"tile rectangle rows={rows}, cols={cols} is not a non-empty part of "
-                             f"{self.n_q} x {self.n_kv} tiles")
-        return _tables_from_states(self.states[:, :, q0:q1, kv0:kv1], separate_full)
+    def tables(self, rows: tuple[int, int], cols: tuple[int, int], separate_full: bool) -> tuple:
+        return _tables_from_states(self.states[:, :, slice(*rows), slice(*cols)], separate_full)
 
 
 @torch.library.custom_op("flexattn::block_mask_tables", mutates_args=())

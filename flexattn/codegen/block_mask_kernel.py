@@ -74,7 +74,7 @@ def build_tables(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, K
     """(kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx), each
     shaped [BD, HD, ...] (int32); the full_* ones are None unless ``separate_full``."""
     tiles = classify(mod, BD, HD, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, use_interval)
-    return tiles.tables(separate_full=separate_full)
+    return tiles.tables((0, tiles.n_q), (0, tiles.n_kv), separate_full)
 
 
 class Tiles:
@@ -90,8 +90,6 @@ class Tiles:
         side by side: for each shard the first and last + 1 of its tiles (from its first) that any
         row keeps, then of the query-tile rows that keep any; (n, 0, n_q, 0) where none is kept
         (templates/tile_ranges.py)."""
-        if shards * n != self.n_kv:
-            raise ValueError(f"{shards} shards of {n} tiles do not make the {self.n_kv} KV tiles")
         device, interpret = self.state.device, self.interpret
         out = _RANGES_START.get_or_make((shards, n, self.n_q, device), lambda: torch.tensor(
             [[n, 0, self.n_q, 0]] * shards, dtype=torch.int32, device=device)).clone()
@@ -104,16 +102,12 @@ class Tiles:
                 CHUNK=chunk)
         return out
 
-    def tables(self, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None,
-               separate_full: bool = True) -> tuple:
+    def tables(self, rows: tuple[int, int], cols: tuple[int, int], separate_full: bool = True) -> tuple:
         """The eight tables (as `build_tables`) of the query tiles ``rows = (first, last + 1)``
-        against the KV tiles ``cols`` (default: all), numbered from the rectangle's corner: the
-        tables of the block mask of those rows and columns alone."""
-        q0, q1 = rows if rows is not None else (0, self.n_q)
-        kv0, kv1 = cols if cols is not None else (0, self.n_kv)
-        if not (0 <= q0 < q1 <= self.n_q and 0 <= kv0 < kv1 <= self.n_kv):
-            raise ValueError(f"tile rectangle rows={rows}, cols={cols} is not a non-empty part of "
-                             f"{self.n_q} x {self.n_kv} tiles")
+        against the KV tiles ``cols`` (a non-empty rectangle of the state, which the caller
+        checks), numbered from the rectangle's corner: the tables of the block mask of those rows
+        and columns alone."""
+        (q0, q1), (kv0, kv1) = rows, cols
         n_q, n_kv, BH, device, state = q1 - q0, kv1 - kv0, self.BD * self.HD, self.state.device, self.state
         _, chunk_q, chunk_kv = chunks(n_q, n_kv, self.interpret)
 
