@@ -742,6 +742,9 @@ class _Cell:
     def copy_(self, src):
         self.sim.queue().ops.append(("copy", src.key, self.key))
 
+    def record_stream(self, stream):
+        pass
+
 
 class _Handle:
     def __init__(self, sim, rank):
@@ -759,6 +762,7 @@ class _Sim:
         self.P, self.rank, self.inside = P, 0, None
         self.compute = [_Queue(f"compute {r}") for r in range(P)]
         self.copy = [_Queue(f"copy {r}") for r in range(P)]
+        self.home = [_Queue(f"home {r}") for r in range(P)]
         self.pads, self.cells = set(), {}
 
     def queue(self):
@@ -768,7 +772,7 @@ class _Sim:
         from types import SimpleNamespace
         from flexattn.distributed import copies
         ws = SimpleNamespace(rank=r, P=self.P, next=(r + 1) % self.P, prev=(r - 1) % self.P,
-                             stream=self.copy[r], device=None, handle=_Handle(self, r),
+                             stream=self.copy[r], home_stream=self.home[r], device=None, handle=_Handle(self, r),
                              views=lambda rank, x, metas: [_Cell(self, rank, x, i) for i in range(len(metas))])
         self.inside = self.copy[r]
         for x in range(2):  # (as the workspace is made: both slots free at the previous rank)
@@ -782,7 +786,7 @@ class _Sim:
 
     def run(self):
         """Run the queues until all are done; the queues left blocked if they deadlock."""
-        queues = self.compute + self.copy
+        queues = self.compute + self.copy + self.home
         progress = True
         while progress:
             progress = False
@@ -833,11 +837,65 @@ def _ring_call(sim, workspaces, needs):
         c.end()
 
 
+def _ring_backward_call(sim, workspaces, needs, consume=True):
+    """One ring backward on every rank, in `Ring.backward`'s order: K/V travel as in the forward,
+    and each step's dK/dV part of the window held goes home through the owner's home slots
+    (`copies.Home`); the owner reads each part it is sent. ``consume=False`` leaves out the
+    owner's "consumed" (the mutation the test must catch)."""
+    from flexattn.distributed import copies
+    from flexattn.distributed.ring import last_steps
+    P = sim.P
+    last = last_steps(needs, P)
+    coming = [[s for s in range(1, P) if s <= last[o] and needs[(o + s) % P][o]] for o in range(P)]
+    for r in range(P):
+        sim.rank = r
+        c, home = copies.Copies(workspaces[r]), copies.Home(workspaces[r], coming[r])
+        held = [_Cell(sim, r, None, i) for i in range(2)]
+        home_works, arrived = [], None
+
+        def add_home(s):  # (the owner reads the part sent home at step s, then frees its slot)
+            for i, cell in enumerate(arrived):
+                sim.compute[r].ops.append(("read", cell.key, ("part", (r + s) % P, s, i)))
+            if consume:
+                home.consumed(coming[r].index(s))
+        for s in range(P):
+            j, nxt = (r - s) % P, (r - s - 1) % P
+            works, received = c.exchange(s, held if s + 1 <= last[j] else [],
+                                         ((None, None),) * 2 if s + 1 <= last[nxt] else None)
+            computes = s <= last[j] and needs[r][j]
+            if computes:
+                for i, cell in enumerate(held):
+                    sim.compute[r].ops.append(("read", cell.key, (j, i)))
+            for w in home_works:
+                w.wait()
+            if arrived is not None:
+                add_home(s - 1)
+            home_works, arrived = [], None
+            if computes and s > 0:
+                parts = [_Cell(sim, r, ("part", s), i) for i in range(2)]
+                for i, cell in enumerate(parts):
+                    sim.cells[cell.key] = ("part", r, s, i)
+                home.send(parts, j, coming[j].index(s))
+            if s in coming[r]:
+                home_works, arrived = home.receive(coming[r].index(s), ((None, None),) * 2)
+            for w in works:
+                w.wait()
+            if received is not None:
+                held = received
+        for w in home_works:
+            w.wait()
+        if arrived is not None:
+            add_home(P - 1)
+        c.end()
+        home.end()
+
+
 @pytest.mark.parametrize("P", [2, 3, 4, 5])
 def test_copy_protocol_delivers_every_shard_and_never_deadlocks(P, monkeypatch):
-    """Random `needs` tables (each rank reads its own shard), several calls in a row on the same
-    slots: every compute reads the shard it expects, no rank waits for ever, and between calls
-    exactly the FREE signals of both slots are pending (the invariant a call starts from)."""
+    """Random `needs` tables (each rank reads its own shard), several forward and backward calls in
+    a row on the same slots: every compute reads the shard it expects and every owner the dK/dV
+    part it is sent, no rank waits for ever, and between calls exactly the FREE signals of both K/V
+    slots are pending (the invariant a call starts from; no home signal)."""
     from flexattn.distributed import copies
     sim = _Sim(P)
 
@@ -855,15 +913,21 @@ def test_copy_protocol_delivers_every_shard_and_never_deadlocks(P, monkeypatch):
     workspaces = [sim.workspace(r) for r in range(P)]
     rng = random.Random(P)
     invariant = {((r - 1) % P, copies.FREE[x], r) for r in range(P) for x in range(2)}
-    for _ in range(12):
+    for call in range(24):
         needs = tuple(tuple(i == j or rng.random() < 0.5 for j in range(P)) for i in range(P))
-        _ring_call(sim, workspaces, needs)
+        (_ring_backward_call if call % 2 else _ring_call)(sim, workspaces, needs)
         assert sim.run() == [], needs
         assert sim.pads == invariant, needs
     # (a schedule the protocol does not follow deadlocks in the simulation: the test can fail)
     sim.rank = 0
     workspaces[0].handle.wait_signal(1, copies.FILLED[0])
     assert sim.run() == ["compute 0"]
+    # (and so does an owner that never frees a home slot, from the part after next on: with every
+    # pair read, each rank has P - 1 parts coming, more than its two home slots from P = 4 on)
+    sim = _Sim(P)
+    workspaces = [sim.workspace(r) for r in range(P)]
+    _ring_backward_call(sim, workspaces, ((True,) * P,) * P, consume=False)
+    assert (sim.run() != []) == (P >= 4)
 
 
 def test_layout_docstring_examples():

@@ -32,11 +32,12 @@ def _ring(bm: DistributedBlockMask) -> Ring:
 
 
 def _copies_of(bm: DistributedBlockMask):
-    """How the ring's K/V travel by the copy engines (`copies`): where every rank is a GPU of
-    this host that can use them (agreed when the mask was made); None (NCCL's sends) elsewhere."""
+    """How the ring's K/V and dK/dV parts travel by the copy engines (`copies`): where every rank
+    is a GPU of this host that can use them (agreed when the mask was made); None (NCCL's sends)
+    elsewhere."""
     if not bm.copy_engines:
         return None
-    return lambda capacity, device: copies.Copies(copies.workspace(bm.group, capacity, device))
+    return lambda capacity, device, slots: copies.Copies(copies.workspace(bm.group, capacity, device, slots))
 
 
 def _rows(t: torch.Tensor | None, rows: tuple[int, int]) -> torch.Tensor | None:

@@ -25,6 +25,17 @@ reading the wrong shard.
 The copy stream has high priority, so that the signal kernels (one block each) get an SM while an
 attention kernel runs. A step's ``wait()`` also makes the compute stream wait for this rank's push,
 so a buffer it sent (the own shard, or a slot) may be freed or reused after it, as with NCCL.
+
+The backward's dK/dV parts go home the same way (`Home`), through two more slots per rank (home
+slots 2 and 3) and a second high-priority stream of their own, so that a part's push never holds
+up the next shard's. Rank r's window comes home from a different rank at each step (from r + s at
+step s, at the steps ``coming`` the ring derives from the agreed tables, the same on every rank):
+the i-th part into home slot i % 2. ``HOME_FREE[x]`` from r to the sender of a part says that home
+slot x of r may take it; ``HOME_FILLED[x]`` from that sender to r says that it has landed. A call
+posts HOME_FREE of the first two parts' slots to their senders at its start, and r posts that of
+the (i + 2)-th to its sender once the add that read the i-th is done; so between calls no home
+signal is pending. A part sent is recorded on the home stream (``record_stream``), so the compute
+stream never waits for another rank to free a slot before its next step.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import torch.distributed as dist
 from flexattn.lru import LRU
 
 FREE, FILLED = (0, 1), (2, 3)
+HOME_FREE, HOME_FILLED = (4, 5), (6, 7)
 _ALIGN = 256  # bytes: each tensor in a slot starts at a multiple of this
 _GRANULE = 2 << 20  # bytes: a slot's capacity is a multiple of this
 
@@ -62,16 +74,18 @@ def _nbytes(shape, dtype) -> int:
 
 
 class Workspace:
-    """One group's slots on this GPU: ``capacity`` bytes each, two of them, symmetric."""
+    """One group's slots on this GPU: ``capacity`` bytes each, ``slots`` of them (2: K/V; 4: and
+    the backward's home slots), symmetric."""
 
-    def __init__(self, group: dist.ProcessGroup, capacity: int, device: torch.device):
+    def __init__(self, group: dist.ProcessGroup, capacity: int, device: torch.device, slots: int = 2):
         import torch.distributed._symmetric_memory as symm
-        self.group, self.capacity, self.device = group, capacity, device
-        self.buffer = symm.empty(2 * capacity, dtype=torch.uint8, device=device)
+        self.group, self.capacity, self.device, self.slots = group, capacity, device, slots
+        self.buffer = symm.empty(slots * capacity, dtype=torch.uint8, device=device)
         self.handle = symm.rendezvous(self.buffer, group)
         self.rank, self.P = self.handle.rank, self.handle.world_size
         self.next, self.prev = (self.rank + 1) % self.P, (self.rank - 1) % self.P
         self.stream = torch.cuda.Stream(device=device, priority=-1)
+        self.home_stream = torch.cuda.Stream(device=device, priority=-1)
         with torch.cuda.stream(self.stream):
             for x in range(2):  # (the invariant between calls: both slots free at the previous rank)
                 self.handle.put_signal(self.prev, FREE[x])
@@ -100,13 +114,15 @@ class Workspace:
 _WORKSPACES: dict = {}
 
 
-def workspace(group: dist.ProcessGroup, capacity: int, device: torch.device) -> Workspace:
-    """The group's workspace on ``device`` with slots of at least ``capacity`` bytes (a collective
-    when it is made or grown: every rank asks for the same capacity, which the ring's agreed
-    windows fix)."""
+def workspace(group: dist.ProcessGroup, capacity: int, device: torch.device, slots: int = 2) -> Workspace:
+    """The group's workspace on ``device`` with at least ``slots`` slots of at least ``capacity``
+    bytes (a collective when it is made or grown: every rank asks for the same, which the ring's
+    agreed windows fix, and the forward and backward of a call run on every rank)."""
     key = (group.group_name, device)
     ws = _WORKSPACES.get(key)
-    if ws is None or ws.capacity < capacity or ws.group is not group:  # (or a default group made again)
+    if ws is not None and ws.group is group:
+        capacity, slots = max(capacity, ws.capacity), max(slots, ws.slots)
+    if ws is None or ws.capacity < capacity or ws.slots < slots or ws.group is not group:  # (or a default group made again)
         if ws is not None:
             # (a signal or a push of this rank's may still be on its way into another's old slots:
             # every rank's old work is done before any rank frees them)
@@ -114,14 +130,14 @@ def workspace(group: dist.ProcessGroup, capacity: int, device: torch.device) -> 
             dist.barrier(group=group)
         size = -(-capacity // _GRANULE) * _GRANULE
         _WORKSPACES.pop(key, None)  # (the old slots go before the new ones are made)
-        ws = _WORKSPACES[key] = Workspace(group, size, device)
+        ws = _WORKSPACES[key] = Workspace(group, size, device, slots)
     return ws
 
 
 def workspace_bytes(device: torch.device | None = None) -> int:
     """Bytes of the ring's slots on ``device`` (all devices: None). They are symmetric memory,
     which `torch.cuda.max_memory_allocated` does not count: add them to it."""
-    return sum(2 * ws.capacity for (_, d), ws in _WORKSPACES.items() if device is None or d == device)
+    return sum(ws.slots * ws.capacity for (_, d), ws in _WORKSPACES.items() if device is None or d == device)
 
 
 def capacity_of(metas: tuple) -> int:
@@ -184,3 +200,61 @@ class Copies:
                 ws.handle.put_signal(ws.prev, FREE[x])
         self.consumed.clear()
         current.wait_stream(ws.stream)
+
+
+class Home:
+    """One backward call's dK/dV parts travelling home through the home slots (2 and 3): this
+    rank's own window's parts arrive at the steps ``coming`` (the i-th from rank + coming[i], into
+    home slot i % 2), and `send` pushes this rank's parts of the windows it holds to their owners.
+    The protocol is in the module docstring."""
+
+    def __init__(self, ws: Workspace, coming: list[int]):
+        self.ws, self.coming = ws, coming
+        ws.home_stream.wait_stream(torch.cuda.current_stream(ws.device))  # (the last call's reads are done)
+        with torch.cuda.stream(ws.home_stream):
+            for i in range(min(2, len(coming))):
+                ws.handle.put_signal(self._sender(i), HOME_FREE[i % 2])
+
+    def _sender(self, i: int) -> int:
+        return (self.ws.rank + self.coming[i]) % self.ws.P
+
+    def send(self, parts: list[torch.Tensor], owner: int, i: int) -> None:
+        """Push ``parts`` (contiguous) into home slot i % 2 of ``owner``, whose i-th part they are
+        (after the work enqueued on the compute stream so far)."""
+        ws, x = self.ws, i % 2
+        ws.home_stream.wait_stream(torch.cuda.current_stream(ws.device))
+        metas = tuple((tuple(t.shape), t.dtype) for t in parts)
+        with torch.cuda.stream(ws.home_stream):
+            ws.handle.wait_signal(owner, HOME_FREE[x])
+            for dst, src in zip(ws.views(owner, 2 + x, metas), parts):
+                dst.copy_(src)
+            ws.handle.put_signal(owner, HOME_FILLED[x])
+        for t in parts:
+            t.record_stream(ws.home_stream)
+
+    def receive(self, i: int, metas: tuple) -> tuple[list, list[torch.Tensor]]:
+        """The i-th part of this rank's window: ``([work], tensors in its home slot)``;
+        ``work.wait()`` makes the compute stream wait until it has landed."""
+        return [_Landed(self, i)], self.ws.views(self.ws.rank, 2 + i % 2, metas)
+
+    def consumed(self, i: int) -> None:
+        """The compute stream has enqueued its last read of the i-th part: once it has run, the
+        home slot may take the (i + 2)-th."""
+        ws = self.ws
+        if i + 2 < len(self.coming):
+            ws.home_stream.wait_stream(torch.cuda.current_stream(ws.device))
+            with torch.cuda.stream(ws.home_stream):
+                ws.handle.put_signal(self._sender(i + 2), HOME_FREE[i % 2])
+
+    def end(self) -> None:
+        """After the last step: the compute stream after every push of this call."""
+        torch.cuda.current_stream(self.ws.device).wait_stream(self.ws.home_stream)
+
+
+class _Landed:
+    def __init__(self, home: Home, i: int):
+        self.home, self.i = home, i
+
+    def wait(self) -> None:
+        home = self.home
+        home.ws.handle.wait_signal(home._sender(self.i), HOME_FILLED[self.i % 2])

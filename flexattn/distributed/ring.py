@@ -33,8 +33,9 @@ the send: no ``record_stream`` is needed. In the backward, the part of step s is
 s's compute, and waited on after step s + 1's compute is enqueued. On gloo (CPU) the transfers run
 on gloo's threads while the host computes. Where the ring has copy engines (`copies`: every rank a
 GPU of one host), K/V go by device-to-device copies into the next rank's slots instead, on a
-stream of the ring's own with the same ordering (its module docstring gives the protocol); the
-dK/dV parts go through NCCL as above.
+stream of the ring's own with the same ordering, and the dK/dV parts into their owners' home slots
+on another (its module docstring gives the protocol): a part sent is recorded on that stream, and
+the owner's compute stream waits for the part's arrival where it would wait for NCCL's receive.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from flexattn.distributed.copies import capacity_of as copies_capacity
+from flexattn.distributed.copies import Home, capacity_of as copies_capacity
 from flexattn.kernels import merge
 
 
@@ -106,8 +107,8 @@ class Ring:
     def __init__(self, groups: tuple, needs: tuple, windows: tuple, own_length: int, rows: tuple, n_rows: int,
                  copies: Callable | None = None):
         self.groups = groups
-        # (``copies(capacity, device)``: a `copies.Copies` with slots of at least ``capacity`` bytes, or
-        # None: NCCL)
+        # (``copies(capacity, device, slots)``: a `copies.Copies` with ``slots`` slots of at least
+        # ``capacity`` bytes, or None: NCCL)
         self.make_copies = copies
         self.copies = None
         self.group = group = groups[0]
@@ -117,6 +118,11 @@ class Ring:
         self.lengths = [hi - lo for lo, hi in windows]
         self.own_length = own_length
         self.last = last_steps(needs, self.P)
+        # (``coming[o]``: the steps at which the rank holding shard o reads it, each sending its
+        # part home to o: the same lists on every rank)
+        self.coming = [[s for s in range(1, self.P) if s <= self.last[o] and needs[(o + s) % self.P][o]]
+                       for o in range(self.P)]
+        self.home = None
         self.peers = [dist.get_global_rank(group, (self.rank + d) % self.P) for d in (1, -1)]
 
     def shard_at(self, s: int) -> int:
@@ -149,17 +155,22 @@ class Ring:
         """(shape, dtype) of K and V of shard j's travelling window."""
         return tuple(((*t.shape[:2], self.lengths[j], t.shape[3]), t.dtype) for t in held)
 
-    def _begin(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _begin(self, k: torch.Tensor, v: torch.Tensor, backward: bool = False) -> None:
         travels = [j for j in range(self.P) if self.last[j] > 0]
         # (not while a CUDA graph is captured: the slots are made by a collective at first use)
         if self.make_copies is not None and travels and not torch.cuda.is_current_stream_capturing():
             capacity = max(copies_capacity(self._metas([k, v], j)) for j in travels)
-            self.copies = self.make_copies(capacity, k.device)
+            self.copies = self.make_copies(capacity, k.device, 4 if backward else 2)
+            if backward:  # (dK/dV parts in K/V's dtype: a window's parts fit a slot)
+                self.home = Home(self.copies.ws, self.coming[self.rank])
 
     def _end(self) -> None:
         if self.copies is not None:
             self.copies.end()
             self.copies = None
+        if self.home is not None:
+            self.home.end()
+            self.home = None
 
     def forward(self, k: torch.Tensor, v: torch.Tensor, compute: Callable, out_dtype: torch.dtype):
         """``compute(j, k_j, v_j) -> (out, lse, max_scores or None)`` of the rows ``rows[j]`` for
@@ -202,16 +213,15 @@ class Ring:
         home_works, arrived = [], None  # a part of the own window on its way home, in flight
         last_dq = max((s for s in range(P) if s <= self.last[self.shard_at(s)]
                        and self.needs[r][self.shard_at(s)]), default=-1)
-        # (the steps at which the rank holding this rank's shard reads it: each sends its part home)
-        coming = [s for s in range(1, P) if s <= self.last[r] and self.needs[(r + s) % P][r]]
-        self._begin(k, v)
+        coming = self.coming[r]
+        self._begin(k, v, backward=True)
         for s in range(P):
             j = self.shard_at(s)
             held = s <= self.last[j]     # (the shard is here and someone reads it now or later)
             works, nxt = self._transfer(s, [k, v], lambda i: self._kv_like(k, v, i), 0)
             part = compute(j, k, v) if held and self.needs[r][j] else None
             _wait(home_works)
-            own = self._add_home(own, arrived, acc_dtype, s - 1 == max(coming, default=-1))
+            own = self._add_home(own, arrived, acc_dtype, s - 1 == max(coming, default=-1), s - 1)
             if part is not None:
                 extras.append(part[3])
                 if s == 0:  # (the own pair's are the first own sums: kept as they come)
@@ -222,22 +232,27 @@ class Ring:
             _wait(works)
             if nxt is not None:
                 k, v = nxt
-        self._end()
         _wait(home_works)
-        own = self._add_home(own, arrived, acc_dtype, True)
+        own = self._add_home(own, arrived, acc_dtype, True, P - 1)
+        self._end()
         if own is None:  # no rank reads this shard
             own = self._own_zeros(k, v, acc_dtype)
         return dq, own[0], own[1], extras
 
-    def _add_home(self, own, arrived, acc_dtype, last: bool):
-        """The own shard's dK/dV with a part of its window from another rank (complete: its
+    def _add_home(self, own, arrived, acc_dtype, last: bool, s: int):
+        """The own shard's dK/dV with the part of its window from step ``s``'s holder (complete: its
         transfer was waited on) added (`_sum_rows`: the sums in ``acc_dtype``, the ``last`` part's
         in the parts' dtype, in place where it is the only one)."""
         if arrived is None:
             return own
+        if own is None and self.home is not None:  # (the part would be kept as the sum: not in a slot)
+            arrived = [t.clone() for t in arrived]
         rows = self.windows[self.rank]
-        return tuple(_sum_rows(None if own is None else own[i], arrived[i], acc_dtype, rows, self.own_length, last)
-                     for i in range(2))
+        own = tuple(_sum_rows(None if own is None else own[i], arrived[i], acc_dtype, rows, self.own_length, last)
+                    for i in range(2))
+        if self.home is not None:
+            self.home.consumed(self.coming[self.rank].index(s))
+        return own
 
     def _own_zeros(self, k, v, dtype):
         """Zeros for the whole own shard's dK/dV."""
@@ -251,6 +266,15 @@ class Ring:
         ``receive``, the part of this rank's own window from the rank holding it at this step
         comes in. ``(works, arriving part or None)``."""
         ops, home, sent = [[], []], None, []
+        if self.home is not None:
+            works = []
+            if part is not None:
+                owner = self.shard_at(s)
+                self.home.send([part[1].to(k.dtype).contiguous(), part[2].to(v.dtype).contiguous()], owner,
+                               self.coming[owner].index(s))
+            if receive:
+                works, home = self.home.receive(self.coming[self.rank].index(s), self._metas([k, v], self.rank))
+            return works, home
         if part is not None:
             dst = dist.get_global_rank(self.group, self.shard_at(s))
             sent = [part[1].to(k.dtype), part[2].to(v.dtype)]
