@@ -455,6 +455,7 @@ def test_pair_tables_are_the_masks_built_for_those_positions(layout, backend):
     tiled, kept, n = lb.tiled_positions(S, P, KVB, device)
     assert n % 16
     partial_rows = partial_cols = empty = 0
+    rects = []
     for r in range(P):
         qpos = lb.positions(S, P, r, device)
         local, _ = at_global_positions(mod, MASK, torch.float32, qpos, tiled, kept)
@@ -483,14 +484,21 @@ def test_pair_tables_are_the_masks_built_for_those_positions(layout, backend):
                 held = (tk[0] * KVB, min(tk[1] * KVB, kvpos.numel()))
                 partial_rows += rows != (0, qpos.numel())
                 partial_cols += held != (0, kvpos.numel())
-                got = tiles.tables(tq, (n * j + tk[0], n * j + tk[1]))
                 pair, _ = at_global_positions(mod, MASK, torch.float32, qpos[slice(*rows)], kvpos[slice(*held)])
-                built = flexattn.create_block_mask(pair, B, H, rows[1] - rows[0], held[1] - held[0], device=device,
-                                                   BLOCK_SIZE=(QB, KVB), backend=backend)
-                names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-                         "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
-                for name, t in zip(names, got):
-                    assert torch.equal(t, getattr(built, name)), (r, j, tq, tk, name)
+                rects.append(((tq, (n * j + tk[0], n * j + tk[1])), (pair, rows, held, (r, j, tq, tk))))
+        # (all of a rank's rectangles, of different sizes, from one launch of each order kernel; and
+        # the first alone)
+        names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+        alone = tiles.tables(*rects[0][0])
+        for i, (got, (pair, rows, held, where)) in enumerate(zip(tiles.tables_of([rect for rect, _ in rects]),
+                                                                  [case for _, case in rects])):
+            built = flexattn.create_block_mask(pair, B, H, rows[1] - rows[0], held[1] - held[0], device=device,
+                                               BLOCK_SIZE=(QB, KVB), backend=backend)
+            for name, t, first in zip(names, got, alone):
+                assert torch.equal(t, getattr(built, name)), (*where, name)
+                assert i or torch.equal(first, t), (*where, name)
+        rects.clear()
     assert partial_rows and partial_cols and (empty > 0) == (layout == "window")
 
 

@@ -296,22 +296,42 @@ def test_the_block_mask_arguments_land_at_their_names(separate_full, monkeypatch
     assert_lands(signatures.CLASSIFY, hooks, calls["classify_kernel"], {
         **states, **buffer_values("", MASK.buffers), **interval_values,
         "HD": HD, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "N_KV_TILES": n_kv, "N_WORDS": 1})
-    flat = [None if t is None else t.view(BD * HD, *t.shape[2:]) for t in tables]
-    for sig, lists, full in ((signatures.KV_ORDER, flat[0:2], flat[2:4]), (signatures.Q_ORDER, flat[4:6], flat[6:8])):
-        args = calls[sig.kernel]
-        if not separate_full:  # no full lists: both kernels get the KV counts in their (unread) place
-            full = [flat[0], flat[0]]
-        tensors = dict(zip(sig.group("tensors")[1:], [*lists, *full]))
-        assert_lands(sig, hooks, args, {**states, **tensors, "N_Q_TILES": n_q, "N_KV_TILES": n_kv, "Q0": 0, "KV0": 0})
+    def lands(tables, sizes, rects=UNUSED):
+        # (each kernel gets its tables flat, the Rects table unread (UNUSED) for one rectangle; for
+        # several, the whole buffers that the first rectangle's tables start)
+        if rects is UNUSED:
+            flat = [None if t is None else t.reshape(-1) for t in tables]
+        else:
+            flat = [None if t is None else t._base[i // 2 % 2] for i, t in enumerate(tables)]
+        for sig, lists, full in ((signatures.KV_ORDER, flat[0:2], flat[2:4]), (signatures.Q_ORDER, flat[4:6], flat[6:8])):
+            if not separate_full:  # no full lists: each kernel gets its own lists in their (unread) place
+                full = lists
+            tensors = dict(zip(sig.group("tensors")[1:], [*lists, *full]))
+            args = list(vars(kernels)[sig.kernel].recorder.args)
+            if rects is UNUSED:
+                assert args[5] is state
+                args[5] = UNUSED
+            else:
+                assert torch.equal(args[5], rects), sig.kernel
+                args[5] = UNUSED
+            assert_lands(sig, hooks, args, {**states, **tensors, "Rects": UNUSED, **sizes})
+
+    lands(tables, {"N_Q_TILES": n_q, "N_KV_TILES": n_kv, "Q0": 0, "KV0": 0})
     # a rectangle of the tiles: query tiles 1..2 against KV tiles 2..8, numbered from its corner
-    rect = block_mask_kernel.Tiles(kernels, state, BD, HD, n_q, n_kv, True).tables((1, 3), (2, 9), separate_full)
-    flat = [None if t is None else t.view(BD * HD, *t.shape[2:]) for t in rect]
-    assert flat[0].shape == (BD * HD, 2) and flat[1].shape == (BD * HD, 2, 7)
-    for sig, lists, full in ((signatures.KV_ORDER, flat[0:2], flat[2:4]), (signatures.Q_ORDER, flat[4:6], flat[6:8])):
-        full = full if separate_full else [flat[0], flat[0]]
-        tensors = dict(zip(sig.group("tensors")[1:], [*lists, *full]))
-        assert_lands(sig, hooks, vars(kernels)[sig.kernel].recorder.args,
-                     {**states, **tensors, "N_Q_TILES": 2, "N_KV_TILES": 7, "Q0": 1, "KV0": 2})
+    tiles = block_mask_kernel.Tiles(kernels, state, BD, HD, n_q, n_kv, True)
+    rect = tiles.tables((1, 3), (2, 9), separate_full)
+    assert rect[0].shape == (BD, HD, 2) and rect[1].shape == (BD, HD, 2, 7)
+    lands(rect, {"N_Q_TILES": 2, "N_KV_TILES": 7, "Q0": 1, "KV0": 2})
+    # two rectangles in one launch: the sizes bound the grid, each rectangle's corner, sizes and
+    # offsets (KV-order counts, Q-order counts, indices) are a row of Rects, its tables follow
+    # the first's in each buffer
+    two = tiles.tables_of([((1, 3), (2, 9)), ((0, 3), (0, 4))], separate_full)
+    BH = BD * HD
+    assert [t.shape for t in two[1][:2]] == [(BD, HD, 3), (BD, HD, 3, 4)]
+    assert two[1][0].data_ptr() == two[0][0].data_ptr() + 4 * BH * 2
+    assert two[1][1].data_ptr() == two[0][1].data_ptr() + 4 * BH * 2 * 7
+    lands(two[0], {"N_Q_TILES": 3, "N_KV_TILES": 7, "Q0": 0, "KV0": 0},
+          torch.tensor([[1, 2, 2, 7, 0, 0, 0, 0], [0, 3, 0, 4, BH * 2, BH * 7, BH * 14, 0]]))
 
 
 def test_the_forward_plan_strides_and_sizes_land_at_their_names():

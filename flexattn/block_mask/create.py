@@ -226,13 +226,19 @@ class Classified:
         against the KV tiles ``cols`` (default: all), each [B, H, ...]."""
         rows = rows if rows is not None else (0, self.n_q)
         cols = cols if cols is not None else (0, self.n_kv)
-        if not (0 <= rows[0] < rows[1] <= self.n_q and 0 <= cols[0] < cols[1] <= self.n_kv):
-            raise ValueError(f"tile rectangle rows={rows}, cols={cols} is not a non-empty part of "
-                             f"{self.n_q} x {self.n_kv} tiles")
-        tables = self.tiles.tables(rows, cols, separate_full)
+        return self.tables_of([(rows, cols)], separate_full)[0]
+
+    def tables_of(self, rects: list, separate_full: bool = True) -> list[tuple]:
+        """`tables` of each ``(rows, cols)`` of ``rects`` (one launch of each order kernel for all)."""
+        for rows, cols in rects:
+            if not (0 <= rows[0] < rows[1] <= self.n_q and 0 <= cols[0] < cols[1] <= self.n_kv):
+                raise ValueError(f"tile rectangle rows={rows}, cols={cols} is not a non-empty part of "
+                                 f"{self.n_q} x {self.n_kv} tiles")
+        every = self.tiles.tables_of(list(rects), separate_full)
         if (self.tiles.BD, self.tiles.HD) != (self.B, self.H):
-            tables = tuple(None if t is None else t.expand(self.B, self.H, *t.shape[2:]).contiguous() for t in tables)
-        return tables
+            every = [tuple(None if t is None else t.expand(self.B, self.H, *t.shape[2:]).contiguous() for t in tables)
+                     for tables in every]
+        return every
 
 
 class _TorchTiles:
@@ -251,8 +257,8 @@ class _TorchTiles:
 
         return torch.cat([spans(kept.any(0)), spans(kept.any(2).t())], 1).int()
 
-    def tables(self, rows: tuple[int, int], cols: tuple[int, int], separate_full: bool) -> tuple:
-        return _tables_from_states(self.states[:, :, slice(*rows), slice(*cols)], separate_full)
+    def tables_of(self, rects: list, separate_full: bool) -> list[tuple]:
+        return [_tables_from_states(self.states[:, :, slice(*rows), slice(*cols)], separate_full) for rows, cols in rects]
 
 
 @torch.library.custom_op("flexattn::block_mask_tables", mutates_args=())

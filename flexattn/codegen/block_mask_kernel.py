@@ -13,6 +13,7 @@ captured tensors, key, name and source), so this module needs nothing from above
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 
 import torch
@@ -107,38 +108,55 @@ class Tiles:
         against the KV tiles ``cols`` (a non-empty rectangle of the state, which the caller
         checks), numbered from the rectangle's corner: the tables of the block mask of those rows
         and columns alone."""
-        (q0, q1), (kv0, kv1) = rows, cols
-        n_q, n_kv, BH, device, state = q1 - q0, kv1 - kv0, self.BD * self.HD, self.state.device, self.state
+        return self.tables_of([(rows, cols)], separate_full)[0]
+
+    def tables_of(self, rects: list, separate_full: bool = True) -> list[tuple]:
+        """`tables` of each ``(rows, cols)`` of ``rects``, from one launch of each order kernel
+        (the tables of several rectangles lie in one buffer of each kind, each a view of it)."""
+        BH, device, state = self.BD * self.HD, self.state.device, self.state
+        shapes = [(q1 - q0, kv1 - kv0) for (q0, q1), (kv0, kv1) in rects]
+        n_q, n_kv = max(r for r, _ in shapes), max(c for _, c in shapes)
         _, chunk_q, chunk_kv = chunks(n_q, n_kv, self.interpret)
-
-        def tables(n_rows, n_cols):
-            num = torch.empty(BH, n_rows, dtype=torch.int32, device=device)
-            idx = torch.empty(BH, n_rows, n_cols, dtype=torch.int32, device=device)
-            return num, idx
-
-        kv_num, kv_idx = tables(n_q, n_kv)
-        q_num, q_idx = tables(n_kv, n_q)
-        if separate_full:
-            fkv_num, fkv_idx = tables(n_q, n_kv)
-            fq_num, fq_idx = tables(n_kv, n_q)
+        # (offsets of each rectangle's KV-order counts, Q-order counts and indices in the buffers)
+        at = [(0, 0, 0)]
+        for r, c in shapes:
+            at.append((at[-1][0] + BH * r, at[-1][1] + BH * c, at[-1][2] + BH * r * c))
+        total = at[-1]
+        kinds = 2 if separate_full else 1  # (partial and full, or every non-empty tile)
+        kv_num, q_num, kv_idx, q_idx = (torch.empty(kinds, n, dtype=torch.int32, device=device)
+                                        for n in (total[0], total[1], total[2], total[2]))
+        many = len(rects) > 1
+        if many:
+            table = torch.tensor([[q0, q1 - q0, kv0, kv1 - kv0, *at[i], 0] for i, ((q0, q1), (kv0, kv1)) in enumerate(rects)],
+                                 dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+            corner = (0, 0)
         else:
-            fkv_num = fkv_idx = fq_num = fq_idx = kv_num  # unused by the kernels
+            table, corner = state, (rects[0][0][0], rects[0][1][0])  # (Rects unread: the corner in the scalars)
         # (integer kernels: fp fusion is moot, set so that Triton 3.9 has no default to warn about)
-        common = dict(SEPARATE_FULL=separate_full, SEL=1 if separate_full else 0, enable_fp_fusion=False)
+        common = dict(SEPARATE_FULL=separate_full, SEL=1 if separate_full else 0, RECTS=many, enable_fp_fusion=False)
+        full = 1 if separate_full else 0  # (unread without separate full tiles)
         # (the arguments in the order `signatures.KV_ORDER` / `Q_ORDER` declare)
         with _launching(device, self.interpret):
-            self.module.kv_order_kernel[(n_q, BH)](
-                state, kv_num, kv_idx, fkv_num, fkv_idx, state.stride(0), state.stride(1), n_q, n_kv, q0, kv0,
-                CHUNK=chunk_kv, **common,
+            self.module.kv_order_kernel[(n_q, BH, len(rects))](
+                state, kv_num[0], kv_idx[0], kv_num[full], kv_idx[full], table, state.stride(0), state.stride(1),
+                n_q, n_kv, *corner, CHUNK=chunk_kv, **common,
             )
-            self.module.q_order_kernel[(n_kv, BH)](
-                state, q_num, q_idx, fq_num, fq_idx, state.stride(0), state.stride(1), n_q, n_kv, q0, kv0,
-                CHUNK=chunk_q, **common,
+            self.module.q_order_kernel[(n_kv, BH, len(rects))](
+                state, q_num[0], q_idx[0], q_num[full], q_idx[full], table, state.stride(0), state.stride(1),
+                n_q, n_kv, *corner, CHUNK=chunk_q, **common,
             )
-        out = [kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx]
-        if not separate_full:
-            out[2] = out[3] = out[6] = out[7] = None
-        return tuple(None if t is None else t.view(self.BD, self.HD, *t.shape[1:]) for t in out)
+        out = []
+        for i, (r, c) in enumerate(shapes):
+            def part(buf, k, which, *shape):
+                lo = at[i][which]
+                return buf[k, lo:lo + math.prod(shape) * BH].view(self.BD, self.HD, *shape)
+            kinds_of = range(kinds) if separate_full else (0,)
+            tabs = {k: (part(kv_num, k, 0, r), part(kv_idx, k, 2, r, c), part(q_num, k, 1, c), part(q_idx, k, 2, c, r))
+                    for k in kinds_of}
+            full_tabs = tabs[1] if separate_full else (None,) * 4
+            out.append((tabs[0][0], tabs[0][1], full_tabs[0], full_tabs[1], tabs[0][2], tabs[0][3], full_tabs[2],
+                        full_tabs[3]))
+        return out
 
 
 @contextlib.contextmanager

@@ -147,7 +147,7 @@ DECODE_SPLIT = Signature("decode_split_kernel", (
     SAFE_HEAD_DIM, DOT_PRECISION, DOT_IN_FP64, MERGE_M, MERGE_CHUNK"""))
 
 _STATE_STRIDES = ("state_strides", _names("stride_sbh, stride_sm"))
-_ORDER_CONSTEXPRS = _names("SEPARATE_FULL, SEL, CHUNK")
+_ORDER_CONSTEXPRS = _names("SEPARATE_FULL, SEL, CHUNK, RECTS")
 
 CLASSIFY = Signature("classify_kernel", (
     ("tensors", ("State",)),
@@ -157,13 +157,13 @@ CLASSIFY = Signature("classify_kernel", (
 ), _names("BLOCK_Q, BLOCK_KV, SUB_Q, SUB_KV, CHUNK_WORDS, USE_INTERVAL"))
 
 KV_ORDER = Signature("kv_order_kernel", (
-    ("tensors", _names("State, KvNum, KvIdx, FullNum, FullIdx")),
+    ("tensors", _names("State, KvNum, KvIdx, FullNum, FullIdx, Rects")),
     _STATE_STRIDES,
     ("sizes", _names("N_Q_TILES, N_KV_TILES, Q0, KV0")),
 ), _ORDER_CONSTEXPRS)
 
 Q_ORDER = Signature("q_order_kernel", (
-    ("tensors", _names("State, QNum, QIdx, FullNum, FullIdx")),
+    ("tensors", _names("State, QNum, QIdx, FullNum, FullIdx, Rects")),
     _STATE_STRIDES,
     ("sizes", _names("N_Q_TILES, N_KV_TILES, Q0, KV0")),
 ), _ORDER_CONSTEXPRS)

@@ -222,17 +222,17 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     rows = [None if g is None else (g[1][0] * q_block, min(g[1][1] * q_block, L)) for g in ranges[r]]
     needs = tuple(tuple(span is not None for span in r) for r in every)
     windows = tuple(_window(every, j, kvpos[j].numel()) for j in range(P))
-    masks = []
-    for j, g in enumerate(ranges[r]):  # the tables of the rows that read shard j, against what travels of it
-        if g is None:
-            masks.append(None)
-            continue
-        held = (0, kvpos[j].numel()) if j == r else windows[j]
-        tile_cols = (n * j + held[0] // kv_block, n * j + -(-held[1] // kv_block))  # (shard j's tiles: n j ..)
-        pair, _ = at_global_positions(mod, MASK, torch.float32, qpos[slice(*rows[j])], kvpos[j][slice(*held)])
-        bm = flexattn.BlockMask((rows[j][1] - rows[j][0], held[1] - held[0]), *tiles.tables(g[1], tile_cols),
-                                BLOCK_SIZE=(q_block, kv_block), mask_mod=pair, validate=False)
-        masks.append(bm)
+    # (the tables of the rows that read shard j, against what travels of it: every pair's from one
+    # launch of each order kernel)
+    read = [j for j, g in enumerate(ranges[r]) if g is not None]
+    held = [(0, kvpos[j].numel()) if j == r else windows[j] for j in range(P)]
+    rects = [(ranges[r][j][1], (n * j + held[j][0] // kv_block, n * j + -(-held[j][1] // kv_block)))  # (shard j: tiles n j ..)
+             for j in read]
+    masks = [None] * P
+    for j, tables in zip(read, tiles.tables_of(rects) if read else []):
+        pair, _ = at_global_positions(mod, MASK, torch.float32, qpos[slice(*rows[j])], kvpos[j][slice(*held[j])])
+        masks[j] = flexattn.BlockMask((rows[j][1] - rows[j][0], held[j][1] - held[j][0]), *tables,
+                                      BLOCK_SIZE=(q_block, kv_block), mask_mod=pair, validate=False)
     checks.ring_groups(group)  # (made here, where every rank of the group is)
     counter = _TOKENS.setdefault(group.group_name, itertools.count())
     token = (mod.key(), layout.key(), Q_LEN, KV_LEN, B, H, BLOCK_SIZE, group.group_name, next(counter))

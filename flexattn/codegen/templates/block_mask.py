@@ -27,6 +27,10 @@
 #   HD: heads in the evaluated grid (program_id(1) = b * HD + h)
 #   Q0, KV0: the order kernels' rectangle corner (first query-tile row, first KV-tile column of
 #            the state they list); their N_Q_TILES / N_KV_TILES are the rectangle's rows / columns
+#   RECTS: the order kernels list several rectangles in one launch, one per program_id(2), each
+#          read from its row of Rects (int64 [R, 8]: Q0, N_Q_TILES, KV0, N_KV_TILES, then the
+#          offsets of its tables in the outputs: KV-order counts, Q-order counts, indices); the
+#          scalar sizes are then the grid's bounds (the largest rectangle's) and unread
 $prelude
 
 $mod_def
@@ -179,9 +183,21 @@ def _order(Words, N, stride, lane, Num, Idx,
     tl.store(Num, n_sel)
 
 
+@triton.jit
+def _rect(Rects, n_q, n_kv, q0, kv0, NUM_AT: tl.constexpr, RECTS: tl.constexpr):
+    # -- this program's rectangle: (n_q, n_kv, q0, kv0, counts offset, indices offset)
+    if RECTS:
+        row = Rects + tl.program_id(2) * 8
+        return (tl.load(row + 1), tl.load(row + 3), tl.load(row).to(tl.int64), tl.load(row + 2),
+                tl.load(row + NUM_AT), tl.load(row + 6))
+    else:
+        return n_q, n_kv, q0.to(tl.int64), kv0, 0, 0
+
+
 # Both order kernels list the tiles of a rectangle of the state: query-tile rows Q0 .. Q0 +
 # N_Q_TILES - 1 against KV-tile columns KV0 .. KV0 + N_KV_TILES - 1, numbered from its corner (the
-# tables of a block mask of those rows and columns; 0, 0 and the whole state for the whole mask).
+# tables of a block mask of those rows and columns; 0, 0 and the whole state for the whole mask),
+# or (RECTS) several rectangles, one per program_id(2).
 @triton.jit(do_not_specialize=["stride_sbh", "stride_sm", "N_Q_TILES", "N_KV_TILES", "Q0", "KV0"])
 def kv_order_kernel(
 $kv_order_kernel_params
@@ -189,11 +205,13 @@ $kv_order_kernel_params
     # SEL: the state listed in KvIdx (PARTIAL, or 0 = any non-empty when not SEPARATE_FULL)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    words = State + pid_bh.to(tl.int64) * stride_sbh + (Q0 + pid_m).to(tl.int64) * stride_sm
-    row = pid_bh.to(tl.int64) * N_Q_TILES + pid_m
-    _order(words, N_KV_TILES, 0, KV0, KvNum + row, KvIdx + row * N_KV_TILES, SEL, False, CHUNK)
-    if SEPARATE_FULL:
-        _order(words, N_KV_TILES, 0, KV0, FullNum + row, FullIdx + row * N_KV_TILES, FULL, False, CHUNK)
+    n_q, n_kv, q0, kv0, num_at, idx_at = _rect(Rects, N_Q_TILES, N_KV_TILES, Q0, KV0, 4, RECTS)
+    if pid_m < n_q:
+        words = State + pid_bh.to(tl.int64) * stride_sbh + (q0 + pid_m) * stride_sm
+        row = pid_bh.to(tl.int64) * n_q + pid_m
+        _order(words, n_kv, 0, kv0, KvNum + num_at + row, KvIdx + idx_at + row * n_kv, SEL, False, CHUNK)
+        if SEPARATE_FULL:
+            _order(words, n_kv, 0, kv0, FullNum + num_at + row, FullIdx + idx_at + row * n_kv, FULL, False, CHUNK)
 
 
 @triton.jit(do_not_specialize=["stride_sbh", "stride_sm", "N_Q_TILES", "N_KV_TILES", "Q0", "KV0"])
@@ -202,10 +220,12 @@ $q_order_kernel_params
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    c = KV0 + pid_n
-    words = State + pid_bh.to(tl.int64) * stride_sbh + Q0.to(tl.int64) * stride_sm + c // 16
-    lane = c % 16
-    col = pid_bh.to(tl.int64) * N_KV_TILES + pid_n
-    _order(words, N_Q_TILES, stride_sm, lane, QNum + col, QIdx + col * N_Q_TILES, SEL, True, CHUNK)
-    if SEPARATE_FULL:
-        _order(words, N_Q_TILES, stride_sm, lane, FullNum + col, FullIdx + col * N_Q_TILES, FULL, True, CHUNK)
+    n_q, n_kv, q0, kv0, num_at, idx_at = _rect(Rects, N_Q_TILES, N_KV_TILES, Q0, KV0, 5, RECTS)
+    if pid_n < n_kv:
+        c = kv0 + pid_n
+        words = State + pid_bh.to(tl.int64) * stride_sbh + q0 * stride_sm + c // 16
+        lane = c % 16
+        col = pid_bh.to(tl.int64) * n_kv + pid_n
+        _order(words, n_q, stride_sm, lane, QNum + num_at + col, QIdx + idx_at + col * n_q, SEL, True, CHUNK)
+        if SEPARATE_FULL:
+            _order(words, n_q, stride_sm, lane, FullNum + num_at + col, FullIdx + idx_at + col * n_q, FULL, True, CHUNK)
