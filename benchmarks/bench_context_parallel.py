@@ -79,7 +79,7 @@ def timed(fn, iters: int, warmup: int = 2, barrier: bool = True) -> tuple[float,
     return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
 
 
-def mask_ms(build, barrier: bool = True, repeats: int = 3) -> float:
+def mask_ms(build, barrier: bool = True, repeats: int = 7) -> float:
     """Median wall ms of ``build()`` (a block mask) called again: the caller's own first call warmed
     its caches (and compiled torch's); with a barrier before each call unless ``barrier`` is False."""
     times = []

@@ -79,10 +79,11 @@ def merge_rows(out, lse, part_out, part_lse, rows: tuple[int, int], n: int, dtyp
         return out, lse
     if out.dtype == dtype:
         result = out  # (in place)
-    elif whole:
+    else:  # (the other rows converted as they are; the merged rows written by the merge, from out's)
         result = torch.empty_like(out, dtype=dtype)
-    else:  # (the other rows as they are; the merged rows from out's own values)
-        result = out.to(dtype)
+        for rest in (slice(0, lo), slice(hi, n)):
+            if rest.start < rest.stop:
+                result[:, :, rest] = out[:, :, rest]
     merge.merge_into(result[:, :, lo:hi], out[:, :, lo:hi], lse[:, :, lo:hi], part_out, part_lse)
     return result, lse
 
