@@ -127,8 +127,8 @@ class Tiles:
                                         for n in (total[0], total[1], total[2], total[2]))
         many = len(rects) > 1
         if many:
-            table = torch.tensor([[q0, q1 - q0, kv0, kv1 - kv0, *at[i], 0] for i, ((q0, q1), (kv0, kv1)) in enumerate(rects)],
-                                 dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+            rows = [[q0, q1 - q0, kv0, kv1 - kv0, *at[i], 0] for i, ((q0, q1), (kv0, kv1)) in enumerate(rects)]
+            table = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
             corner = (0, 0)
         else:
             table, corner = state, (rects[0][0][0], rects[0][1][0])  # (Rects unread: the corner in the scalars)
@@ -145,17 +145,15 @@ class Tiles:
                 state, q_num[0], q_idx[0], q_num[full], q_idx[full], table, state.stride(0), state.stride(1),
                 n_q, n_kv, *corner, CHUNK=chunk_q, **common,
             )
+        def part(buf, k, lo, *shape):  # (a rectangle's table: BH * shape entries of row k from lo)
+            return buf[k, lo:lo + BH * math.prod(shape)].view(self.BD, self.HD, *shape)
+
         out = []
-        for i, (r, c) in enumerate(shapes):
-            def part(buf, k, which, *shape):
-                lo = at[i][which]
-                return buf[k, lo:lo + math.prod(shape) * BH].view(self.BD, self.HD, *shape)
-            kinds_of = range(kinds) if separate_full else (0,)
-            tabs = {k: (part(kv_num, k, 0, r), part(kv_idx, k, 2, r, c), part(q_num, k, 1, c), part(q_idx, k, 2, c, r))
-                    for k in kinds_of}
-            full_tabs = tabs[1] if separate_full else (None,) * 4
-            out.append((tabs[0][0], tabs[0][1], full_tabs[0], full_tabs[1], tabs[0][2], tabs[0][3], full_tabs[2],
-                        full_tabs[3]))
+        for (r, c), (kv_at, q_at, idx_at) in zip(shapes, at):
+            lists = [(part(kv_num, k, kv_at, r), part(kv_idx, k, idx_at, r, c), part(q_num, k, q_at, c),
+                      part(q_idx, k, idx_at, c, r)) for k in range(kinds)]
+            full_lists = lists[1] if separate_full else (None,) * 4
+            out.append((*lists[0][:2], *full_lists[:2], *lists[0][2:], *full_lists[2:]))
         return out
 
 

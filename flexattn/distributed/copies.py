@@ -1,4 +1,4 @@
-"""The ring's K/V travel by the GPUs' copy engines, through symmetric memory (one host).
+"""The ring's K/V and dK/dV parts travel by the GPUs' copy engines, through symmetric memory (one host).
 
 NCCL moves data with kernels: a transfer needs SMs, and it shares them with the attention kernel
 it is meant to overlap (on 4 H100s a K/V shard pair of 268 MB took 0.94 ms through two NCCL
@@ -122,7 +122,8 @@ def workspace(group: dist.ProcessGroup, capacity: int, device: torch.device, slo
     ws = _WORKSPACES.get(key)
     if ws is not None and ws.group is group:
         capacity, slots = max(capacity, ws.capacity), max(slots, ws.slots)
-    if ws is None or ws.capacity < capacity or ws.slots < slots or ws.group is not group:  # (or a default group made again)
+    # (made again too for a default group made again)
+    if ws is None or ws.capacity < capacity or ws.slots < slots or ws.group is not group:
         if ws is not None:
             # (a signal or a push of this rank's may still be on its way into another's old slots:
             # every rank's old work is done before any rank frees them)

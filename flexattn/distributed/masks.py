@@ -226,8 +226,8 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     # launch of each order kernel)
     read = [j for j, g in enumerate(ranges[r]) if g is not None]
     held = [(0, kvpos[j].numel()) if j == r else windows[j] for j in range(P)]
-    rects = [(ranges[r][j][1], (n * j + held[j][0] // kv_block, n * j + -(-held[j][1] // kv_block)))  # (shard j: tiles n j ..)
-             for j in read]
+    rects = [(ranges[r][j][1], (n * j + held[j][0] // kv_block, n * j + -(-held[j][1] // kv_block)))
+             for j in read]  # (shard j's tiles: n j ..)
     masks = [None] * P
     for j, tables in zip(read, tiles.tables_of(rects) if read else []):
         pair, _ = at_global_positions(mod, MASK, torch.float32, qpos[slice(*rows[j])], kvpos[j][slice(*held[j])])
