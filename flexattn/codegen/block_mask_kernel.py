@@ -145,6 +145,7 @@ class Tiles:
                 state, q_num[0], q_idx[0], q_num[full], q_idx[full], table, state.stride(0), state.stride(1),
                 n_q, n_kv, *corner, CHUNK=chunk_q, **common,
             )
+
         def part(buf, k, lo, *shape):  # (a rectangle's table: BH * shape entries of row k from lo)
             return buf[k, lo:lo + BH * math.prod(shape)].view(self.BD, self.HD, *shape)
 

@@ -55,10 +55,10 @@ _GRANULE = 2 << 20  # bytes: a slot's capacity is a multiple of this
 
 
 def usable(device: torch.device) -> bool:
-    """Whether this process can push K/V on ``device`` by the copy engines: a CUDA device, torch's
-    symmetric memory, and no ``FLEXATTN_RING_COPY=0`` (which keeps the ring on NCCL: for
-    comparisons, and where the processes may not share GPU memory handles). Read when a block mask
-    is made; the ring uses them only where every rank of the group can, on one host."""
+    """Whether this process can push K/V and dK/dV parts on ``device`` by the copy engines: a CUDA
+    device, torch's symmetric memory, and no ``FLEXATTN_RING_COPY=0`` (which keeps the ring on
+    NCCL: for comparisons, and where the processes may not share GPU memory handles). Read when a
+    block mask is made; the ring uses them only where every rank of the group can, on one host."""
     if device.type != "cuda" or os.environ.get("FLEXATTN_RING_COPY", "1") == "0":
         return False
     try:
