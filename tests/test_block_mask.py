@@ -115,6 +115,17 @@ def test_generated_kernels_match_torch(mask, bs, Q, KV):
     assert_same(*both(mask, 2, 2, Q, KV, bs, backend="triton"))
 
 
+@pytest.mark.parametrize("B,H,Q,KV", [(None, None, 300, 300), (1, 3, 300, 170), (2, 1, 100, 77)], ids=str)
+def test_tables_are_16_byte_aligned(B, H, Q, KV):
+    """The Triton path lists every table of a mask as a view of one buffer of each kind: each
+    starts 16-byte aligned, as a kernel's direct launch (not through Triton) asks of its tensors
+    (3 query tiles of one head: the full tables used to start 12 bytes in)."""
+    bm = create_block_mask(causal, B, H, Q, KV, device="cpu", BLOCK_SIZE=128, backend="triton")
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert getattr(bm, name).data_ptr() % 16 == 0, name
+
+
 def test_dsl_mods_and_mod_objects():
     mod = flexattn.mask_mod("(doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)", doc=DOC)
     for backend in ("torch", "triton"):

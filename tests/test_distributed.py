@@ -498,6 +498,8 @@ def test_pair_tables_are_the_masks_built_for_those_positions(layout, backend):
             for name, t, first in zip(names, got, alone):
                 assert torch.equal(t, getattr(built, name)), (*where, name)
                 assert i or torch.equal(first, t), (*where, name)
+                # (views of one buffer, each aligned as the kernels' direct launch asks)
+                assert t.data_ptr() % 16 == 0 and first.data_ptr() % 16 == 0, (*where, name)
         rects.clear()
     assert partial_rows and partial_cols and (empty > 0) == (layout == "window")
 

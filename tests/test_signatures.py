@@ -297,12 +297,9 @@ def test_the_block_mask_arguments_land_at_their_names(separate_full, monkeypatch
         **states, **buffer_values("", MASK.buffers), **interval_values,
         "HD": HD, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "N_KV_TILES": n_kv, "N_WORDS": 1})
     def lands(tables, sizes, rects=UNUSED):
-        # (each kernel gets its tables flat, the Rects table unread (UNUSED) for one rectangle; for
-        # several, the whole buffers that the first rectangle's tables start)
-        if rects is UNUSED:
-            flat = [None if t is None else t.reshape(-1) for t in tables]
-        else:
-            flat = [None if t is None else t._base[i // 2 % 2] for i, t in enumerate(tables)]
+        # (each kernel gets the rows of the buffers its tables are views of, partial and full, the
+        # Rects table unread (UNUSED) for one rectangle)
+        flat = [None if t is None else t._base[i // 2 % 2] for i, t in enumerate(tables)]
         for sig, lists, full in ((signatures.KV_ORDER, flat[0:2], flat[2:4]), (signatures.Q_ORDER, flat[4:6], flat[6:8])):
             if not separate_full:  # no full lists: each kernel gets its own lists in their (unread) place
                 full = lists
@@ -324,14 +321,14 @@ def test_the_block_mask_arguments_land_at_their_names(separate_full, monkeypatch
     lands(rect, {"N_Q_TILES": 2, "N_KV_TILES": 7, "Q0": 1, "KV0": 2})
     # two rectangles in one launch: the sizes bound the grid, each rectangle's corner, sizes and
     # offsets (KV-order counts, Q-order counts, indices) are a row of Rects, its tables follow
-    # the first's in each buffer
+    # the first's in each buffer, from the next 16 bytes (BH * 2, BH * 7 = 42 -> 44, BH * 14)
     two = tiles.tables_of([((1, 3), (2, 9)), ((0, 3), (0, 4))], separate_full)
     BH = BD * HD
     assert [t.shape for t in two[1][:2]] == [(BD, HD, 3), (BD, HD, 3, 4)]
     assert two[1][0].data_ptr() == two[0][0].data_ptr() + 4 * BH * 2
     assert two[1][1].data_ptr() == two[0][1].data_ptr() + 4 * BH * 2 * 7
     lands(two[0], {"N_Q_TILES": 3, "N_KV_TILES": 7, "Q0": 0, "KV0": 0},
-          torch.tensor([[1, 2, 2, 7, 0, 0, 0, 0], [0, 3, 0, 4, BH * 2, BH * 7, BH * 14, 0]]))
+          torch.tensor([[1, 2, 2, 7, 0, 0, 0, 0], [0, 3, 0, 4, 12, 44, 84, 0]]))
 
 
 def test_the_forward_plan_strides_and_sizes_land_at_their_names():

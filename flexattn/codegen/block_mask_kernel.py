@@ -117,10 +117,11 @@ class Tiles:
         shapes = [(q1 - q0, kv1 - kv0) for (q0, q1), (kv0, kv1) in rects]
         n_q, n_kv = max(r for r, _ in shapes), max(c for _, c in shapes)
         _, chunk_q, chunk_kv = chunks(n_q, n_kv, self.interpret)
-        # (offsets of each rectangle's KV-order counts, Q-order counts and indices in the buffers)
+        # (offsets of each rectangle's KV-order counts, Q-order counts and indices in the buffers,
+        # each table 16-byte aligned, as the kernels' direct launch takes its tensors)
         at = [(0, 0, 0)]
         for r, c in shapes:
-            at.append((at[-1][0] + BH * r, at[-1][1] + BH * c, at[-1][2] + BH * r * c))
+            at.append((at[-1][0] + _aligned(BH * r), at[-1][1] + _aligned(BH * c), at[-1][2] + _aligned(BH * r * c)))
         total = at[-1]
         kinds = 2 if separate_full else 1  # (partial and full, or every non-empty tile)
         kv_num, q_num, kv_idx, q_idx = (torch.empty(kinds, n, dtype=torch.int32, device=device)
@@ -156,6 +157,13 @@ class Tiles:
             full_lists = lists[1] if separate_full else (None,) * 4
             out.append((*lists[0][:2], *full_lists[:2], *lists[0][2:], *full_lists[2:]))
         return out
+
+
+def _aligned(n: int) -> int:
+    """``n`` int32 entries rounded up to whole 16 bytes: a table that starts there in a shared
+    buffer starts 16-byte aligned (the next one too), as a kernel launch that takes no Triton
+    path asks of every tensor (kernels/triton_launcher.py)."""
+    return -(-n // 4) * 4
 
 
 @contextlib.contextmanager
