@@ -10,6 +10,13 @@
 #               do_ready: "landed"; q_empty / do_empty: "both consumers are done with it")
 #   consumer 0  4 warps (a warp group): KV rows 0..63 of the tile
 #   consumer 1  4 warps: KV rows 64..127
+# One KV tile per program, also where its programs are short (16 documents: 8 to 16 steps each):
+# programs that walked 2 or 4 consecutive KV tiles of one head, their K and V loaded once the last
+# tile's dV had left V's rows (the shared memory has no room for a second K/V tile), ran 7% and
+# 12% slower on 16 documents at S=8k, 11% and 15% at 16k, 10% and 15% on sliding window 1024, and
+# level to 3% faster at head dim 64 (H100, dK/dV without dQ, outputs bitwise those of one tile
+# per program): fewer, longer programs leave a longer tail, and the next tile's loads still
+# waited for the last one's stores.
 # Per query tile a consumer, with w its 64 KV rows:
 #   S = Q K_w^T, dP = dO V_w^T                 (asynchronous; see LATE_DP_WAIT for P's exp2)
 #   P = exp2(S / ln 2 - LSE / ln 2),  dS = P (dP - Delta) d score_mod / d score
