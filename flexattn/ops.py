@@ -144,8 +144,19 @@ def backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor
              need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
     """Gradients of `forward`: ``(dq, dk, dv, d sinks, [grad of each score-mod tensor])`` (d sinks
     empty without sinks, a buffer's gradient empty where ``need`` is False)."""
-    score, mask, block, _, options, _ = _parse(spec)
+    block = _parse(spec)[2]
     t = _tables(block, tables, seq_q, seq_kv)  # without q_* tables, the dK/dV lists are made from kv_* (bwd.run)
+    return run_backward(query, key, value, out, lse, grad_out, grad_lse, sinks, score_bufs, mask_bufs, t, spec,
+                        scale, need)
+
+
+def run_backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor,
+                 grad_lse: Optional[Tensor], sinks: Optional[Tensor], score_bufs, mask_bufs, t: Tables | None,
+                 spec: str, scale: float, need) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+    """`backward` on launch tables already made (``t``, the op's ``tables`` as `Tables`): the op's
+    work, and what an eager caller that holds a mask's `Tables` (`flexattn.kernels.tables.tables_of`)
+    calls without the dispatcher (the distributed ring's steps)."""
+    score, mask, _, _, options, _ = _parse(spec)
     need_t = tuple(need)
     key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _meta(grad_out), _aligned(query, key, value, grad_out),
             None if grad_lse is None else grad_lse.stride(), out.stride(), lse.stride(), need_t,

@@ -1,20 +1,18 @@
 """One (query shard, KV shard) pair: flexattn's single-GPU forward and backward at global positions.
 
 The forward is `flexattn.flex_attention` with ``return_lse=True``; the backward is flexattn's
-backward op (``torch.ops.flexattn.backward``) given the *merged* output and LSE, which makes each
-pair's gradient exactly its share of the whole (P recomputed from the global LSE, delta from the
-global output).
+backward op's work (`flexattn.ops.run_backward`) given the *merged* output and LSE, which makes
+each pair's gradient exactly its share of the whole (P recomputed from the global LSE, delta from
+the global output).
 """
 
 from __future__ import annotations
 
-import torch
-
 import flexattn
-from flexattn import ops  # noqa: F401  (registers torch.ops.flexattn.*)
+from flexattn import ops
 from flexattn.auxiliary import AuxRequest
-from flexattn.call import _compiled_tables  # private: a BlockMask's tables as the backward op takes them
 from flexattn.distributed.masks import SCORE, at_global_positions
+from flexattn.kernels.tables import tables_of
 
 
 class Pair:
@@ -41,15 +39,17 @@ class Pair:
 
     def backward(self, q, k, v, out, lse, dout, dlse, block_mask, qpos, kvpos, need: tuple):
         """``(dq, dk, dv, grads)``: ``grads[i]`` is the gradient of the score mod's captured
-        tensor i (None where ``need[i]`` is False)."""
+        tensor i (None where ``need[i]`` is False). The backward op's work, called without the
+        dispatcher (this runs inside the distributed op, eagerly), on the mask's launch tables."""
         score, origin = self.score_at(qpos, kvpos)
         step_need = [o is not None and need[o] for o in origin]
-        block, tables, seq = _compiled_tables(block_mask)
+        t = tables_of(block_mask)
+        block = (t.q_block, t.kv_block, t.seq_lengths is not None, t.kv.has_full, t.q is not None)
         mask = block_mask.mod
         spec = ops.spec(score.key(), mask.key(), block, self.enable_gqa, tuple(sorted(self.options.items())), False)
-        dq, dk, dv, _, step_grads = torch.ops.flexattn.backward(
-            q, k, v, out, lse, dout, dlse, None, list(score.buffers), list(mask.buffers), tables, *seq, spec,
-            self.scale, step_need)
+        dq, dk, dv, _, step_grads = ops.run_backward(
+            q, k, v, out, lse, dout, dlse, None, list(score.buffers), list(mask.buffers), t, spec, self.scale,
+            step_need)
         grads = [None] * len(self.score.buffers)
         for o, g, n in zip(origin, step_grads, step_need):
             if n:
