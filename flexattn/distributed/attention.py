@@ -13,6 +13,7 @@ from flexattn import capture
 from flexattn.auxiliary import AuxOutput, AuxRequest, check_request
 from flexattn.call import identity_score_mod, resolve_score_mod
 from flexattn.kernels import options as opts, plans
+from flexattn.lru import LRU
 from flexattn.mods import template
 from flexattn.distributed import checks, copies
 from flexattn.distributed.allgather import AllGather
@@ -51,8 +52,14 @@ def spec(score_key: str, method: str, enable_gqa: bool, options: tuple, want_max
     return repr((score_key, method, enable_gqa, options, want_max))
 
 
+_SPECS = LRU(1024)  # spec string -> its fields (parsed once: literal_eval compiles the string)
+
+
 def _setup(spec_: str, mask_name: str, score_bufs, scale: float, stat_dtype):
-    score_key, method, enable_gqa, options, want_max = ast.literal_eval(spec_)
+    parsed = _SPECS.get(spec_)
+    if parsed is None:
+        parsed = _SPECS[spec_] = ast.literal_eval(spec_)
+    score_key, method, enable_gqa, options, want_max = parsed
     bm = by_name(mask_name)
     score = template(score_key).rebind(score_bufs)
     return bm, method, Pair(score, scale, enable_gqa, dict(options), stat_dtype, want_max)
