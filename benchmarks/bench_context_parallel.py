@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py
     torchrun --nproc-per-node 4 benchmarks/bench_context_parallel.py --seq 131072,524288
     torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --seq 131072 --iters 3   (short)
+    torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --seq 524288 --masks documents --methods ring
 
 B=1, H=16, D=128, bfloat16, forward + backward; masks: causal (head-tail layout), 16 documents (per-
 document head-tail, torch's layout, and whole documents per rank), sliding window 4096. Prints per-
@@ -79,11 +80,13 @@ def timed(fn, iters: int, warmup: int = 2, barrier: bool = True) -> tuple[float,
     return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
 
 
-def mask_ms(build, barrier: bool = True, repeats: int = 7) -> float:
+def mask_ms(build, barrier: bool = True, repeats: int = 7, budget_s: float = 3.0) -> float:
     """Median wall ms of ``build()`` (a block mask) called again: the caller's own first call warmed
-    its caches (and compiled torch's); with a barrier before each call unless ``barrier`` is False."""
+    its caches (and compiled torch's); with a barrier before each call unless ``barrier`` is False.
+    ``repeats`` builds, or three once their total passes ``budget_s`` (torch's compiled CP mask
+    takes seconds at S=512k). Every rank stops after the same build: rank 0's clock decides."""
     times = []
-    for _ in range(repeats):
+    while len(times) < repeats:
         if barrier:
             dist.barrier()
         torch.cuda.synchronize()
@@ -91,7 +94,18 @@ def mask_ms(build, barrier: bool = True, repeats: int = 7) -> float:
         build()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
+        if len(times) >= 3 and _agreed(sum(times) > budget_s * 1e3, barrier):
+            break
     return statistics.median(times)
+
+
+def _agreed(flag: bool, collective: bool) -> bool:
+    """Rank 0's ``flag`` on every rank (``collective``: else this rank's own)."""
+    if not collective:
+        return flag
+    box = [flag]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def fwd_bwd(attn, q, k, v):
@@ -212,7 +226,7 @@ def run(args, save=lambda rows: None) -> list[dict]:
             if S == refused and mask_name != "causal":
                 continue
             case = {"P": P, "S": S, "mask": mask_name}
-            found = [bench_flexattn(S, mask_name, method, args.iters) for method in ("ring", "allgather")]
+            found = [bench_flexattn(S, mask_name, method, args.iters) for method in args.methods.split(",")]
             if S > args.one_gpu_max_seq:
                 found.append({"impl": "one_gpu", "skipped": f"S > --one-gpu-max-seq {args.one_gpu_max_seq}"})
             elif S != refused:
@@ -230,14 +244,15 @@ def run(args, save=lambda rows: None) -> list[dict]:
 def line(rows: list[dict]) -> str:
     """One printed line for the rows of one (P, S, mask)."""
     by = {r["impl"]: r for r in rows}
-    ring, ag, one, theirs = by["ring"], by["allgather"], by.get("one_gpu", {}), by.get("torch_cp", {})
+    ring, ag, one, theirs = by["ring"], by.get("allgather", {}), by.get("one_gpu", {}), by.get("torch_cp", {})
     eff = f"{one['ms'] / (ring['P'] * ring['ms']):.2f}" if "ms" in one else one.get("skipped", "-")
     torch_txt = f"{theirs['ms']:8.1f} ms (ring x{theirs['ms'] / ring['ms']:.2f}) peak {theirs['peak_gib']:5.1f} GiB" \
         if "ms" in theirs else theirs.get("error", "-")
     masks_txt = " / ".join(f"{r['mask_ms']:.1f}" if "mask_ms" in r else "-" for r in (ring, one, theirs))
+    ag_txt = f"{ag['ms']:8.1f} ms peak {ag['peak_gib']:5.1f} GiB KV {ag['kv_gib']:.2f} GiB" if "ms" in ag else "-"
     return (f"P={ring['P']} S={ring['S']:>7} {ring['mask']:<15} ring {ring['ms']:8.1f} ms "
             f"{ring['tflops_per_gpu']:6.1f} TF/s/GPU peak {ring['peak_gib']:5.1f} GiB KV {ring['kv_gib']:.2f} GiB | "
-            f"allgather {ag['ms']:8.1f} ms peak {ag['peak_gib']:5.1f} GiB KV {ag['kv_gib']:.2f} GiB | "
+            f"allgather {ag_txt} | "
             f"one GPU {one['ms'] if 'ms' in one else '-'} ms, efficiency {eff} | torch CP {torch_txt} | "
             f"mask ms ring / one GPU / torch CP {masks_txt}")
 
@@ -246,6 +261,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", default="131072,524288")
     parser.add_argument("--masks", default="causal,documents,whole_documents,sliding_window")
+    parser.add_argument("--methods", default="ring,allgather",
+                        help="flexattn's methods to run: ring (always first) and allgather (skip it at S=512k to "
+                             "fit a run in less time)")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--one-gpu-max-seq", type=int, default=262144,
                         help="longest sequence for the one-GPU baseline (longer: skipped, no efficiency)")
@@ -253,6 +271,9 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=results.RESULTS_DIR, help="folder of the results JSON")
     parser.add_argument("--no-save", action="store_true", help="print the lines only")
     args = parser.parse_args()
+    methods = args.methods.split(",")
+    if methods[0] != "ring" or not set(methods) <= {"ring", "allgather"} or len(set(methods)) != len(methods):
+        parser.error(f"--methods is ring, then optionally allgather; got {args.methods!r}")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     P = dist.get_world_size()

@@ -153,6 +153,28 @@ def test_context_parallel_runs_on_2_and_4_gpus_make_one_table(tmp_path):
     assert "context parallelism (ring) scales with efficiency 0.90, 1.50x the speed of torch's context parallel" in page
 
 
+def test_context_parallel_mask_timing_keeps_to_its_budget(monkeypatch):
+    """A block mask's build time is the median of seven builds, or of three once they pass the
+    budget (torch's compiled CP mask takes seconds at S=512k); the printed line of a run without
+    the all-gather method says so with a dash."""
+    from benchmarks import bench_context_parallel as cp
+
+    monkeypatch.setattr(cp.torch.cuda, "synchronize", lambda: None)
+    for seconds_per_build, builds in ((0.001, 7), (2.0, 3)):
+        now, made = [0.0], []
+
+        def build():
+            made.append(1)
+            now[0] += seconds_per_build
+
+        monkeypatch.setattr(cp.time, "perf_counter", lambda: now[0])
+        assert cp.mask_ms(build, barrier=False) == pytest.approx(seconds_per_build * 1e3)
+        assert len(made) == builds
+    rows = [r for r in context_parallel_rows(2, 100.0) if r["impl"] != "allgather"][:3]
+    printed = cp.line(rows)
+    assert "| allgather - |" in printed and "ring    100.0 ms" in printed
+
+
 def test_context_parallel_table_without_mask_times_has_no_such_column(tmp_path):
     rows = [{k: v for k, v in row.items() if k != "mask_ms"} for row in context_parallel_rows(2, 100.0)]
     results.save("context_parallel", {**env("NVIDIA H100 80GB HBM3"), "commit": "2222222"},
