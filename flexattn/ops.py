@@ -59,6 +59,11 @@ def _tables(block: tuple, tensors: list[Tensor], seq_q: int, seq_kv: int) -> Tab
     return Tables.of(kv, q, q_block, kv_block, seq)
 
 
+def block_of(t: Tables) -> tuple:
+    """The ``block`` part of a spec (as `spec` documents it) that `_tables` reads back as ``t``."""
+    return t.q_block, t.kv_block, t.seq_lengths is not None, t.kv.has_full, t.q is not None
+
+
 def _meta(t: Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device
 

@@ -579,3 +579,19 @@ def test_outputs_from_empty_like_only_where_it_gives_the_same_tensor(layout):
     if same:
         made = launch.empty(shape, dtype, q.device, order, like=q)
         assert made.shape == expected.shape and made.stride() == expected.stride() and made.dtype == dtype
+
+
+@pytest.mark.parametrize("separate_full", [True, False])
+def test_a_masks_launch_tables_and_the_ops_spec_agree(separate_full):
+    """The ops' spec names a block mask by its ``block`` part and its tables (`call._compiled_tables`);
+    `ops.block_of` gives that part from a mask's launch tables (the ring's steps call the backward's
+    work with them), and reading it back gives the same launch tables."""
+    from flexattn import ops
+    from flexattn.kernels.tables import tables_of
+
+    bm = flexattn.create_block_mask(lambda b, h, q, k: q >= k, 1, 2, 200, 170, device="cpu", BLOCK_SIZE=32,
+                                    separate_full_blocks=separate_full)
+    t = tables_of(bm)
+    block, tensors, seq = call._compiled_tables(bm)
+    assert ops.block_of(t) == block
+    assert ops._tables(block, tensors, *seq).sig == t.sig

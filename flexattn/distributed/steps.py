@@ -44,9 +44,9 @@ class Pair:
         score, origin = self.score_at(qpos, kvpos)
         step_need = [o is not None and need[o] for o in origin]
         t = tables_of(block_mask)
-        block = (t.q_block, t.kv_block, t.seq_lengths is not None, t.kv.has_full, t.q is not None)
         mask = block_mask.mod
-        spec = ops.spec(score.key(), mask.key(), block, self.enable_gqa, tuple(sorted(self.options.items())), False)
+        spec = ops.spec(score.key(), mask.key(), ops.block_of(t), self.enable_gqa, tuple(sorted(self.options.items())),
+                        False)
         dq, dk, dv, _, step_grads = ops.run_backward(
             q, k, v, out, lse, dout, dlse, None, list(score.buffers), list(mask.buffers), t, spec, self.scale,
             step_need)
