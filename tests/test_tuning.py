@@ -184,6 +184,30 @@ def test_masks_with_more_mask_work_are_tuned_apart(fresh, clock):
     assert len(keys) == 2 and shares[0] < shares[1] <= 1.0, keys
 
 
+def test_masks_that_visit_fewer_blocks_are_tuned_apart(fresh, clock):
+    """Masks whose visited blocks all skip mask work (no partial share to tell them apart) but that
+    visit a different share of the blocks (their programs run longer or shorter) get keys of
+    their own: here every block, and two documents that start on block edges (half of them)."""
+    q, k, v = (t[:, :, :128] for t in _inputs())  # (whole blocks: none is partial for its length)
+    n = len(tuning.forward_candidates(q.device, q.dtype, 32))
+    docs = torch.arange(128) // 64
+
+    def everything(b, h, q_idx, kv_idx):
+        return q_idx >= 0
+
+    def documents(b, h, q_idx, kv_idx):
+        return docs[q_idx] == docs[kv_idx]
+
+    masks = [flexattn.create_block_mask(m, None, None, 128, 128, BLOCK_SIZE=64) for m in (everything, documents)]
+    for i, bm in enumerate(masks + masks[1:]):  # (128 rows would take the decoding kernel unforced)
+        flexattn.flex_attention(q, k, v, block_mask=bm, kernel_options={"AUTOTUNE": True,
+                                                                        "FORCE_USE_FLEX_ATTENTION": True})
+        assert len(clock) == n * min(i + 1, 2)
+    keys = list(json.loads((fresh / tuning._FILE).read_text()))
+    features = sorted(tuple(k_.split("|")[-3:-1]) for k_ in keys)
+    assert features == [("visits 1/1", "partial 0.0"), ("visits 1/2", "partial 0.0")], keys
+
+
 def test_grids_of_other_sizes_are_tuned_apart(fresh, clock):
     """A winner timed on a few programs is not the winner of many: calls whose batch x heads fall
     in another power-of-two bucket are tuned again; one in a bucket already tuned reuses it."""

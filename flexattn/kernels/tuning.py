@@ -9,8 +9,9 @@ or the Triton dQ pass) on the call's own inputs and keeps the fastest. Winners a
 GPU name, Triton version, dtype, head dims, the query and KV lengths and the number of (batch,
 query head) pairs, each rounded up to a power of two (lengths and B x H set the grid, and a winner
 timed on a grid of a few waves is not the winner of many: python -m benchmarks attention), and the
-mod features that change the kernel's cost (score mod or not, block mask or not, its block sizes
-and the share of its visited blocks that need mask work, max-score output, GQA group size; for the
+mod features that change the kernel's cost (score mod or not, block mask or not, its block sizes,
+the share of all blocks it visits and the share of those that need mask work, max-score output,
+GQA group size; for the
 backward also whether captured tensors get gradients and whether the LSE has one). They are stored
 in ``<cache dir>/tuning-v2.json`` (v1's keys had no B x H), so another process with the same key
 reuses the winner without timing anything.
