@@ -11,10 +11,9 @@ query head) pairs, each rounded up to a power of two (lengths and B x H set the 
 timed on a grid of a few waves is not the winner of many: python -m benchmarks attention), and the
 mod features that change the kernel's cost (score mod or not, block mask or not, its block sizes,
 the share of all blocks it visits and the share of those that need mask work, max-score output,
-GQA group size; for the
-backward also whether captured tensors get gradients and whether the LSE has one). They are stored
-in ``<cache dir>/tuning-v2.json`` (v1's keys had no B x H), so another process with the same key
-reuses the winner without timing anything.
+GQA group size; for the backward also whether captured tensors get gradients and whether the LSE
+has one). They are stored in ``<cache dir>/tuning-v2.json`` (v1's keys had no B x H), so another
+process with the same key reuses the winner without timing anything.
 
 Tuning is on by default on CUDA and off on the CPU (Triton's interpreter). It is skipped when
 ``kernel_options`` sets any of the tuned knobs (the caller's choice wins), when
