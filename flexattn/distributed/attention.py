@@ -56,10 +56,7 @@ _SPECS = LRU(1024)  # spec string -> its fields (parsed once: literal_eval compi
 
 
 def _setup(spec_: str, mask_name: str, score_bufs, scale: float, stat_dtype):
-    parsed = _SPECS.get(spec_)
-    if parsed is None:
-        parsed = _SPECS[spec_] = ast.literal_eval(spec_)
-    score_key, method, enable_gqa, options, want_max = parsed
+    score_key, method, enable_gqa, options, want_max = _SPECS.get_or_make(spec_, lambda: ast.literal_eval(spec_))
     bm = by_name(mask_name)
     score = template(score_key).rebind(score_bufs)
     return bm, method, Pair(score, scale, enable_gqa, dict(options), stat_dtype, want_max)
