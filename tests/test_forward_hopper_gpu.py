@@ -79,8 +79,9 @@ def test_head_groups(group):
     assert {getattr(p, "sizes", (None,))[-1] for p in plans.FORWARD.plans.values()} >= {min(group, 8), 1}
 
 
-def test_max_scores_and_negative_scale():
-    q, k, v = qkv(1, 4, 4, 777, 1234, 128)
+@pytest.mark.parametrize("D", [64, 128])
+def test_max_scores_and_negative_scale(D):
+    q, k, v = qkv(1, 4, 4, 777, 1234, D)
     for scale in (0.05, -0.08):
         out, aux = check(q, k, v, scale=scale)
         s = (q.float() @ k.float().transpose(-1, -2)) * scale
@@ -111,6 +112,24 @@ def test_kv_length_inside_a_block_past_the_tiles(D, S_KV):
     for mask_mod in (causal, documents):
         check(q, k, v, mask_mod=mask_mod, block=256)
         check(q, k, v, mask_mod=mask_mod, block=(128, 256))
+
+
+@pytest.mark.parametrize("S_Q, S_KV", [(1000, 1000), (4097, 4097), (193, 450)])
+def test_head_dim_64_takes_three_consumers(S_Q, S_KV):
+    """Head dim 64: 192-row tiles over three consumer warp groups, at lengths that are not multiples
+    of the tiles (the last tile's rows past Q_LEN), with GQA and K/V broadcast over the batch, a
+    score_mod, a captured bias table and an affine score_mod."""
+    rel = torch.randn(4, 255, device="cuda")
+
+    def relative_bias(score, b, h, q_idx, kv_idx):
+        return score + rel[h, (q_idx - kv_idx).clamp(-127, 127) + 127]
+
+    check(*qkv(2, 8, 2, S_Q, S_KV, 64, Bkv=1))
+    check(*qkv(1, 8, 8, S_Q, S_KV, 64, torch.float16), score_mod=softcap)
+    check(*qkv(2, 4, 4, S_Q, S_KV, 64), score_mod=relative_bias)
+    check(*qkv(2, 8, 4, S_Q, S_KV, 64), score_mod=make_tempered_bias(8, "cuda"))
+    assert {p.kernel.constexprs["BLOCK_M"] for p in plans.FORWARD.plans.values()
+            if p.descriptors is not None and p.out_shape[3] == 64} == {192}
 
 
 @pytest.mark.parametrize("S", [333, 2100])
@@ -151,6 +170,10 @@ def test_level_with_the_triton_template():
 
 
 def test_flash_refuses_what_it_cannot_run():
-    q, k, v = qkv(1, 4, 4, 512, 512, 64)
+    q, k, v = qkv(1, 4, 4, 512, 512, 80)
     with pytest.raises(ValueError, match="BACKEND='FLASH'.*head dims"):
         flex_attention(q, k, v, kernel_options=FLASH)
+    q, k, v = qkv(1, 4, 4, 512, 512, 64)  # 192-row tiles against a mask's 128-row blocks
+    bm = create_block_mask(causal, None, None, 512, 512, device="cuda")
+    with pytest.raises(ValueError, match="BACKEND='FLASH'.*not multiples of the kernel's 192x128 tiles"):
+        flex_attention(q, k, v, block_mask=bm, kernel_options=FLASH)

@@ -61,7 +61,7 @@ def _compile_gluon(kernel, args: list, launch_: launch.Launch):
     signature = {n: mangle_type(a) for n, a in zip(names, args)}
     signature.update({n: "constexpr" for n in constexprs})
     compiled = triton.compile(GluonASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": hopper.NUM_WARPS, "maxnreg": hopper.MAX_REGISTERS,
+                              options={"num_warps": hopper.NUM_WARPS, "maxnreg": launch_.constexprs["maxnreg"],
                                        "enable_fp_fusion": launch_.constexprs["enable_fp_fusion"]})
     assert compiled.metadata.shared <= 227 * 1024
     return compiled
@@ -113,6 +113,18 @@ def test_16_bit_output_leaves_through_tma(D):
     assert not hopper.Descriptors(torch.bfloat16, D, backward=True, outputs=False).with_out
     q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
     assert TMA_STORE not in _compile(q8, k8, layout.k_major(v8)).asm["ptx"]
+
+
+def test_compiles_head_dim_64_with_three_consumers():
+    """Head dim 64: 192-row query tiles, a consumer warp group per 64 rows (two of them workers
+    with 160 registers a thread, none spilled), the Q tile's TMA boxes and the output's 64 rows
+    (a box's sides are powers of two); a score_mod and the row max."""
+    q, k, v = _qkv(B=2, H=4, Hkv=2, S=500, D=64)
+    ptx = _compile(q, k, v, score_fn=softcap, want_max=True).asm["ptx"]
+    assert ptx.count("setmaxnreg.inc.sync.aligned.u32 \t160") == 2 and "ld.local" not in ptx
+    assert TMA_STORE in ptx and "wgmma.mma_async.sync.aligned.m64n128k16" in ptx
+    assert hopper.Descriptors(torch.bfloat16, 64).blocks[0] == [1, 1, 64, 64]
+    assert hopper.Descriptors(torch.bfloat16, 128).blocks[0] == [1, 1, 128, 128]
 
 
 def test_compiles_with_block_mask_and_max_scores():
@@ -199,8 +211,16 @@ def test_reason_on_a_hopper(monkeypatch):
     assert hopper.runnable(q8, k8, v8, None, {}) and hopper.timed_against_triton(q8, {})
     assert not hopper.timed_against_triton(q8, {"BACKEND": "FLASH"})
     assert not hopper.timed_against_triton(q, {})
-    assert "head dims" in hopper.reason(*_qkv(D=64), None, {})
+    assert "head dims" in hopper.reason(*_qkv(D=80), None, {})
     assert "below one 128-row tile" in hopper.reason(*_qkv(S=100), None, {})
+    q64, k64, v64 = _qkv(D=64)  # 192-row tiles: no block mask, timed against the Triton template
+    assert hopper.reason(q64, k64, v64, None, {}) is None and "below one 192-row tile" in hopper.reason(
+        *_qkv(S=150, D=64), None, {})
+    assert hopper.timed_against_triton(q64, {}) and not hopper.timed_against_triton(q64, {"BACKEND": "FLASH"})
+    assert "192x128" in hopper.reason(q64, k64, v64, tables_of(create_block_mask(causal, None, None, 300, 300,
+                                                                                 device="cpu")), {})
+    assert "float8 inputs at head dims" in hopper.reason(
+        *(t.to(torch.float8_e4m3fn) for t in (q64, k64, layout.k_major(v64))), None, {})
     padded = torch.randn(1, 2, 300, 132, dtype=torch.bfloat16)[..., :128]  # rows 264 bytes apart
     assert "query is not TMA-readable" in hopper.reason(padded, k, v, None, {})
     assert "Triton template's knobs ['BLOCK_N']" in hopper.reason(q, k, v, None, {"BLOCK_N": 64})

@@ -227,9 +227,9 @@ def hopper_dq_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | No
         # (whole blocks: a block mask's blocks may hold several tiles, those past KV_LEN included)
         IS_DIVISIBLE=KV_LEN % sparse_kv == 0,
         SCORES_IN_BASE2=launch.raw_scores(score, torch.float32), HAS_GRAD_LSE=has_grad_lse,
-        NUM_BUFFERS=hopper.DQ_NUM_BUFFERS[E], CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
+        NUM_BUFFERS=hopper.DQ_NUM_BUFFERS[E], CONSUMER_REGS=hopper.CONSUMER_REGISTERS[2],
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
-        num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS,
+        num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS[2],
     )
     kernel = hopper_dq_module(score, mask, opts.fast_math(explicit, device, dtype)).flex_attention_backward_dq
     grid = (triton.cdiv(Q_LEN, block_m), B * Hq)
@@ -343,12 +343,12 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         # a score_mod whose derivative in the score is a constant: P's exp2 under dP (ALiBi + causal
         # +7-8% at head dim 128, +4% at 64; without a score_mod level or slower: python -m benchmarks attention)
         LATE_DP_WAIT=not raw and score_mod_grad(score).score.op == "const",
-        NUM_BUFFERS=hopper.BWD_NUM_BUFFERS[E], CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
+        NUM_BUFFERS=hopper.BWD_NUM_BUFFERS[E], CONSUMER_REGS=hopper.CONSUMER_REGISTERS[2],
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
         DEFER_DQ=dq_pass is None and defer_dq(E, affine, mask),
         DKV_TMA=descriptors.with_out,
         COMPUTE_DQ=dq_pass is None,
-        num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS,
+        num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS[2],
     )
     fast_math = opts.fast_math(explicit, device, dtype)
     kernel = hopper_module(score, mask, fast_math).flex_attention_backward

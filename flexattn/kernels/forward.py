@@ -167,10 +167,11 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     Bkv, Hkv, KV_LEN, Ev = value.shape
     device, dtype = query.device, query.dtype
     fp8 = dtype == torch.float8_e4m3fn
-    block_m, block_n = hopper.BLOCK_M, hopper.BLOCK_N[E]
+    block_m, block_n = hopper.BLOCK_M[E], hopper.BLOCK_N[E]
+    consumers = block_m // 64
     dense_rows = None
-    if tables is None:
-        sparse_q, sparse_kv = LARGE_BLOCK, block_n
+    if tables is None:  # (one block of rows: a multiple of block_m past any length)
+        sparse_q, sparse_kv = LARGE_BLOCK // 128 * block_m, block_n
         dense_rows = dense(device, triton.cdiv(KV_LEN, block_n))
     else:
         sparse_q, sparse_kv = tables.q_block, tables.kv_block
@@ -185,11 +186,12 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         IS_DIVISIBLE=KV_LEN % sparse_kv == 0, OUTPUT_MAX=want_max,
         SCORES_IN_BASE2=launch.raw_scores(score, torch.float32),
         SCORE_AFFINE=launch.affine_scores(score, dtype, max(Q_LEN, KV_LEN)),
-        LONGEST_FIRST=options["LONGEST_FIRST"], HAS_SINKS=has_sinks, NUM_BUFFERS=hopper.NUM_BUFFERS, CONSUMER_REGS=hopper.CONSUMER_REGISTERS,
+        LONGEST_FIRST=options["LONGEST_FIRST"], HAS_SINKS=has_sinks, NUM_BUFFERS=hopper.NUM_BUFFERS,
+        CONSUMER_REGS=hopper.CONSUMER_REGISTERS[consumers],
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
         IS_FP8=fp8,
         O_TMA=descriptors.with_out,
-        num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS,
+        num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS[consumers],
     )
     out_shape = (B, Hq, Q_LEN, Ev)
     out_dtype = torch.bfloat16 if fp8 else dtype

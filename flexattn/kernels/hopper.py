@@ -2,7 +2,8 @@
 templates/backward_hopper.py), and their TMA descriptors.
 
 The forward kernel runs on H100/H200-class GPUs (compute capability 9.0) for 16-bit and float8
-inputs: a TMA loader warp and two consumer warp groups that take turns on the tensor cores.
+inputs: a TMA loader warp and two consumer warp groups (three at head dim 64) that take turns on
+the tensor cores.
 `reason` says why a call cannot take it (None: it can); the block-sparse Triton template
 (templates/forward.py) runs everything else and is the fallback. ``kernel_options``: BACKEND="TRITON" keeps the Triton
 template, BACKEND="FLASH" demands this kernel (an error says why it cannot run). The backward kernel
@@ -18,11 +19,15 @@ import torch
 
 from flexattn.kernels import launch
 
-BLOCK_M = 128  # query rows per program: 64 per consumer warp group
+# Query rows per program, by head dim: 64 per consumer warp group. Head dim 64 takes three
+# consumers (192-row tiles, FlashAttention-3's shape there): its matrix multiplies are half head
+# dim 128's per score, so the softmax needs two warp groups' multiplies to hide behind. A block
+# mask's blocks must be multiples of the tile (`_tiles_reason`): masked calls at head dim 64 (128-row
+# blocks) take the Triton template.
+BLOCK_M = {64: 192, 128: 128, 256: 128}
 # KV columns per tile, by head dim (at 256, two buffers of 128-row K and V tiles would not fit in
-# shared memory). Head dim 64 stays on the Triton template: level without mods, faster with them
-# (H200, B=4 H=32 S=8k: sliding window 1.1x, ALiBi 1.25x, documents 1.37x; python -m benchmarks attention).
-BLOCK_N = {128: 128, 256: 64}
+# shared memory).
+BLOCK_N = {64: 128, 128: 128, 256: 64}
 HEAD_DIMS = tuple(BLOCK_N)
 # float8 takes this kernel untimed at these head dims only: at D=256 it is well ahead (H100, B=2
 # H=8 S=4k: 808-816 / 584-614 TF/s no mask / causal against the Triton template's 600 / 483-488).
@@ -31,10 +36,20 @@ HEAD_DIMS = tuple(BLOCK_N)
 # kernel beside the template's float8 configs (`timed_against_triton`) and keeps the faster; with
 # tuning off the template runs. BACKEND='FLASH' runs this kernel at every head dim in HEAD_DIMS.
 FP8_HEAD_DIMS = (256,)
+# Head dims where float8 can take this kernel at all (at 64, three consumers' float8 tiles are not
+# built: the Triton template runs it).
+FP8_GLUON_HEAD_DIMS = (128, 256)
+# Head dims where every call is timed against the Triton template's configs (`timed_against_triton`):
+# at 64, the 192-row tiles win without mods (H100 B=4 H=32 S=8k: 527 against 449 TF/s) but the
+# template's block-aligned tiles run the masks, and the two trade places where a score_mod works.
+TIMED_HEAD_DIMS = (64,)
 NUM_BUFFERS = 2  # K and V tiles in flight
-NUM_WARPS = 4      # the kernel's own warps: consumer 0 (consumer 1 and the loader are workers)
-MAX_REGISTERS = 168  # per thread, over 12 warps (a warp group is the unit): fills the register file
-CONSUMER_REGISTERS = 240  # consumer 1's; consumer 0 gets what the loader's 24 leave (also 240)
+NUM_WARPS = 4      # the kernel's own warps: consumer 0 (the other consumers and the loader are workers)
+# Registers per thread by consumers: the kernel's (over 12 or 16 warps: a warp group is the unit, so
+# that they fill the register file) and the worker consumers' (consumer 0 gets what the loader's 24
+# leave, the same)
+MAX_REGISTERS = {2: 168, 3: 128}
+CONSUMER_REGISTERS = {2: 240, 3: 160}
 # The tile knobs the Triton template takes: a call that sets one means that template.
 _TRITON_KNOBS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "PRESCALE_QK")
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "float8e4nv"}
@@ -140,13 +155,15 @@ def reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tables, 
     E, Ev = query.shape[3], value.shape[3]
     if E != Ev or E not in HEAD_DIMS:
         return f"it takes equal query and value head dims in {HEAD_DIMS}, got E={E}, Ev={Ev}"
-    if query.shape[2] < BLOCK_M:
-        return f"query length {query.shape[2]} is below one {BLOCK_M}-row tile"
+    if query.shape[2] < BLOCK_M[E]:
+        return f"query length {query.shape[2]} is below one {BLOCK_M[E]}-row tile"
     if query.dtype == torch.float8_e4m3fn:
+        if E not in FP8_GLUON_HEAD_DIMS:
+            return f"it takes float8 inputs at head dims {FP8_GLUON_HEAD_DIMS}, got {E}"
         if value.stride(2) != 1:  # (call.py lays float8 V out KV-innermost: P V reads it K-major)
             return "float8 value is not KV-innermost (stride(2) == 1)"
         value = value.transpose(2, 3)
-    return (_tma_reason(query=query, key=key, value=value) or _tiles_reason(tables, BLOCK_M, BLOCK_N[E])
+    return (_tma_reason(query=query, key=key, value=value) or _tiles_reason(tables, BLOCK_M[E], BLOCK_N[E])
             or _knobs_reason(options, _TRITON_KNOBS, "Triton template"))
 
 
@@ -161,10 +178,11 @@ def runnable(query, key, value, tables, options: dict) -> bool:
 
 def timed_against_triton(query, options: dict) -> bool:
     """Whether a forward that can run the Hopper kernel (`runnable`) leaves the choice to the tuner,
-    which times this kernel beside the Triton template's configs: float8 outside FP8_HEAD_DIMS,
-    unless BACKEND='FLASH' demands this kernel. Untimed (tuning off, a short call), such a call runs
-    the Triton template; every other runnable call runs this kernel."""
-    return (query.dtype == torch.float8_e4m3fn and query.shape[3] not in FP8_HEAD_DIMS
+    which times this kernel beside the Triton template's configs: float8 outside FP8_HEAD_DIMS and
+    every call at TIMED_HEAD_DIMS, unless BACKEND='FLASH' demands this kernel. Untimed (tuning off,
+    a short call), such a call runs the Triton template; every other runnable call runs this kernel."""
+    E = query.shape[3]
+    return ((E in TIMED_HEAD_DIMS or query.dtype == torch.float8_e4m3fn and E not in FP8_HEAD_DIMS)
             and options.get("BACKEND") != "FLASH")
 
 
@@ -243,10 +261,12 @@ class Descriptors:
                 blocks += (([1, 1, BWD_BLOCK_N // 2, head_dim], gdt), ) * 2
         else:
             block_n = BLOCK_N[head_dim]
-            blocks = (([1, 1, BLOCK_M, head_dim], gdt), ([1, 1, block_n, head_dim], gdt),
+            # (a TMA box's sides are powers of two: the 192-row Q tile loads as 64-row boxes)
+            q_rows = BLOCK_M[head_dim] if BLOCK_M[head_dim] & (BLOCK_M[head_dim] - 1) == 0 else 64
+            blocks = (([1, 1, q_rows, head_dim], gdt), ([1, 1, block_n, head_dim], gdt),
                       ([1, 1, head_dim, block_n] if self.v_k_major else [1, 1, block_n, head_dim], gdt))
             if self.with_out:  # (a consumer's rows)
-                blocks += (([1, 1, BLOCK_M // 2, head_dim], gdt), )
+                blocks += (([1, 1, 64, head_dim], gdt), )
         self.blocks = tuple(b for b, _ in blocks)
         layouts = [gl.NVMMASharedLayout.get_default_for(b, t) for b, t in blocks]
         if backward:  # K's column halves (dQ = dS K per consumer) must each be whole swizzle rows:

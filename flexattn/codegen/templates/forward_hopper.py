@@ -2,27 +2,32 @@
 # computation, arguments and outputs as forward.py (read its header for the tables, LSE and mods),
 # scheduled by hand the way FlashAttention-3 schedules it.
 #
-# One program per (query tile of BLOCK_M = 128 rows, batch x query head), three partitions:
-#   loader      1 warp: TMA copies of the Q tile once, then of each K and V tile into a ring of
-#               NUM_BUFFERS shared-memory slots (k_ready / v_ready: "the copy landed";
-#               k_empty / v_empty: "both consumers are done with the slot")
+# One program per (query tile of BLOCK_M = 64 x NUM_CONSUMERS rows, batch x query head), a loader
+# and a consumer per 64 rows:
+#   loader      1 warp: TMA copies of the Q tile once (in boxes of up to 128 rows: a TMA box's
+#               sides are powers of two), then of each K and V tile into a ring of NUM_BUFFERS
+#               shared-memory slots (k_ready / v_ready: "the copy landed"; k_empty / v_empty:
+#               "every consumer is done with the slot")
 #   consumer 0  4 warps (a warp group): query rows 0..63 of the tile
 #   consumer 1  4 warps: rows 64..127
+#   consumer 2  4 warps: rows 128..191, at head dim 64 only (kernels/hopper.py's BLOCK_M)
 # Each consumer runs the online softmax over the same KV tiles. Per tile j it issues q.k_j^T and
 # P_{j-1}.v_{j-1} on the tensor cores (asynchronous wgmma), waits for the scores, runs the softmax
 # of tile j, waits for P.V, then rescales the accumulator (ptxas moves that second wait up to the
 # top of its basic block, before the softmax; putting it back measured level or slower:
-# python -m benchmarks attention). The two consumers take turns to issue their matrix multiplies (the `turns`
-# barriers): while one runs its softmax, the other's multiplies keep the tensor cores busy
-# ("ping-pong").
+# python -m benchmarks attention). The consumers take turns, in a ring, to issue their matrix
+# multiplies (the `turns` barriers): while one runs its softmax, the others' multiplies keep the
+# tensor cores busy ("ping-pong"). At head dim 64 a tile's multiplies take half as long as at 128
+# for the same softmax, and two consumers left the tensor cores idle: 449 TF/s without a mask,
+# level with the Triton template, against 527 with three (H100, B=4 H=32 S=8k).
 #
 # Differences from forward.py: Q, K, V arrive as TMA descriptors over the [B, H, L, E] tensors (the
 # host checks alignment); the output's rows are contiguous, and for 16-bit inputs (O_TMA) the output
-# leaves through a TMA descriptor too: each consumer writes its rows into its half of the Q tile,
+# leaves through a TMA descriptor too: each consumer writes its rows into its rows of the Q tile,
 # which nothing reads any more, and the TMA unit stores them (the epilogue and the gap to the next
 # program on the SM take about 1 us less each than with stores from the registers: 16 documents
-# 9-14% faster, causal at S=2k 11%; python -m benchmarks attention); head dim 128 or 256 for both (E == Ev;
-# KV tiles of BLOCK_N = 128 or 64 columns, see kernels/hopper.py); no PRESCALE_QK; the mask work of
+# 9-14% faster, causal at S=2k 11%; python -m benchmarks attention); head dim 64, 128 or 256 for both
+# (E == Ev; KV tiles of BLOCK_N = 128 or 64 columns, see kernels/hopper.py); no PRESCALE_QK; the mask work of
 # a tile (mask_mod and the KV_LEN bound) is done only for partial blocks and for the tile that
 # holds KV_LEN; SCORE_AFFINE (forward.py) takes positions relative to each consumer's first row.
 #
@@ -46,8 +51,11 @@ def loader(Q, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_
            TILES_PER_BLOCK: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
            BLOCKS_ARE_CONTIGUOUS: gl.constexpr, V_K_MAJOR: gl.constexpr):
     if n_tiles > 0:  # (no copy left in flight when the program ends)
-        mbarrier.expect(q_bar, Q.block_type.nbytes)
-        _tma_load(Q, [b, h, off_m, 0], q_bar, q_smem)
+        # (a TMA box's sides are powers of two: a 192-row tile is three 64-row boxes)
+        Q_BOXES: gl.constexpr = q_smem.type.shape[0]
+        mbarrier.expect(q_bar, Q.block_type.nbytes * Q_BOXES)
+        for i in gl.static_range(Q_BOXES):
+            _tma_load(Q, [b, h, off_m + i * Q.block_type.shape[2], 0], q_bar, q_smem.index(i))
     load_kv_ring(K, V, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, b_kv, h_kv, n_partial, n_tiles,
                  P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N, BLOCKS_ARE_CONTIGUOUS, V_K_MAJOR)
 
@@ -146,7 +154,7 @@ def wait_pv(acc, p_op, IS_FP8: gl.constexpr):
 
 
 @gluon.jit
-def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn,
+def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turns,
              Out, LSE, MaxScores, DESCALE_V, SINKS, b, h, off_m, n_partial, n_tiles, P_IDX, F_IDX,
              stride_om, Q_LEN, KV_LEN, SM_SCALE,
              $score_mod_params $mask_mod_params
@@ -156,7 +164,12 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
              OUTPUT_MAX: gl.constexpr, HAS_SINKS: gl.constexpr, SCORE_DTYPE: gl.constexpr, IS_FP8: gl.constexpr,
              O_TMA: gl.constexpr):
     NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
-    ROWS: gl.constexpr = BLOCK_M // 2
+    ROWS: gl.constexpr = 64  # (a warp group's wgmma rows)
+    # (the consumers take turns in a ring, consumer 0 first)
+    NUM_CONSUMERS: gl.constexpr = turns.type.shape[0]
+    my_turn = turns.index(WG)
+    next_turn = turns.index((WG + 1) % NUM_CONSUMERS)
+    FIRST: gl.constexpr = 1 if WG == 0 else 0
     dtype: gl.constexpr = k_bufs.dtype
     QK_HEAD_DIM: gl.constexpr = k_bufs.type.shape[4]
     # (wgmma's K step is 32 bytes: 16 16-bit or 32 float8 elements; a thread holds 4 bytes of a row of P)
@@ -184,7 +197,9 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
     if HAS_SINKS:  # (loaded before the KV loop: at the epilogue its latency would be exposed)
         sink = gl.load(SINKS + h).to(gl.float32) * LOG2E
     q_idx = gl.expand_dims(my_m + gl.arange(0, ROWS, layout=row_s), 1)
-    q = q_smem.reshape([BLOCK_M, QK_HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
+    Q_ROWS: gl.constexpr = q_smem.type.shape[3]  # (the Q tile in boxes of Q_ROWS rows: see the loader)
+    q_box = q_smem.index(WG * ROWS // Q_ROWS)
+    q = q_box.reshape([Q_ROWS, QK_HEAD_DIM]).slice(WG * ROWS % Q_ROWS, ROWS, dim=0)
     m_i = gl.full([ROWS], -float("inf"), gl.float32, layout=row_s)
     l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)
     acc = gl.zeros([ROWS, V_HEAD_DIM], gl.float32, layout=o_layout)
@@ -194,10 +209,10 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
         mbarrier.wait(q_bar, 0)
         # -- tile 0: scores and softmax (there is no P.V before it to overlap)
         mbarrier.wait(k_ready.index(0), 0)
-        mbarrier.wait(my_turn, WG ^ 1)
+        mbarrier.wait(my_turn, FIRST)
         s = warpgroup_mma(q, k_bufs.index(0).reshape([BLOCK_N, QK_HEAD_DIM]).permute((1, 0)), s,
                           use_acc=False, is_async=True)
-        mbarrier.arrive(other_turn, count=1)
+        mbarrier.arrive(next_turn, count=1)
         s = warpgroup_mma_wait(0, deps=(s, ))
         mbarrier.arrive(k_empty.index(0), count=1)
         s = scores(s, 0, n_partial, P_IDX, F_IDX, b, h, q_idx, KV_LEN, QK_FACTOR, KV_FACTOR, KV_BIAS, my_m,
@@ -214,11 +229,11 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
             mbarrier.wait(k_ready.index(slot), (j // NUM_BUFFERS) & 1)
             mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_BUFFERS) & 1)
             # -- this consumer's turn: q.k_j^T, then P_{j-1}.v_{j-1}, both asynchronous
-            mbarrier.wait(my_turn, (j & 1) ^ WG ^ 1)
+            mbarrier.wait(my_turn, (j & 1) ^ FIRST)
             s = warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, QK_HEAD_DIM]).permute((1, 0)), s,
                               use_acc=False, is_async=True)
             acc = warpgroup_mma(p_op, v_tile(v_bufs, prev, IS_FP8), acc, is_async=True)
-            mbarrier.arrive(other_turn, count=1)
+            mbarrier.arrive(next_turn, count=1)
             # -- the scores are ready once at most one multiply (P.V) is in flight
             s = warpgroup_mma_wait(1, deps=(s, ))
             mbarrier.arrive(k_empty.index(slot), count=1)
@@ -266,7 +281,7 @@ def consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, 
         q.store(out.to(dtype))
         fence_async_shared()
         _sync_warps()
-        _tma_store(Out, [b, h, my_m, 0], q_smem.slice(WG * ROWS, ROWS, dim=2))
+        _tma_store(Out, [b, h, my_m, 0], q_box.slice(WG * ROWS % Q_ROWS, ROWS, dim=2))
     else:
         rows_o = gl.expand_dims(my_m + gl.arange(0, ROWS, layout=row_o), 1)
         cols_o = gl.expand_dims(gl.arange(0, V_HEAD_DIM, layout=gl.SliceLayout(0, o_layout)), 0)
@@ -317,40 +332,70 @@ $flex_attention_forward_params
     if HAS_FULL_BLOCKS:
         n_tiles += gl.load(FULL_KV_NUM_BLKS + b64 * stride_fnz + h * stride_fnh + q_blk * stride_fnm) * TILES_PER_BLOCK
 
-    q_smem = gl.allocate_shared_memory(Q.dtype, Q.block_type.shape, Q.layout)
+    q_smem = gl.allocate_shared_memory(Q.dtype, [BLOCK_M // Q.block_type.shape[2]] + Q.block_type.shape, Q.layout)
     k_bufs = gl.allocate_shared_memory(K.dtype, [NUM_BUFFERS] + K.block_type.shape, K.layout)
     v_bufs = gl.allocate_shared_memory(V.dtype, [NUM_BUFFERS] + V.block_type.shape, V.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    NUM_CONSUMERS: gl.constexpr = BLOCK_M // 64
+    turns = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    mbarrier.init(turns.index(0), count=1)
-    mbarrier.init(turns.index(1), count=1)
+    for i in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(turns.index(i), count=1)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
+        mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)  # one arrival per consumer
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
 
-    gl.warp_specialize([
-        (consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turns.index(0),
-                    turns.index(1), Out, LSE, MaxScores, DESCALE_V, SINKS, b, h, off_m, n_partial, n_tiles,
-                    P_IDX, F_IDX,
-                    stride_om, Q_LEN, KV_LEN, SM_SCALE,
-                    $score_mod_params $mask_mod_params
-                    0, BLOCK_M, BLOCK_N, V_HEAD_DIM, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
-                    IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, OUTPUT_MAX, HAS_SINKS, SCORE_DTYPE, IS_FP8, O_TMA)),
-        (consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turns.index(1),
-                    turns.index(0), Out, LSE, MaxScores, DESCALE_V, SINKS, b, h, off_m, n_partial, n_tiles,
-                    P_IDX, F_IDX,
-                    stride_om, Q_LEN, KV_LEN, SM_SCALE,
-                    $score_mod_params $mask_mod_params
-                    1, BLOCK_M, BLOCK_N, V_HEAD_DIM, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
-                    IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, OUTPUT_MAX, HAS_SINKS, SCORE_DTYPE, IS_FP8, O_TMA)),
-        (loader, (Q, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                  b, h, b_kv, h_kv, off_m, n_partial, n_tiles, P_IDX, F_IDX,
-                  TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N, BLOCKS_ARE_CONTIGUOUS, IS_FP8)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    # (Gluon's partitions are listed one by one: a consumer's entry differs only by its index, WG)
+    if NUM_CONSUMERS == 3:  # (head dim 64: 192-row tiles, FlashAttention-3's shape there)
+        gl.warp_specialize([
+            (consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turns,
+                        Out, LSE, MaxScores, DESCALE_V, SINKS, b, h, off_m, n_partial, n_tiles,
+                        P_IDX, F_IDX,
+                        stride_om, Q_LEN, KV_LEN, SM_SCALE,
+                        $score_mod_params $mask_mod_params
+                        0, BLOCK_M, BLOCK_N, V_HEAD_DIM, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
+                        IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, OUTPUT_MAX, HAS_SINKS, SCORE_DTYPE, IS_FP8, O_TMA)),
+            (consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turns,
+                        Out, LSE, MaxScores, DESCALE_V, SINKS, b, h, off_m, n_partial, n_tiles,
+                        P_IDX, F_IDX,
+                        stride_om, Q_LEN, KV_LEN, SM_SCALE,
+                        $score_mod_params $mask_mod_params
+                        1, BLOCK_M, BLOCK_N, V_HEAD_DIM, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
+                        IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, OUTPUT_MAX, HAS_SINKS, SCORE_DTYPE, IS_FP8, O_TMA)),
+            (consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turns,
+                        Out, LSE, MaxScores, DESCALE_V, SINKS, b, h, off_m, n_partial, n_tiles,
+                        P_IDX, F_IDX,
+                        stride_om, Q_LEN, KV_LEN, SM_SCALE,
+                        $score_mod_params $mask_mod_params
+                        2, BLOCK_M, BLOCK_N, V_HEAD_DIM, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
+                        IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, OUTPUT_MAX, HAS_SINKS, SCORE_DTYPE, IS_FP8, O_TMA)),
+            (loader, (Q, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                      b, h, b_kv, h_kv, off_m, n_partial, n_tiles, P_IDX, F_IDX,
+                      TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N, BLOCKS_ARE_CONTIGUOUS, IS_FP8)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([
+            (consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turns,
+                        Out, LSE, MaxScores, DESCALE_V, SINKS, b, h, off_m, n_partial, n_tiles,
+                        P_IDX, F_IDX,
+                        stride_om, Q_LEN, KV_LEN, SM_SCALE,
+                        $score_mod_params $mask_mod_params
+                        0, BLOCK_M, BLOCK_N, V_HEAD_DIM, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
+                        IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, OUTPUT_MAX, HAS_SINKS, SCORE_DTYPE, IS_FP8, O_TMA)),
+            (consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turns,
+                        Out, LSE, MaxScores, DESCALE_V, SINKS, b, h, off_m, n_partial, n_tiles,
+                        P_IDX, F_IDX,
+                        stride_om, Q_LEN, KV_LEN, SM_SCALE,
+                        $score_mod_params $mask_mod_params
+                        1, BLOCK_M, BLOCK_N, V_HEAD_DIM, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCKS_ARE_CONTIGUOUS,
+                        IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, OUTPUT_MAX, HAS_SINKS, SCORE_DTYPE, IS_FP8, O_TMA)),
+            (loader, (Q, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                      b, h, b_kv, h_kv, off_m, n_partial, n_tiles, P_IDX, F_IDX,
+                      TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N, BLOCKS_ARE_CONTIGUOUS, IS_FP8)),
+        ], [4, 1], [CONSUMER_REGS, 24])
