@@ -65,6 +65,15 @@ def test_hopper_forward(case):
         torch.testing.assert_close(lse[:, :, :300], sinks.view(1, H, 1).expand(2, H, 300))
 
 
+@HOPPER
+@pytest.mark.parametrize("score_mod", [None, softcap])
+def test_hopper_forward_head_dim_64(score_mod):
+    """Three consumers' epilogues (192-row tiles, head dim 64), no block mask: at 128-row blocks
+    masked calls at this head dim take the Triton template."""
+    q, k, v = qkv(2, 8, 4, 1001, 1337, 64)
+    check_forward(q, k, v, sinks_for(8), {"BACKEND": "FLASH"}, score_mod)
+
+
 @pytest.mark.parametrize("D", [64, 128])
 def test_triton_forward(D):
     q, k, v = qkv(2, 8, 4, 777, 1031, D)
