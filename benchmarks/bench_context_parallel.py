@@ -15,7 +15,8 @@ the whole sequence, torch's compiled CP mask); also a length torch refuses (not 
 128). The one-GPU baseline (flexattn's single-GPU flex_attention on the whole sequence) runs up to
 ``--one-gpu-max-seq``. Rank 0 writes ``benchmarks/results/context_parallel-<P>gpu-<gpu>.json`` (the
 record format of `benchmarks.results`; `benchmarks.report` makes its table) after each case, so that
-a run cut short keeps the cases it finished.
+a run cut short keeps the cases it finished, and before torch's part of a case, which may not
+finish in a run's time (16 documents at S=512k), so that flexattn's rows of that case stay too.
 """
 
 from __future__ import annotations
@@ -233,6 +234,9 @@ def run(args, save=lambda rows: None) -> list[dict]:
                 one = bench_one_gpu(S, mask_name, args.iters)
                 found += [one] if one is not None else []
             if mesh is not None:
+                if dist.get_rank() == 0:  # (flexattn's rows are kept where torch's part never returns)
+                    print(line([{**case, **r} for r in found]) + " (torch CP next)", flush=True)
+                    save(rows + [{**case, **r} for r in found])
                 found.append(bench_torch_cp(mesh, S, mask_name, args.iters))
             rows += [{**case, **r} for r in found]
             if dist.get_rank() == 0:

@@ -175,6 +175,38 @@ def test_context_parallel_mask_timing_keeps_to_its_budget(monkeypatch):
     assert "| allgather - |" in printed and "ring    100.0 ms" in printed
 
 
+def test_context_parallel_keeps_flexattn_rows_when_torch_never_returns(monkeypatch, capsys):
+    """torch's context parallel runs last in a case and may not finish within a run's time (16
+    documents at S=512k): flexattn's rows are printed and saved before it starts."""
+    import argparse
+
+    import torch.distributed.device_mesh as device_mesh
+
+    from benchmarks import bench_context_parallel as cp
+
+    monkeypatch.setattr(cp.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(cp.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(device_mesh, "init_device_mesh", lambda *a, **k: "mesh")
+    ring, one = context_parallel_rows(2, 100.0)[0], context_parallel_rows(2, 100.0)[2]
+    monkeypatch.setattr(cp, "bench_flexattn", lambda S, mask, method, iters: {
+        k: v for k, v in ring.items() if k not in ("P", "S", "mask")})
+    monkeypatch.setattr(cp, "bench_one_gpu", lambda S, mask, iters: {
+        k: v for k, v in one.items() if k not in ("P", "S", "mask")})
+
+    def torch_cp(mesh, S, mask, iters):
+        raise KeyboardInterrupt  # (the run's time is up)
+
+    monkeypatch.setattr(cp, "bench_torch_cp", torch_cp)
+    saved = []
+    args = argparse.Namespace(seq="131072", masks="documents", methods="ring", iters=1, one_gpu_max_seq=262144,
+                              no_torch=False)
+    with pytest.raises(KeyboardInterrupt):
+        cp.run(args, saved.append)
+    assert [[(r["mask"], r["impl"], r["ms"]) for r in rows] for rows in saved] == [
+        [("documents", "ring", 100.0), ("documents", "one_gpu", 180.0)]]
+    assert "ring    100.0 ms" in capsys.readouterr().out
+
+
 def test_context_parallel_table_without_mask_times_has_no_such_column(tmp_path):
     rows = [{k: v for k, v in row.items() if k != "mask_ms"} for row in context_parallel_rows(2, 100.0)]
     results.save("context_parallel", {**env("NVIDIA H100 80GB HBM3"), "commit": "2222222"},
