@@ -233,14 +233,15 @@ def run(args, save=lambda rows: None) -> list[dict]:
             elif S != refused:
                 one = bench_one_gpu(S, mask_name, args.iters)
                 found += [one] if one is not None else []
+            here = [{**case, **r} for r in found]
             if mesh is not None:
                 if dist.get_rank() == 0:  # (flexattn's rows are kept where torch's part never returns)
-                    print(line([{**case, **r} for r in found]) + " (torch CP next)", flush=True)
-                    save(rows + [{**case, **r} for r in found])
-                found.append(bench_torch_cp(mesh, S, mask_name, args.iters))
-            rows += [{**case, **r} for r in found]
+                    print(line(here) + " (torch CP next)", flush=True)
+                    save(rows + here)
+                here.append({**case, **bench_torch_cp(mesh, S, mask_name, args.iters)})
+            rows += here
             if dist.get_rank() == 0:
-                print(line(rows[-len(found):]), flush=True)
+                print(line(here), flush=True)
                 save(rows)
     return rows
 

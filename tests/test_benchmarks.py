@@ -205,6 +205,13 @@ def test_context_parallel_keeps_flexattn_rows_when_torch_never_returns(monkeypat
     assert [[(r["mask"], r["impl"], r["ms"]) for r in rows] for rows in saved] == [
         [("documents", "ring", 100.0), ("documents", "one_gpu", 180.0)]]
     assert "ring    100.0 ms" in capsys.readouterr().out
+    # torch's part returning: the case is saved again with its row
+    monkeypatch.setattr(cp, "bench_torch_cp", lambda mesh, S, mask, iters: {"impl": "torch_cp", "ms": 150.0,
+                                                                          "peak_gib": 6.0})
+    saved.clear()
+    rows = cp.run(args, saved.append)
+    assert [r["impl"] for r in rows] == ["ring", "one_gpu", "torch_cp"] and saved[-1] == rows
+    assert "ring x1.50" in capsys.readouterr().out.splitlines()[-1]
 
 
 def test_context_parallel_table_without_mask_times_has_no_such_column(tmp_path):
