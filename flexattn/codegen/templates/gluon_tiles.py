@@ -64,16 +64,22 @@ def load_kv_ring(K, V, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, b_kv,
 
 @gluon.jit
 def program_tile(HEAD_GROUP):
-    """(tile, batch x head) of this program on a (tiles, B x heads) grid. The hardware starts the
-    programs in the grid's linear order; they take the heads HEAD_GROUP at a time (the first
-    group holds the remainder, so that the last one is whole) and, within a group, one tile of
-    every head before the next tile. The programs that start last are then a whole group's, its
-    tiles that see the most blocks (causal: the last query tiles, the first KV tiles) first: the
-    kernel's tail is not one head's longest tile started late. A group's heads' tensors are few
-    enough to stay in L2 (kernels/hopper.py: head_group). HEAD_GROUP 1 is the grid's own order."""
+    """(tile, batch x head) of this program on a (tiles, B x heads) grid (`tile_order`)."""
     n_tiles = gl.num_programs(0)
-    lin = gl.program_id(1) * n_tiles + gl.program_id(0)
-    lead = gl.num_programs(1) % HEAD_GROUP  # the first group's heads
+    return tile_order(gl.program_id(1) * n_tiles + gl.program_id(0), n_tiles, gl.num_programs(1), HEAD_GROUP)
+
+
+@gluon.jit
+def tile_order(lin, n_tiles, n_bh, HEAD_GROUP):
+    """(tile, batch x head) of the lin-th of n_tiles x n_bh tiles. The hardware starts the
+    programs in the grid's linear order (a persistent kernel's programs take lin = program,
+    program + programs, ...); they take the heads HEAD_GROUP at a time (the first group holds the
+    remainder, so that the last one is whole) and, within a group, one tile of every head before
+    the next tile. The programs that start last are then a whole group's, its tiles that see the
+    most blocks (causal: the last query tiles, the first KV tiles) first: the kernel's tail is not
+    one head's longest tile started late. A group's heads' tensors are few enough to stay in L2
+    (kernels/hopper.py: head_group). HEAD_GROUP 1 is the grid's own order."""
+    lead = n_bh % HEAD_GROUP  # the first group's heads
     rest = lin - lead * n_tiles
     group = gl.maximum(rest, 0) // (HEAD_GROUP * n_tiles)
     first = gl.where(rest < 0, 0, lead + group * HEAD_GROUP)
