@@ -205,6 +205,27 @@ def test_dq_by_the_dq_pass(gluon, monkeypatch):
     plans.BACKWARD.plans.clear()
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_persistent_kernel_without_dq(persistent, monkeypatch):
+    """The kernel without dQ as persistent programs (`backward.persistent_dkdv`), a few of them so that
+    each walks many KV tiles through both K/V buffers (an odd count too), against one program per
+    tile: GQA with ALiBi and a document mask, head dim 64 with cross lengths and a sliding window,
+    K/V broadcast over the batch (float32 dK and dV stored from the registers), [B, S, H, D]."""
+    monkeypatch.setattr(bwd, "persistent_dkdv", lambda mask: persistent)
+    monkeypatch.setattr(bwd.launch, "num_sms", lambda device: 5)
+    plans.BACKWARD.plans.clear()
+    on = {"DQ_PASS": True}
+    S = 1500
+    check(2, 8, 2, S, S, 128, score_mod=make_alibi(8, "cuda"), mask_mod=make_document_causal(S, "cuda"), options=on)
+    check(1, 4, 4, 1333, 700, 64, mask_mod=sliding_window_1024, options=on)
+    check(3, 4, 2, 1000, 1000, 128, mask_mod=causal, Bkv=1, options=on)
+    check(2, 4, 4, 777, 777, 128, score_mod=softcap, heads_inside=True, options=on)
+    made = [p for p in plans.BACKWARD.plans.values() if hasattr(p, "main")]
+    assert made and all(p.main.constexprs["PERSISTENT"] == persistent for p in made)
+    assert all((p.main.grid[0] == 5) == persistent for p in made)
+    plans.BACKWARD.plans.clear()
+
+
 def test_captured_tensor_gradients_take_the_dq_pass():
     """A captured tensor that needs a gradient: the Gluon kernel computes dK and dV, the Triton dQ
     pass dQ and the tensor's gradient, which matches the Triton backward's and float64's."""

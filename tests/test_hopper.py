@@ -327,14 +327,43 @@ def test_gluon_dq_pass_compiles(D):
     _compile_dq(*_qkv(S=256, D=D), score_fn=softcap, has_grad_lse=True)
 
 
+@pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("D", [64, 128])
-def test_backward_without_dq_compiles(D):
+def test_backward_without_dq_compiles(D, persistent, monkeypatch):
     """With dQ left to the dQ pass the kernel runs four products per step and adds nothing: no
-    reduce-add, no atomics; dK and dV still leave through the TMA unit."""
+    reduce-add, no atomics; dK and dV still leave through the TMA unit. As persistent programs
+    (`backward.persistent_dkdv`) too, whose second K/V buffer fits in the shared memory at head dim 128;
+    with a document mask, GQA and K/V broadcast over the batch (dK and dV from the registers)."""
+    monkeypatch.setattr(bwd, "persistent_dkdv", lambda mask: persistent)
     ptx = _compile_backward(*_qkv(S=300, D=D), dq_pass=True)
     assert ptx.count("wgmma.mma_async") < _compile_backward(*_qkv(S=300, D=D)).count("wgmma.mma_async")
     assert "cp.reduce.async.bulk" not in ptx and "red.global" not in ptx and "atom.global" not in ptx
     assert ptx.count(TMA_STORE) == 4
+    monkeypatch.setattr(bwd, "persistent_dkdv", lambda mask: not persistent)
+    assert ptx != _compile_backward(*_qkv(S=300, D=D), dq_pass=True)
+    monkeypatch.setattr(bwd, "persistent_dkdv", lambda mask: persistent)
+    documents = causal_documents(torch.arange(384, dtype=torch.int32) // 100)
+    bm = create_block_mask(documents, None, None, 384, 384, device="cpu")
+    ptx = _compile_backward(*_qkv(B=2, H=4, Hkv=2, S=384, Bkv=1, D=D), mask_fn=documents, block_mask=bm, dq_pass=True)
+    assert TMA_STORE not in ptx and "cp.reduce.async.bulk" not in ptx
+
+
+def test_persistent_programs_where_the_mask_reads_memory(monkeypatch):
+    """The kernel without dQ runs as persistent programs (one per SM, at most one per tile) under a
+    mask that reads captured tensors (documents: short programs), one program per KV tile under
+    one that does not (causal), and never where it computes dQ itself."""
+    monkeypatch.setattr(launch, "num_sms", lambda device: 7)
+    q, k, v = _qkv(B=2, H=4, Hkv=2, S=1000)
+    documents = _mod(causal_documents(torch.arange(1000, dtype=torch.int32) // 300), MASK)
+    causal_ = _mod(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, MASK)
+    score = _mod(lambda s, b, h, q_idx, kv_idx: s, SCORE)
+    for mask, persistent in ((documents, True), (causal_, False)):
+        tables = tables_of(create_block_mask(mask, None, None, 1000, 1000, device="cpu"))
+        split = bwd.make_plan(q, k, v, q, q, score, mask, tables, {}, (), (), False)
+        plan = bwd.hopper_plan(q, k, v, score, mask, tables, {}, False, split)
+        assert plan.main.constexprs["PERSISTENT"] == persistent
+        assert plan.main.grid == ((7, 1) if persistent else (8, 4))  # (8 KV tiles of 128 x 2 x 2 heads)
+        assert not bwd.hopper_plan(q, k, v, score, mask, tables, {}, False).main.constexprs["PERSISTENT"]
 
 
 def test_backward_compiles_with_mods_gqa_and_broadcast_batch():

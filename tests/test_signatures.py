@@ -438,7 +438,8 @@ def test_the_hopper_backward_arguments_land_at_their_names(kv_batched, block_mas
         "DK": Descriptor(dk, out_tile) if kv_batched else dk, "DV": Descriptor(dv, out_tile) if kv_batched else dv,
         **table_values(lists, sig), **buffer_values("score_", (BIAS,)), **buffer_values("mask_", (BIAS,)),
         **strides_of("l", lse, "zhm"), **strides_of("dk", dk, "zhn"), **strides_of("dv", dv, "zhn"),
-        "HQ": HQ, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "HEAD_GROUP": plan.sizes[-1], "SM_SCALE": 0.25})
+        "HQ": HQ, "HKV": HKV, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "BATCH": B, "HEAD_GROUP": plan.sizes[-1],
+        "SM_SCALE": 0.25})
 
 
 @pytest.mark.parametrize("block_mask", [False, True])

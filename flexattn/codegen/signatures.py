@@ -223,12 +223,13 @@ BACKWARD_HOPPER = Signature("flex_attention_backward", (
     ("strides", _names("""
         stride_lz, stride_lh, stride_lm, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn""")),
     _Q_TABLE_STRIDES,
-    ("sizes", _names("HQ, HKV, Q_LEN, KV_LEN, HEAD_GROUP")),
+    ("sizes", _names("HQ, HKV, Q_LEN, KV_LEN, BATCH, HEAD_GROUP")),
     ("scalars", ("SM_SCALE",)),
 ), _names("""
     BLOCK_M, BLOCK_N, SPARSE_Q_BLOCK_SIZE, SPARSE_KV_BLOCK_SIZE,
     GQA_SHARED_HEADS, KV_BATCH_BROADCAST, HAS_FULL_BLOCKS, BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2,
-    SCORE_AFFINE, LATE_DP_WAIT, NUM_BUFFERS, CONSUMER_REGS, SCORE_DTYPE, DEFER_DQ, DKV_TMA, COMPUTE_DQ"""), "gl.constexpr")
+    SCORE_AFFINE, LATE_DP_WAIT, NUM_BUFFERS, CONSUMER_REGS, SCORE_DTYPE, DEFER_DQ, DKV_TMA, COMPUTE_DQ,
+    PERSISTENT"""), "gl.constexpr")
 
 BACKWARD_DQ_HOPPER = Signature("flex_attention_backward_dq", (
     # Q, K, V, DO and DQ (16-bit, written once) are TMA descriptors; the pass writes DELTA from OUT,

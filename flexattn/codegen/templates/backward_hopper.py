@@ -16,7 +16,10 @@
 # 12% slower on 16 documents at S=8k, 11% and 15% at 16k, 10% and 15% on sliding window 1024, and
 # level to 3% faster at head dim 64 (H100, dK/dV without dQ, outputs bitwise those of one tile
 # per program): fewer, longer programs leave a longer tail, and the next tile's loads still
-# waited for the last one's stores.
+# waited for the last one's stores. PERSISTENT (COMPUTE_DQ off, where backward.persistent_dkdv
+# says: masks that read captured tensors) does load the next tile during the last steps: one
+# program per SM walks the tiles with two K/V buffers (room made by staging dK in K's rows instead
+# of dQ buffers, and one dS buffer), 16 documents +2% at head dim 128 and +6% at 64.
 # Per query tile a consumer, with w its 64 KV rows:
 #   S = Q K_w^T, dP = dO V_w^T                 (asynchronous; see LATE_DP_WAIT for P's exp2)
 #   P = exp2(S / ln 2 - LSE / ln 2),  dS = P (dP - Delta) d score_mod / d score
@@ -101,18 +104,19 @@ def q_lists(Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX, b, h, kv_blk,
 
 
 @gluon.jit
-def loader(Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
-           Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
-           stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
-           stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
-           b, b_kv, h_kv, off_n, kv_blk,
-           GQA_SHARED_HEADS: gl.constexpr, TILES_PER_BLOCK: gl.constexpr, SPARSE_Q_BLOCK_SIZE: gl.constexpr,
-           BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr):
+def load_tile(Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, it, q_ready, q_empty, do_ready, do_empty,
+              Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+              stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+              stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+              b, b_kv, h_kv, off_n, kv_blk,
+              GQA_SHARED_HEADS: gl.constexpr, TILES_PER_BLOCK: gl.constexpr, SPARSE_Q_BLOCK_SIZE: gl.constexpr,
+              BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr):
+    """The KV tile at off_n into k_smem / v_smem (landing on kv_bar), then its query tiles' Q and
+    dO through the ring, steps counted from ``it``: returns the count after them."""
     NUM_BUFFERS: gl.constexpr = q_bufs.type.shape[0]
     mbarrier.expect(kv_bar, K.block_type.nbytes + V.block_type.nbytes)
     _tma_load(K, [b_kv, h_kv, off_n, 0], kv_bar, k_smem)
     _tma_load(V, [b_kv, h_kv, off_n, 0], kv_bar, v_smem)
-    it = 0
     for g in range(GQA_SHARED_HEADS):
         h = h_kv * GQA_SHARED_HEADS + g
         n_partial, n_tiles, P_IDX, F_IDX = q_lists(
@@ -132,6 +136,54 @@ def loader(Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empt
             mbarrier.expect(do_ready.index(slot), DO.block_type.nbytes)
             _tma_load(DO, [b, h, start, 0], do_ready.index(slot), do_bufs.index(slot))
             it += 1
+    return it
+
+
+@gluon.jit
+def loader(Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
+           Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+           stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+           stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+           b, b_kv, h_kv, off_n, kv_blk,
+           GQA_SHARED_HEADS: gl.constexpr, TILES_PER_BLOCK: gl.constexpr, SPARSE_Q_BLOCK_SIZE: gl.constexpr,
+           BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr):
+    load_tile(Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, gl.program_id(0) * 0, q_ready, q_empty, do_ready, do_empty,
+              Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+              stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+              stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+              b, b_kv, h_kv, off_n, kv_blk,
+              GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS, BLOCKS_ARE_CONTIGUOUS)
+
+
+@gluon.jit
+def persistent_loader(Q, K, V, DO, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty, do_ready,
+                      do_empty, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                      stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+                      stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+                      HKV, BATCH, KV_LEN, HEAD_GROUP,
+                      GQA_SHARED_HEADS: gl.constexpr, TILES_PER_BLOCK: gl.constexpr, SPARSE_Q_BLOCK_SIZE: gl.constexpr,
+                      SPARSE_KV_BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
+                      BLOCKS_ARE_CONTIGUOUS: gl.constexpr, KV_BATCH_BROADCAST: gl.constexpr):
+    """`load_tile` for this program's KV tiles in turn (`tile_order`), into two K/V buffers: a
+    tile's K and V load once the consumers have stored the gradients of the tile two before."""
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
+    n_tiles = gl.cdiv(KV_LEN, BLOCK_N)
+    it = 0
+    tc = 0
+    for lin in range(gl.program_id(0), n_tiles * BATCH * HKV, gl.num_programs(0)):
+        pid_n, pid_bh = tile_order(lin, n_tiles, BATCH * HKV, HEAD_GROUP)
+        b = pid_bh // HKV
+        off_n = pid_n * BLOCK_N
+        kb = tc % 2
+        mbarrier.wait(kv_empty.index(kb), ((tc // 2) & 1) ^ 1)
+        it = load_tile(Q, K, V, DO, k_bufs.index(kb), v_bufs.index(kb), q_bufs, do_bufs, kv_ready.index(kb), it,
+                       q_ready, q_empty, do_ready, do_empty, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                       stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+                       stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+                       b, 0 if KV_BATCH_BROADCAST else b, pid_bh % HKV, off_n, off_n // SPARSE_KV_BLOCK_SIZE,
+                       GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
+                       BLOCKS_ARE_CONTIGUOUS)
+        tc += 1
 
 
 @gluon.jit
@@ -182,21 +234,27 @@ def dq_add(dq, dq_s, dq_smem, DQ_DESC, b, h, start, DQ_COL0: gl.constexpr):
 
 
 @gluon.jit
-def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, q_ready, q_empty, do_ready, do_empty,
-             ds_ready, ds_free, LSE, DELTA, DK, DV,
-             Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
-             $score_mod_params $mask_mod_params
-             stride_lz, stride_lh, stride_lm,
-             stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
-             stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
-             stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
-             b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
-             WG: gl.constexpr, GQA_SHARED_HEADS: gl.constexpr, TILES_PER_BLOCK: gl.constexpr,
-             SPARSE_Q_BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
-             BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr,
-             SCORE_AFFINE: gl.constexpr, LATE_DP_WAIT: gl.constexpr, SCORE_DTYPE: gl.constexpr,
-             DEFER_DQ: gl.constexpr, DKV_TMA: gl.constexpr, COMPUTE_DQ: gl.constexpr):
+def consume_tile(k_smem, v_smem, k_bufs, v_bufs, kb, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar,
+                 kv_phase, kv_free, release, it, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, LSE, DELTA, DK, DV,
+                 Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                 $score_mod_params $mask_mod_params
+                 stride_lz, stride_lh, stride_lm,
+                 stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+                 stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+                 stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+                 b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
+                 WG: gl.constexpr, GQA_SHARED_HEADS: gl.constexpr, TILES_PER_BLOCK: gl.constexpr,
+                 SPARSE_Q_BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
+                 BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr,
+                 SCORE_AFFINE: gl.constexpr, LATE_DP_WAIT: gl.constexpr, SCORE_DTYPE: gl.constexpr,
+                 DEFER_DQ: gl.constexpr, DKV_TMA: gl.constexpr, COMPUTE_DQ: gl.constexpr, PERSISTENT: gl.constexpr):
+    """One consumer's work on the KV tile at off_n (its K and V in k_smem / v_smem, landed at
+    kv_bar's phase kv_phase), its steps counted from ``it``: returns the count after them.
+    PERSISTENT: k_smem / v_smem are entry kb of k_bufs / v_bufs; dK is staged in the consumer's
+    rows of the K tile, and its stores are left in flight; ``release``: the previous tile's are
+    waited for first, then kv_free says its buffers may be refilled."""
     NUM_BUFFERS: gl.constexpr = q_bufs.type.shape[0]
+    DS_BUFFERS: gl.constexpr = ds_bufs.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[3]
     ROWS: gl.constexpr = BLOCK_N // 2
@@ -224,7 +282,8 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
     k_dq = k_all.slice(DQ_COL0, DQ_COLS, dim=1)
     p_s = p_bufs.index(WG)
     dq_smem = dq_bufs.index(WG)
-    dq_s = dq_smem.reshape([BLOCK_M, DQ_COLS])
+    if COMPUTE_DQ:
+        dq_s = dq_smem.reshape([BLOCK_M, DQ_COLS])
     kv_edge = off_n + BLOCK_N > KV_LEN
     dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
@@ -232,8 +291,12 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
     zero_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
     b64 = b.to(gl.int64)
 
-    mbarrier.wait(kv_bar, 0)
-    it = 0
+    mbarrier.wait(kv_bar, kv_phase)
+    if PERSISTENT:
+        if release:  # (the previous tile's dK and dV stores have read the other buffers: refill them)
+            tma.store_wait(0)
+            _sync_warps()
+            mbarrier.arrive(kv_free, count=1)
     prev_start = 0  # DEFER_DQ: the previous step's query tile and head
     prev_h = h_kv * GQA_SHARED_HEADS
     for g in range(GQA_SHARED_HEADS):
@@ -262,10 +325,21 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
             q = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
             do = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
             # -- S = Q K_w^T and dP = dO V_w^T on the tensor cores while the row statistics load
+            if PERSISTENT:
+                # the K and V views taken anew each step from a buffer index the compiler cannot
+                # prove constant (start >= 0): views of a register-held index hoisted out of the
+                # loop took registers for every product's descriptors, which spilled (27 and 43
+                # local accesses per step instead of 13 and 16 at head dim 128)
+                kb = kb + (start >> 31)
+                k_step = k_bufs.index(kb).reshape([BLOCK_N, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
+                v_step = v_bufs.index(kb).reshape([BLOCK_N, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
+            else:
+                k_step = k_w
+                v_step = v_w
             mbarrier.wait(q_ready.index(slot), phase)
-            s = warpgroup_mma(q, k_w.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s = warpgroup_mma(q, k_step.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             mbarrier.wait(do_ready.index(slot), phase)
-            dp = warpgroup_mma(do, v_w.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dp = warpgroup_mma(do, v_step.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             rows = start + gl.arange(0, BLOCK_M, layout=row_s)
             lse = gl.load(LSEh + rows * stride_lm, mask=rows < Q_LEN, other=float("inf"))
             # [Note] a fully masked row has LSE -inf: +inf makes its P exactly 0, as in backward.py
@@ -324,7 +398,7 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
                                  SCORES_IN_BASE2, SCORE_AFFINE, SCORE_DTYPE)
             # -- P and dS to shared memory: the A operands of dV += P^T dO and dK += dS^T Q (transposed
             # views), and dS, with the other consumer's half, of dQ = dS K
-            ds_s = ds_bufs.index(it % 2)
+            ds_s = ds_bufs.index(it % DS_BUFFERS)
             ds_w = ds_s.slice(WG * ROWS, ROWS, dim=1)
             if DEFER_DQ:
                 if it >= 2:  # both consumers' dQ products (a step later) have read the buffer taken here
@@ -375,7 +449,16 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
             dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, prev_h, prev_start, DQ_COL0)
 
     # -- dK (scaled) and dV of this consumer's rows
-    if DKV_TMA:
+    if DKV_TMA and PERSISTENT:
+        # staged in this consumer's rows of the V and K tiles (only its own dP and S products read
+        # them); the stores complete while the next tile runs
+        v_w.store(dv.to(dtype))
+        k_w.store((dk * SM_SCALE).to(dtype))
+        fence_async_shared()
+        _sync_warps()
+        _tma_store(DV, [b, h_kv, my_n, 0], v_smem.slice(WG * ROWS, ROWS, dim=2))
+        _tma_store(DK, [b, h_kv, my_n, 0], k_smem.slice(WG * ROWS, ROWS, dim=2))
+    elif DKV_TMA:
         # through the TMA unit (rows past KV_LEN clipped), staged in this consumer's own shared
         # memory: dV in its rows of the V tile (only its dP products read them), dK in its dQ buffer
         # (as many bytes) once the last dQ add has read that
@@ -397,6 +480,156 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
                  (dk * SM_SCALE).to(DK.dtype.element_ty), mask=keep)
         gl.store(DV + b64 * stride_dvz + h_kv.to(gl.int64) * stride_dvh + rows_o.to(gl.int64) * stride_dvn + cols_o,
                  dv.to(DV.dtype.element_ty), mask=keep)
+    return it
+
+
+@gluon.jit
+def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, q_ready, q_empty, do_ready, do_empty,
+             ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+             $score_mod_params $mask_mod_params
+             stride_lz, stride_lh, stride_lm,
+             stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+             stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+             stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+             b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
+             WG: gl.constexpr, GQA_SHARED_HEADS: gl.constexpr, TILES_PER_BLOCK: gl.constexpr,
+             SPARSE_Q_BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
+             BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr,
+             SCORE_AFFINE: gl.constexpr, LATE_DP_WAIT: gl.constexpr, SCORE_DTYPE: gl.constexpr,
+             DEFER_DQ: gl.constexpr, DKV_TMA: gl.constexpr, COMPUTE_DQ: gl.constexpr):
+    # (the step count as a value, not a constant: it changes in the loops)
+    consume_tile(k_smem, v_smem, k_smem, v_smem, 0, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, 0,
+                 kv_bar, False,
+                 gl.program_id(0) * 0,
+                 q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                 $score_mod_params $mask_mod_params
+                 stride_lz, stride_lh, stride_lm,
+                 stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+                 stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+                 stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+                 b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
+                 WG, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
+                 BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT, SCORE_DTYPE,
+                 DEFER_DQ, DKV_TMA, COMPUTE_DQ, False)
+
+
+@gluon.jit
+def persistent_consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_ready, kv_empty,
+                        q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                        $score_mod_params $mask_mod_params
+                        stride_lz, stride_lh, stride_lm,
+                        stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+                        stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+                        stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+                        HQ, HKV, BATCH, Q_LEN, KV_LEN, HEAD_GROUP, SM_SCALE,
+                        WG: gl.constexpr, GQA_SHARED_HEADS: gl.constexpr, TILES_PER_BLOCK: gl.constexpr,
+                        SPARSE_Q_BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
+                        BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr,
+                        SCORE_AFFINE: gl.constexpr, LATE_DP_WAIT: gl.constexpr, SCORE_DTYPE: gl.constexpr,
+                        DEFER_DQ: gl.constexpr, DKV_TMA: gl.constexpr, COMPUTE_DQ: gl.constexpr,
+                        SPARSE_KV_BLOCK_SIZE: gl.constexpr):
+    """`consume_tile` for this program's KV tiles in turn (`tile_order`, as the loader takes them),
+    their K and V in two buffers taken in turn; the last tile's stores are waited for at the end.
+    (Tiles taken in pairs, each buffer's shared memory addresses constants, spilled 2.5 times as
+    much per step at head dim 128: the step loop's code twice.)"""
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
+    n_tiles = gl.cdiv(KV_LEN, BLOCK_N)
+    it = 0
+    tc = 0
+    for lin in range(gl.program_id(0), n_tiles * BATCH * HKV, gl.num_programs(0)):
+        pid_n, pid_bh = tile_order(lin, n_tiles, BATCH * HKV, HEAD_GROUP)
+        off_n = pid_n * BLOCK_N
+        kb = tc % 2
+        it = consume_tile(k_bufs.index(kb), v_bufs.index(kb), k_bufs, v_bufs, kb, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
+                          kv_ready.index(kb), (tc // 2) & 1, kv_empty.index(1 - kb), tc > 0, it,
+                          q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                          $score_mod_params $mask_mod_params
+                          stride_lz, stride_lh, stride_lm,
+                          stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+                          stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+                          stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+                          pid_bh // HKV, pid_bh % HKV, off_n, off_n // SPARSE_KV_BLOCK_SIZE, HQ, Q_LEN, KV_LEN,
+                          SM_SCALE, WG, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
+                          BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT, SCORE_DTYPE,
+                          DEFER_DQ, DKV_TMA, COMPUTE_DQ, True)
+        tc += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def persistent(Q, K, V, DO, DQ_DESC, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+               $score_mod_params $mask_mod_params
+               stride_lz, stride_lh, stride_lm,
+               stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+               stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+               stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+               HQ, HKV, BATCH, Q_LEN, KV_LEN, HEAD_GROUP, SM_SCALE,
+               GQA_SHARED_HEADS: gl.constexpr, TILES_PER_BLOCK: gl.constexpr, SPARSE_Q_BLOCK_SIZE: gl.constexpr,
+               SPARSE_KV_BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               KV_BATCH_BROADCAST: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr,
+               IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr, SCORE_AFFINE: gl.constexpr,
+               LATE_DP_WAIT: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+               SCORE_DTYPE: gl.constexpr, DKV_TMA: gl.constexpr):
+    """The kernel without dQ (COMPUTE_DQ off) as persistent programs, one per SM, each walking KV
+    tiles (`tile_order`) with two K/V buffers: a tile's K, V and first Q and dO tiles load during
+    the previous tile's last steps, and its dK and dV stores run during the next tile's first, so
+    that short programs (16 documents: 4 to 16 steps) do not wait for memory at either end. Each
+    consumer stages its dK and dV in its own rows of the tile's K and V buffers; no dQ buffers
+    and one dS buffer (the shared memory holds the second K/V tile at head dim 128)."""
+    k_bufs = gl.allocate_shared_memory(K.dtype, [2] + K.block_type.shape, K.layout)
+    v_bufs = gl.allocate_shared_memory(V.dtype, [2] + V.block_type.shape, V.layout)
+    q_bufs = gl.allocate_shared_memory(Q.dtype, [NUM_BUFFERS] + Q.block_type.shape, Q.layout)
+    do_bufs = gl.allocate_shared_memory(DO.dtype, [NUM_BUFFERS] + DO.block_type.shape, DO.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], Q.dtype)
+    ds_bufs = gl.allocate_shared_memory(Q.dtype, [1, BLOCK_M, BLOCK_N], ds_layout)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N // 2], Q.dtype)
+    p_bufs = gl.allocate_shared_memory(Q.dtype, [2, BLOCK_M, BLOCK_N // 2], p_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(do_empty.index(i), count=2)
+    # (no dQ: the dS barriers and the dQ buffers are never used; p_bufs stands in for the latter)
+    gl.warp_specialize([
+        (persistent_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, p_bufs, DQ_DESC, kv_ready, kv_empty,
+                               q_ready, q_empty, do_ready, do_empty, kv_ready, kv_empty, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                               $score_mod_params $mask_mod_params
+                               stride_lz, stride_lh, stride_lm,
+                               stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+                               stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+                               stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+                               HQ, HKV, BATCH, Q_LEN, KV_LEN, HEAD_GROUP, SM_SCALE,
+                               0, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
+                               BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT,
+                               SCORE_DTYPE, False, DKV_TMA, False, SPARSE_KV_BLOCK_SIZE)),
+        (persistent_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, p_bufs, DQ_DESC, kv_ready, kv_empty,
+                               q_ready, q_empty, do_ready, do_empty, kv_ready, kv_empty, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                               $score_mod_params $mask_mod_params
+                               stride_lz, stride_lh, stride_lm,
+                               stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+                               stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+                               stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+                               HQ, HKV, BATCH, Q_LEN, KV_LEN, HEAD_GROUP, SM_SCALE,
+                               1, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
+                               BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT,
+                               SCORE_DTYPE, False, DKV_TMA, False, SPARSE_KV_BLOCK_SIZE)),
+        (persistent_loader, (Q, K, V, DO, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty,
+                             do_ready, do_empty, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                             stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+                             stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+                             HKV, BATCH, KV_LEN, HEAD_GROUP,
+                             GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, SPARSE_KV_BLOCK_SIZE, BLOCK_M,
+                             HAS_FULL_BLOCKS, BLOCKS_ARE_CONTIGUOUS, KV_BATCH_BROADCAST)),
+    ], [4, 1], [CONSUMER_REGS, 24])
 
 
 @gluon.jit
@@ -406,6 +639,19 @@ $flex_attention_backward_params
     gl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M == 0)
     gl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N == 0)
     TILES_PER_BLOCK: gl.constexpr = SPARSE_Q_BLOCK_SIZE // BLOCK_M
+    if PERSISTENT:
+        gl.static_assert(not COMPUTE_DQ)
+        persistent(Q, K, V, DO, DQ_DESC, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                   $score_mod_params $mask_mod_params
+                   stride_lz, stride_lh, stride_lm,
+                   stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+                   stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+                   stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+                   HQ, HKV, BATCH, Q_LEN, KV_LEN, HEAD_GROUP, SM_SCALE,
+                   GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, SPARSE_KV_BLOCK_SIZE, BLOCK_M, BLOCK_N,
+                   KV_BATCH_BROADCAST, HAS_FULL_BLOCKS, BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2,
+                   SCORE_AFFINE, LATE_DP_WAIT, NUM_BUFFERS, CONSUMER_REGS, SCORE_DTYPE, DKV_TMA)
+        return
     pid_n, pid_bh = program_tile(HEAD_GROUP)
     b = pid_bh // HKV
     h_kv = pid_bh % HKV
