@@ -200,13 +200,10 @@ $flex_attention_backward_dq_params
     OUT += b64 * stride_oz + h.to(gl.int64) * stride_oh
     DLSE += b64 * stride_dlz + h.to(gl.int64) * stride_dlh
 
-    q_blk = off_m // SPARSE_Q_BLOCK_SIZE
-    n_partial = gl.load(KV_NUM_BLKS + b64 * stride_nz + h * stride_nh + q_blk * stride_nm) * TILES_PER_BLOCK
-    P_IDX = KV_IDX + b64 * stride_iz + h * stride_ih + q_blk * stride_im
-    F_IDX = FULL_KV_IDX + b64 * stride_fiz + h * stride_fih + q_blk * stride_fim
-    n_tiles = n_partial
-    if HAS_FULL_BLOCKS:
-        n_tiles += gl.load(FULL_KV_NUM_BLKS + b64 * stride_fnz + h * stride_fnh + q_blk * stride_fnm) * TILES_PER_BLOCK
+    n_partial, n_tiles, P_IDX, F_IDX = kv_lists(
+        KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX, b64, h, off_m // SPARSE_Q_BLOCK_SIZE,
+        stride_nz, stride_nh, stride_nm, stride_iz, stride_ih, stride_im,
+        stride_fnz, stride_fnh, stride_fnm, stride_fiz, stride_fih, stride_fim, TILES_PER_BLOCK, HAS_FULL_BLOCKS)
 
     q_smem = gl.allocate_shared_memory(Q.dtype, Q.block_type.shape, Q.layout)
     do_smem = gl.allocate_shared_memory(DO.dtype, DO.block_type.shape, DO.layout)

@@ -1,8 +1,9 @@
 # The Gluon templates' shared vocabulary (forward_hopper.py, backward_hopper.py and
 # backward_dq_hopper.py take it at their gluon_tiles hook): the Gluon imports, the TMA load and
 # store and the warp group's barrier under either Triton's names, base-2 constants, the order
-# programs take their tiles in, where the j-th tile of a program's block lists starts, and the
-# loader's walk of a program's K/V tiles through a ring of shared-memory slots.
+# programs take their tiles in, a query block's KV lists, where the j-th tile of a program's
+# block lists starts, and the loader's walk of a program's K/V tiles through a ring of
+# shared-memory slots.
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait  # noqa: E402,E501
@@ -38,16 +39,33 @@ def tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK: gl.constexpr, SPARSE
 
 
 @gluon.jit
+def kv_lists(KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX, b64, h, q_blk,
+             stride_nz, stride_nh, stride_nm, stride_iz, stride_ih, stride_im,
+             stride_fnz, stride_fnh, stride_fnm, stride_fiz, stride_fih, stride_fim,
+             TILES_PER_BLOCK: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr):
+    """(partial tiles, all tiles, partial list, full list) of query block q_blk of head h in the
+    forward's lists (KV blocks per query block), tiles of SPARSE_KV_BLOCK_SIZE // TILES_PER_BLOCK."""
+    n_partial = gl.load(KV_NUM_BLKS + b64 * stride_nz + h * stride_nh + q_blk * stride_nm) * TILES_PER_BLOCK
+    P_IDX = KV_IDX + b64 * stride_iz + h * stride_ih + q_blk * stride_im
+    F_IDX = FULL_KV_IDX + b64 * stride_fiz + h * stride_fih + q_blk * stride_fim
+    n_tiles = n_partial
+    if HAS_FULL_BLOCKS:
+        n_tiles += gl.load(FULL_KV_NUM_BLKS + b64 * stride_fnz + h * stride_fnh + q_blk * stride_fnm) * TILES_PER_BLOCK
+    return n_partial, n_tiles, P_IDX, F_IDX
+
+
+@gluon.jit
 def load_kv_ring(K, V, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, b_kv, h_kv, n_partial, n_tiles,
                  P_IDX, F_IDX, TILES_PER_BLOCK: gl.constexpr, SPARSE_KV_BLOCK_SIZE: gl.constexpr,
-                 BLOCK_N: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr, V_K_MAJOR: gl.constexpr):
+                 BLOCK_N: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr, V_K_MAJOR: gl.constexpr, first=0):
     """TMA copies of a program's n_tiles K and V tiles (`tile_start`'s order) into the ring's
     slots: a slot is written once its consumers freed it (k_empty / v_empty) and says it landed
-    on k_ready / v_ready. V_K_MAJOR: V is stored transposed (float8's K-major V)."""
+    on k_ready / v_ready. V_K_MAJOR: V is stored transposed (float8's K-major V). ``first``: how
+    many tiles the ring took before these (a persistent program's earlier query tiles)."""
     NUM_BUFFERS: gl.constexpr = k_bufs.type.shape[0]
     for j in range(n_tiles):
-        slot = j % NUM_BUFFERS
-        phase = (j // NUM_BUFFERS) & 1
+        slot = (first + j) % NUM_BUFFERS
+        phase = ((first + j) // NUM_BUFFERS) & 1
         start = tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_KV_BLOCK_SIZE, BLOCK_N,
                            BLOCKS_ARE_CONTIGUOUS)
         # a fresh barrier counts as having completed the phase before phase 0: the first round passes
