@@ -207,9 +207,9 @@ def test_dq_by_the_dq_pass(gluon, monkeypatch):
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_persistent_kernel_without_dq(persistent, monkeypatch):
-    """The kernel without dQ as persistent programs (`backward.persistent_dkdv`), a few of them so that
-    each walks many KV tiles through both K/V buffers (an odd count too), against one program per
-    tile: GQA with ALiBi and a document mask, head dim 64 with cross lengths and a sliding window,
+    """The kernel without dQ and the Gluon dQ pass as persistent programs
+    (`backward.persistent_dkdv`), a few of them so that each walks many tiles through both K/V (Q/dO)
+    buffers (an odd count too), against one program per tile: GQA with ALiBi and a document mask, head dim 64 with cross lengths and a sliding window,
     K/V broadcast over the batch (float32 dK and dV stored from the registers), [B, S, H, D]."""
     monkeypatch.setattr(bwd, "persistent_dkdv", lambda mask: persistent)
     monkeypatch.setattr(bwd.launch, "num_sms", lambda device: 5)
@@ -223,6 +223,9 @@ def test_persistent_kernel_without_dq(persistent, monkeypatch):
     made = [p for p in plans.BACKWARD.plans.values() if hasattr(p, "main")]
     assert made and all(p.main.constexprs["PERSISTENT"] == persistent for p in made)
     assert all((p.main.grid[0] == 5) == persistent for p in made)
+    gluon_dq = [p.dq_pass.main for p in made if isinstance(p.dq_pass, bwd.HopperDqPlan)]
+    assert gluon_dq and all(m.constexprs["PERSISTENT"] == persistent and (m.grid[0] == 5) == persistent
+                            for m in gluon_dq)
     plans.BACKWARD.plans.clear()
 
 

@@ -349,9 +349,9 @@ def test_backward_without_dq_compiles(D, persistent, monkeypatch):
 
 
 def test_persistent_programs_where_the_mask_reads_memory(monkeypatch):
-    """The kernel without dQ runs as persistent programs (one per SM, at most one per tile) under a
-    mask that reads captured tensors (documents: short programs), one program per KV tile under
-    one that does not (causal), and never where it computes dQ itself."""
+    """The kernel without dQ and the Gluon dQ pass run as persistent programs (one per SM, at most
+    one per tile) under a mask that reads captured tensors (documents: short programs), one
+    program per tile under one that does not (causal); the one pass never does."""
     monkeypatch.setattr(launch, "num_sms", lambda device: 7)
     q, k, v = _qkv(B=2, H=4, Hkv=2, S=1000)
     documents = _mod(causal_documents(torch.arange(1000, dtype=torch.int32) // 300), MASK)
@@ -364,6 +364,24 @@ def test_persistent_programs_where_the_mask_reads_memory(monkeypatch):
         assert plan.main.constexprs["PERSISTENT"] == persistent
         assert plan.main.grid == ((7, 1) if persistent else (8, 4))  # (8 KV tiles of 128 x 2 x 2 heads)
         assert not bwd.hopper_plan(q, k, v, score, mask, tables, {}, False).main.constexprs["PERSISTENT"]
+        dq = bwd.hopper_dq_plan(q, k, v, score, mask, tables, {}, False).main
+        assert dq.constexprs["PERSISTENT"] == persistent
+        assert dq.grid == ((7, 1) if persistent else (8, 8))  # (8 query tiles of 128 x 2 x 4 heads)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_persistent_dq_pass_compiles(D, monkeypatch):
+    """The Gluon dQ pass as persistent programs: a second Q/dO buffer fits at head dim 128, dQ
+    leaves through the TMA unit, nothing is added; a document mask with GQA and K/V broadcast."""
+    monkeypatch.setattr(bwd, "persistent_dkdv", lambda mask: True)
+    documents = causal_documents(torch.arange(384, dtype=torch.int32) // 100)
+    bm = create_block_mask(documents, None, None, 384, 384, device="cpu")
+    compiled = _compile_dq(*_qkv(B=2, H=4, Hkv=2, S=384, Bkv=1, D=D), mask_fn=documents, block_mask=bm)
+    ptx = compiled.asm["ptx"]
+    assert ptx.count(TMA_STORE) == 2 and "cp.reduce.async.bulk" not in ptx and "red.global" not in ptx
+    monkeypatch.setattr(bwd, "persistent_dkdv", lambda mask: False)
+    single = _compile_dq(*_qkv(B=2, H=4, Hkv=2, S=384, Bkv=1, D=D), mask_fn=documents, block_mask=bm)
+    assert compiled.metadata.shared > single.metadata.shared  # (the second Q/dO buffer)
 
 
 def test_backward_compiles_with_mods_gqa_and_broadcast_batch():

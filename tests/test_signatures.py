@@ -479,5 +479,6 @@ def test_the_gluon_dq_pass_arguments_land_at_their_names(block_mask):
         "DO": Descriptor(grad_out, [1, 1, m, E]), "DQ": Descriptor(dq, [1, 1, m // 2, E]), "LSE": lse, "DELTA": delta,
         "OUT": out, "DLSE": dlse,
         **table_values(lists, sig), **buffer_values("score_", (BIAS,)), **buffer_values("mask_", (BIAS,)),
-        **strides_of("l", lse, "zhm"), **strides_of("o", out, "zhmk"), **strides_of("dl", dlse, "zhm"), "HQ": HQ, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "HEAD_GROUP": dq_plan.sizes[-1],
+        **strides_of("l", lse, "zhm"), **strides_of("o", out, "zhmk"), **strides_of("dl", dlse, "zhm"), "HQ": HQ, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "BATCH": B,
+        "HEAD_GROUP": dq_plan.sizes[-1],
         "SM_SCALE": 0.25})

@@ -241,12 +241,12 @@ BACKWARD_DQ_HOPPER = Signature("flex_attention_backward_dq", (
         stride_lz, stride_lh, stride_lm, stride_oz, stride_oh, stride_om, stride_ok,
         stride_dlz, stride_dlh, stride_dlm""")),
     _KV_TABLE_STRIDES,
-    ("sizes", _names("HQ, Q_LEN, KV_LEN, HEAD_GROUP")),
+    ("sizes", _names("HQ, Q_LEN, KV_LEN, BATCH, HEAD_GROUP")),
     ("scalars", ("SM_SCALE",)),
 ), _names("""
     BLOCK_M, BLOCK_N, SPARSE_Q_BLOCK_SIZE, SPARSE_KV_BLOCK_SIZE, GQA_SHARED_HEADS, KV_BATCH_BROADCAST,
     HAS_FULL_BLOCKS, BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, HAS_GRAD_LSE, NUM_BUFFERS,
-    CONSUMER_REGS, SCORE_DTYPE"""), "gl.constexpr")
+    CONSUMER_REGS, SCORE_DTYPE, PERSISTENT"""), "gl.constexpr")
 
 # template -> the signatures of the kernels it defines (each filled through its $<kernel>_params hook)
 TEMPLATES: dict[str, tuple[Signature, ...]] = {
