@@ -208,10 +208,10 @@ def test_dq_by_the_dq_pass(gluon, monkeypatch):
 @pytest.mark.parametrize("persistent", [False, True])
 def test_persistent_kernel_without_dq(persistent, monkeypatch):
     """The kernel without dQ and the Gluon dQ pass as persistent programs
-    (`backward.persistent_dkdv`), a few of them so that each walks many tiles through both K/V (Q/dO)
+    (`backward.persistent_programs`), a few of them so that each walks many tiles through both K/V (Q/dO)
     buffers (an odd count too), against one program per tile: GQA with ALiBi and a document mask, head dim 64 with cross lengths and a sliding window,
     K/V broadcast over the batch (float32 dK and dV stored from the registers), [B, S, H, D]."""
-    monkeypatch.setattr(bwd, "persistent_dkdv", lambda mask: persistent)
+    monkeypatch.setattr(bwd, "persistent_programs", lambda mask: persistent)
     monkeypatch.setattr(bwd.launch, "num_sms", lambda device: 5)
     plans.BACKWARD.plans.clear()
     on = {"DQ_PASS": True}

@@ -332,16 +332,16 @@ def test_gluon_dq_pass_compiles(D):
 def test_backward_without_dq_compiles(D, persistent, monkeypatch):
     """With dQ left to the dQ pass the kernel runs four products per step and adds nothing: no
     reduce-add, no atomics; dK and dV still leave through the TMA unit. As persistent programs
-    (`backward.persistent_dkdv`) too, whose second K/V buffer fits in the shared memory at head dim 128;
+    (`backward.persistent_programs`) too, whose second K/V buffer fits in the shared memory at head dim 128;
     with a document mask, GQA and K/V broadcast over the batch (dK and dV from the registers)."""
-    monkeypatch.setattr(bwd, "persistent_dkdv", lambda mask: persistent)
+    monkeypatch.setattr(bwd, "persistent_programs", lambda mask: persistent)
     ptx = _compile_backward(*_qkv(S=300, D=D), dq_pass=True)
     assert ptx.count("wgmma.mma_async") < _compile_backward(*_qkv(S=300, D=D)).count("wgmma.mma_async")
     assert "cp.reduce.async.bulk" not in ptx and "red.global" not in ptx and "atom.global" not in ptx
     assert ptx.count(TMA_STORE) == 4
-    monkeypatch.setattr(bwd, "persistent_dkdv", lambda mask: not persistent)
+    monkeypatch.setattr(bwd, "persistent_programs", lambda mask: not persistent)
     assert ptx != _compile_backward(*_qkv(S=300, D=D), dq_pass=True)
-    monkeypatch.setattr(bwd, "persistent_dkdv", lambda mask: persistent)
+    monkeypatch.setattr(bwd, "persistent_programs", lambda mask: persistent)
     documents = causal_documents(torch.arange(384, dtype=torch.int32) // 100)
     bm = create_block_mask(documents, None, None, 384, 384, device="cpu")
     ptx = _compile_backward(*_qkv(B=2, H=4, Hkv=2, S=384, Bkv=1, D=D), mask_fn=documents, block_mask=bm, dq_pass=True)
@@ -373,13 +373,13 @@ def test_persistent_programs_where_the_mask_reads_memory(monkeypatch):
 def test_persistent_dq_pass_compiles(D, monkeypatch):
     """The Gluon dQ pass as persistent programs: a second Q/dO buffer fits at head dim 128, dQ
     leaves through the TMA unit, nothing is added; a document mask with GQA and K/V broadcast."""
-    monkeypatch.setattr(bwd, "persistent_dkdv", lambda mask: True)
+    monkeypatch.setattr(bwd, "persistent_programs", lambda mask: True)
     documents = causal_documents(torch.arange(384, dtype=torch.int32) // 100)
     bm = create_block_mask(documents, None, None, 384, 384, device="cpu")
     compiled = _compile_dq(*_qkv(B=2, H=4, Hkv=2, S=384, Bkv=1, D=D), mask_fn=documents, block_mask=bm)
     ptx = compiled.asm["ptx"]
     assert ptx.count(TMA_STORE) == 2 and "cp.reduce.async.bulk" not in ptx and "red.global" not in ptx
-    monkeypatch.setattr(bwd, "persistent_dkdv", lambda mask: False)
+    monkeypatch.setattr(bwd, "persistent_programs", lambda mask: False)
     single = _compile_dq(*_qkv(B=2, H=4, Hkv=2, S=384, Bkv=1, D=D), mask_fn=documents, block_mask=bm)
     assert compiled.metadata.shared > single.metadata.shared  # (the second Q/dO buffer)
 

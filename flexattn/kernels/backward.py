@@ -229,18 +229,16 @@ def hopper_dq_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | No
         SCORES_IN_BASE2=launch.raw_scores(score, torch.float32), HAS_GRAD_LSE=has_grad_lse,
         NUM_BUFFERS=hopper.DQ_NUM_BUFFERS[E], CONSUMER_REGS=hopper.CONSUMER_REGISTERS[2],
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
-        PERSISTENT=persistent_dq(mask),
+        PERSISTENT=persistent_programs(mask),
         num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS[2],
     )
     kernel = hopper_dq_module(score, mask, opts.fast_math(explicit, device, dtype)).flex_attention_backward_dq
     grid = (triton.cdiv(Q_LEN, block_m), B * Hq)
-    tiles = grid[0] * grid[1]
-    if constexprs["PERSISTENT"]:  # (one program per SM, walking the tiles)
-        grid = (min(tiles, launch.num_sms(device)), 1)
     # (a query head's K and V, shared by the heads of a GQA group)
     group = hopper.head_group(device, KV_LEN * 2 * E * key.element_size() // (Hq // Hkv), B * Hq,
-                              tiles, tables is not None, explicit.get("HEAD_GROUP"))
-    return HopperDqPlan(launch.Launch(kernel, grid, constexprs, device),
+                              grid[0] * grid[1], tables is not None, explicit.get("HEAD_GROUP"))
+    main = launch.Launch(kernel, _programs(grid, constexprs["PERSISTENT"], device), constexprs, device)
+    return HopperDqPlan(main,
                         hopper.Descriptors(dtype, E, dq_pass=True), lists, (Hq, Q_LEN, KV_LEN, B, group))
 
 
@@ -304,24 +302,23 @@ def defer_dq(head_dim: int, affine: bool, mask: Mod) -> bool:
     return not reads_memory
 
 
-def persistent_dkdv(mask: Mod) -> bool:
-    """Whether the kernel without dQ (beside a dQ pass) runs as persistent programs that load a
-    KV tile while the previous one finishes (templates/backward_hopper.py: persistent): where the
-    mask reads captured tensors, the documents' case, whose programs are short (a KV tile sees 4
-    to 16 query tiles). H100, B=4 S=8k, backward in the dQ-pass form against one program per tile:
-    16 documents +2% at head dim 128 (H=16), +6% at 64 (H=32); sliding window 1024 -2% at 128,
-    +2% at 64; causal -6% and -1%; no mask -4% at 64 (long programs gain nothing to overlap and
-    lose the hardware's balancing of programs across the SMs)."""
+def persistent_programs(mask: Mod) -> bool:
+    """Whether the kernel without dQ and the Gluon dQ pass beside it run as persistent programs
+    that load a tile while the previous one finishes (templates/backward_hopper.py and
+    backward_dq_hopper.py: persistent): where the mask reads captured tensors, the documents'
+    case, whose programs are short (a KV tile sees 4 to 16 query tiles). H100, B=4 S=8k, backward
+    in the dQ-pass form, three alternating rounds. The kernel without dQ against one program per
+    tile: 16 documents +2% at head dim 128 (H=16), +6% at 64 (H=32); sliding window 1024 -2% at
+    128, +2% at 64; causal -6% and -1%; no mask -4% at 64 (long programs gain nothing to overlap
+    and lose the hardware's balancing of programs across the SMs). The dQ pass too, on 16
+    documents: 1.354 against 1.404 ms at head dim 64 (+4%), 1.123 against 1.124 at 128."""
     return bool(mask.buffer_specs)
 
 
-def persistent_dq(mask: Mod) -> bool:
-    """Whether the Gluon dQ pass runs as persistent programs (templates/backward_dq_hopper.py:
-    persistent): where `persistent_dkdv` says so for the kernel beside it. H100, B=4 S=8k, 16
-    documents, backward with both kernels persistent against the dQ pass one program per query
-    tile (three alternating rounds): 1.354 against 1.404 ms at head dim 64 (+4%), 1.123 against
-    1.124 at 128."""
-    return persistent_dkdv(mask)
+def _programs(grid: tuple[int, int], persistent: bool, device: torch.device) -> tuple[int, int]:
+    """A kernel's grid: ``grid`` (tiles, batch x heads), or with ``persistent`` one program per
+    SM (at most one per tile), each walking the tiles."""
+    return (min(grid[0] * grid[1], launch.num_sms(device)), 1) if persistent else grid
 
 
 def dq_by_pass(options: dict, buffer_grads: bool) -> bool:
@@ -372,16 +369,13 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         DEFER_DQ=dq_pass is None and defer_dq(E, affine, mask),
         DKV_TMA=descriptors.with_out,
         COMPUTE_DQ=dq_pass is None,
-        PERSISTENT=dq_pass is not None and persistent_dkdv(mask),
+        PERSISTENT=dq_pass is not None and persistent_programs(mask),
         num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS[2],
     )
     fast_math = opts.fast_math(explicit, device, dtype)
     kernel = hopper_module(score, mask, fast_math).flex_attention_backward
     grid = (triton.cdiv(KV_LEN, block_n), B * Hkv)
-    tiles = grid[0] * grid[1]
-    if constexprs["PERSISTENT"]:  # (one program per SM, walking the tiles)
-        grid = (min(tiles, launch.num_sms(device)), 1)
-    main = launch.Launch(kernel, grid, constexprs, device)
+    main = launch.Launch(kernel, _programs(grid, constexprs["PERSISTENT"], device), constexprs, device)
     if isinstance(dq_pass, HopperDqPlan):
         pre = None
     else:
@@ -389,7 +383,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
             module(score, mask, (), launch.target_for(device), fast_math), query, value, has_grad_lse, zero_dq=True)
     # a KV head's query heads' Q and dO, and their float32 dQ accumulator
     group = hopper.head_group(device, Q_LEN * E * (2 * query.element_size() + 4) * (Hq // Hkv), B * Hkv,
-                              tiles, tables is not None, explicit.get("HEAD_GROUP"))
+                              grid[0] * grid[1], tables is not None, explicit.get("HEAD_GROUP"))
     return HopperPlan(pre, main, descriptors, layout.contiguous_or_order(query),
                       key.dtype if kv_batched else torch.float32, kv_batched, lists,
                       (Hq, Hkv, Q_LEN, KV_LEN, B, group), dq_pass)

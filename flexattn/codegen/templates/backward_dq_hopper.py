@@ -24,8 +24,8 @@
 # holds and O read once), which it needs first and backward_hopper.py reads after it: no
 # preprocess launch, and dO is read once for both.
 #
-# PERSISTENT (where backward.persistent_dq says: masks that read captured tensors, whose programs
-# are short): one program per SM walks query tiles with two Q/dO buffers, so that a tile's Q and
+# PERSISTENT (where backward.persistent_programs says: masks that read captured tensors, whose
+# programs are short): one program per SM walks query tiles with two Q/dO buffers, so that a tile's Q and
 # dO load during the previous tile's last steps (the K/V ring runs on across tiles) and its dQ
 # store runs during the next tile's first: 16 documents +4% at head dim 64, level at 128.
 #

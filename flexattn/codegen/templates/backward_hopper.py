@@ -16,7 +16,7 @@
 # 12% slower on 16 documents at S=8k, 11% and 15% at 16k, 10% and 15% on sliding window 1024, and
 # level to 3% faster at head dim 64 (H100, dK/dV without dQ, outputs bitwise those of one tile
 # per program): fewer, longer programs leave a longer tail, and the next tile's loads still
-# waited for the last one's stores. PERSISTENT (COMPUTE_DQ off, where backward.persistent_dkdv
+# waited for the last one's stores. PERSISTENT (COMPUTE_DQ off, where backward.persistent_programs
 # says: masks that read captured tensors) does load the next tile during the last steps: one
 # program per SM walks the tiles with two K/V buffers (room made by staging dK in K's rows instead
 # of dQ buffers, and one dS buffer), 16 documents +2% at head dim 128 and +6% at 64.
@@ -147,8 +147,8 @@ def loader(Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empt
            b, b_kv, h_kv, off_n, kv_blk,
            GQA_SHARED_HEADS: gl.constexpr, TILES_PER_BLOCK: gl.constexpr, SPARSE_Q_BLOCK_SIZE: gl.constexpr,
            BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr):
-    load_tile(Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, gl.program_id(0) * 0, q_ready, q_empty, do_ready, do_empty,
-              Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+    load_tile(Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, gl.program_id(0) * 0, q_ready, q_empty, do_ready,
+              do_empty, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
               stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
               stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
               b, b_kv, h_kv, off_n, kv_blk,
@@ -235,7 +235,8 @@ def dq_add(dq, dq_s, dq_smem, DQ_DESC, b, h, start, DQ_COL0: gl.constexpr):
 
 @gluon.jit
 def consume_tile(k_smem, v_smem, k_bufs, v_bufs, kb, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar,
-                 kv_phase, kv_free, release, it, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, LSE, DELTA, DK, DV,
+                 kv_phase, kv_free, release, it, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, LSE, DELTA,
+                 DK, DV,
                  Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
                  $score_mod_params $mask_mod_params
                  stride_lz, stride_lh, stride_lm,
@@ -484,8 +485,8 @@ def consume_tile(k_smem, v_smem, k_bufs, v_bufs, kb, q_bufs, do_bufs, p_bufs, ds
 
 
 @gluon.jit
-def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, q_ready, q_empty, do_ready, do_empty,
-             ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, q_ready, q_empty, do_ready,
+             do_empty, ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
              $score_mod_params $mask_mod_params
              stride_lz, stride_lh, stride_lm,
              stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
@@ -501,7 +502,8 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
     consume_tile(k_smem, v_smem, k_smem, v_smem, 0, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, 0,
                  kv_bar, False,
                  gl.program_id(0) * 0,
-                 q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                 q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX,
+                 FULL_Q_NUM_BLKS, FULL_Q_IDX,
                  $score_mod_params $mask_mod_params
                  stride_lz, stride_lh, stride_lm,
                  stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
@@ -515,7 +517,8 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
 
 @gluon.jit
 def persistent_consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_ready, kv_empty,
-                        q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                        q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS,
+                        Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
                         $score_mod_params $mask_mod_params
                         stride_lz, stride_lh, stride_lm,
                         stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
@@ -530,8 +533,8 @@ def persistent_consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, dq_buf
                         SPARSE_KV_BLOCK_SIZE: gl.constexpr):
     """`consume_tile` for this program's KV tiles in turn (`tile_order`, as the loader takes them),
     their K and V in two buffers taken in turn; the last tile's stores are waited for at the end.
-    (Tiles taken in pairs, each buffer's shared memory addresses constants, spilled 2.5 times as
-    much per step at head dim 128: the step loop's code twice.)"""
+    (Taking the tiles in pairs, so that each buffer's shared memory addresses are constants, put
+    the step loop's code in twice and spilled 2.5 times as much per step at head dim 128.)"""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
     n_tiles = gl.cdiv(KV_LEN, BLOCK_N)
     it = 0
@@ -540,16 +543,19 @@ def persistent_consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, dq_buf
         pid_n, pid_bh = tile_order(lin, n_tiles, BATCH * HKV, HEAD_GROUP)
         off_n = pid_n * BLOCK_N
         kb = tc % 2
-        it = consume_tile(k_bufs.index(kb), v_bufs.index(kb), k_bufs, v_bufs, kb, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
+        it = consume_tile(k_bufs.index(kb), v_bufs.index(kb), k_bufs, v_bufs, kb, q_bufs, do_bufs, p_bufs, ds_bufs,
+                          dq_bufs, DQ_DESC,
                           kv_ready.index(kb), (tc // 2) & 1, kv_empty.index(1 - kb), tc > 0, it,
-                          q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                          q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS,
+                          Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
                           $score_mod_params $mask_mod_params
                           stride_lz, stride_lh, stride_lm,
                           stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
                           stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
                           stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
                           pid_bh // HKV, pid_bh % HKV, off_n, off_n // SPARSE_KV_BLOCK_SIZE, HQ, Q_LEN, KV_LEN,
-                          SM_SCALE, WG, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
+                          SM_SCALE, WG, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M,
+                          HAS_FULL_BLOCKS,
                           BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT, SCORE_DTYPE,
                           DEFER_DQ, DKV_TMA, COMPUTE_DQ, True)
         tc += 1
@@ -601,7 +607,8 @@ def persistent(Q, K, V, DO, DQ_DESC, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL
     # (no dQ: the dS barriers and the dQ buffers are never used; p_bufs stands in for the latter)
     gl.warp_specialize([
         (persistent_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, p_bufs, DQ_DESC, kv_ready, kv_empty,
-                               q_ready, q_empty, do_ready, do_empty, kv_ready, kv_empty, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                               q_ready, q_empty, do_ready, do_empty, kv_ready, kv_empty, LSE, DELTA, DK, DV,
+                               Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
                                $score_mod_params $mask_mod_params
                                stride_lz, stride_lh, stride_lm,
                                stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
@@ -612,7 +619,8 @@ def persistent(Q, K, V, DO, DQ_DESC, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL
                                BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT,
                                SCORE_DTYPE, False, DKV_TMA, False, SPARSE_KV_BLOCK_SIZE)),
         (persistent_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, p_bufs, DQ_DESC, kv_ready, kv_empty,
-                               q_ready, q_empty, do_ready, do_empty, kv_ready, kv_empty, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                               q_ready, q_empty, do_ready, do_empty, kv_ready, kv_empty, LSE, DELTA, DK, DV,
+                               Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
                                $score_mod_params $mask_mod_params
                                stride_lz, stride_lh, stride_lm,
                                stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
