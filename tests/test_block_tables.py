@@ -8,6 +8,7 @@ of killing the run.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import torch
 
 import flexattn
 from flexattn.block_mask import BlockMask, create_block_mask, validate_block_tables
+from flexattn.kernels.tables import Direction, Tables, ordered_q_lists, q_direction
 from flexattn.reference import attention_reference
 
 I32 = torch.int32
@@ -191,3 +193,34 @@ def test_a_torch_block_mask_with_bad_tables_is_refused_by_flex_attention():
     bad = TorchBlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=16, seq_lengths=(48, 48))
     with pytest.raises(ValueError, match="kv_num_blocks"):
         flexattn.flex_attention(q, q, q, block_mask=bad, kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ordered_q_lists_rank_each_visit(seed):
+    """The deterministic backward's dK/dV lists: per KV block every query block it visits, partial
+    and full merged ascending, each with its partial flag and its rank, the number of KV blocks of
+    a lower index that visit the same query block (the order its dQ parts are added in). Against
+    the dense tile states of random masks with full blocks, per-head rows and more KV blocks than
+    query blocks."""
+    g = torch.Generator().manual_seed(seed)
+    # [B, H, query blocks, KV blocks]: 0 empty, 1 partial, 2 full
+    states = torch.randint(0, 3, (2, 3, 5, 7), generator=g)
+    tables = Tables(Direction(*_lists(states == 1), *_lists(states == 2)), None, 64, 64, None, ())
+    got = ordered_q_lists(tables, 7 * 64)
+    assert got.full_num is None and got.full_idx is None
+    for b, h, n in itertools.product(range(2), range(3), range(7)):
+        column = states[b, h, :, n]
+        listed = [int(e) for e in got.idx[b, h, n, :int(got.num[b, h, n])]]
+        assert [e & 0x7FFF for e in listed] == column.nonzero().flatten().tolist()
+        for e in listed:
+            m = e & 0x7FFF
+            assert e >> 15 & 1 == int(column[m] == 1)
+            assert e >> 16 == int((states[b, h, m, :n] > 0).sum()), (b, h, n, m)
+    assert ordered_q_lists(tables, 7 * 64) is got  # (made once)
+
+
+def _lists(flags: torch.Tensor):
+    """(num, idx) int32 lists of the True columns of each row of ``flags``, ascending."""
+    num = flags.sum(-1).to(torch.int32)
+    idx = torch.sort(torch.where(flags, torch.arange(flags.shape[-1]), flags.shape[-1]), dim=-1).values
+    return num, idx.clamp_max(flags.shape[-1] - 1).to(torch.int32)

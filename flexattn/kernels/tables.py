@@ -279,6 +279,50 @@ def q_direction(tables: Tables, KV_LEN: int) -> Direction:
     return q
 
 
+def visited_share(tables: Tables) -> float:
+    """The share of all (query block, KV block) pairs the KV lists visit, partial or full (a host
+    sync: for plans, not calls)."""
+    kv = tables.kv
+    listed = kv.num.sum() + (kv.full_num.sum() if kv.has_full else 0)
+    return float(listed) / max(kv.num.numel() * kv.idx.shape[-1], 1)
+
+
+def ordered_q_lists(tables: Tables, KV_LEN: int) -> Direction | None:
+    """The deterministic Hopper backward's dK/dV lists (templates/backward_hopper.py: DQ_ORDERED):
+    per KV block, one list of every query block it visits, partial and full merged in ascending
+    order (the kernel walks it from the last), each entry the query block in bits 0-14, 1 in bit
+    15 where the block is partial, and in bits 16 and up its *rank*: how many KV blocks of a lower
+    index visit that query block, the order in which their dQ parts are added. No full lists.
+    None where a query block or a rank would not fit (32,768 of either) or the [KV blocks, query
+    blocks] tables would pass 2^25 entries; made once per mask.
+
+    >>> kv = Direction(torch.tensor([[[1, 1]]]), torch.tensor([[[[1, 0], [1, 0]]]]),
+    ...                torch.tensor([[[1, 0]]]), torch.tensor([[[[0, 1], [0, 1]]]]))
+    >>> q = ordered_q_lists(Tables(kv, None, 64, 64, None, ()), 128)  # (query block 0: KV 0 full, 1 partial)
+    >>> q.num.tolist(), (q.idx & 0x7FFF).tolist(), (q.idx >> 15 & 1).tolist(), (q.idx >> 16).tolist()
+    ([[[1, 2]]], [[[[0, 1], [0, 1]]]], [[[[0, 0], [1, 1]]]], [[[[0, 0], [1, 0]]]])
+    """
+    q = q_direction(tables, KV_LEN)
+    n_q, n_kv = tables.kv.num.shape[-1], q.num.shape[-1]
+    if n_q > 1 << 15 or n_kv > 1 << 15 or q.num[..., :1].numel() * n_q * n_kv > 1 << 25:
+        return None
+    cache = tables.__dict__.setdefault("_ordered", {})
+    versions = tuple(version(t) for t in q.args() if t is not None)
+    made, made_from = cache.get(n_kv, (None, None))
+    if made is not None and made_from == versions and None not in versions:
+        return made
+    partial = flags(q.num, q.idx, n_q)  # [..., KV block, query block]
+    visits = partial | flags(q.full_num, q.full_idx, n_q) if q.has_full else partial
+    counts = visits.to(torch.int32)
+    before = counts.cumsum(-2, dtype=torch.int32) - counts  # visits of each query block by lower KV blocks
+    num, idx = ordered(visits)
+    blocks = torch.arange(n_q, dtype=torch.int32, device=visits.device)
+    entry = blocks | (partial.to(torch.int32) << 15) | (before << 16)  # (of every query block)
+    made = Direction(num, entry.gather(-1, idx.long()), None, None)
+    cache[n_kv] = (made, versions)
+    return made
+
+
 _DENSE = LRU(1024)  # (device, blocks) -> the tables of "no block mask" (a few int32 each)
 
 
