@@ -144,39 +144,55 @@ def test_the_option_and_torch_flag_pick_the_deterministic_plan(monkeypatch, torc
     assert len(made) == 3  # deterministic, explicitly not, unset: the modes that come again make none
 
 
-def test_the_hopper_backward_leaves_dq_to_the_dq_pass_when_deterministic(monkeypatch):
-    """The Gluon Hopper backward adds dQ by reduce-adds in no fixed order: in deterministic mode
-    (and where captured tensors need gradients) it computes dK and dV only, and the Triton dQ
-    pass writes dQ, one program per query tile, with exact sums for captured tensors."""
+def test_the_hopper_backward_plans_in_deterministic_mode(monkeypatch):
+    """The Gluon Hopper backward adds dQ by reduce-adds, by default in no fixed order. In
+    deterministic mode it adds them in each dQ tile's fixed order (DQ_ORDERED) without a block
+    mask and at head dim 64 under masks that visit a quarter of the blocks or more; where captured
+    tensors need gradients the Triton dQ pass writes dQ (one program per query tile, exact sums
+    for the captured tensors), and elsewhere (or where DQ_PASS asks) the Gluon dQ pass does,
+    beside the kernel's dK and dV."""
     from flexattn.kernels import plans
+    from flexattn.kernels.tables import tables_of
 
     monkeypatch.setattr(hopper, "_machine_reason", lambda query, options: None)
-    q, k, v = (torch.randn(1, 2, 256, 128).bfloat16() for _ in range(3))
     bias = torch.randn(2)
+    doc = torch.arange(512) // 200
     cpu = torch.device("cpu")
     score = tracer.trace(lambda s, b, h, qi, ki: s + bias[h], SCORE, score_dtype=torch.float32, device=cpu)
-    mask = tracer.trace(lambda b, h, qi, ki: qi >= ki, MASK, score_dtype=torch.float32, device=cpu)
-    assert hopper.backward_reason(q, k, v, q, None, DET) is None
+    causal_fn, documents_fn = (lambda b, h, qi, ki: qi >= ki), (lambda b, h, qi, ki: doc[qi] == doc[ki])
+    causal = tracer.trace(causal_fn, MASK, score_dtype=torch.float32, device=cpu)
+    documents = tracer.trace(documents_fn, MASK, score_dtype=torch.float32, device=cpu)
+    causal_tables = tables_of(flexattn.create_block_mask(causal_fn, None, None, 512, 512, device="cpu"))
+    doc_tables = tables_of(flexattn.create_block_mask(documents_fn, None, None, 512, 512, device="cpu"))
 
-    def plan(options, need=(False,)):
-        return plans._make_backward_plan(q, k, v, q, q, score, mask, None, options, need, score.buffers, False,
+    def plan(options, need=(False,), D=128, mask=causal, tables=None):
+        q, k, v = (torch.randn(1, 2, 512, D).bfloat16() for _ in range(3))
+        assert hopper.backward_reason(q, k, v, q, tables, options) is None
+        return plans._make_backward_plan(q, k, v, q, q, score, mask, tables, options, need, score.buffers, False,
                                          launch_once=None)
 
     default, det, det_grad = plan({}), plan(DET), plan(DET, need=(True,))
-    assert isinstance(default, bwd.HopperPlan) and default.dq_pass is None
+    assert isinstance(default, bwd.HopperPlan) and default.dq_pass is None and not default.ordered
     assert default.main.constexprs["COMPUTE_DQ"] and default.preprocess.constexprs["ZERO_DQ"]
-    for p in (det, det_grad):
-        assert isinstance(p, bwd.HopperPlan) and not p.main.constexprs["COMPUTE_DQ"]
-    # (no accumulator to zero; the Gluon dQ pass writes Delta itself)
-    assert det.preprocess is None and not det_grad.preprocess.constexprs["ZERO_DQ"]
-    # (without captured-tensor gradients the Gluon dQ pass, one program per query tile; with them the
-    # Triton one, which sums them)
-    assert isinstance(det.dq_pass, bwd.HopperDqPlan) and det_grad.dq_pass.grad_buffers == (0,)
+    assert not default.main.constexprs["DQ_ORDERED"]
+    # (deterministic: the same one pass, its dQ adds ordered by their own warp)
+    for p in (det, plan(DET, D=64, tables=causal_tables), plan({**DET, "DQ_PASS": False}, mask=documents,
+                                                                tables=doc_tables)):
+        assert p.dq_pass is None and p.ordered and p.main.constexprs["DQ_ORDERED"]
+        assert p.main.constexprs["COMPUTE_DQ"] and p.preprocess.constexprs["ZERO_DQ"]
+    # (captured-tensor gradients: the Triton dQ pass, which sums them exactly)
+    assert not det_grad.main.constexprs["COMPUTE_DQ"] and not det_grad.ordered
+    assert det_grad.dq_pass.grad_buffers == (0,) and not det_grad.preprocess.constexprs["ZERO_DQ"]
     assert det_grad.dq_pass.exact_grads and not plan({}, need=(True,)).dq_pass.exact_grads
+    # (a block mask at head dim 128, one that reads captured tensors, or DQ_PASS: the Gluon dQ
+    # pass, which writes Delta itself)
+    for p in (plan(DET, tables=causal_tables), plan(DET, D=64, mask=documents, tables=doc_tables),
+              plan({**DET, "DQ_PASS": True})):
+        assert isinstance(p.dq_pass, bwd.HopperDqPlan) and p.preprocess is None and not p.ordered
+        assert not p.main.constexprs["COMPUTE_DQ"]
     monkeypatch.setattr(bwd, "GLUON_DQ", False)
-    assert plan(DET).dq_pass.grad_buffers == ()
+    assert plan({**DET, "DQ_PASS": True}).dq_pass.grad_buffers == ()
     assert plan({"DQ_PASS": True}).dq_pass is not None and plan({"DQ_PASS": False}).dq_pass is None
-    assert plan({**DET, "DQ_PASS": False}).dq_pass is not None  # (determinism wins)
 
 
 def test_deterministic_mode_skips_autotuning():

@@ -2,9 +2,11 @@
 
 Run on the device machine: ``pytest -m gpu tests/test_deterministic_gpu.py``. bfloat16 at head
 dim 128 (where the default backward's dQ on sm_90 is a sum of reduce-adds in no fixed order; in
-deterministic mode the Hopper kernel leaves dQ to a dQ pass), a document mask and a
-relative-position table, with and without its gradient (many scores add into each entry): five
-backward passes, every gradient bitwise equal, and close to the float64 reference.
+deterministic mode the Hopper kernel leaves dQ to a dQ pass where the mask reads captured
+tensors), a document mask and a relative-position table, with and without its gradient (many
+scores add into each entry): five backward passes, every gradient bitwise equal, and close to the
+float64 reference. Without captured tensors the Hopper kernel adds dQ itself, each tile's parts in
+a fixed order (`test_ordered_dq_adds`).
 """
 
 from __future__ import annotations
@@ -89,4 +91,63 @@ def test_five_backward_passes_are_bitwise_equal(table_grad, monkeypatch):
             err_default = (dflt.double() - r).norm().item()
             assert err <= 1.1 * err_default + 1e-4 * r.norm().item(), (err, err_default)
             continue
+        testing.assert_close_to_reference(a, e, r, factor=3.0, name=name)
+
+
+ORDERED = {"DETERMINISTIC": True, "DQ_PASS": False}  # (the ordered adds also where the dQ pass is the default)
+
+
+def _softcap(score, b, h, q_idx, kv_idx):
+    return 20.0 * torch.tanh(score / 20.0)
+
+
+def _ordered_cases():
+    """(name, Hq, Hkv, Q_LEN, KV_LEN, D, score_mod, mask_mod, BLOCK_SIZE): no block mask with GQA
+    and a soft-cap; causal with KV blocks of two programs' tiles; a sliding window across
+    lengths at head dim 64. Lengths that no tile divides."""
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx + 200 >= kv_idx) & (q_idx - kv_idx < 300)
+
+    return [("no mask, GQA, soft-cap", 4, 2, 1001, 1001, 128, _softcap, None, None),
+            ("causal, KV blocks of 256", 4, 4, 1100, 1100, 128, None, causal, (128, 256)),
+            ("sliding window, Q_LEN != KV_LEN", 2, 2, 700, 1300, 64, None, window, 128)]
+
+
+@pytest.mark.parametrize("case", _ordered_cases(), ids=lambda c: c[0])
+def test_ordered_dq_adds(case, monkeypatch):
+    """Deterministic mode without captured tensors: the one pass adds dQ in each tile's fixed
+    order (DQ_ORDERED), five passes are bitwise equal, and the gradients are as close to the
+    float64 reference as torch's own bfloat16 math."""
+    _, Hq, Hkv, Q_LEN, KV_LEN, Dh, score_mod, mask_mod, block = case
+    g = torch.Generator(device=DEVICE).manual_seed(11)
+    q = torch.randn(2, Hq, Q_LEN, Dh, device=DEVICE, generator=g).bfloat16().requires_grad_()
+    k, v = (torch.randn(2, Hkv, KV_LEN, Dh, device=DEVICE, generator=g).bfloat16().requires_grad_() for _ in range(2))
+    d_out = torch.randn(2, Hq, Q_LEN, Dh, device=DEVICE, generator=g)
+    d_lse = torch.randn(2, Hq, Q_LEN, device=DEVICE, generator=g)
+    bm = None if mask_mod is None else flexattn.create_block_mask(mask_mod, None, None, Q_LEN, KV_LEN, device=DEVICE,
+                                                                   BLOCK_SIZE=block)
+    runs = testing.record_calls(monkeypatch, bwd, "run")
+
+    def grads():
+        out, lse = flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, return_lse=True,
+                                           enable_gqa=Hq != Hkv, kernel_options=ORDERED)
+        return testing.weighted_grads(out, lse, (q, k, v), d_out, d_lse)
+
+    first = grads()
+    for i in range(4):
+        for name, a, b in zip(("dq", "dk", "dv"), first, grads()):
+            assert torch.equal(a, b), f"run {i + 2}: {name} differs from run 1 in {(a != b).sum().item()} elements"
+    for plan, *_ in runs:
+        assert isinstance(plan, bwd.HopperPlan) and plan.ordered and plan.main.constexprs["DQ_ORDERED"]
+        assert plan.dq_pass is None and plan.main.constexprs["COMPUTE_DQ"]
+
+    kw = dict(score_mod=score_mod, block_mask=bm, enable_gqa=Hq != Hkv, return_lse=True)
+    leaves = tuple(t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = testing.weighted_grads(*attention_reference(*leaves, **kw), leaves, d_out.double(), d_lse.double())
+    eager = testing.weighted_grads(*attention_reference(q, k, v, dtype=None, **kw), (q, k, v), d_out, d_lse)
+    for name, a, e, r in zip(("dq", "dk", "dv"), first, eager, ref):
+        assert torch.isfinite(a).all(), f"{name} has non-finite values"
         testing.assert_close_to_reference(a, e, r, factor=3.0, name=name)

@@ -16,7 +16,7 @@ from flexattn import tracer
 from flexattn.block_mask import create_block_mask
 from flexattn.codegen import emit
 from flexattn.kernels import arguments, backward as bwd, forward as fwd, hopper, launch, layout, options as opts
-from flexattn.kernels.tables import q_direction, tables_of
+from flexattn.kernels.tables import ordered_q_lists, q_direction, tables_of
 from flexattn.mods import MASK, SCORE
 
 gluon = pytest.importorskip("triton.experimental.gluon")
@@ -268,21 +268,25 @@ def test_float8_forward_at_head_dim_128_is_chosen_by_timing(monkeypatch, tmp_pat
     tuning.forget()
 
 
-def _compile_backward(q, k, v, score_fn=None, mask_fn=None, block_mask=None, dq_pass=False):
+def _compile_backward(q, k, v, score_fn=None, mask_fn=None, block_mask=None, dq_pass=False, ordered=False):
     """Compile the Hopper backward plan's kernel for sm_90 with the argument types a launch passes
-    (``dq_pass``: the kernel that leaves dQ to the Triton dQ pass)."""
+    (``dq_pass``: the kernel that leaves dQ to the Triton dQ pass; ``ordered``: dQ added in a
+    fixed order, deterministic mode's)."""
     score = _mod(score_fn or (lambda s, b, h, q, k: s), SCORE)
     mask = _mod(mask_fn or (lambda b, h, q, k: q >= 0), MASK)
     tables = None if block_mask is None else tables_of(block_mask)
     split = bwd.make_plan(q, k, v, q, q, score, mask, tables, {}, (), (), False) if dq_pass else None
-    plan = bwd.hopper_plan(q, k, v, score, mask, tables, {}, False, split)
+    plan = bwd.hopper_plan(q, k, v, score, mask, tables, {}, False, split, ordered)
     B, Hq, S, D = q.shape
     lse = torch.empty(B, Hq, S)
     delta, dq_acc = torch.empty(B, Hq, S), torch.empty(B, Hq, S, D)
     dk = torch.empty(B, k.shape[1], k.shape[2], D, dtype=plan.dk_dtype)
-    lists = plan.dense if plan.dense is not None else q_direction(tables, k.shape[2])
-    args = bwd.hopper_args(plan, q, k, v, torch.empty_like(q), lse, delta, dq_acc, dk, torch.empty_like(dk), lists,
-                           score, score.buffers, mask, mask.buffers, 0.125)
+    if plan.dense is not None:
+        lists = plan.dense
+    else:
+        lists = (ordered_q_lists if ordered else q_direction)(tables, k.shape[2])
+    args = bwd.hopper_args(plan, q, k, v, torch.empty_like(q), lse, delta, dq_acc, bwd.dq_counts(plan, q.device), dk,
+                           torch.empty_like(dk), lists, score, score.buffers, mask, mask.buffers, 0.125)
     return _compile_gluon(bwd.hopper_module(score, mask, True).flex_attention_backward, list(args),
                           plan.main).asm["ptx"]
 
@@ -295,6 +299,23 @@ def test_backward_compiles(D):
     ptx = _compile_backward(*_qkv(S=300, D=D))
     assert "wgmma.mma_async" in ptx and "cp.reduce.async.bulk.tensor" in ptx and "red.global" not in ptx
     assert ptx.count(TMA_STORE) == 4
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_ordered_backward_compiles(D):
+    """Deterministic mode's one pass: each dQ add waits for its tile's count (an acquire load)
+    and raises it (one release add) once the TMA unit has completed it, not only read it; a
+    causal mask whose KV blocks hold two programs' tiles, lengths no tile divides. The kernel
+    without DQ_ORDERED has none of this."""
+    q, k, v = _qkv(S=300, D=D)
+    causal = (lambda b, h, qi, ki: qi >= ki)
+    bm = create_block_mask(causal, None, None, 300, 300, device="cpu", BLOCK_SIZE=(128, 256))
+    ordered = _compile_backward(q, k, v, mask_fn=causal, block_mask=bm, ordered=True)
+    plain = _compile_backward(q, k, v, mask_fn=causal, block_mask=bm)
+    assert "ld.global.acquire.gpu" in ordered and "red.release.gpu.global.add" in ordered
+    assert "cp.async.bulk.wait_group 0;" in ordered and "cp.reduce.async.bulk.tensor" in ordered
+    for marker in ("acquire", "release", "cp.async.bulk.wait_group 0;"):
+        assert marker not in plain
 
 
 def _compile_dq(q, k, v, score_fn=None, mask_fn=None, block_mask=None, has_grad_lse=False):

@@ -16,7 +16,7 @@ from flexattn import interval as summaries, ir
 from flexattn.codegen import block_mask_kernel, emit, interval, render, signatures
 from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, hopper, launch
 from flexattn.kernels.arguments import PER_CALL, UNUSED
-from flexattn.kernels.tables import tables_of
+from flexattn.kernels.tables import ordered_q_lists, tables_of
 from flexattn.lru import LRU
 
 BIAS = torch.randn(8)
@@ -397,10 +397,12 @@ def test_the_backward_arguments_land_at_their_names(block_mask):
         "score_G0": grads[0], "score_G0_s0": grads[0].stride(0)})
 
 
+@pytest.mark.parametrize("ordered", [False, True])
 @pytest.mark.parametrize("kv_batched", [True, False])
 @pytest.mark.parametrize("block_mask", [False, True])
-def test_the_hopper_backward_arguments_land_at_their_names(kv_batched, block_mask):
-    """The Gluon backward's arguments (`hopper_args`) of a plan made from permuted CPU tensors:
+def test_the_hopper_backward_arguments_land_at_their_names(kv_batched, block_mask, ordered):
+    """The Gluon backward's arguments (`hopper_args`) of a plan made from permuted CPU tensors
+    (``ordered``: deterministic mode's, with the adds' zeroed counts and ranked lists):
     Q, K, V, dO and the float32 dQ accumulator as descriptors of those tensors with their tiles'
     shapes; dK and dV too where they are 16-bit (K/V not broadcast over the batch), else the
     float32 tensors themselves."""
@@ -417,7 +419,7 @@ def test_the_hopper_backward_arguments_land_at_their_names(kv_batched, block_mas
     if block_mask:
         tables = tables_of(flexattn.create_block_mask(lambda b, h, q, kv: kv <= q + 100, B, 1, Q_LEN, KV_LEN,
                                                       device="cpu", BLOCK_SIZE=128))
-    plan = bwd.hopper_plan(query, key, value, SCORE, MASK, tables, {}, False)
+    plan = bwd.hopper_plan(query, key, value, SCORE, MASK, tables, {}, False, None, ordered)
     launches = {"preprocess": Recorder(), "main": Recorder()}
     _, dk, dv, _, _ = bwd.run(dataclasses.replace(plan, **launches), query, key, value, out, lse, grad_out, None, SCORE,
                            (BIAS,), MASK, (BIAS,), tables, 0.25)
@@ -430,10 +432,16 @@ def test_the_hopper_backward_arguments_land_at_their_names(kv_batched, block_mas
     assert dk.shape == dv.shape == (B, HKV, KV_LEN, E) and dk.dtype == (torch.bfloat16 if kv_batched else torch.float32)
     m, n = hopper.BWD_BLOCK_M, hopper.BWD_BLOCK_N
     q_tile, kv_tile, out_tile = [1, 1, m, E], [1, 1, n, E], [1, 1, n // 2, E]
-    lists = tables.q.args() if block_mask else plan.dense.args()
+    if not block_mask:
+        lists = plan.dense.args()
+    else:
+        lists = (ordered_q_lists(tables, KV_LEN) if ordered else tables.q).args()
+    counts = args[sig.group("tensors").index("DQ_SEM")]
+    assert counts.dtype == torch.int32 and not counts.any()
+    assert counts.numel() == (B * HQ * (Q_LEN // m) if ordered else 1)  # (Q_LEN: whole blocks)
     assert_lands(sig, mod_hooks("gluon"), args, {
         "Q": Descriptor(query, q_tile), "K": Descriptor(key, kv_tile), "V": Descriptor(value, kv_tile),
-        "DO": Descriptor(grad_out, q_tile), "DQ_DESC": Descriptor(dq_acc, [1, 1, m, E // 2]),
+        "DO": Descriptor(grad_out, q_tile), "DQ_DESC": Descriptor(dq_acc, [1, 1, m, E // 2]), "DQ_SEM": counts,
         "LSE": lse, "DELTA": delta,
         "DK": Descriptor(dk, out_tile) if kv_batched else dk, "DV": Descriptor(dv, out_tile) if kv_batched else dv,
         **table_values(lists, sig), **buffer_values("score_", (BIAS,)), **buffer_values("mask_", (BIAS,)),

@@ -217,7 +217,7 @@ BACKWARD_DQ = Signature("backward_dq", (
 
 BACKWARD_HOPPER = Signature("flex_attention_backward", (
     # Q, K, V, DO and DQ_DESC (the float32 dQ accumulator) are TMA descriptors; DK and DV too with DKV_TMA
-    ("tensors", _names("Q, K, V, DO, DQ_DESC, LSE, DELTA, DK, DV")),
+    ("tensors", _names("Q, K, V, DO, DQ_DESC, DQ_SEM, LSE, DELTA, DK, DV")),
     _Q_TABLES,
     _FORWARD_MODS,
     ("strides", _names("""
@@ -229,7 +229,7 @@ BACKWARD_HOPPER = Signature("flex_attention_backward", (
     BLOCK_M, BLOCK_N, SPARSE_Q_BLOCK_SIZE, SPARSE_KV_BLOCK_SIZE,
     GQA_SHARED_HEADS, KV_BATCH_BROADCAST, HAS_FULL_BLOCKS, BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2,
     SCORE_AFFINE, LATE_DP_WAIT, NUM_BUFFERS, CONSUMER_REGS, SCORE_DTYPE, DEFER_DQ, DKV_TMA, COMPUTE_DQ,
-    PERSISTENT"""), "gl.constexpr")
+    PERSISTENT, DQ_ORDERED"""), "gl.constexpr")
 
 BACKWARD_DQ_HOPPER = Signature("flex_attention_backward_dq", (
     # Q, K, V, DO and DQ (16-bit, written once) are TMA descriptors; the pass writes DELTA from OUT,

@@ -13,8 +13,9 @@ masked rows (LSE = -inf) contribute exactly zero. Attention sinks change nothing
 (the LSE includes them); their gradient comes from Delta and the LSE (`sink_grad`).
 
 Deterministic mode (kernel option ``DETERMINISTIC``) takes these kernels, or on Hopper the Gluon
-kernel's dK and dV with a dQ pass: each dQ, dK and dV element is written by one
-program, which sums in a fixed order, and the captured-tensor gradients are exact fixed-point sums
+kernel, either with its dQ adds into each dQ tile in a fixed order (`ordered_dq`) or computing dK
+and dV only beside a dQ pass: each dK and dV element is written by one program, each dQ element
+summed in a fixed order, and the captured-tensor gradients are exact fixed-point sums
 (`exact_sum_value`), so the gradients are bitwise the same from run to run.
 """
 
@@ -30,7 +31,8 @@ from flexattn import autodiff
 from flexattn.codegen import emit
 from flexattn.kernels import hopper, launch, layout, options as opts
 from flexattn.kernels.launch import LARGE_BLOCK, fit_tile, pow2_at_least
-from flexattn.kernels.tables import Direction, Tables, check_block_size, dense, q_direction
+from flexattn.kernels.tables import (Direction, Tables, check_block_size, dense, ordered_q_lists, q_direction,
+                                     visited_share)
 from flexattn.mods import Mod
 
 
@@ -266,6 +268,8 @@ class HopperPlan:
     sizes: tuple             # Hq, Hkv, Q_LEN, KV_LEN, B, HEAD_GROUP
     dq_pass: Plan | HopperDqPlan | None = None  # dQ (and captured-tensor gradients) by this plan's
     # dQ pass; the main kernel then writes dK and dV only, and nothing is zeroed or converted
+    ordered: bool = False  # dQ added in a fixed order (`ordered_dq`)
+    dq_tiles: int = 0      # then the dQ tiles of a query head, each with a count (`dq_counts`)
 
 
 def _preprocess(mod, query, value, has_grad_lse: bool, zero_dq: bool = False) -> launch.Launch:
@@ -321,23 +325,52 @@ def _programs(grid: tuple[int, int], persistent: bool, device: torch.device) -> 
     return (min(grid[0] * grid[1], launch.num_sms(device)), 1) if persistent else grid
 
 
-def dq_by_pass(options: dict, buffer_grads: bool) -> bool:
-    """Whether the Hopper backward leaves dQ to a dQ pass (`HopperPlan.dq_pass`): always in
-    deterministic mode (the pass writes each dQ element once, summing in a fixed order; the Triton
-    one also sums captured-tensor gradients exactly) and where captured tensors need gradients
-    (the Triton pass adds them); elsewhere where the kernel option DQ_PASS asks (under a block
-    mask the tuner times the forms: `tuning.hopper_backward_candidates`)."""
-    if buffer_grads or options.get("DETERMINISTIC", False):
+def ordered_dq(options: dict, buffer_grads: bool, mask: Mod, tables: Tables | None, KV_LEN: int,
+               head_dim: int) -> bool:
+    """Whether the deterministic Hopper backward adds dQ in its one pass, into each dQ tile in a
+    fixed order (templates/backward_hopper.py: DQ_ORDERED; the ranks from
+    `tables.ordered_q_lists`) instead of leaving it to a dQ pass that recomputes the scores. In
+    deterministic mode, unless captured tensors need gradients (the Triton dQ pass sums them
+    exactly) or the rank tables would be too large: without a block mask, and at head dim 64
+    under a mask that visits a quarter of the blocks or more and reads no captured tensors; the
+    kernel option DQ_PASS, where given, chooses. No timed choice (it could differ between
+    processes). H100, B=4 S=8k bfloat16, backward against the default's (one pass, unordered):
+    ordered without a mask -4% (faster) at head dim 128 and level at 64, soft-cap -9% and +11%
+    (the dQ pass +8%, +6%, +11%, +26%); at head dim 64 causal +4% (the dQ pass +4%), ALiBi +
+    causal +15% (+19%), sliding window 1024 +79% (level: its programs, short and many at once,
+    wait for each other's adds); at head dim 128 causal +7% (+2%), ALiBi + causal +8% (level)."""
+    if not options.get("DETERMINISTIC", False) or buffer_grads:
+        return False
+    if "DQ_PASS" in options:
+        wanted = not options["DQ_PASS"]
+    elif tables is None:
+        wanted = True
+    else:
+        wanted = head_dim <= 64 and not persistent_programs(mask) and visited_share(tables) >= 0.25
+    return wanted and (tables is None or ordered_q_lists(tables, KV_LEN) is not None)
+
+
+def dq_by_pass(options: dict, buffer_grads: bool, ordered: bool = False) -> bool:
+    """Whether the Hopper backward leaves dQ to a dQ pass (`HopperPlan.dq_pass`): where captured
+    tensors need gradients (the Triton pass adds them); in deterministic mode unless dQ is
+    ``ordered`` (`ordered_dq`; the pass writes each dQ element once, summing in a fixed order, and
+    the Triton one also sums captured-tensor gradients exactly); elsewhere where the kernel option
+    DQ_PASS asks (under a block mask the tuner times the forms: `tuning.hopper_backward_candidates`)."""
+    if buffer_grads:
         return True
+    if options.get("DETERMINISTIC", False):
+        return not ordered
     return options.get("DQ_PASS", False)
 
 
 def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None, explicit: dict,
-                has_grad_lse: bool, dq_pass: Plan | HopperDqPlan | None = None) -> HopperPlan:
+                has_grad_lse: bool, dq_pass: Plan | HopperDqPlan | None = None, ordered: bool = False) -> HopperPlan:
     """``dq_pass``: a Triton plan (`make_plan`) whose preprocess and dQ pass the call runs around a
     main kernel that computes no dQ, or a Gluon dQ pass (`hopper_dq_plan`, which writes Delta:
-    no preprocess) run before it (`dq_by_pass` says when)."""
+    no preprocess) run before it (`dq_by_pass` says when). ``ordered`` (without ``dq_pass``): dQ
+    is added in a fixed order (`ordered_dq`)."""
     B, Hq, Q_LEN, E = query.shape
+    ordered = ordered and dq_pass is None
     Bkv, Hkv, KV_LEN, _ = value.shape
     device, dtype = query.device, query.dtype
     block_m, block_n = hopper.BWD_BLOCK_M, hopper.BWD_BLOCK_N
@@ -354,7 +387,8 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     constexprs = dict(
         BLOCK_M=block_m, BLOCK_N=block_n, SPARSE_Q_BLOCK_SIZE=sparse_q, SPARSE_KV_BLOCK_SIZE=sparse_kv,
         GQA_SHARED_HEADS=Hq // Hkv, KV_BATCH_BROADCAST=not kv_batched,
-        HAS_FULL_BLOCKS=tables is None or tables.kv.has_full,
+        # (the ordered lists merge the full blocks into the list of partial ones, each entry flagged)
+        HAS_FULL_BLOCKS=tables is None or (tables.kv.has_full and not ordered),
         # (without a block mask the lists are 0, 1, 2, ...; the transposed lists promise nothing)
         BLOCKS_ARE_CONTIGUOUS=tables is None,
         # no query tile crosses Q_LEN and no program's KV tile crosses KV_LEN
@@ -370,6 +404,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         DKV_TMA=descriptors.with_out,
         COMPUTE_DQ=dq_pass is None,
         PERSISTENT=dq_pass is not None and persistent_programs(mask),
+        DQ_ORDERED=ordered,
         num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS[2],
     )
     fast_math = opts.fast_math(explicit, device, dtype)
@@ -382,11 +417,18 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         pre = dq_pass.preprocess if dq_pass is not None else _preprocess(
             module(score, mask, (), launch.target_for(device), fast_math), query, value, has_grad_lse, zero_dq=True)
     # a KV head's query heads' Q and dO, and their float32 dQ accumulator
+    # (ordered dQ adds under a block mask: heads interleaved also on grids of many waves, so that
+    # fewer of the programs that start together add into the same dQ tiles, each waiting for the
+    # one before: H100 S=8k, causal at head dim 64 +4% against the default one pass, +21% in the
+    # grid's order. Without a mask the grid's order: -4% against the default at head dim 128,
+    # -2% with heads interleaved; +0% and +3% at head dim 64)
     group = hopper.head_group(device, Q_LEN * E * (2 * query.element_size() + 4) * (Hq // Hkv), B * Hkv,
-                              grid[0] * grid[1], tables is not None, explicit.get("HEAD_GROUP"))
+                              0 if ordered else grid[0] * grid[1], tables is not None, explicit.get("HEAD_GROUP"))
     return HopperPlan(pre, main, descriptors, layout.contiguous_or_order(query),
                       key.dtype if kv_batched else torch.float32, kv_batched, lists,
-                      (Hq, Hkv, Q_LEN, KV_LEN, B, group), dq_pass)
+                      (Hq, Hkv, Q_LEN, KV_LEN, B, group), dq_pass, ordered,
+                      # (whole sparse blocks: a block's last tile may start past Q_LEN)
+                      triton.cdiv(Q_LEN, sparse_q) * (sparse_q // block_m) if ordered else 0)
 
 
 def run(plan: Plan | HopperPlan, query, key, value, out, lse, grad_out, grad_lse, score: Mod, score_bufs,
@@ -499,18 +541,32 @@ def buffer_grads(grads: dict, score_bufs, need) -> list:
     return out
 
 
-def hopper_args(plan: HopperPlan, query, key, value, grad_out, lse, delta, dq_acc, dk, dv, lists: Direction,
-                score: Mod, score_bufs, mask: Mod, mask_bufs, scale: float) -> tuple:
+def hopper_args(plan: HopperPlan, query, key, value, grad_out, lse, delta, dq_acc, dq_counts, dk, dv,
+                lists: Direction, score: Mod, score_bufs, mask: Mod, mask_bufs, scale: float) -> tuple:
     """The Gluon backward's arguments, group by group in the order `signatures.BACKWARD_HOPPER`
     declares (Q, K, V, dO, the dQ accumulator and, where `hopper.Descriptors.with_out`, dK and dV
-    through TMA descriptors)."""
+    through TMA descriptors; ``dq_counts``: `dq_counts`' tensor)."""
     if plan.descriptors.with_out:
         *inputs, dk_arg, dv_arg = plan.descriptors(query, key, value, grad_out, dq_acc, dk, dv)
     else:
         inputs, dk_arg, dv_arg = plan.descriptors(query, key, value, grad_out, dq_acc), dk, dv
-    return (*inputs, lse, delta, dk_arg, dv_arg, *lists.args(),
+    return (*inputs, dq_counts, lse, delta, dk_arg, dv_arg, *lists.args(),
             *launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs),
             *lse.stride(), *dk.stride()[:3], *dv.stride()[:3], *lists.strides(), *plan.sizes, scale)
+
+
+_NO_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def dq_counts(plan: HopperPlan, device: torch.device) -> torch.Tensor:
+    """The ordered adds' counts (`HopperPlan.ordered`): one int32 per dQ tile (64 rows of a query
+    head), zeroed; otherwise one int32 the kernel does not read."""
+    if not plan.ordered:
+        if device not in _NO_COUNTS:
+            _NO_COUNTS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        return _NO_COUNTS[device]
+    Hq, _, _, _, B, _ = plan.sizes
+    return torch.zeros(B * Hq * plan.dq_tiles, dtype=torch.int32, device=device)
 
 
 def _run_hopper(plan: HopperPlan, query, key, value, out, lse, grad_out, grad_lse, score: Mod, score_bufs,
@@ -537,9 +593,12 @@ def _run_hopper(plan: HopperPlan, query, key, value, out, lse, grad_out, grad_ls
             plan.preprocess(*preprocess_args(out, grad_out, dlse, delta, None, Hq, Q_LEN))
     dk = launch.empty((B, Hkv, KV_LEN, E), plan.dk_dtype, device)
     dv = launch.empty((B, Hkv, KV_LEN, E), plan.dk_dtype, device)
-    lists = plan.dense if plan.dense is not None else q_direction(tables, KV_LEN)
-    plan.main(*hopper_args(plan, query, key, value, grad_out, lse, delta, dq_acc, dk, dv, lists, score, score_bufs,
-                           mask, mask_bufs, scale))
+    if plan.dense is not None:
+        lists = plan.dense
+    else:
+        lists = ordered_q_lists(tables, KV_LEN) if plan.ordered else q_direction(tables, KV_LEN)
+    plan.main(*hopper_args(plan, query, key, value, grad_out, lse, delta, dq_acc, dq_counts(plan, device), dk, dv,
+                           lists, score, score_bufs, mask, mask_bufs, scale))
     grads = {}
     if split is None:
         dq = dq_acc.to(query.dtype)

@@ -54,17 +54,18 @@ OPTIONS: dict[str, tuple[str, str, str]] = {
     "BLOCK_N2": ("backward", "tile", "dQ pass: KV columns per step"),
     "bwd_num_warps": ("backward", "warps", "backward: warps per program"),
     "bwd_num_stages": ("backward", "stages", "backward: software-pipelining stages"),
-    "DETERMINISTIC": ("backward", "bool", "bitwise-reproducible gradients: dQ, dK and dV without atomics (the "
-                                          "Triton backward, or on Hopper the Gluon dK/dV with a dQ pass), "
+    "DETERMINISTIC": ("backward", "bool", "bitwise-reproducible gradients: dQ, dK and dV summed in a fixed order "
+                                          "(the Triton backward, or on Hopper the Gluon kernel with its dQ adds "
+                                          "ordered, or its dK/dV with a dQ pass), "
                                           "captured-tensor gradients summed exactly, and "
                                           "no timed tile choice (default: torch.are_deterministic_algorithms_"
                                           "enabled() when the forward is called; an explicit value wins)"),
     "DQ_PASS": ("backward", "bool", "Gluon Hopper backward: dQ by a dQ pass over the forward's block lists "
                                     "(Gluon; Triton where captured tensors need gradients): 16-bit dQ written "
                                     "once, no float32 accumulator to zero and convert, "
-                                    "while the Gluon kernel computes dK and dV only (always in deterministic "
-                                    "mode and where captured tensors need gradients; under a block mask the "
-                                    "tuner times both)"),
+                                    "while the Gluon kernel computes dK and dV only (always where captured "
+                                    "tensors need gradients; in deterministic mode where its rule says, "
+                                    "False: the ordered dQ adds; under a block mask the tuner times both)"),
     # decoding (split-KV) kernel, used for short queries without gradients
     "SPLIT_KV": ("decode", "int", "programs per row tile along KV (default: from the SM count)"),
     "PROGRAMS_PER_SM": ("decode", "number", "SPLIT_KV target: about this many programs per SM (SPLIT_KV is "

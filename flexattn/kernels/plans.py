@@ -177,11 +177,12 @@ def _make_backward_plan(query, key, value, out, grad_out, score, mask, tables, o
         def make_hopper(config: dict):  # (DQ_PASS, and the dQ pass's tiles where it is on)
             tiles = {k: v for k, v in config.items() if k != "DQ_PASS"}
             split = None
-            if bwd.dq_by_pass({**options, **config}, buffer_grads):
+            ordered = bwd.ordered_dq({**options, **config}, buffer_grads, mask, tables, key.shape[2], query.shape[3])
+            if bwd.dq_by_pass({**options, **config}, buffer_grads, ordered):
                 gluon = bwd.GLUON_DQ and not buffer_grads and not tiles and bwd.gluon_dq_reason(tables) is None
                 split = (bwd.hopper_dq_plan(query, key, value, score, mask, tables, options, has_grad_lse) if gluon
                          else make(tiles))
-            return bwd.hopper_plan(query, key, value, score, mask, tables, options, has_grad_lse, split)
+            return bwd.hopper_plan(query, key, value, score, mask, tables, options, has_grad_lse, split, ordered)
 
         plan = None
         if tables is not None and not buffer_grads:  # (the one pass is ahead without a block mask)

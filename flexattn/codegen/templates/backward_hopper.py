@@ -42,6 +42,16 @@
 # tensors that need gradients, the tuner's choice): no dQ product and no add, each consumer reads
 # only its own dS, and a dQ pass writes dQ (backward_dq_hopper.py, which runs first and writes
 # Delta, or backward.py's where captured tensors need gradients).
+# DQ_ORDERED (deterministic mode, kernels/backward.py's ordered_dq): the dQ adds into each dQ tile
+# come in a fixed order, that of the KV tiles of the programs that visit it (the order the hardware
+# starts programs in, so a program only ever waits for one already running or done). A fourth
+# partition, one warp (dq_writer), issues them: the consumers hand their dQ halves over
+# (dq_full / dq_empty) and go on; the writer waits until the tile's count in DQ_SEM reaches its
+# program's rank (the host's ranked lists, tables.ordered_q_lists), adds, and raises the count once
+# the add has completed. Every program walks its query tiles from the last, so that under causal-like
+# masks a program reaches a tile no earlier than the programs of lower KV tiles, and the lists merge
+# partial and full blocks (each entry flagged) so that the walk is in query order. Outside
+# deterministic mode none of this is compiled in.
 # 16-bit dK and dV (DKV_TMA: K/V not broadcast over the batch, whose gradients
 # the host sums in float32) leave through the TMA unit, each consumer's staged in its own shared
 # memory (dV in its rows of the V tile, dK in its dQ buffer): 16 documents 7-10% faster, S=2k 3-5%
@@ -104,15 +114,47 @@ def q_lists(Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX, b, h, kv_blk,
 
 
 @gluon.jit
+def q_tile(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK: gl.constexpr, SPARSE_Q_BLOCK_SIZE: gl.constexpr,
+           BLOCK_M: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr, DQ_ORDERED: gl.constexpr):
+    """(first row, rank, partial) of the j-th query tile of a program's lists (`tile_start`):
+    whether its block needs mask work. DQ_ORDERED: one list, each entry's query block in bits
+    0-14, its partial flag in bit 15 and above them the rank of this program's KV block among the
+    blocks that visit that query block (`tables.ordered_q_lists`); otherwise the rank is 0."""
+    if DQ_ORDERED:
+        if j < n_partial:
+            IDX = P_IDX
+            t = j
+        else:  # (no full lists but the dense table's)
+            IDX = F_IDX
+            t = j - n_partial
+        if BLOCKS_ARE_CONTIGUOUS:
+            entry = gl.load(IDX)
+            start = (entry & 0x7FFF) * SPARSE_Q_BLOCK_SIZE + t * BLOCK_M
+        else:
+            entry = gl.load(IDX + t // TILES_PER_BLOCK)
+            start = (entry & 0x7FFF) * SPARSE_Q_BLOCK_SIZE + (t % TILES_PER_BLOCK) * BLOCK_M
+        rank = entry >> 16
+        partial = (entry & 0x8000) != 0
+    else:
+        start = tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M,
+                           BLOCKS_ARE_CONTIGUOUS)
+        rank = 0
+        partial = j < n_partial
+    return start, rank, partial
+
+
+@gluon.jit
 def load_tile(Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, it, q_ready, q_empty, do_ready, do_empty,
               Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
               stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
               stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
               b, b_kv, h_kv, off_n, kv_blk,
               GQA_SHARED_HEADS: gl.constexpr, TILES_PER_BLOCK: gl.constexpr, SPARSE_Q_BLOCK_SIZE: gl.constexpr,
-              BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr):
+              BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr,
+              DQ_ORDERED: gl.constexpr):
     """The KV tile at off_n into k_smem / v_smem (landing on kv_bar), then its query tiles' Q and
-    dO through the ring, steps counted from ``it``: returns the count after them."""
+    dO through the ring, steps counted from ``it`` (DQ_ORDERED: from the last tile of each list,
+    as the consumers take them): returns the count after them."""
     NUM_BUFFERS: gl.constexpr = q_bufs.type.shape[0]
     mbarrier.expect(kv_bar, K.block_type.nbytes + V.block_type.nbytes)
     _tma_load(K, [b_kv, h_kv, off_n, 0], kv_bar, k_smem)
@@ -123,11 +165,12 @@ def load_tile(Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, it, q_ready,
             Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX, b, h, kv_blk,
             stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
             stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin, TILES_PER_BLOCK, HAS_FULL_BLOCKS)
-        for j in range(n_tiles):
+        for step in range(n_tiles):
             slot = it % NUM_BUFFERS
             phase = (it // NUM_BUFFERS) & 1
-            start = tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M,
-                               BLOCKS_ARE_CONTIGUOUS)
+            j = n_tiles - 1 - step if DQ_ORDERED else step
+            start, _, _ = q_tile(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M,
+                                 BLOCKS_ARE_CONTIGUOUS, DQ_ORDERED)
             # a fresh barrier counts as having completed the phase before phase 0: the first round passes
             mbarrier.wait(q_empty.index(slot), phase ^ 1)
             mbarrier.expect(q_ready.index(slot), Q.block_type.nbytes)
@@ -146,13 +189,15 @@ def loader(Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empt
            stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
            b, b_kv, h_kv, off_n, kv_blk,
            GQA_SHARED_HEADS: gl.constexpr, TILES_PER_BLOCK: gl.constexpr, SPARSE_Q_BLOCK_SIZE: gl.constexpr,
-           BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr):
+           BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr, BLOCKS_ARE_CONTIGUOUS: gl.constexpr,
+           DQ_ORDERED: gl.constexpr):
     load_tile(Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, gl.program_id(0) * 0, q_ready, q_empty, do_ready,
               do_empty, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
               stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
               stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
               b, b_kv, h_kv, off_n, kv_blk,
-              GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS, BLOCKS_ARE_CONTIGUOUS)
+              GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS, BLOCKS_ARE_CONTIGUOUS,
+              DQ_ORDERED)
 
 
 @gluon.jit
@@ -182,15 +227,15 @@ def persistent_loader(Q, K, V, DO, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv
                        stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
                        b, 0 if KV_BATCH_BROADCAST else b, pid_bh % HKV, off_n, off_n // SPARSE_KV_BLOCK_SIZE,
                        GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
-                       BLOCKS_ARE_CONTIGUOUS)
+                       BLOCKS_ARE_CONTIGUOUS, False)
         tc += 1
 
 
 @gluon.jit
-def tile_valid(j, n_partial, b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_kv_args $mask_mod_params):
+def tile_valid(partial, b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_kv_args $mask_mod_params):
     """Which scores of a tile that needs mask work count: mask_mod on a partial block's tile, and
     the lengths."""
-    if j < n_partial:
+    if partial:
         valid = mask_mod(b, h, q_idx, kv_idx, $mask_kv_args $mask_mod_params) & (q_idx < Q_LEN) & (kv_idx < KV_LEN)
     else:
         valid = (q_idx < Q_LEN) & (kv_idx < KV_LEN)
@@ -234,9 +279,89 @@ def dq_add(dq, dq_s, dq_smem, DQ_DESC, b, h, start, DQ_COL0: gl.constexpr):
 
 
 @gluon.jit
-def consume_tile(k_smem, v_smem, k_bufs, v_bufs, kb, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar,
-                 kv_phase, kv_free, release, it, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, LSE, DELTA,
-                 DK, DV,
+def dq_hand_over(dq, dq_s, dq_full, dq_empty, n_adds):
+    """DQ_ORDERED: this consumer's half of a dQ tile into its buffer for `dq_writer`, once the
+    writer has read the previous one: returns the count of tiles handed over."""
+    mbarrier.wait(dq_empty, (n_adds & 1) ^ 1)
+    dq_s.store(dq)
+    fence_async_shared()
+    _sync_warps()
+    mbarrier.arrive(dq_full, count=1)
+    return n_adds + 1
+
+
+@gluon.jit
+def _await_count(ptr, rank):
+    """Until the int32 at ptr reads ``rank`` (acquire), then ordered before the async proxy's adds."""
+    seen = gl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $$0, [$$1];", "=r,l", [ptr], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+    while seen != rank:
+        seen = gl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $$0, [$$1];", "=r,l", [ptr], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+    gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $$0, 0;", "=r,l", [ptr], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _count_up_when_complete(ptr):
+    """Once this warp's TMA adds have completed (their writes made, not only their shared memory
+    read: cp.async.bulk.wait_group without .read), lane 0 adds 1 to the int32 at ptr (release)."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $$0, 0;",
+                              "=r,l", [ptr], dtype=gl.int32, is_pure=False, pack=1)
+    _sync_warps()
+    gl.inline_asm_elementwise("""{
+        .reg .pred p;
+        .reg .b32 lane;
+        mov.u32 lane, %laneid;
+        setp.eq.b32 p, lane, 0;
+        @p red.release.gpu.global.add.s32 [$$1], 1;
+        mov.u32 $$0, 0;
+    }""", "=r,l", [ptr], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def dq_writer(DQ_DESC, dq_bufs, dq_full, dq_empty, DQ_SEM, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+              stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+              stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+              b, h_kv, kv_blk, kv_sub, HQ, Q_LEN,
+              GQA_SHARED_HEADS: gl.constexpr, TILES_PER_BLOCK: gl.constexpr, KV_TILES_PER_BLOCK: gl.constexpr,
+              SPARSE_Q_BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
+              BLOCKS_ARE_CONTIGUOUS: gl.constexpr):
+    """DQ_ORDERED (deterministic mode): one warp adds the consumers' dQ tiles (both halves, handed
+    over in `dq_hand_over`) into DQ_ACC in each tile's fixed order. The programs that visit a dQ
+    tile add in the order of their KV tiles (the order the hardware starts them in, so that a
+    program only waits for programs already running or done): DQ_SEM counts each tile's adds, and
+    this program's add waits until the count reaches its rank (`tables.ordered_q_lists`; the
+    query tiles walked from the last, as the loader and consumers take them: under causal-like
+    masks the programs of lower KV tiles reach a query tile at the same step or earlier). The
+    count is raised once the add has completed; the consumers only wait for the buffers."""
+    DQ_COLS: gl.constexpr = DQ_DESC.block_type.shape[3]
+    n_m = gl.cdiv(Q_LEN, SPARSE_Q_BLOCK_SIZE) * TILES_PER_BLOCK  # (a block's last tile may start past Q_LEN)
+    k = 0
+    for g in range(GQA_SHARED_HEADS):
+        h = h_kv * GQA_SHARED_HEADS + g
+        n_partial, n_tiles, P_IDX, F_IDX = q_lists(
+            Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX, b, h, kv_blk,
+            stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+            stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin, TILES_PER_BLOCK, HAS_FULL_BLOCKS)
+        for step in range(n_tiles):
+            start, rank, _ = q_tile(n_tiles - 1 - step, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE,
+                                    BLOCK_M, BLOCKS_ARE_CONTIGUOUS, True)
+            count = DQ_SEM + (b * HQ + h) * n_m + start // BLOCK_M
+            mbarrier.wait(dq_full, k & 1)
+            _await_count(count, rank * KV_TILES_PER_BLOCK + kv_sub)
+            _tma_add(DQ_DESC, [b, h, start, 0], dq_bufs.index(0))
+            _tma_add(DQ_DESC, [b, h, start, DQ_COLS], dq_bufs.index(1))
+            tma.store_wait(0)
+            mbarrier.arrive(dq_empty, count=1)
+            _count_up_when_complete(count)
+            k += 1
+
+
+@gluon.jit
+def consume_tile(k_smem, v_smem, k_bufs, v_bufs, kb, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, dq_full,
+                 dq_empty, kv_bar, kv_phase, kv_free, release, it, q_ready, q_empty, do_ready, do_empty, ds_ready,
+                 ds_free, LSE, DELTA, DK, DV,
                  Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
                  $score_mod_params $mask_mod_params
                  stride_lz, stride_lh, stride_lm,
@@ -248,12 +373,14 @@ def consume_tile(k_smem, v_smem, k_bufs, v_bufs, kb, q_bufs, do_bufs, p_bufs, ds
                  SPARSE_Q_BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
                  BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr,
                  SCORE_AFFINE: gl.constexpr, LATE_DP_WAIT: gl.constexpr, SCORE_DTYPE: gl.constexpr,
-                 DEFER_DQ: gl.constexpr, DKV_TMA: gl.constexpr, COMPUTE_DQ: gl.constexpr, PERSISTENT: gl.constexpr):
+                 DEFER_DQ: gl.constexpr, DKV_TMA: gl.constexpr, COMPUTE_DQ: gl.constexpr, PERSISTENT: gl.constexpr,
+                 DQ_ORDERED: gl.constexpr):
     """One consumer's work on the KV tile at off_n (its K and V in k_smem / v_smem, landed at
     kv_bar's phase kv_phase), its steps counted from ``it``: returns the count after them.
     PERSISTENT: k_smem / v_smem are entry kb of k_bufs / v_bufs; dK is staged in the consumer's
     rows of the K tile, and its stores are left in flight; ``release``: the previous tile's are
-    waited for first, then kv_free says its buffers may be refilled."""
+    waited for first, then kv_free says its buffers may be refilled. DQ_ORDERED: the query tiles
+    walked from the last, each dQ handed over to `dq_writer` (dq_full / dq_empty)."""
     NUM_BUFFERS: gl.constexpr = q_bufs.type.shape[0]
     DS_BUFFERS: gl.constexpr = ds_bufs.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[2]
@@ -300,6 +427,7 @@ def consume_tile(k_smem, v_smem, k_bufs, v_bufs, kb, q_bufs, do_bufs, p_bufs, ds
             mbarrier.arrive(kv_free, count=1)
     prev_start = 0  # DEFER_DQ: the previous step's query tile and head
     prev_h = h_kv * GQA_SHARED_HEADS
+    n_adds = 0  # DQ_ORDERED: the dQ tiles handed over
     for g in range(GQA_SHARED_HEADS):
         h = h_kv * GQA_SHARED_HEADS + g
         h64 = h.to(gl.int64)
@@ -318,11 +446,14 @@ def consume_tile(k_smem, v_smem, k_bufs, v_bufs, kb, q_bufs, do_bufs, p_bufs, ds
             Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX, b, h, kv_blk,
             stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
             stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin, TILES_PER_BLOCK, HAS_FULL_BLOCKS)
-        for j in range(n_tiles):
+        for step in range(n_tiles):
             slot = it % NUM_BUFFERS
             phase = (it // NUM_BUFFERS) & 1
-            start = tile_start(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M,
-                               BLOCKS_ARE_CONTIGUOUS)
+            # DQ_ORDERED: from the last query tile, which the programs of lower KV tiles (before this one
+            # in the tiles' order) reach at the same step or earlier under causal-like masks
+            j = n_tiles - 1 - step if DQ_ORDERED else step
+            start, _, partial = q_tile(j, n_partial, P_IDX, F_IDX, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M,
+                                       BLOCKS_ARE_CONTIGUOUS, DQ_ORDERED)
             q = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
             do = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
             # -- S = Q K_w^T and dP = dO V_w^T on the tensor cores while the row statistics load
@@ -359,9 +490,9 @@ def consume_tile(k_smem, v_smem, k_bufs, v_bufs, kb, q_bufs, do_bufs, p_bufs, ds
             q_idx = gl.expand_dims(rows, 1)
             s = warpgroup_mma_wait(1, deps=(s, ))
             if IS_DIVISIBLE:
-                masked = j < n_partial
+                masked = partial
             else:
-                masked = (j < n_partial) | (start + BLOCK_M > Q_LEN) | kv_edge
+                masked = partial | (start + BLOCK_M > Q_LEN) | kv_edge
             if LATE_DP_WAIT:
                 # a score_mod whose derivative in the score is a constant (ALiBi-like): the exp2 runs
                 # under dP, whose wait comes after the branch (ptxas hoists a wgmma wait to the top
@@ -375,7 +506,7 @@ def consume_tile(k_smem, v_smem, k_bufs, v_bufs, kb, q_bufs, do_bufs, p_bufs, ds
                     s = score_mod(qk, b, h, q_idx, kv_idx, $score_mod_params).to(gl.float32)
                     t = s * LOG2E - lse2
                 if masked:
-                    p = gl.where(tile_valid(j, n_partial, b, h, q_idx, kv_idx, Q_LEN, KV_LEN,
+                    p = gl.where(tile_valid(partial, b, h, q_idx, kv_idx, Q_LEN, KV_LEN,
                                             $mask_kv_args $mask_mod_params), gl.exp2(t), 0.0)
                 else:
                     p = gl.exp2(t)
@@ -384,12 +515,12 @@ def consume_tile(k_smem, v_smem, k_bufs, v_bufs, kb, q_bufs, do_bufs, p_bufs, ds
                 if SCORE_AFFINE:
                     ds = ds * ds_factor
                 elif masked:  # (the mask again, not kept across the wait)
-                    valid = tile_valid(j, n_partial, b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_kv_args $mask_mod_params)
+                    valid = tile_valid(partial, b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_kv_args $mask_mod_params)
                     ds = score_mod_dscore(qk, b, h, q_idx, kv_idx, ds, valid, $score_dscore_args).to(gl.float32)
                 else:
                     ds = score_mod_dscore(qk, b, h, q_idx, kv_idx, ds, True, $score_dscore_args).to(gl.float32)
             elif masked:
-                valid = tile_valid(j, n_partial, b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_kv_args $mask_mod_params)
+                valid = tile_valid(partial, b, h, q_idx, kv_idx, Q_LEN, KV_LEN, $mask_kv_args $mask_mod_params)
                 p, ds = p_and_ds(s, dp, valid, lse2, delta, b, h, q_idx, kv_idx, SM_SCALE, qk_factor, kv_term,
                                  ds_factor, $score_mod_params $mask_mod_params
                                  SCORES_IN_BASE2, SCORE_AFFINE, SCORE_DTYPE)
@@ -429,9 +560,14 @@ def consume_tile(k_smem, v_smem, k_bufs, v_bufs, kb, q_bufs, do_bufs, p_bufs, ds
                 if DEFER_DQ:
                     if it > 0:
                         mbarrier.arrive(ds_free.index((it - 1) % 2), count=1)
-                        dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, prev_h, prev_start, DQ_COL0)
+                        if DQ_ORDERED:
+                            n_adds = dq_hand_over(dq * SM_SCALE, dq_s, dq_full, dq_empty, n_adds)
+                        else:
+                            dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, prev_h, prev_start, DQ_COL0)
                     prev_start = start
                     prev_h = h
+                elif DQ_ORDERED:
+                    n_adds = dq_hand_over(dq * SM_SCALE, dq_s, dq_full, dq_empty, n_adds)
                 else:
                     dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, h, start, DQ_COL0)
             else:  # (dQ in its own pass: each consumer reads only its own dS)
@@ -447,7 +583,13 @@ def consume_tile(k_smem, v_smem, k_bufs, v_bufs, kb, q_bufs, do_bufs, p_bufs, ds
             mbarrier.wait(ds_ready.index((it - 1) % 2), ((it - 1) // 2) & 1)
             dq = warpgroup_mma(ds_bufs.index((it - 1) % 2), k_dq, zero_dq, use_acc=False, is_async=True)
             dq = warpgroup_mma_wait(0, deps=(dq, ))
-            dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, prev_h, prev_start, DQ_COL0)
+            if DQ_ORDERED:
+                n_adds = dq_hand_over(dq * SM_SCALE, dq_s, dq_full, dq_empty, n_adds)
+            else:
+                dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, prev_h, prev_start, DQ_COL0)
+    if DQ_ORDERED:  # (the writer has read the last dQ: the buffer may take dK)
+        if n_adds > 0:
+            mbarrier.wait(dq_empty, (n_adds - 1) & 1)
 
     # -- dK (scaled) and dV of this consumer's rows
     if DKV_TMA and PERSISTENT:
@@ -485,8 +627,9 @@ def consume_tile(k_smem, v_smem, k_bufs, v_bufs, kb, q_bufs, do_bufs, p_bufs, ds
 
 
 @gluon.jit
-def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, q_ready, q_empty, do_ready,
-             do_empty, ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, dq_full, dq_empty, kv_bar, q_ready,
+             q_empty, do_ready, do_empty, ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS,
+             FULL_Q_IDX,
              $score_mod_params $mask_mod_params
              stride_lz, stride_lh, stride_lm,
              stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
@@ -497,10 +640,10 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
              SPARSE_Q_BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
              BLOCKS_ARE_CONTIGUOUS: gl.constexpr, IS_DIVISIBLE: gl.constexpr, SCORES_IN_BASE2: gl.constexpr,
              SCORE_AFFINE: gl.constexpr, LATE_DP_WAIT: gl.constexpr, SCORE_DTYPE: gl.constexpr,
-             DEFER_DQ: gl.constexpr, DKV_TMA: gl.constexpr, COMPUTE_DQ: gl.constexpr):
+             DEFER_DQ: gl.constexpr, DKV_TMA: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ORDERED: gl.constexpr):
     # (the step count as a value, not a constant: it changes in the loops)
-    consume_tile(k_smem, v_smem, k_smem, v_smem, 0, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, 0,
-                 kv_bar, False,
+    consume_tile(k_smem, v_smem, k_smem, v_smem, 0, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, dq_full,
+                 dq_empty, kv_bar, 0, kv_bar, False,
                  gl.program_id(0) * 0,
                  q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX,
                  FULL_Q_NUM_BLKS, FULL_Q_IDX,
@@ -512,7 +655,7 @@ def consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC,
                  b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
                  WG, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
                  BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT, SCORE_DTYPE,
-                 DEFER_DQ, DKV_TMA, COMPUTE_DQ, False)
+                 DEFER_DQ, DKV_TMA, COMPUTE_DQ, False, DQ_ORDERED)
 
 
 @gluon.jit
@@ -544,7 +687,7 @@ def persistent_consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, dq_buf
         off_n = pid_n * BLOCK_N
         kb = tc % 2
         it = consume_tile(k_bufs.index(kb), v_bufs.index(kb), k_bufs, v_bufs, kb, q_bufs, do_bufs, p_bufs, ds_bufs,
-                          dq_bufs, DQ_DESC,
+                          dq_bufs, DQ_DESC, kv_ready.index(kb), kv_ready.index(kb),  # (no DQ_ORDERED barriers)
                           kv_ready.index(kb), (tc // 2) & 1, kv_empty.index(1 - kb), tc > 0, it,
                           q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS,
                           Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
@@ -555,9 +698,8 @@ def persistent_consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, dq_buf
                           stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
                           pid_bh // HKV, pid_bh % HKV, off_n, off_n // SPARSE_KV_BLOCK_SIZE, HQ, Q_LEN, KV_LEN,
                           SM_SCALE, WG, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M,
-                          HAS_FULL_BLOCKS,
-                          BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT, SCORE_DTYPE,
-                          DEFER_DQ, DKV_TMA, COMPUTE_DQ, True)
+                          HAS_FULL_BLOCKS, BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE,
+                          LATE_DP_WAIT, SCORE_DTYPE, DEFER_DQ, DKV_TMA, COMPUTE_DQ, True, False)
         tc += 1
     tma.store_wait(0)
 
@@ -647,6 +789,8 @@ $flex_attention_backward_params
     gl.static_assert(SPARSE_Q_BLOCK_SIZE % BLOCK_M == 0)
     gl.static_assert(SPARSE_KV_BLOCK_SIZE % BLOCK_N == 0)
     TILES_PER_BLOCK: gl.constexpr = SPARSE_Q_BLOCK_SIZE // BLOCK_M
+    KV_TILES_PER_BLOCK: gl.constexpr = SPARSE_KV_BLOCK_SIZE // BLOCK_N
+    gl.static_assert(COMPUTE_DQ or not DQ_ORDERED)
     if PERSISTENT:
         gl.static_assert(not COMPUTE_DQ)
         persistent(Q, K, V, DO, DQ_DESC, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
@@ -693,34 +837,85 @@ $flex_attention_backward_params
         mbarrier.init(ds_ready.index(i), count=2)
         mbarrier.init(ds_free.index(i), count=2)
 
-    gl.warp_specialize([
-        (consumer, (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, q_ready, q_empty, do_ready, do_empty,
-                    ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
-                    $score_mod_params $mask_mod_params
-                    stride_lz, stride_lh, stride_lm,
-                    stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
-                    stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
-                    stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
-                    b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
-                    0, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
-                    BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT, SCORE_DTYPE,
-                    DEFER_DQ, DKV_TMA, COMPUTE_DQ)),
-        (consumer, (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, q_ready, q_empty, do_ready, do_empty,
-                    ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
-                    $score_mod_params $mask_mod_params
-                    stride_lz, stride_lh, stride_lm,
-                    stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
-                    stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
-                    stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
-                    b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
-                    1, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
-                    BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT, SCORE_DTYPE,
-                    DEFER_DQ, DKV_TMA, COMPUTE_DQ)),
-        (loader, (Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
-                  Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
-                  stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
-                  stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
-                  b, b_kv, h_kv, off_n, kv_blk,
-                  GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
-                  BLOCKS_ARE_CONTIGUOUS)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    # (the same partitions twice, DQ_ORDERED's with the writer: Gluon takes no tuple of arguments
+    # built beforehand)
+    if DQ_ORDERED:
+        # both consumers' halves of a dQ tile stored (dq_full), the writer has read them (dq_empty)
+        dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(dq_full, count=2)
+        mbarrier.init(dq_empty, count=1)
+        gl.warp_specialize([
+            (consumer, (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, dq_full, dq_empty, kv_bar,
+                        q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX,
+                        FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                        $score_mod_params $mask_mod_params
+                        stride_lz, stride_lh, stride_lm,
+                        stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+                        stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+                        stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+                        b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
+                        0, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
+                        BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT, SCORE_DTYPE,
+                        DEFER_DQ, DKV_TMA, COMPUTE_DQ, DQ_ORDERED)),
+            (consumer, (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, dq_full, dq_empty, kv_bar,
+                        q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX,
+                        FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                        $score_mod_params $mask_mod_params
+                        stride_lz, stride_lh, stride_lm,
+                        stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+                        stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+                        stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+                        b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
+                        1, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
+                        BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT, SCORE_DTYPE,
+                        DEFER_DQ, DKV_TMA, COMPUTE_DQ, DQ_ORDERED)),
+            (loader, (Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
+                      Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                      stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+                      stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+                      b, b_kv, h_kv, off_n, kv_blk,
+                      GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
+                      BLOCKS_ARE_CONTIGUOUS, DQ_ORDERED)),
+            (dq_writer, (DQ_DESC, dq_bufs, dq_full, dq_empty, DQ_SEM, Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS,
+                         FULL_Q_IDX,
+                         stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+                         stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+                         b, h_kv, kv_blk, pid_n % KV_TILES_PER_BLOCK, HQ, Q_LEN,
+                         GQA_SHARED_HEADS, TILES_PER_BLOCK, KV_TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M,
+                         HAS_FULL_BLOCKS, BLOCKS_ARE_CONTIGUOUS)),
+        ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
+    else:  # (kv_bar stands in for the barriers the consumers only use with DQ_ORDERED)
+        gl.warp_specialize([
+            (consumer, (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, kv_bar, kv_bar,
+                        q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX,
+                        FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                        $score_mod_params $mask_mod_params
+                        stride_lz, stride_lh, stride_lm,
+                        stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+                        stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+                        stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+                        b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
+                        0, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
+                        BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT, SCORE_DTYPE,
+                        DEFER_DQ, DKV_TMA, COMPUTE_DQ, DQ_ORDERED)),
+            (consumer, (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, DQ_DESC, kv_bar, kv_bar, kv_bar,
+                        q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, LSE, DELTA, DK, DV, Q_NUM_BLKS, Q_IDX,
+                        FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                        $score_mod_params $mask_mod_params
+                        stride_lz, stride_lh, stride_lm,
+                        stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+                        stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+                        stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+                        b, h_kv, off_n, kv_blk, HQ, Q_LEN, KV_LEN, SM_SCALE,
+                        1, GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
+                        BLOCKS_ARE_CONTIGUOUS, IS_DIVISIBLE, SCORES_IN_BASE2, SCORE_AFFINE, LATE_DP_WAIT, SCORE_DTYPE,
+                        DEFER_DQ, DKV_TMA, COMPUTE_DQ, DQ_ORDERED)),
+            (loader, (Q, K, V, DO, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
+                      Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX,
+                      stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+                      stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+                      b, b_kv, h_kv, off_n, kv_blk,
+                      GQA_SHARED_HEADS, TILES_PER_BLOCK, SPARSE_Q_BLOCK_SIZE, BLOCK_M, HAS_FULL_BLOCKS,
+                      BLOCKS_ARE_CONTIGUOUS, DQ_ORDERED)),
+        ], [4, 1], [CONSUMER_REGS, 24])
