@@ -17,6 +17,7 @@ import flexattn
 from flexattn import call
 from flexattn.kernels import plans, tuning
 from flexattn.reference import attention_reference
+from helpers import testing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -311,3 +312,51 @@ def test_the_hopper_backward_times_its_two_forms_under_a_block_mask(monkeypatch)
     assert chosen is small
     seen.clear()
     assert plan(None).dq_pass is None and not seen
+
+
+def test_untuned_forward_takes_the_tuners_winners_at_head_dim_64(monkeypatch):
+    """Where nothing is timed (deterministic mode, AUTOTUNE off) on a call long enough to tune, the
+    forward at head dim 64 takes the H100 tuner's winners: the Hopper kernel without a block mask,
+    4 warps under masks that visit about an eighth of the blocks or fewer, the defaults under
+    denser masks, at other head dims, on short calls, and wherever the caller chose a tile or
+    backend. (The Hopper kernel needs an sm_90 GPU: here the plans are built, not launched.)"""
+    from flexattn import tracer
+    from flexattn.block_mask import create_block_mask
+    from flexattn.kernels import forward as fwd, hopper
+    from flexattn.kernels.tables import tables_of
+    from flexattn.mods import MASK, SCORE
+
+    monkeypatch.setattr(hopper, "_machine_reason", lambda query, options: None)
+    S = 4096  # (B x H x S x S reaches plans.TUNE_MIN_WORK)
+    q64, q128 = (torch.empty(1, 8, S, D, dtype=torch.bfloat16) for D in (64, 128))
+    window = lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 512)  # noqa: E731
+    causal = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx  # noqa: E731
+    sparse, dense = (tables_of(create_block_mask(m, None, None, S, S, device="cpu")) for m in (window, causal))
+    assert plans._untuned_forward(q64, q64, None, {}, True) == {"BACKEND": "FLASH"}
+    assert plans._untuned_forward(q64, q64, sparse, {}, True) == {"num_warps": 4}
+    assert plans._untuned_forward(q64, q64, dense, {}, True) == {}
+    assert plans._untuned_forward(q128, q128, None, {}, True) == {}
+    assert plans._untuned_forward(q64, q64, None, {}, False) == {}  # (the Hopper kernel cannot run the call)
+    assert plans._untuned_forward(q64.float(), q64.float(), sparse, {}, True) == {}
+    short = torch.empty(1, 8, 256, 64, dtype=torch.bfloat16)
+    assert plans._untuned_forward(short, short, None, {}, True) == {}
+    for chosen in ({"num_warps": 8}, {"BLOCK_M": 64}, {"BACKEND": "TRITON"}):
+        assert plans._untuned_forward(q64, q64, sparse, chosen, True) == {}
+
+    cpu = torch.device("cpu")
+    score = tracer.trace(lambda s, b, h, q_idx, kv_idx: s, SCORE, score_dtype=torch.float32, device=cpu)
+    mask = tracer.trace(window, MASK, score_dtype=torch.float32, device=cpu)
+
+    hopper_plans = testing.record_calls(monkeypatch, fwd, "hopper_plan")
+    template_plans = testing.record_calls(monkeypatch, fwd, "make_plan")
+
+    def plan(tables, options):
+        return plans._make_forward_plan(q64, q64, q64, score, (), mask, (), tables, False, options, False, None)
+
+    for options in ({"DETERMINISTIC": True}, {"AUTOTUNE": False}):
+        hopper_plans.clear()
+        template_plans.clear()
+        plan(None, options)
+        assert len(hopper_plans) == 1 and not template_plans
+        plan(sparse, options)
+        assert len(hopper_plans) == 1 and template_plans[0][6]["num_warps"] == 4  # (the options it was given)

@@ -127,6 +127,11 @@ def _machine_reason(query: torch.Tensor, options: dict) -> str | None:
     return None
 
 
+def on_hopper(query: torch.Tensor, options: dict) -> bool:
+    """Whether nothing keeps this call off the Gluon kernels but its shapes and mods (`_machine_reason`)."""
+    return _machine_reason(query, options) is None
+
+
 def _tma_reason(**tensors: torch.Tensor) -> str | None:
     for name, t in tensors.items():
         if not _tma_ok(t):

@@ -15,7 +15,7 @@ import torch
 
 from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, hopper, tuning
 from flexattn.kernels.launch import PlanCache
-from flexattn.kernels.tables import Tables, check_against
+from flexattn.kernels.tables import Tables, check_against, visited_share
 from flexattn.mods import Mod
 
 FORWARD = PlanCache()
@@ -162,7 +162,28 @@ def _make_forward_plan(query, key, value, score, score_bufs, mask, mask_bufs, ta
                   query, key, value, score, tables, options, make,
                   lambda p: fwd.run(p, query, key, value, score, score_bufs, mask, mask_bufs, tables, scale, descale,
                                     sinks))
-    return plan if plan is not None else make({})
+    return plan if plan is not None else make(_untuned_forward(query, key, tables, options, flash))
+
+
+def _untuned_forward(query, key, tables: Tables | None, options: dict, flash: bool) -> dict:
+    """The forward's config for a call long enough to tune where nothing is timed (deterministic
+    mode, AUTOTUNE off, a CUDA graph being captured) and the caller chose no tile or backend: on
+    Hopper GPUs at the head dims whose calls are timed against the Hopper kernel
+    (`hopper.timed_against_triton`), 16-bit, the tuner's winners on the H100 (B=4 H=32 S=8k D=64, bfloat16) instead of the template's
+    defaults. Without a block mask the Hopper kernel (4.11 ms against 4.92 with the defaults; a
+    soft-cap too); under a mask that visits about an eighth of the blocks or fewer (as the tuning
+    keys round) 4 warps (sliding window 1024: 0.86 against 1.14 ms; 16 documents 0.48 against
+    0.70); under denser masks the defaults (8 warps, the tuner's causal winner)."""
+    B, Hq, Q_LEN, E = query.shape
+    if (E not in hopper.TIMED_HEAD_DIMS or query.dtype not in (torch.float16, torch.bfloat16)
+            or B * Hq * Q_LEN * key.shape[2] < TUNE_MIN_WORK or not hopper.on_hopper(query, options)
+            or "BACKEND" in options or any(k in options for k in tuning.FORWARD_KNOBS)):
+        return {}
+    if tables is None:
+        return {"BACKEND": "FLASH"} if flash else {}
+    if query.is_cuda and torch.cuda.is_current_stream_capturing():  # (the share is read on the host)
+        return {}
+    return {"num_warps": 4} if visited_share(tables) < 2 ** -2.5 else {}
 
 
 def _make_backward_plan(query, key, value, out, grad_out, score, mask, tables, options, need, score_bufs,
