@@ -345,6 +345,8 @@ def ordered_dq(options: dict, buffer_grads: bool, mask: Mod, tables: Tables | No
         wanted = not options["DQ_PASS"]
     elif tables is None:
         wanted = True
+    elif tables.kv.num.is_cuda and torch.cuda.is_current_stream_capturing():
+        wanted = False  # (the share below is read on the host: a plan first made in a graph's capture)
     else:
         wanted = head_dim <= 64 and not persistent_programs(mask) and visited_share(tables) >= 0.25
     return wanted and (tables is None or ordered_q_lists(tables, KV_LEN) is not None)
