@@ -279,3 +279,23 @@ def test_gradcheck_learnable_tables_deterministic():
         return flexattn.flex_attention(q, k, v, score_mod=mod, block_mask=bm, kernel_options=DET)
 
     assert torch.autograd.gradcheck(fn, (q, k, v, rel, slope, shift), fast_mode=True, atol=1e-7, rtol=1e-6)
+
+
+def test_ordered_counts_cover_the_tiles_of_whole_blocks(monkeypatch):
+    """The ordered adds' counts: one per 64-row dQ tile of every sparse query block, including a
+    last block's tiles that start past Q_LEN (the kernel adds nothing there but still counts
+    them; counting only the tiles below Q_LEN ran one tile into the next head's counts)."""
+    from flexattn.kernels.tables import ordered_q_lists, tables_of
+
+    monkeypatch.setattr(hopper, "_machine_reason", lambda query, options: None)
+    q = torch.randn(2, 3, 700, 64).bfloat16()
+    causal = tracer.trace(lambda b, h, qi, ki: qi >= ki, MASK, score_dtype=torch.float32, device=torch.device("cpu"))
+    tables = tables_of(flexattn.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 700, 700, device="cpu"))
+    score = tracer.trace(lambda s, b, h, qi, ki: s, SCORE, score_dtype=torch.float32, device=torch.device("cpu"))
+    plan = bwd.hopper_plan(q, q, q, score, causal, tables, DET, False, None, True)
+    assert plan.ordered and plan.dq_tiles == 6 * 2  # (6 blocks of 128 rows, 11 tiles below Q_LEN)
+    assert bwd.dq_counts(plan, q.device).numel() == 2 * 3 * plan.dq_tiles
+    lists = ordered_q_lists(tables, 700)
+    starts = [(int(e) & 0x7FFF) * 128 + t * 64 for n, row in zip(lists.num.flatten().tolist(), lists.idx.flatten(0, -2))
+              for e in row[:n] for t in range(2)]
+    assert max(starts) // 64 == plan.dq_tiles - 1
