@@ -216,7 +216,8 @@ BACKWARD_DQ = Signature("backward_dq", (
 ), ("BLOCK_M2", "BLOCK_N2") + _BACKWARD_CONSTEXPRS)
 
 BACKWARD_HOPPER = Signature("flex_attention_backward", (
-    # Q, K, V, DO and DQ_DESC (the float32 dQ accumulator) are TMA descriptors; DK and DV too with DKV_TMA
+    # Q, K, V, DO and DQ_DESC (the float32 dQ accumulator) are TMA descriptors; DK and DV too with DKV_TMA;
+    # DQ_SEM: the int32 counts of DQ_ORDERED's adds (one per dQ tile; read only with DQ_ORDERED)
     ("tensors", _names("Q, K, V, DO, DQ_DESC, DQ_SEM, LSE, DELTA, DK, DV")),
     _Q_TABLES,
     _FORWARD_MODS,
