@@ -64,8 +64,9 @@ OPTIONS: dict[str, tuple[str, str, str]] = {
                                     "(Gluon; Triton where captured tensors need gradients): 16-bit dQ written "
                                     "once, no float32 accumulator to zero and convert, "
                                     "while the Gluon kernel computes dK and dV only (always where captured "
-                                    "tensors need gradients; in deterministic mode where its rule says, "
-                                    "False: the ordered dQ adds; under a block mask the tuner times both)"),
+                                    "tensors need gradients; in deterministic mode True or False picks the dQ "
+                                    "pass or the one pass's ordered dQ adds over the mode's rule; under a "
+                                    "block mask the tuner times both)"),
     # decoding (split-KV) kernel, used for short queries without gradients
     "SPLIT_KV": ("decode", "int", "programs per row tile along KV (default: from the SM count)"),
     "PROGRAMS_PER_SM": ("decode", "number", "SPLIT_KV target: about this many programs per SM (SPLIT_KV is "
