@@ -169,11 +169,12 @@ def _untuned_forward(query, key, tables: Tables | None, options: dict, flash: bo
     """The forward's config for a call long enough to tune where nothing is timed (deterministic
     mode, AUTOTUNE off, a CUDA graph being captured) and the caller chose no tile or backend: on
     Hopper GPUs at the head dims whose calls are timed against the Hopper kernel
-    (`hopper.timed_against_triton`), 16-bit, the tuner's winners on the H100 (B=4 H=32 S=8k D=64, bfloat16) instead of the template's
-    defaults. Without a block mask the Hopper kernel (4.11 ms against 4.92 with the defaults; a
-    soft-cap too); under a mask that visits about an eighth of the blocks or fewer (as the tuning
-    keys round) 4 warps (sliding window 1024: 0.86 against 1.14 ms; 16 documents 0.48 against
-    0.70); under denser masks the defaults (8 warps, the tuner's causal winner)."""
+    (`hopper.timed_against_triton`), 16-bit, the tuner's winners on the H100 (B=4 H=32 S=8k D=64,
+    bfloat16) instead of the template's defaults. Without a block mask the Hopper kernel (4.11 ms
+    against 4.92 with the defaults; a soft-cap too); under a mask that visits about an eighth of the
+    blocks or fewer (as the tuning keys round) 4 warps (sliding window 1024: 0.86 against 1.14 ms;
+    16 documents 0.48 against 0.70; not during a capture, which forbids reading the mask's share on
+    the host); under denser masks the defaults (8 warps, the tuner's causal winner)."""
     B, Hq, Q_LEN, E = query.shape
     if (E not in hopper.TIMED_HEAD_DIMS or query.dtype not in (torch.float16, torch.bfloat16)
             or B * Hq * Q_LEN * key.shape[2] < TUNE_MIN_WORK or not hopper.on_hopper(query, options)
