@@ -69,6 +69,25 @@ def test_the_transposed_lists_follow_an_in_place_change(qkv):
         torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4, msg=name)
 
 
+def test_the_ranked_lists_follow_an_in_place_change():
+    """Deterministic mode's ranked lists (made from the transposed ones, which are new tensors
+    after the KV lists change in place) are made again too: each rank counts the lower KV blocks
+    that visit a query block under the lists as they are now."""
+    from flexattn.kernels.tables import ordered_q_lists, tables_of
+
+    made = create_block_mask(causal, None, None, S, S, device="cpu", BLOCK_SIZE=32)
+    bm = BlockMask.from_kv_blocks(*made.as_tuple()[2:6], BLOCK_SIZE=32, mask_mod=causal, seq_lengths=(S, S),
+                                  compute_q_blocks=False)
+    tables = tables_of(bm)
+    before = ordered_q_lists(tables, S)
+    assert ordered_q_lists(tables, S) is before  # (made once)
+    bm.full_kv_num_blocks[0, 0, 3] = 1  # query block 3 sees only KV block 0 in full now
+    after = ordered_q_lists(tables, S)
+    ranks = {(n, int(e) & 0x7FFF): int(e) >> 16 for n in range(after.num.shape[-1])
+             for e in after.idx[0, 0, n, :int(after.num[0, 0, n])]}
+    assert ranks[(0, 3)] == 0 and ranks[(3, 3)] == 1 and (1, 3) not in ranks  # (KV blocks 1, 2 dropped)
+
+
 def test_a_mask_mod_assigned_later_is_the_one_that_runs(qkv):
     """torch's BlockMask semantics: ``bm.mask_mod = f`` after a call makes the next call run f."""
     everything = create_block_mask(lambda b, h, q, kv: (q + kv) % 2 == 0, None, None, S, S, device="cpu",

@@ -15,7 +15,7 @@ import torch
 
 from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, hopper, tuning
 from flexattn.kernels.launch import PlanCache
-from flexattn.kernels.tables import Tables, check_against, visited_share
+from flexattn.kernels.tables import Tables, check_against, listed_blocks, visited_share
 from flexattn.mods import Mod
 
 FORWARD = PlanCache()
@@ -253,9 +253,7 @@ def _mask_work(tables: Tables) -> tuple[str, str]:
     partial share alone put 16 documents that start on block edges under causal's key; causal's
     tiles are a near tie (H100, B=4 H=32 S=8k D=64: 128x128 with 4 warps 2.54 ms, 128x64 2.49),
     and when the tie went to 128x128 the documents ran 0.70 ms against 0.40 with their own winner."""
-    kv = tables.kv
-    partial, full = torch.stack([kv.num.sum(), kv.full_num.sum() if kv.has_full else kv.num.new_zeros(())]).tolist()
-    blocks = kv.num.numel() * kv.idx.shape[-1]
+    partial, full, blocks = listed_blocks(tables)
     visited = (partial + full) / max(blocks, 1)
     level = "0" if visited == 0 else f"1/{2 ** max(0, round(-math.log2(visited)))}"
     return f"visits {level}", f"partial {partial / max(partial + full, 1):.1f}"

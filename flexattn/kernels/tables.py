@@ -259,32 +259,49 @@ def check_against(tables: Tables, B: int, Hq: int, Q_LEN: int, KV_LEN: int, devi
                          f"needs {need_kv}")
 
 
+def _made_from(tables: Tables, slot: str, n: int, source: Direction, make):
+    """``make()``, kept on ``tables`` under (slot, n) and made again when ``source`` is another
+    Direction than the one it was made from or one of its tensors has changed in place (never
+    trusted for inference tensors, which keep no change counter)."""
+    cache = tables.__dict__.setdefault(slot, {})
+    versions = tuple(version(t) for t in source.args())
+    made, made_from, made_versions = cache.get(n, (None, None, None))
+    if made is None or made_from is not source or made_versions != versions or None in versions:
+        made = make()
+        cache[n] = (made, source, versions)
+    return made
+
+
 def q_direction(tables: Tables, KV_LEN: int) -> Direction:
     """The dK/dV pass's lists: the mask's own ``q_*`` tables, or ``kv`` transposed (made once)."""
     if tables.q is not None:
         return tables.q
     n_kv = triton.cdiv(KV_LEN, tables.kv_block)
-    cache = tables.__dict__.setdefault("_transposed", {})
-    # (made again after an in-place change of the KV lists)
-    versions = tuple(version(t) for t in tables.kv.args() if t is not None)
-    q, made_from = cache.get(n_kv, (None, None))
-    if q is None or made_from != versions or None in versions:
+
+    def make():
         kv = tables.kv
         q_num, q_idx = transpose(kv.num, kv.idx, n_kv)
         fq_num = fq_idx = None
         if kv.has_full:
             fq_num, fq_idx = transpose(kv.full_num, kv.full_idx, n_kv)
-        q = Direction(q_num, q_idx, fq_num, fq_idx)
-        cache[n_kv] = (q, versions)
-    return q
+        return Direction(q_num, q_idx, fq_num, fq_idx)
+
+    # (made again after an in-place change of the KV lists)
+    return _made_from(tables, "_transposed", n_kv, tables.kv, make)
+
+
+def listed_blocks(tables: Tables) -> tuple[int, int, int]:
+    """(partial, full, all) (query block, KV block) pairs of the KV lists: what they visit, and
+    how many there are (one host sync: for plans, not calls)."""
+    kv = tables.kv
+    partial, full = torch.stack([kv.num.sum(), kv.full_num.sum() if kv.has_full else kv.num.new_zeros(())]).tolist()
+    return partial, full, kv.num.numel() * kv.idx.shape[-1]
 
 
 def visited_share(tables: Tables) -> float:
-    """The share of all (query block, KV block) pairs the KV lists visit, partial or full (a host
-    sync: for plans, not calls)."""
-    kv = tables.kv
-    listed = kv.num.sum() + (kv.full_num.sum() if kv.has_full else 0)
-    return float(listed) / max(kv.num.numel() * kv.idx.shape[-1], 1)
+    """The share of all (query block, KV block) pairs the KV lists visit, partial or full."""
+    partial, full, blocks = listed_blocks(tables)
+    return (partial + full) / max(blocks, 1)
 
 
 def ordered_q_lists(tables: Tables, KV_LEN: int) -> Direction | None:
@@ -306,21 +323,19 @@ def ordered_q_lists(tables: Tables, KV_LEN: int) -> Direction | None:
     n_q, n_kv = tables.kv.num.shape[-1], q.num.shape[-1]
     if n_q > 1 << 15 or n_kv > 1 << 15 or q.num[..., :1].numel() * n_q * n_kv > 1 << 25:
         return None
-    cache = tables.__dict__.setdefault("_ordered", {})
-    versions = tuple(version(t) for t in q.args() if t is not None)
-    made, made_from = cache.get(n_kv, (None, None))
-    if made is not None and made_from == versions and None not in versions:
-        return made
-    partial = flags(q.num, q.idx, n_q)  # [..., KV block, query block]
-    visits = partial | flags(q.full_num, q.full_idx, n_q) if q.has_full else partial
-    counts = visits.to(torch.int32)
-    before = counts.cumsum(-2, dtype=torch.int32) - counts  # visits of each query block by lower KV blocks
-    num, idx = ordered(visits)
-    blocks = torch.arange(n_q, dtype=torch.int32, device=visits.device)
-    entry = blocks | (partial.to(torch.int32) << 15) | (before << 16)  # (of every query block)
-    made = Direction(num, entry.gather(-1, idx.long()), None, None)
-    cache[n_kv] = (made, versions)
-    return made
+
+    def make():
+        partial = flags(q.num, q.idx, n_q)  # [..., KV block, query block]
+        visits = partial | flags(q.full_num, q.full_idx, n_q) if q.has_full else partial
+        counts = visits.to(torch.int32)
+        before = counts.cumsum(-2, dtype=torch.int32) - counts  # visits of each query block by lower KV blocks
+        num, idx = ordered(visits)
+        blocks = torch.arange(n_q, dtype=torch.int32, device=visits.device)
+        entry = blocks | (partial.to(torch.int32) << 15) | (before << 16)  # (of every query block)
+        return Direction(num, entry.gather(-1, idx.long()), None, None)
+
+    # (made again when the q lists are: the transposed ones are new tensors after a change of the KV lists)
+    return _made_from(tables, "_ordered", n_kv, q, make)
 
 
 _DENSE = LRU(1024)  # (device, blocks) -> the tables of "no block mask" (a few int32 each)
