@@ -268,25 +268,23 @@ def p_and_ds(s, dp, valid, lse2, delta, b, h, q_idx, kv_idx, SM_SCALE, qk_factor
 
 
 @gluon.jit
-def dq_add(dq, dq_s, dq_smem, DQ_DESC, b, h, start, DQ_COL0: gl.constexpr):
+def dq_add(dq, dq_s, dq_smem, DQ_DESC, b, h, start, dq_full, dq_empty, n_adds, DQ_COL0: gl.constexpr,
+           DQ_ORDERED: gl.constexpr):
     """dQ through shared memory into DQ_ACC by the TMA unit's reduce-add (rows past Q_LEN are
-    clipped); per-element atomics from the registers run at 0.8x of this (L2-bound)."""
-    tma.store_wait(0)  # (the previous add has read the buffer)
+    clipped); per-element atomics from the registers run at 0.8x of this (L2-bound). DQ_ORDERED:
+    the buffer is handed over to `dq_writer` (dq_full), which adds it, once the writer has read
+    the previous one (dq_empty). Returns the count of tiles handed over."""
+    if DQ_ORDERED:
+        mbarrier.wait(dq_empty, (n_adds & 1) ^ 1)
+    else:
+        tma.store_wait(0)  # (the previous add has read the buffer)
     dq_s.store(dq)
     fence_async_shared()
     _sync_warps()
-    _tma_add(DQ_DESC, [b, h, start, DQ_COL0], dq_smem)
-
-
-@gluon.jit
-def dq_hand_over(dq, dq_s, dq_full, dq_empty, n_adds):
-    """DQ_ORDERED: this consumer's half of a dQ tile into its buffer for `dq_writer`, once the
-    writer has read the previous one: returns the count of tiles handed over."""
-    mbarrier.wait(dq_empty, (n_adds & 1) ^ 1)
-    dq_s.store(dq)
-    fence_async_shared()
-    _sync_warps()
-    mbarrier.arrive(dq_full, count=1)
+    if DQ_ORDERED:
+        mbarrier.arrive(dq_full, count=1)
+    else:
+        _tma_add(DQ_DESC, [b, h, start, DQ_COL0], dq_smem)
     return n_adds + 1
 
 
@@ -328,7 +326,7 @@ def dq_writer(DQ_DESC, dq_bufs, dq_full, dq_empty, DQ_SEM, Q_NUM_BLKS, Q_IDX, FU
               SPARSE_Q_BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr,
               BLOCKS_ARE_CONTIGUOUS: gl.constexpr):
     """DQ_ORDERED (deterministic mode): one warp adds the consumers' dQ tiles (both halves, handed
-    over in `dq_hand_over`) into DQ_ACC in each tile's fixed order. The programs that visit a dQ
+    over in `dq_add`) into DQ_ACC in each tile's fixed order. The programs that visit a dQ
     tile add in the order of their KV tiles (the order the hardware starts them in, so that a
     program only waits for programs already running or done): DQ_SEM counts each tile's adds, and
     this program's add waits until the count reaches its rank (`tables.ordered_q_lists`; the
@@ -427,7 +425,7 @@ def consume_tile(k_smem, v_smem, k_bufs, v_bufs, kb, q_bufs, do_bufs, p_bufs, ds
             mbarrier.arrive(kv_free, count=1)
     prev_start = 0  # DEFER_DQ: the previous step's query tile and head
     prev_h = h_kv * GQA_SHARED_HEADS
-    n_adds = 0  # DQ_ORDERED: the dQ tiles handed over
+    n_adds = 0  # the dQ tiles added (DQ_ORDERED: handed over)
     for g in range(GQA_SHARED_HEADS):
         h = h_kv * GQA_SHARED_HEADS + g
         h64 = h.to(gl.int64)
@@ -560,16 +558,13 @@ def consume_tile(k_smem, v_smem, k_bufs, v_bufs, kb, q_bufs, do_bufs, p_bufs, ds
                 if DEFER_DQ:
                     if it > 0:
                         mbarrier.arrive(ds_free.index((it - 1) % 2), count=1)
-                        if DQ_ORDERED:
-                            n_adds = dq_hand_over(dq * SM_SCALE, dq_s, dq_full, dq_empty, n_adds)
-                        else:
-                            dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, prev_h, prev_start, DQ_COL0)
+                        n_adds = dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, prev_h, prev_start, dq_full,
+                                        dq_empty, n_adds, DQ_COL0, DQ_ORDERED)
                     prev_start = start
                     prev_h = h
-                elif DQ_ORDERED:
-                    n_adds = dq_hand_over(dq * SM_SCALE, dq_s, dq_full, dq_empty, n_adds)
                 else:
-                    dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, h, start, DQ_COL0)
+                    n_adds = dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, h, start, dq_full, dq_empty, n_adds,
+                                    DQ_COL0, DQ_ORDERED)
             else:  # (dQ in its own pass: each consumer reads only its own dS)
                 dk = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
                 dv = warpgroup_mma_wait(1, deps=(dv, ))
@@ -583,10 +578,8 @@ def consume_tile(k_smem, v_smem, k_bufs, v_bufs, kb, q_bufs, do_bufs, p_bufs, ds
             mbarrier.wait(ds_ready.index((it - 1) % 2), ((it - 1) // 2) & 1)
             dq = warpgroup_mma(ds_bufs.index((it - 1) % 2), k_dq, zero_dq, use_acc=False, is_async=True)
             dq = warpgroup_mma_wait(0, deps=(dq, ))
-            if DQ_ORDERED:
-                n_adds = dq_hand_over(dq * SM_SCALE, dq_s, dq_full, dq_empty, n_adds)
-            else:
-                dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, prev_h, prev_start, DQ_COL0)
+            n_adds = dq_add(dq * SM_SCALE, dq_s, dq_smem, DQ_DESC, b, prev_h, prev_start, dq_full, dq_empty, n_adds,
+                            DQ_COL0, DQ_ORDERED)
     if DQ_ORDERED:  # (the writer has read the last dQ: the buffer may take dK)
         if n_adds > 0:
             mbarrier.wait(dq_empty, (n_adds - 1) & 1)
