@@ -102,15 +102,12 @@ def q_lists(Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX, b, h, kv_blk,
             stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
             stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
             TILES_PER_BLOCK: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr):
-    """(partial tiles, all tiles, partial list, full list) of query head h for KV block kv_blk."""
-    b64 = b.to(gl.int64)
-    n_partial = gl.load(Q_NUM_BLKS + b64 * stride_nz + h * stride_nh + kv_blk * stride_nn) * TILES_PER_BLOCK
-    P_IDX = Q_IDX + b64 * stride_iz + h * stride_ih + kv_blk * stride_in
-    F_IDX = FULL_Q_IDX + b64 * stride_fiz + h * stride_fih + kv_blk * stride_fin
-    n_tiles = n_partial
-    if HAS_FULL_BLOCKS:
-        n_tiles += gl.load(FULL_Q_NUM_BLKS + b64 * stride_fnz + h * stride_fnh + kv_blk * stride_fnn) * TILES_PER_BLOCK
-    return n_partial, n_tiles, P_IDX, F_IDX
+    """(partial tiles, all tiles, partial list, full list) of query head h for KV block kv_blk:
+    `kv_lists`' row lookup in the transposed lists."""
+    return kv_lists(Q_NUM_BLKS, Q_IDX, FULL_Q_NUM_BLKS, FULL_Q_IDX, b.to(gl.int64), h, kv_blk,
+                    stride_nz, stride_nh, stride_nn, stride_iz, stride_ih, stride_in,
+                    stride_fnz, stride_fnh, stride_fnn, stride_fiz, stride_fih, stride_fin,
+                    TILES_PER_BLOCK, HAS_FULL_BLOCKS)
 
 
 @gluon.jit

@@ -44,7 +44,8 @@ def kv_lists(KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX, b64, h, q_blk,
              stride_fnz, stride_fnh, stride_fnm, stride_fiz, stride_fih, stride_fim,
              TILES_PER_BLOCK: gl.constexpr, HAS_FULL_BLOCKS: gl.constexpr):
     """(partial tiles, all tiles, partial list, full list) of query block q_blk of head h in the
-    forward's lists (KV blocks per query block), tiles of SPARSE_KV_BLOCK_SIZE // TILES_PER_BLOCK."""
+    forward's lists (KV blocks per query block), tiles of SPARSE_KV_BLOCK_SIZE // TILES_PER_BLOCK;
+    the same of a KV block in the transposed lists (backward_hopper.py's q_lists)."""
     n_partial = gl.load(KV_NUM_BLKS + b64 * stride_nz + h * stride_nh + q_blk * stride_nm) * TILES_PER_BLOCK
     P_IDX = KV_IDX + b64 * stride_iz + h * stride_ih + q_blk * stride_im
     F_IDX = FULL_KV_IDX + b64 * stride_fiz + h * stride_fih + q_blk * stride_fim
