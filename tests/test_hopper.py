@@ -441,17 +441,20 @@ def test_backward_waits_for_dp_late_only_for_score_mods_of_constant_derivative()
 def test_backward_defers_dq_where_it_measured_faster(monkeypatch):
     """DEFER_DQ (a step's dQ in the next step) where it measured faster: at head dim 128 unless the
     mask reads captured tensors (documents); at head dim 64 with ALiBi or a documents mask, not
-    without mods, causal nor with soft-cap. Both schedules compile at both head dims (a GQA group,
+    without mods, causal nor with soft-cap, nor with ordered dQ adds (deterministic mode). Both schedules compile at both head dims (a GQA group,
     a length that is not a multiple of the tiles)."""
     alibi = alibi_with(torch.exp2(-torch.arange(1, 3, dtype=torch.float32)))
     documents = causal_documents(torch.arange(300, dtype=torch.int32) // 70)
 
-    def deferred(D, score_fn=None, mask_fn=None):
+    def deferred(D, score_fn=None, mask_fn=None, ordered=False):
         score = _mod(score_fn or (lambda s, b, h, q, k: s), SCORE)
         mask = _mod(mask_fn or (lambda b, h, q, k: q >= 0), MASK)
-        return bwd.hopper_plan(*_qkv(D=D), score, mask, None, {}, False).main.constexprs["DEFER_DQ"]
+        plan = bwd.hopper_plan(*_qkv(D=D), score, mask, None, {}, False, ordered=ordered)
+        assert plan.main.constexprs["DQ_ORDERED"] == ordered
+        return plan.main.constexprs["DEFER_DQ"]
 
     assert deferred(64, score_fn=alibi) and deferred(64, mask_fn=documents)
+    assert not deferred(64, score_fn=alibi, ordered=True) and deferred(128, score_fn=alibi, ordered=True)
     assert not (deferred(64) or deferred(64, score_fn=softcap) or deferred(64, mask_fn=causal))
     assert deferred(128) and deferred(128, mask_fn=causal) and deferred(128, score_fn=alibi)
     assert not deferred(128, mask_fn=documents) and not deferred(128, score_fn=alibi, mask_fn=documents)

@@ -292,17 +292,18 @@ def preprocess_args(out, grad_out, dlse, delta, dq_acc, Hq: int, Q_LEN: int) -> 
     return (out, grad_out, dlse, delta, dq[0], *out.stride(), *grad_out.stride(), *dlse.stride(), *dq[1:], Hq, Q_LEN)
 
 
-def defer_dq(head_dim: int, affine: bool, mask: Mod) -> bool:
+def defer_dq(head_dim: int, affine: bool, mask: Mod, ordered: bool = False) -> bool:
     """Whether the Hopper backward issues each step's dQ in the next step (DEFER_DQ) instead of
     having its consumers meet every step: where that measured faster (`python -m benchmarks
     attention`). Head dim 128 unless the mask reads captured tensors (causal, sliding window
     +2-5%, no mask +0-4%, score_mods level; 16 documents 4-6% slower: their programs are short,
     and the first and last steps' dQ cost more there); head dim 64 with an affine score_mod
     (ALiBi +5%) or a mask that reads captured tensors (16 documents +5%), not without them (no
-    mask, causal, soft-cap 4-5% slower)."""
+    mask, causal, soft-cap 4-5% slower), nor where dQ is ``ordered`` (`ordered_dq`; H100 B=4 H=32
+    S=8k bfloat16, ALiBi + causal 7.75-7.79 against 8.02-8.03 ms in two runs, causal level)."""
     reads_memory = bool(mask.buffer_specs)
     if head_dim == 64:
-        return affine or reads_memory
+        return (affine or reads_memory) and not ordered
     return not reads_memory
 
 
@@ -402,7 +403,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         LATE_DP_WAIT=not raw and score_mod_grad(score).score.op == "const",
         NUM_BUFFERS=hopper.BWD_NUM_BUFFERS[E], CONSUMER_REGS=hopper.CONSUMER_REGISTERS[2],
         SCORE_DTYPE=launch.ACC_TL_DTYPE.get(score.score_dtype, launch.ACC_TL_DTYPE[torch.float32]),
-        DEFER_DQ=dq_pass is None and defer_dq(E, affine, mask),
+        DEFER_DQ=dq_pass is None and defer_dq(E, affine, mask, ordered),
         DKV_TMA=descriptors.with_out,
         COMPUTE_DQ=dq_pass is None,
         PERSISTENT=dq_pass is not None and persistent_programs(mask),
