@@ -36,7 +36,8 @@ METHOD = """\
 - FLOPs: the forward counts 4·B·H·S²·D times the fraction of tiles the block mask visits (a causal
   mask is credited about half the work of no mask); the backward counts 2.5 times the forward.
 - Ratios are the competitor's time over flexattn's: above 1, flexattn is faster. cuDNN SDPA runs
-  only where it can express the case (no mask, causal).
+  only where it can express the case (no mask, causal). determ. bwd: how much longer flexattn's
+  backward takes in deterministic mode (`kernel_options={"DETERMINISTIC": True}`) than by default.
 - Decoding is memory bound: K+V bytes read per second, as a share of the device-to-device copy
   bandwidth measured in the same run.
 - Context parallelism runs under `torchrun --nproc-per-node P benchmarks/bench_context_parallel.py`
@@ -95,11 +96,12 @@ def training_table(record: dict) -> list[str]:
         B, H, S, D = shape.split("x")
         lines += section(f"Training attention: B={B} H={H} S={S} D={D}, {dtype}",
                          ["case", "tiles", "fwd TF/s", "vs torch", "vs cuDNN", "bwd TF/s", "vs torch", "vs cuDNN",
-                          "torch fwd / bwd TF/s"])
+                          "determ. bwd", "torch fwd / bwd TF/s"])
         for (row_shape, case), impls in training_cases(record).items():
             if row_shape != shape:
                 continue
             ours, theirs, cudnn = impls.get("flexattn"), impls.get("torch"), impls.get("sdpa")
+            determ = ratio(ours, impls.get("flexattn deterministic"), "bwd_ms")  # (default over deterministic)
             ok = ours is not None and "error" not in ours
             tiles = next(iter(impls.values()))["tiles"]
             lines.append(
@@ -107,6 +109,7 @@ def training_table(record: dict) -> list[str]:
                 f"{fmt(ratio(theirs, ours, 'fwd_ms'), '.2f', 'x')} | {fmt(ratio(cudnn, ours, 'fwd_ms'), '.2f', 'x')} | "
                 f"{fmt(ours.get('bwd_tflops') if ok else None)} | {fmt(ratio(theirs, ours, 'bwd_ms'), '.2f', 'x')} | "
                 f"{fmt(ratio(cudnn, ours, 'bwd_ms'), '.2f', 'x')} | "
+                f"{fmt(None if determ is None else 100 / determ - 100, '+.0f', '%')} | "
                 f"{fmt((theirs or {}).get('fwd_tflops'))} / {fmt((theirs or {}).get('bwd_tflops'))} |")
     return lines
 
@@ -241,6 +244,10 @@ def summary(suites: dict) -> str:
             cudnn_x = span([ratio(c.get("sdpa"), c.get("flexattn"), f"{key}_ms") for c in cases], ".2f", "x")
             parts.append(f"the training {what} runs at {tf}, {torch_x} the speed of torch.compile(flex_attention)"
                          + ("" if cudnn_x == NONE else f" and {cudnn_x} that of cuDNN SDPA where it runs"))
+        extra = [100 * r - 100 for c in cases
+                 if (r := ratio(c.get("flexattn deterministic"), c.get("flexattn"), "bwd_ms")) is not None]
+        if extra:
+            parts.append(f"the deterministic backward takes at most {max(extra):.0f}% more time than the default's")
     if "decode" in suites:
         rows = suites["decode"]["rows"]
         ours = span([r.get("pct_copy") for r in rows if r["impl"] == "flexattn"], ".0f", "%")

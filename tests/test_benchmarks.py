@@ -26,7 +26,7 @@ def training_row(case: str, impl: str, fwd_ms: float, bwd_ms: float | None, tile
 def write_h100(folder):
     """An H100 with every suite; the causal case has no cuDNN row and torch failed on it."""
     rows = [training_row("no mask", "flexattn", 2.0, 5.0), training_row("no mask", "torch", 3.0, 6.0),
-            training_row("no mask", "sdpa", 2.2, 4.5),
+            training_row("no mask", "sdpa", 2.2, 4.5), training_row("no mask", "flexattn deterministic", 2.0, 5.6),
             training_row("causal", "flexattn", 1.0, 2.5, tiles=0.5),
             {"shape": "4x16x8192x128", "case": "causal", "impl": "torch", "tiles": 0.5,
              "error": "RuntimeError: no"}]
@@ -88,9 +88,10 @@ def test_page_has_a_table_per_suite_with_ratios_and_missing_competitors(tmp_path
     # no mask: torch 3.0 / 2.0 ms forward, cuDNN 2.2 / 2.0; backward 6.0 / 5.0 and 4.5 / 5.0
     fwd_tflops = 4 * 4 * 16 * 8192 * 8192 * 128 / 2.0e-3 / 1e12
     assert f"| no mask | 1.00 | {fwd_tflops:.0f} | 1.50x | 1.10x |" in page
-    assert "| 1.20x | 0.90x |" in page
+    assert "| 1.20x | 0.90x | +12% |" in page  # (the deterministic backward: 5.6 against 5.0 ms)
     # causal: torch failed and cuDNN did not run
-    assert "| causal | 0.50 |" in page and "| — | — |" in page.split("| causal | 0.50 |")[1].splitlines()[0]
+    causal = page.split("| causal | 0.50 |")[1].splitlines()[0]
+    assert causal == " 1100 | — | — | 1100 | — | — | — | — / — |"  # (torch failed, no cuDNN nor determ. row)
     assert "2030-01-03" in page  # the decoding run's own date, under its table
     assert "| gqa B8 32k (8, 32, 8, 32768, 128) | 100.0 | 99.5% | — | 98.0% |" in page
     assert "| no mask | flexattn float8 | 790 | 0.0100 |" in page
@@ -100,6 +101,7 @@ def test_page_has_a_table_per_suite_with_ratios_and_missing_competitors(tmp_path
     assert "1.50x the speed of torch.compile(flex_attention) and 1.10x that of cuDNN SDPA" in page
     assert "decoding reads K and V at 100% of the copy bandwidth (SDPA: 98%)" in page
     assert "the float8 forward reaches 790 TF/s" in page
+    assert "the deterministic backward takes at most 12% more time than the default's" in page
 
 
 def test_several_gpus_each_get_a_section_and_cpu_results_are_left_out(tmp_path):
