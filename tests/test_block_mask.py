@@ -115,6 +115,26 @@ def test_generated_kernels_match_torch(mask, bs, Q, KV):
     assert_same(*both(mask, 2, 2, Q, KV, bs, backend="triton"))
 
 
+@pytest.mark.parametrize("cap", [1 << 16, 9, 0], ids=lambda c: f"cap {c}")
+def test_undecided_tiles_listed_for_the_exact_kernel_match_torch(cap, monkeypatch):
+    """A chunk's undecided tiles from DEFER_MIN on go to exact_kernel (on the GPU from 16; here
+    from 1, so that every mask lists some): a random table, documents and a mask of two distant
+    runs of positions per query tile (what a head-tail shard of an odd length gives) come out as
+    torch's. Past the list's capacity (9: some chunks listed, then the rest evaluated in place; 0:
+    none listed) a chunk evaluates its own."""
+    from flexattn.codegen import block_mask_kernel
+
+    monkeypatch.setitem(block_mask_kernel.DEFER_MIN, "interpret", 1)
+    monkeypatch.setattr(block_mask_kernel, "DEFER_CAP", cap)
+    runs = torch.cat([torch.arange(0, 150), torch.arange(1000, 1150)]).int()  # (tile 4 of 32 spans both)
+
+    def two_runs(b, h, q_idx, kv_idx):
+        return runs[q_idx] >= runs[kv_idx] + h
+
+    for mask, Q, KV in ((random_mask, 257, 129), (document_causal, 300, 300), (two_runs, 300, 299)):
+        assert_same(*both(mask, 1, 2, Q, KV, 32, backend="triton"))
+
+
 @pytest.mark.parametrize("B,H,Q,KV", [(None, None, 300, 300), (1, 3, 300, 170), (2, 1, 100, 77)], ids=str)
 def test_tables_are_16_byte_aligned(B, H, Q, KV):
     """The Triton path lists every table of a mask as a view of one buffer of each kind: each
@@ -404,6 +424,25 @@ def test_gpu_kernels_match_torch(i):
         ours = create_block_mask(on_gpu, 2, 3, Q, KV, device="cuda", BLOCK_SIZE=bs)
         theirs = torch_create_block_mask(mask, 2, 3, Q, KV, device="cpu", BLOCK_SIZE=bs)
         assert_same(ours.to("cpu"), theirs)
+
+
+@pytest.mark.gpu
+def test_gpu_rows_of_undecided_tiles_go_to_the_exact_kernel_and_match_torch(monkeypatch):
+    """A query tile across two distant runs of positions (a head-tail shard of an odd length)
+    leaves interval analysis ~60 undecided tiles in one chunk of its row: listed for exact_kernel
+    (DEFER_MIN), the tables are torch's and those of evaluating them in place."""
+    from flexattn.codegen import block_mask_kernel
+
+    runs = torch.cat([torch.arange(0, 4120), torch.arange(100_000, 104_121)]).int().cuda()
+    n = runs.numel()
+
+    def spread(b, h, q_idx, kv_idx):
+        return runs[q_idx] >= kv_idx * 12 + h
+
+    ours = create_block_mask(spread, 1, 2, n, n, device="cuda", BLOCK_SIZE=128)
+    assert_same(ours, torch_create_block_mask(spread, 1, 2, n, n, device="cuda", BLOCK_SIZE=128))
+    monkeypatch.setitem(block_mask_kernel.DEFER_MIN, "cuda", 0)
+    assert_same(ours, create_block_mask(spread, 1, 2, n, n, device="cuda", BLOCK_SIZE=128))
 
 
 @pytest.mark.gpu

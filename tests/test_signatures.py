@@ -293,9 +293,13 @@ def test_the_block_mask_arguments_land_at_their_names(separate_full, monkeypatch
     made = interval.summary_args(used, {b.index: summaries.Summary.of(MASK.buffers[b.index]) for b in used})
     interval_values = dict(zip(interval.summary_params(used),
                                [Equal(v) if isinstance(v, torch.Tensor) else v for v in made]))
+    # (the interpreter lists no undecided tiles: an unused list, and no exact_kernel)
     assert_lands(signatures.CLASSIFY, hooks, calls["classify_kernel"], {
-        **states, **buffer_values("", MASK.buffers), **interval_values,
-        "HD": HD, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "N_KV_TILES": n_kv, "N_WORDS": 1})
+        **states, "Deferred": block_mask_kernel._unused_list(torch.device("cpu")),
+        **buffer_values("", MASK.buffers), **interval_values,
+        "HD": HD, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "N_KV_TILES": n_kv, "N_WORDS": 1,
+        "CAP": block_mask_kernel.DEFER_CAP})
+    assert not calls["exact_kernel"]
     def lands(tables, sizes, rects=UNUSED):
         # (each kernel gets the rows of the buffers its tables are views of, partial and full, the
         # Rects table unread (UNUSED) for one rectangle)
@@ -329,6 +333,24 @@ def test_the_block_mask_arguments_land_at_their_names(separate_full, monkeypatch
     assert two[1][1].data_ptr() == two[0][1].data_ptr() + 4 * BH * 2 * 7
     lands(two[0], {"N_Q_TILES": 3, "N_KV_TILES": 7, "Q0": 0, "KV0": 0},
           torch.tensor([[1, 2, 2, 7, 0, 0, 0, 0], [0, 3, 0, 4, 12, 44, 84, 0]]))
+
+
+def test_the_exact_kernel_gets_the_list_classify_kernel_fills(monkeypatch):
+    """Where a chunk's undecided tiles are listed (DEFER_MIN), exact_kernel gets the very list
+    and state classify_kernel wrote, the mod's arguments and the sizes."""
+    kernels = types.SimpleNamespace(**{sig.kernel: Grid() for sig in signatures.TEMPLATES["block_mask"]})
+    monkeypatch.setattr(block_mask_kernel, "kernel_module", lambda mod, target: kernels)
+    monkeypatch.setitem(block_mask_kernel.DEFER_MIN, "interpret", 1)
+    BD, HD, Q_LEN, KV_LEN = 2, 3, 40, 72
+    block_mask_kernel.classify(MASK, BD, HD, Q_LEN, KV_LEN, 16, 8, torch.device("cpu"))
+    classify, exact = kernels.classify_kernel.recorder.args, kernels.exact_kernel.recorder.args
+    state, listed = classify[0], classify[1]
+    assert listed.dtype == torch.int64 and listed.shape == (1 + block_mask_kernel.DEFER_CAP,)
+    assert listed[0] == 0  # (the count, zeroed before the launch)
+    assert_lands(signatures.EXACT, block_mask_hooks(), exact, {
+        "State": state, "Deferred": listed, "stride_sbh": state.stride(0), "stride_sm": state.stride(1),
+        **buffer_values("", MASK.buffers), "HD": HD, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN,
+        "CAP": block_mask_kernel.DEFER_CAP})
 
 
 def test_the_forward_plan_strides_and_sizes_land_at_their_names():

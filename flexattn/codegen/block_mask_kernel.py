@@ -190,15 +190,54 @@ def classify(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BL
     # of 64 x 64 keep registers in check.
     sub_q, sub_kv = (Q_BLOCK, KV_BLOCK) if interpret else (min(Q_BLOCK, 64), min(KV_BLOCK, 64))
     chunk_words, _, _ = chunks(n_q, n_kv, interpret)
-    # (the arguments in the order `signatures.CLASSIFY` declares)
+    # (a chunk's undecided tiles from DEFER_MIN on go to exact_kernel, whose programs share them:
+    # where the mask gathers from captured tensors, whose rows can be undecided wholesale (a query
+    # tile across two distant runs of positions); arithmetic on the indices alone leaves its
+    # undecided tiles along the mask's edges, spread over the rows, and pays no second launch. The
+    # list packs a tile's row and column in 20 bits each)
+    defer_min = DEFER_MIN["interpret" if interpret else "cuda"] if used and max(n_q, n_kv) < 1 << 20 else 0
+    deferred = torch.zeros(1 + DEFER_CAP, dtype=torch.int64, device=device) if defer_min else _unused_list(device)
+    mod_args = emit.launch_args(used, mod.buffers)
+    fixed = dict(BLOCK_Q=Q_BLOCK, BLOCK_KV=KV_BLOCK, SUB_Q=sub_q, SUB_KV=sub_kv,
+                 # No FMA contraction: interval bounds rely on every float op rounding like torch's.
+                 enable_fp_fusion=False)
+    # (the arguments in the order `signatures.CLASSIFY` / `EXACT` declare)
     with _launching(device, interpret):
         module.classify_kernel[(n_q, BH)](
-            state, *emit.launch_args(used, mod.buffers), *summary_args(used, summaries),
+            state, deferred, *mod_args, *summary_args(used, summaries),
             state.stride(0), state.stride(1),
-            HD, Q_LEN, KV_LEN, n_kv, n_words,
-            BLOCK_Q=Q_BLOCK, BLOCK_KV=KV_BLOCK, SUB_Q=sub_q, SUB_KV=sub_kv,
-            CHUNK_WORDS=chunk_words, USE_INTERVAL=use_interval,
-            # No FMA contraction: interval bounds rely on every float op rounding like torch's.
-            enable_fp_fusion=False,
+            HD, Q_LEN, KV_LEN, n_kv, n_words, DEFER_CAP,
+            CHUNK_WORDS=chunk_words, USE_INTERVAL=use_interval, DEFER_MIN=defer_min, **fixed,
         )
+        if defer_min:
+            programs = 1 if interpret else _programs(device)
+            module.exact_kernel[(programs,)](
+                state, deferred, *mod_args, state.stride(0), state.stride(1), HD, Q_LEN, KV_LEN, DEFER_CAP,
+                NPROG=programs, **fixed,
+            )
     return Tiles(module, state, BD, HD, n_q, n_kv, interpret)
+
+
+# Undecided tiles of one chunk of a row (CHUNK_WORDS x 16 tiles) from which classify_kernel lists
+# them for exact_kernel instead of evaluating them itself, on the GPU and in the interpreter (0:
+# never; the interpreter runs one program at a time, where sharing them gains nothing). Over 4
+# GPUs head-tail at a length that is no multiple of the blocks, a query tile across its shard's
+# two chunks holds positions of both, so interval analysis decides almost none of its row: one
+# program evaluated them all. H100, one rank's causal build: 1.4-1.9 ms against 7.6-7.9 at
+# S=131,265, 1.9-2.3 against 28-30 at S=524,481; one GPU's 16 documents at S=524,481: 2.6 ms
+# against 4.0-4.4.
+DEFER_MIN = {"cuda": 16, "interpret": 0}
+DEFER_CAP = 1 << 16  # tiles listed at most (512 KB); a chunk past it evaluates its own
+_UNUSED = LRU(16)
+_PROGRAMS: dict = {}  # device -> exact_kernel's programs (4 per SM)
+
+
+def _programs(device: torch.device) -> int:
+    if device not in _PROGRAMS:
+        _PROGRAMS[device] = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return _PROGRAMS[device]
+
+
+def _unused_list(device: torch.device) -> torch.Tensor:
+    """An int64 tensor for classify_kernel's Deferred where it lists nothing (never read)."""
+    return _UNUSED.get_or_make(device, lambda: torch.zeros(1, dtype=torch.int64, device=device))

@@ -150,11 +150,18 @@ _STATE_STRIDES = ("state_strides", _names("stride_sbh, stride_sm"))
 _ORDER_CONSTEXPRS = _names("SEPARATE_FULL, SEL, CHUNK, RECTS")
 
 CLASSIFY = Signature("classify_kernel", (
-    ("tensors", ("State",)),
+    ("tensors", _names("State, Deferred")),
     (MODS, ("mod_params", "interval_params")),
     _STATE_STRIDES,
-    ("sizes", _names("HD, Q_LEN, KV_LEN, N_KV_TILES, N_WORDS")),
-), _names("BLOCK_Q, BLOCK_KV, SUB_Q, SUB_KV, CHUNK_WORDS, USE_INTERVAL"))
+    ("sizes", _names("HD, Q_LEN, KV_LEN, N_KV_TILES, N_WORDS, CAP")),
+), _names("BLOCK_Q, BLOCK_KV, SUB_Q, SUB_KV, CHUNK_WORDS, USE_INTERVAL, DEFER_MIN"))
+
+EXACT = Signature("exact_kernel", (
+    ("tensors", _names("State, Deferred")),
+    (MODS, ("mod_params",)),
+    _STATE_STRIDES,
+    ("sizes", _names("HD, Q_LEN, KV_LEN, CAP")),
+), _names("NPROG, BLOCK_Q, BLOCK_KV, SUB_Q, SUB_KV"))
 
 KV_ORDER = Signature("kv_order_kernel", (
     ("tensors", _names("State, KvNum, KvIdx, FullNum, FullIdx, Rects")),
@@ -254,7 +261,7 @@ TEMPLATES: dict[str, tuple[Signature, ...]] = {
     "forward": (FORWARD,),
     "forward_hopper": (FORWARD_HOPPER,),
     "decode": (DECODE_SPLIT,),
-    "block_mask": (CLASSIFY, KV_ORDER, Q_ORDER),
+    "block_mask": (CLASSIFY, EXACT, KV_ORDER, Q_ORDER),
     "backward": (BACKWARD_PREPROCESS, BACKWARD_DKDV, BACKWARD_DQ),
     "backward_hopper": (BACKWARD_HOPPER,),
     "backward_dq_hopper": (BACKWARD_DQ_HOPPER,),

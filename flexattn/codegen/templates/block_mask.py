@@ -5,7 +5,12 @@
 # Three kernels share one 2-bit-per-tile state array, STATE[BH, N_Q_TILES, N_WORDS] (int32, 16
 # tiles per word, tile j of a row in bits 2*(j%16)..2*(j%16)+1 of word j//16):
 #   classify_kernel  grid (N_Q_TILES, BH): interval analysis decides tiles wholesale; the tiles it
-#                    cannot decide are evaluated element by element with the emitted mask_mod.
+#                    cannot decide are evaluated element by element with the emitted mask_mod,
+#                    or, where a chunk of a row holds DEFER_MIN of them or more, listed in Deferred
+#                    for exact_kernel (a row that interval analysis cannot decide, such as a query
+#                    tile across two distant runs of positions, would otherwise be one program
+#                    evaluating hundreds of tiles while the others wait).
+#   exact_kernel     grid (NPROG,): evaluates the listed tiles, each program every NPROG-th.
 #   kv_order_kernel  grid (N_Q_TILES, BH): per query-tile row, counts and indices of the partial
 #                    and full KV tiles (kv_num_blocks / kv_indices / full_kv_*).
 #   q_order_kernel   grid (N_KV_TILES, BH): the same per KV-tile column (q_* / full_q_*).
@@ -25,6 +30,10 @@
 #   USE_INTERVAL: decide tiles by interval analysis first (else evaluate every tile)
 #   SEPARATE_FULL: full tiles go to full_* (else every non-empty tile is "partial")
 #   HD: heads in the evaluated grid (program_id(1) = b * HD + h)
+#   Deferred: int64 [1 + CAP]: the count of listed tiles (zeroed before classify_kernel; it may pass
+#             CAP), then the tiles as bh << 40 | query-tile row << 20 | KV tile, -1 for a slot
+#             reserved past CAP by a chunk that then evaluated its tiles itself
+#   DEFER_MIN: undecided tiles of a chunk from which they are listed (0: never)
 #   Q0, KV0: the order kernels' rectangle corner (first query-tile row, first KV-tile column of
 #            the state they list); their N_Q_TILES / N_KV_TILES are the rectangle's rows / columns
 #   RECTS: the order kernels list several rectangles in one launch, one per program_id(2), each
@@ -116,7 +125,22 @@ $classify_kernel_params
             state = tl.full([CHUNK_WORDS, 16], UNKNOWN, tl.int32)
         state = tl.where(real, state, EMPTY)
         words = tl.reduce(state << (2 * lane)[None, :], 1, _sum_op)  # disjoint bit fields: sum == or
-        if _tile_max(state) == UNKNOWN:
+        listed = w0 < 0  # (false)
+        if DEFER_MIN > 0:
+            unknown = tl.reshape((state == UNKNOWN).to(tl.int32), [CHUNK_WORDS * 16])
+            n_unknown = tl.reduce(unknown, 0, _sum_op)
+            if n_unknown >= DEFER_MIN:
+                # -- list them for exact_kernel: slots base.. in the chunk's order (the words keep
+                # UNKNOWN, which exact_kernel overwrites); past CAP, the chunk evaluates them below
+                base = tl.atomic_add(Deferred, n_unknown.to(tl.int64))
+                listed = base + n_unknown <= CAP
+                slot = base + (tl.associative_scan(unknown, 0, _sum_op) - unknown)
+                ids = tl.reshape(tile, [CHUNK_WORDS * 16]).to(tl.int64)
+                entry = (pid_bh.to(tl.int64) << 40) | (pid_m.to(tl.int64) << 20) | ids
+                tl.store(Deferred + 1 + slot, tl.where(listed, entry, -1), mask=(unknown == 1) & (slot < CAP))
+        if listed:
+            tl.store(row + words_idx, words, mask=words_idx < N_WORDS)
+        elif _tile_max(state) == UNKNOWN:
             # -- evaluate the undecided tiles of this chunk one by one
             for k in range(CHUNK_WORDS):
                 word = tl.reduce(tl.where(offs_w == k, words, 0), 0, _sum_op)
@@ -131,6 +155,27 @@ $classify_kernel_params
                 tl.store(row + w, word, mask=w < N_WORDS)
         else:
             tl.store(row + words_idx, words, mask=words_idx < N_WORDS)
+
+
+@triton.jit(do_not_specialize=[$classify_nospec"stride_sbh", "stride_sm", "HD", "Q_LEN", "KV_LEN", "CAP"])
+def exact_kernel(
+$exact_kernel_params
+):
+    # -- the tiles classify_kernel listed, each evaluated element by element; its 2 bits of the
+    # state word (UNKNOWN: both set) are cleared to the tile's state by an atomic and (other
+    # programs write the other tiles of the word)
+    count = tl.minimum(tl.load(Deferred), CAP).to(tl.int32)
+    for i in range(tl.program_id(0), count, NPROG):
+        entry = tl.load(Deferred + 1 + i)
+        if entry >= 0:
+            bh = (entry >> 40).to(tl.int32)
+            m = ((entry >> 20) & 0xFFFFF).to(tl.int32)
+            t = (entry & 0xFFFFF).to(tl.int32)
+            s = _exact_tile(bh // HD, bh % HD, m * BLOCK_Q, t * BLOCK_KV, Q_LEN, KV_LEN, $mod_params
+                            BLOCK_Q, BLOCK_KV, SUB_Q, SUB_KV)
+            word = State + bh.to(tl.int64) * stride_sbh + m.to(tl.int64) * stride_sm + t // 16
+            # (int32: 3 << 30 must wrap, as in classify_kernel)
+            tl.atomic_and(word, ~((tl.full([], 3, tl.int32) ^ s) << (2 * (t % 16))))
 
 
 @triton.jit
