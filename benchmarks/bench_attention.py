@@ -211,8 +211,16 @@ def measure_case(impls: dict, q, k, v, d_out, args, warmup: int, rep: int) -> di
         except Exception as e:  # a competitor that cannot run a case is reported, not fatal
             out_of[impl] = {"error": results.error_text(e)}
     t_fwd, t_bwd = {impl: [] for impl in checked}, {impl: [] for impl in checked}
-    for _ in range(max(1, args.rounds)):
-        for impl, (_, backward) in list(checked.items()):
+    for r in range(max(1, args.rounds)):
+        # (each round starts one impl later, so that none is always timed first: in two processes
+        # on an H100 the first impl's forward read 14-16% slower than the same kernel timed second)
+        order = list(checked)
+        first = r % len(order) if order else 0
+        order = order[first:] + order[:first]
+        for impl in order:
+            if impl not in checked:
+                continue
+            backward = checked[impl][1]
             try:
                 with torch.no_grad():
                     t_fwd[impl].append(timer(impls[impl], args.device, warmup, rep))

@@ -32,7 +32,8 @@ METHOD = """\
   (`benchmarks/bench_*.py`), and records each competitor's largest difference from flexattn's
   output (and gradients) in the results JSON.
 - Kernel times are medians of CUDA-event timings after warm-up (`benchmarks/timing.py`); the
-  training suite times the competitors in turns over several rounds and keeps each one's median.
+  training suite times the competitors in turns over several rounds, each round starting with the
+  next competitor, and keeps each one's median.
 - FLOPs: the forward counts 4·B·H·S²·D times the fraction of tiles the block mask visits (a causal
   mask is credited about half the work of no mask); the backward counts 2.5 times the forward.
 - Ratios are the competitor's time over flexattn's: above 1, flexattn is faster. cuDNN SDPA runs

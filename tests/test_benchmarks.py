@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
 import pytest
+import torch
 
 from benchmarks import __main__ as cli
 from benchmarks import report, results
@@ -279,3 +281,20 @@ def test_varlen_suite_on_the_cpu_writes_its_results(tmp_path, capsys):
     assert rows["documents"]["max_diff"] < 1e-5 and rows["documents"]["grad_diff"] < 1e-5
     assert rows["sinks"]["max_diff"] < 1e-5 and rows["sinks"]["bwd_ms"] > 0  # (sinks of -20 weigh e^-20)
     assert "flexattn document mask" in capsys.readouterr().out
+
+
+def test_training_rounds_rotate_which_impl_is_timed_first(monkeypatch):
+    """Each round of `bench_attention.measure_case` starts one impl later, so that no impl is
+    always timed first (the first timing of a round can read slower on a GPU in another state)."""
+    from benchmarks import bench_attention
+
+    timed = []
+    monkeypatch.setattr(bench_attention, "timer", lambda fn, device, warmup, rep: timed.append(fn()) or 1e-3)
+    x = torch.ones(1, 1, 4, 8)
+    impls = {name: (lambda i=i: x * (i + 1)) for i, name in enumerate("abc")}
+    args = argparse.Namespace(no_backward=True, rounds=4, device="cpu")
+    out = bench_attention.measure_case(impls, x, x, x, x, args, 0, 1)
+    firsts = [int(t[0, 0, 0, 0]) for t in timed]
+    assert firsts == [1, 2, 3, 2, 3, 1, 3, 1, 2, 1, 2, 3]
+    assert set(out) == {"a", "b", "c"} and all(r["fwd_ms"] == 1.0 for r in out.values())
+
