@@ -428,16 +428,24 @@ def test_whole_documents_is_the_most_even_cut():
         fd.WholeDocuments([4, 5]).runs(10, 2, 0)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton listed", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("layout", ["head_tail", "documents", "window"])
-def test_pair_tables_are_the_masks_built_for_those_positions(layout, backend):
+def test_pair_tables_are_the_masks_built_for_those_positions(layout, backend, monkeypatch):
     """One classification of a rank's queries against every KV shard side by side (each padded to
     whole blocks, the padding masked out) lists, for any rectangle of query blocks and KV blocks
     of one shard, the tables of a block mask built for those queries and keys alone; its block
     ranges are those of each pair's own mask. (A shard has 13 KV blocks: shards start inside the
-    state's 16-tile words; the window grows with b and h: its tiles differ between them.)"""
+    state's 16-tile words; the window grows with b and h: its tiles differ between them. S=1201
+    over 3 ranks: head-tail chunks end inside query tiles, whose rows interval analysis leaves
+    undecided; "triton listed" lists every undecided tile for exact_kernel, against masks built
+    by the torch path.)"""
     from flexattn.block_mask.create import classify
+    from flexattn.codegen import block_mask_kernel
     from flexattn.distributed.masks import MASK, _ranges, at_global_positions
+    reference = backend
+    if backend == "triton listed":
+        monkeypatch.setitem(block_mask_kernel.DEFER_MIN, "interpret", 1)
+        backend, reference = "triton", "torch"
     S, P, QB, KVB, B, H = 1201, 3, 64, 32, 2, 2
     docs = [500, 400, 301]
     ids = torch.repeat_interleave(torch.arange(3), torch.tensor(docs))
@@ -449,7 +457,8 @@ def test_pair_tables_are_the_masks_built_for_those_positions(layout, backend):
                "documents": (masks.document(ids, causal=True), fd.PerDocument(docs)),
                "window": (window, fd.Contiguous())}[layout]
     device = torch.device("cuda" if backend == "cuda" else "cpu")
-    backend = "triton" if backend == "cuda" else backend  # (the generated kernels, on the GPU or interpreted)
+    if backend == "cuda":  # (the generated kernels on the GPU; "triton": interpreted)
+        backend = reference = "triton"
     mod = flexattn.trace(mod, "mask")
     mod = mod.rebind([t.to(device) for t in mod.buffers])
     tiled, kept, n = lb.tiled_positions(S, P, KVB, device)
@@ -494,7 +503,7 @@ def test_pair_tables_are_the_masks_built_for_those_positions(layout, backend):
         for i, (got, (pair, rows, held, where)) in enumerate(zip(tiles.tables_of([rect for rect, _ in rects]),
                                                                   [case for _, case in rects])):
             built = flexattn.create_block_mask(pair, B, H, rows[1] - rows[0], held[1] - held[0], device=device,
-                                               BLOCK_SIZE=(QB, KVB), backend=backend)
+                                               BLOCK_SIZE=(QB, KVB), backend=reference)
             for name, t, first in zip(names, got, alone):
                 assert torch.equal(t, getattr(built, name)), (*where, name)
                 assert i or torch.equal(first, t), (*where, name)
