@@ -63,6 +63,13 @@ def ratio(other: dict | None, ours: dict | None, key: str) -> float | None:
     return other[key] / ours[key]
 
 
+def determ_extra(impls: dict) -> float | None:
+    """How much longer (%) flexattn's deterministic backward took than its default's in one case
+    (``impls``: impl -> row; None where either did not run)."""
+    r = ratio(impls.get("flexattn deterministic"), impls.get("flexattn"), "bwd_ms")
+    return None if r is None else 100 * r - 100
+
+
 def span(values, spec: str, suffix: str = "") -> str:
     values = [v for v in values if v is not None]
     if not values:
@@ -102,7 +109,6 @@ def training_table(record: dict) -> list[str]:
             if row_shape != shape:
                 continue
             ours, theirs, cudnn = impls.get("flexattn"), impls.get("torch"), impls.get("sdpa")
-            determ = ratio(ours, impls.get("flexattn deterministic"), "bwd_ms")  # (default over deterministic)
             ok = ours is not None and "error" not in ours
             tiles = next(iter(impls.values()))["tiles"]
             lines.append(
@@ -110,7 +116,7 @@ def training_table(record: dict) -> list[str]:
                 f"{fmt(ratio(theirs, ours, 'fwd_ms'), '.2f', 'x')} | {fmt(ratio(cudnn, ours, 'fwd_ms'), '.2f', 'x')} | "
                 f"{fmt(ours.get('bwd_tflops') if ok else None)} | {fmt(ratio(theirs, ours, 'bwd_ms'), '.2f', 'x')} | "
                 f"{fmt(ratio(cudnn, ours, 'bwd_ms'), '.2f', 'x')} | "
-                f"{fmt(None if determ is None else 100 / determ - 100, '+.0f', '%')} | "
+                f"{fmt(determ_extra(impls), '+.0f', '%')} | "
                 f"{fmt((theirs or {}).get('fwd_tflops'))} / {fmt((theirs or {}).get('bwd_tflops'))} |")
     return lines
 
@@ -245,8 +251,7 @@ def summary(suites: dict) -> str:
             cudnn_x = span([ratio(c.get("sdpa"), c.get("flexattn"), f"{key}_ms") for c in cases], ".2f", "x")
             parts.append(f"the training {what} runs at {tf}, {torch_x} the speed of torch.compile(flex_attention)"
                          + ("" if cudnn_x == NONE else f" and {cudnn_x} that of cuDNN SDPA where it runs"))
-        extra = [100 * r - 100 for c in cases
-                 if (r := ratio(c.get("flexattn deterministic"), c.get("flexattn"), "bwd_ms")) is not None]
+        extra = [e for c in cases if (e := determ_extra(c)) is not None]
         if extra:
             parts.append(f"the deterministic backward takes at most {max(extra):.0f}% more time than the default's")
     if "decode" in suites:
