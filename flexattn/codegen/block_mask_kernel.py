@@ -13,6 +13,7 @@ captured tensors, key, name and source), so this module needs nothing from above
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 
@@ -229,13 +230,13 @@ def classify(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BL
 DEFER_MIN = {"cuda": 16, "interpret": 0}
 DEFER_CAP = 1 << 16  # tiles listed at most (512 KB); a chunk past it evaluates its own
 _UNUSED = LRU(16)
-_PROGRAMS: dict = {}  # device -> exact_kernel's programs (4 per SM)
 
 
+@functools.lru_cache(maxsize=None)
 def _programs(device: torch.device) -> int:
-    if device not in _PROGRAMS:
-        _PROGRAMS[device] = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return _PROGRAMS[device]
+    """exact_kernel's programs on a GPU: 4 per SM (as `kernels.launch.num_sms`, which codegen
+    does not import)."""
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _unused_list(device: torch.device) -> torch.Tensor:
