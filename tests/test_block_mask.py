@@ -122,10 +122,10 @@ def test_undecided_tiles_listed_for_the_exact_kernel_match_torch(cap, monkeypatc
     runs of positions per query tile (what a head-tail shard of an odd length gives) come out as
     torch's. Past the list's capacity (9: some chunks listed, then the rest evaluated in place; 0:
     none listed) a chunk evaluates its own."""
-    from flexattn.codegen import block_mask_kernel
+    from flexattn.kernels import mask_tiles
 
-    monkeypatch.setitem(block_mask_kernel.DEFER_MIN, "interpret", 1)
-    monkeypatch.setattr(block_mask_kernel, "DEFER_CAP", cap)
+    monkeypatch.setitem(mask_tiles.DEFER_MIN, "interpret", 1)
+    monkeypatch.setattr(mask_tiles, "DEFER_CAP", cap)
     runs = torch.cat([torch.arange(0, 150), torch.arange(1000, 1150)]).int()  # (tile 4 of 32 spans both)
 
     def two_runs(b, h, q_idx, kv_idx):
@@ -431,7 +431,7 @@ def test_gpu_rows_of_undecided_tiles_go_to_the_exact_kernel_and_match_torch(monk
     """A query tile across two distant runs of positions (a head-tail shard of an odd length)
     leaves interval analysis ~60 undecided tiles in one chunk of its row: listed for exact_kernel
     (DEFER_MIN), the tables are torch's and those of evaluating them in place."""
-    from flexattn.codegen import block_mask_kernel
+    from flexattn.kernels import mask_tiles
 
     runs = torch.cat([torch.arange(0, 4120), torch.arange(100_000, 104_121)]).int().cuda()
     n = runs.numel()
@@ -441,7 +441,7 @@ def test_gpu_rows_of_undecided_tiles_go_to_the_exact_kernel_and_match_torch(monk
 
     ours = create_block_mask(spread, 1, 2, n, n, device="cuda", BLOCK_SIZE=128)
     assert_same(ours, torch_create_block_mask(spread, 1, 2, n, n, device="cuda", BLOCK_SIZE=128))
-    monkeypatch.setitem(block_mask_kernel.DEFER_MIN, "cuda", 0)
+    monkeypatch.setitem(mask_tiles.DEFER_MIN, "cuda", 0)
     assert_same(ours, create_block_mask(spread, 1, 2, n, n, device="cuda", BLOCK_SIZE=128))
 
 

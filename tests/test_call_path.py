@@ -16,7 +16,7 @@ from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
 import flexattn
 from flexattn import call, modcache
-from flexattn.codegen import block_mask_kernel
+from flexattn.kernels import mask_tiles
 from flexattn.reference import attention_reference
 from helpers.testing import record_calls
 
@@ -380,10 +380,10 @@ def test_compiled_model_with_a_block_mask_made_outside():
 def test_block_masks_of_new_lengths_reuse_kernels():
     """On the GPU the block-mask kernels' constexprs do not depend on the lengths (and the lengths
     are not specialised on), so a new length compiles nothing; one module serves every length."""
-    assert len({block_mask_kernel.chunks(n, n, interpret=False) for n in (1, 7, 64, 1000, 8192)}) == 1
+    assert len({mask_tiles.chunks(n, n, interpret=False) for n in (1, 7, 64, 1000, 8192)}) == 1
     mask = flexattn.mask_mod("(q_idx >= kv_idx) & (q_idx - kv_idx < 40)")
     flexattn.create_block_mask(mask, None, None, 100, 100, device="cpu", BLOCK_SIZE=16, backend="triton")
-    modules = dict(block_mask_kernel._MODULES)
+    modules = dict(mask_tiles._MODULES)
     for n in (37, 130, 257):
         bm = flexattn.create_block_mask(mask, None, None, n, n, device="cpu", BLOCK_SIZE=16, backend="triton")
         dense = flexattn.create_mask(mask, 1, 1, n, n, device="cpu")[0, 0]
@@ -392,7 +392,7 @@ def test_block_masks_of_new_lengths_reuse_kernels():
         padded[:n, :n] = dense
         visited = padded.view(nb, 16, nb, 16).any(3).any(1).sum(1)  # tiles each query block must see
         assert torch.equal((bm.kv_num_blocks + bm.full_kv_num_blocks)[0, 0], visited.int())
-    assert dict(block_mask_kernel._MODULES) == modules
+    assert dict(mask_tiles._MODULES) == modules
     source = next(iter(modules.values())).__file__
     with open(source) as f:
         text = f.read()

@@ -440,11 +440,11 @@ def test_pair_tables_are_the_masks_built_for_those_positions(layout, backend, mo
     undecided; "triton listed" lists every undecided tile for exact_kernel, against masks built
     by the torch path.)"""
     from flexattn.block_mask.create import classify
-    from flexattn.codegen import block_mask_kernel
+    from flexattn.kernels import mask_tiles
     from flexattn.distributed.masks import MASK, _ranges, at_global_positions
     reference = backend
     if backend == "triton listed":
-        monkeypatch.setitem(block_mask_kernel.DEFER_MIN, "interpret", 1)
+        monkeypatch.setitem(mask_tiles.DEFER_MIN, "interpret", 1)
         backend, reference = "triton", "torch"
     S, P, QB, KVB, B, H = 1201, 3, 64, 32, 2, 2
     docs = [500, 400, 301]

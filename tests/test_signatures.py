@@ -13,8 +13,8 @@ import torch
 
 import flexattn
 from flexattn import interval as summaries, ir
-from flexattn.codegen import block_mask_kernel, emit, interval, render, signatures
-from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, hopper, launch
+from flexattn.codegen import emit, interval, render, signatures
+from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, hopper, launch, mask_tiles
 from flexattn.kernels.arguments import PER_CALL, UNUSED
 from flexattn.kernels.tables import ordered_q_lists, tables_of
 from flexattn.lru import LRU
@@ -49,7 +49,7 @@ def rendered(template: str, make_module, monkeypatch) -> str:
         return types.SimpleNamespace(flex_attention_forward=None)
 
     monkeypatch.setattr(render, "load_source", capture)
-    monkeypatch.setattr(block_mask_kernel, "load_kernel_module",
+    monkeypatch.setattr(mask_tiles, "load_kernel_module",
                         lambda name, hooks, provenance, interpret: capture(render.render(name, hooks, provenance),
                                                                            name, interpret))
     monkeypatch.setattr(launch, "_MODULES", LRU(16))  # empty: every module is rendered again
@@ -82,7 +82,7 @@ FAMILIES = {
     "forward": (lambda: fwd.module(SCORE, MASK, "cuda"), lambda: mod_hooks("cuda")),
     "forward_hopper": (lambda: fwd.hopper_module(SCORE, MASK, False), lambda: mod_hooks("gluon")),
     "decode": (lambda: dec.module(SCORE, MASK, "cuda"), lambda: mod_hooks("cuda", **DECODE_HOOKS)),
-    "block_mask": (lambda: block_mask_kernel._render(MASK, "cuda"), lambda: block_mask_hooks()),
+    "block_mask": (lambda: mask_tiles._render(MASK, "cuda"), lambda: block_mask_hooks()),
     "backward": (lambda: bwd.module(SCORE, MASK, (0,), "cuda"), backward_hooks),
     "backward_hopper": (lambda: bwd.hopper_module(SCORE, MASK, False), lambda: mod_hooks("gluon")),
     "backward_dq_hopper": (lambda: bwd.hopper_dq_module(SCORE, MASK, False), lambda: mod_hooks("gluon")),
@@ -280,9 +280,9 @@ class Grid:
 @pytest.mark.parametrize("separate_full", [True, False])
 def test_the_block_mask_arguments_land_at_their_names(separate_full, monkeypatch):
     kernels = types.SimpleNamespace(**{sig.kernel: Grid() for sig in signatures.TEMPLATES["block_mask"]})
-    monkeypatch.setattr(block_mask_kernel, "kernel_module", lambda mod, target: kernels)
+    monkeypatch.setattr(mask_tiles, "kernel_module", lambda mod, target: kernels)
     BD, HD, Q_LEN, KV_LEN = 2, 3, 40, 72
-    tables = block_mask_kernel.build_tables(MASK, BD, HD, Q_LEN, KV_LEN, 16, 8, torch.device("cpu"), separate_full)
+    tables = mask_tiles.build_tables(MASK, BD, HD, Q_LEN, KV_LEN, 16, 8, torch.device("cpu"), separate_full)
     n_q, n_kv = 3, 9
     calls = {name: grid.recorder.args for name, grid in vars(kernels).items()}
     state = calls["classify_kernel"][0]
@@ -295,10 +295,10 @@ def test_the_block_mask_arguments_land_at_their_names(separate_full, monkeypatch
                                [Equal(v) if isinstance(v, torch.Tensor) else v for v in made]))
     # (the interpreter lists no undecided tiles: an unused list, and no exact_kernel)
     assert_lands(signatures.CLASSIFY, hooks, calls["classify_kernel"], {
-        **states, "Deferred": block_mask_kernel._unused_list(torch.device("cpu")),
+        **states, "Deferred": mask_tiles._unused_list(torch.device("cpu")),
         **buffer_values("", MASK.buffers), **interval_values,
         "HD": HD, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "N_KV_TILES": n_kv, "N_WORDS": 1,
-        "CAP": block_mask_kernel.DEFER_CAP})
+        "CAP": mask_tiles.DEFER_CAP})
     assert not calls["exact_kernel"]
     def lands(tables, sizes, rects=UNUSED):
         # (each kernel gets the rows of the buffers its tables are views of, partial and full, the
@@ -319,7 +319,7 @@ def test_the_block_mask_arguments_land_at_their_names(separate_full, monkeypatch
 
     lands(tables, {"N_Q_TILES": n_q, "N_KV_TILES": n_kv, "Q0": 0, "KV0": 0})
     # a rectangle of the tiles: query tiles 1..2 against KV tiles 2..8, numbered from its corner
-    tiles = block_mask_kernel.Tiles(kernels, state, BD, HD, n_q, n_kv, True)
+    tiles = mask_tiles.Tiles(kernels, state, BD, HD, n_q, n_kv, True)
     rect = tiles.tables((1, 3), (2, 9), separate_full)
     assert rect[0].shape == (BD, HD, 2) and rect[1].shape == (BD, HD, 2, 7)
     lands(rect, {"N_Q_TILES": 2, "N_KV_TILES": 7, "Q0": 1, "KV0": 2})
@@ -339,18 +339,18 @@ def test_the_exact_kernel_gets_the_list_classify_kernel_fills(monkeypatch):
     """Where a chunk's undecided tiles are listed (DEFER_MIN), exact_kernel gets the very list
     and state classify_kernel wrote, the mod's arguments and the sizes."""
     kernels = types.SimpleNamespace(**{sig.kernel: Grid() for sig in signatures.TEMPLATES["block_mask"]})
-    monkeypatch.setattr(block_mask_kernel, "kernel_module", lambda mod, target: kernels)
-    monkeypatch.setitem(block_mask_kernel.DEFER_MIN, "interpret", 1)
+    monkeypatch.setattr(mask_tiles, "kernel_module", lambda mod, target: kernels)
+    monkeypatch.setitem(mask_tiles.DEFER_MIN, "interpret", 1)
     BD, HD, Q_LEN, KV_LEN = 2, 3, 40, 72
-    block_mask_kernel.classify(MASK, BD, HD, Q_LEN, KV_LEN, 16, 8, torch.device("cpu"))
+    mask_tiles.classify(MASK, BD, HD, Q_LEN, KV_LEN, 16, 8, torch.device("cpu"))
     classify, exact = kernels.classify_kernel.recorder.args, kernels.exact_kernel.recorder.args
     state, listed = classify[0], classify[1]
-    assert listed.dtype == torch.int64 and listed.shape == (1 + block_mask_kernel.DEFER_CAP,)
+    assert listed.dtype == torch.int64 and listed.shape == (1 + mask_tiles.DEFER_CAP,)
     assert listed[0] == 0  # (the count, zeroed before the launch)
     assert_lands(signatures.EXACT, block_mask_hooks(), exact, {
         "State": state, "Deferred": listed, "stride_sbh": state.stride(0), "stride_sm": state.stride(1),
         **buffer_values("", MASK.buffers), "HD": HD, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN,
-        "CAP": block_mask_kernel.DEFER_CAP})
+        "CAP": mask_tiles.DEFER_CAP})
 
 
 def test_the_forward_plan_strides_and_sizes_land_at_their_names():

@@ -15,7 +15,7 @@ Unlike torch's eager version, `create_block_mask` never builds the dense B x H x
 mask. It classifies tiles: interval analysis of the mask's IR (`flexattn.interval`) decides most
 tiles outright (causal, sliding window, prefix-LM, documents), and only the undecided ones are
 evaluated element by element. On the GPU one generated Triton kernel does both and two more write
-the index tables (`flexattn.codegen.block_mask_kernel`); on the CPU the same steps run as chunked
+the index tables (`flexattn.kernels.mask_tiles`); on the CPU the same steps run as chunked
 torch ops. Memory is O(B * H * nQ * nKV) either way.
 
 The package: `mask_mods` (noop_mask, and_masks / or_masks, as_mod), `sizes` (block sizes and

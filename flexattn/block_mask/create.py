@@ -12,7 +12,7 @@ from flexattn import capture, interval, ir, modcache
 from flexattn.block_mask.blockmask import BlockMask
 from flexattn.block_mask.mask_mods import as_mod
 from flexattn.block_mask.sizes import _DEFAULT_SPARSE_BLOCK_SIZE, _check_block_sizes, _check_positive
-from flexattn.codegen import block_mask_kernel
+from flexattn.kernels import mask_tiles
 from flexattn.kernels.tables import block_size_pair, ordered
 from flexattn.mods import MASK, SCORE, Mod, template
 
@@ -198,7 +198,7 @@ def classify(mod: Mod, B: int, H: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV
     BD = B if "b" in used else 1
     HD = H if "h" in used else 1
     if backend == "triton":
-        tiles = block_mask_kernel.classify(mod, BD, HD, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device)
+        tiles = mask_tiles.classify(mod, BD, HD, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device)
     else:
         tiles = _TorchTiles(_classify_torch(mod, BD, HD, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device))
     return Classified(tiles, B, H)
@@ -242,7 +242,7 @@ class Classified:
 
 
 class _TorchTiles:
-    """`block_mask_kernel.Tiles` of the torch backend: int8 tile states [BD, HD, n_q, n_kv]."""
+    """`mask_tiles.Tiles` of the torch backend: int8 tile states [BD, HD, n_q, n_kv]."""
 
     def __init__(self, states: torch.Tensor):
         self.states = states
