@@ -12,19 +12,16 @@ captured tensors, key, name and source).
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
-import threading
 
 import torch
 import triton
 
 from flexattn import interval, ir
 from flexattn.codegen import emit
-from flexattn.codegen.cache import INTERPRETER_LOCK
 from flexattn.codegen.interval import emit_interval, summary_args, summary_params
 from flexattn.codegen.render import load_kernel_module
+from flexattn.kernels import launch
 from flexattn.lru import LRU
 
 
@@ -32,7 +29,8 @@ from flexattn.lru import LRU
 _MODULES = LRU(256)
 # (shards, tiles per shard, query tiles, device) -> the start of `Tiles.shard_ranges`' atomics
 _RANGES_START = LRU(64)
-_GPU_LAUNCH_LOCK = threading.Lock()
+# (kernel, grid, device, arguments' values or dtypes, constexprs) -> its `launch.Launch`
+_LAUNCHES = LRU(512)
 
 
 def kernel_module(mod, target: str):
@@ -98,10 +96,8 @@ class Tiles:
         module = _MODULES.get_or_make(("tile_ranges", "interpret" if interpret else "cuda"), lambda: load_kernel_module(
             "tile_ranges", {"prelude": emit.prelude("interpret" if interpret else "cuda")}, {}, interpret=interpret))
         chunk = min(1024, triton.next_power_of_2(n)) if interpret else 256
-        with _launching(device, interpret):
-            module.tile_ranges_kernel[(self.n_q, shards)](
-                self.state, out, self.BD * self.HD, n, self.state.stride(0), self.state.stride(1),
-                CHUNK=chunk)
+        _launch(module.tile_ranges_kernel, (self.n_q, shards), device, self.state, out, self.BD * self.HD, n,
+                self.state.stride(0), self.state.stride(1), CHUNK=chunk)
         return out
 
     def tables(self, rows: tuple[int, int], cols: tuple[int, int], separate_full: bool = True) -> tuple:
@@ -138,15 +134,12 @@ class Tiles:
         common = dict(SEPARATE_FULL=separate_full, SEL=1 if separate_full else 0, RECTS=many, enable_fp_fusion=False)
         full = 1 if separate_full else 0  # (unread without separate full tiles)
         # (the arguments in the order `signatures.KV_ORDER` / `Q_ORDER` declare)
-        with _launching(device, self.interpret):
-            self.module.kv_order_kernel[(n_q, BH, len(rects))](
+        _launch(self.module.kv_order_kernel, (n_q, BH, len(rects)), device,
                 state, kv_num[0], kv_idx[0], kv_num[full], kv_idx[full], table, state.stride(0), state.stride(1),
-                n_q, n_kv, *corner, CHUNK=chunk_kv, **common,
-            )
-            self.module.q_order_kernel[(n_kv, BH, len(rects))](
+                n_q, n_kv, *corner, CHUNK=chunk_kv, **common)
+        _launch(self.module.q_order_kernel, (n_kv, BH, len(rects)), device,
                 state, q_num[0], q_idx[0], q_num[full], q_idx[full], table, state.stride(0), state.stride(1),
-                n_q, n_kv, *corner, CHUNK=chunk_q, **common,
-            )
+                n_q, n_kv, *corner, CHUNK=chunk_q, **common)
 
         def part(buf, k, lo, *shape):  # (a rectangle's table: BH * shape entries of row k from lo)
             return buf[k, lo:lo + BH * math.prod(shape)].view(self.BD, self.HD, *shape)
@@ -167,13 +160,14 @@ def _aligned(n: int) -> int:
     return -(-n // 4) * 4
 
 
-@contextlib.contextmanager
-def _launching(device: torch.device, interpret: bool):
-    # (CPU: Triton's interpreter runs one launch at a time; GPU: threads' first launches of a
-    # module compile it once, under a guard of the tensors' device, where Triton launches)
-    with INTERPRETER_LOCK if interpret else _GPU_LAUNCH_LOCK, \
-            contextlib.nullcontext() if interpret else torch.cuda.device(device):
-        yield
+def _launch(kernel, grid: tuple, device: torch.device, *args, **constexprs) -> None:
+    """``kernel[grid](*args, **constexprs)`` on the current stream, through the launch layer
+    (`launch.Launch`): after the first calls with these numbers, argument dtypes and constexprs, a
+    direct launch of the compiled kernel (Triton's launch path costs tens of µs of host time per
+    kernel, and a build launches three to five)."""
+    key = (kernel, grid, device, tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args),
+           tuple(constexprs.items()))
+    _LAUNCHES.get_or_make(key, lambda: launch.Launch(kernel, grid, constexprs, device))(*args)
 
 
 def classify(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOCK: int,
@@ -203,19 +197,15 @@ def classify(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BL
                  # No FMA contraction: interval bounds rely on every float op rounding like torch's.
                  enable_fp_fusion=False)
     # (the arguments in the order `signatures.CLASSIFY` / `EXACT` declare)
-    with _launching(device, interpret):
-        module.classify_kernel[(n_q, BH)](
-            state, deferred, *mod_args, *summary_args(used, summaries),
-            state.stride(0), state.stride(1),
+    _launch(module.classify_kernel, (n_q, BH), device,
+            state, deferred, *mod_args, *summary_args(used, summaries), state.stride(0), state.stride(1),
             HD, Q_LEN, KV_LEN, n_kv, n_words, DEFER_CAP,
-            CHUNK_WORDS=chunk_words, USE_INTERVAL=use_interval, DEFER_MIN=defer_min, **fixed,
-        )
-        if defer_min:
-            programs = 1 if interpret else _programs(device)
-            module.exact_kernel[(programs,)](
+            CHUNK_WORDS=chunk_words, USE_INTERVAL=use_interval, DEFER_MIN=defer_min, **fixed)
+    if defer_min:  # (4 programs per SM; one in the interpreter, which runs one at a time)
+        programs = 1 if interpret else 4 * launch.num_sms(device)
+        _launch(module.exact_kernel, (programs,), device,
                 state, deferred, *mod_args, state.stride(0), state.stride(1), HD, Q_LEN, KV_LEN, DEFER_CAP,
-                NPROG=programs, **fixed,
-            )
+                NPROG=programs, **fixed)
     return Tiles(module, state, BD, HD, n_q, n_kv, interpret)
 
 
@@ -230,13 +220,6 @@ def classify(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BL
 DEFER_MIN = {"cuda": 16, "interpret": 0}
 DEFER_CAP = 1 << 16  # tiles listed at most (512 KB); a chunk past it evaluates its own
 _UNUSED = LRU(16)
-
-
-@functools.lru_cache(maxsize=None)
-def _programs(device: torch.device) -> int:
-    """exact_kernel's programs on a GPU: 4 per SM (as `kernels.launch.num_sms`, which codegen
-    does not import)."""
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _unused_list(device: torch.device) -> torch.Tensor:
