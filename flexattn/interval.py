@@ -129,10 +129,26 @@ class Summary:
     @staticmethod
     def of(t: torch.Tensor) -> "Summary":
         """The summary of ``t`` (the one `keep` made, while ``t`` is unchanged)."""
+        kept = Summary.kept(t)
+        return kept if kept is not None else Summary._of(t)
+
+    @staticmethod
+    def kept(t: torch.Tensor) -> "Summary | None":
+        """The summary `keep` made of ``t``, while ``t`` is unchanged; else None."""
         kept = _KEPT.get(id(t))
-        if kept is not None and kept[0] is t and kept[1] == t._version:
-            return kept[2]
-        return Summary._of(t)
+        return kept[2] if kept is not None and kept[0] is t and kept[1] == t._version else None
+
+    @staticmethod
+    def levels(n: int) -> int:
+        """K, the top level of the pyramid of a 1-D tensor of ``n`` elements: level 0 holds 2**K
+        granules (the first level with one entry)."""
+        return (-(-n // GRANULE) - 1).bit_length()
+
+    @staticmethod
+    def pyramid(mins: torch.Tensor, maxs: torch.Tensor, K: int) -> "Summary":
+        """The summary of a 1-D tensor from its pyramid (levels 0 .. ``K``) made elsewhere (the
+        block-mask kernels' host side makes it with two kernel launches)."""
+        return Summary(mins, maxs, _offsets(K, mins.device), 1)
 
     @staticmethod
     def keep(t: torch.Tensor) -> None:
@@ -156,7 +172,7 @@ class Summary:
         # that covers a padded position also covers, so no entry's bounds change. Minima and
         # order-reversed maxima (negated floats; complemented ints, which cannot overflow) sit in
         # one [2, n] tensor, so that each level is one reduction of the one below.
-        K = (-(-x.numel() // GRANULE) - 1).bit_length()
+        K = Summary.levels(x.numel())
         extra = (GRANULE << K) - x.numel()
         if extra:
             x = torch.cat([x, x[-1:].expand(extra)])

@@ -135,6 +135,30 @@ def test_undecided_tiles_listed_for_the_exact_kernel_match_torch(cap, monkeypatc
         assert_same(*both(mask, 1, 2, Q, KV, 32, backend="triton"))
 
 
+@pytest.mark.parametrize("levels", [8, 2], ids=lambda n: f"{n} levels a program")
+def test_summary_pyramids_from_the_kernels_are_torchs(levels, monkeypatch):
+    """The min/max pyramid of a 1-D integer or bool tensor that the summary kernels make
+    (pyramid_kernel; top_kernel above a program's levels) is the one torch's reductions make,
+    entry for entry, at lengths on and off the granule; an entry left unwritten keeps the poison."""
+    from flexattn import interval
+    from flexattn.kernels import mask_tiles
+
+    monkeypatch.setattr(mask_tiles, "PYRAMID_LEVELS", levels)
+    torch_summary, empty = interval.Summary._of, torch.empty
+    g = torch.Generator().manual_seed(5)
+    for n, dtype in ((1, torch.int64), (16, torch.bool), (17, torch.int32), (1000, torch.int16),
+                     (4097, torch.uint8), (70001, torch.int32), (70001, torch.bool)):
+        high = 2 if dtype == torch.bool else 200
+        t = torch.randint(0 if dtype in (torch.bool, torch.uint8) else -high, high, (n,), generator=g).to(dtype)
+        with monkeypatch.context() as m:  # (the kernels' path only, on a poisoned buffer)
+            m.setattr(interval.Summary, "_of", staticmethod(lambda t: pytest.fail("torch's reductions ran")))
+            m.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(-(1 << 40)))
+            made = mask_tiles.summary(t)
+        want = torch_summary(t)
+        assert made.ndim == 1 and torch.equal(made.offsets, want.offsets), (n, dtype)
+        assert torch.equal(made.mins, want.mins) and torch.equal(made.maxs, want.maxs), (n, dtype)
+
+
 @pytest.mark.parametrize("B,H,Q,KV", [(None, None, 300, 300), (1, 3, 300, 170), (2, 1, 100, 77)], ids=str)
 def test_tables_are_16_byte_aligned(B, H, Q, KV):
     """The Triton path lists every table of a mask as a view of one buffer of each kind: each

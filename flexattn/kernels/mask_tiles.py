@@ -96,7 +96,7 @@ class Tiles:
         module = _MODULES.get_or_make(("tile_ranges", "interpret" if interpret else "cuda"), lambda: load_kernel_module(
             "tile_ranges", {"prelude": emit.prelude("interpret" if interpret else "cuda")}, {}, interpret=interpret))
         chunk = min(1024, triton.next_power_of_2(n)) if interpret else 256
-        _launch(module.tile_ranges_kernel, (self.n_q, shards), device, self.state, out, self.BD * self.HD, n,
+        _launch(module.tile_ranges_kernel, (self.n_q, shards), self.state, out, self.BD * self.HD, n,
                 self.state.stride(0), self.state.stride(1), CHUNK=chunk)
         return out
 
@@ -134,10 +134,10 @@ class Tiles:
         common = dict(SEPARATE_FULL=separate_full, SEL=1 if separate_full else 0, RECTS=many, enable_fp_fusion=False)
         full = 1 if separate_full else 0  # (unread without separate full tiles)
         # (the arguments in the order `signatures.KV_ORDER` / `Q_ORDER` declare)
-        _launch(self.module.kv_order_kernel, (n_q, BH, len(rects)), device,
+        _launch(self.module.kv_order_kernel, (n_q, BH, len(rects)),
                 state, kv_num[0], kv_idx[0], kv_num[full], kv_idx[full], table, state.stride(0), state.stride(1),
                 n_q, n_kv, *corner, CHUNK=chunk_kv, **common)
-        _launch(self.module.q_order_kernel, (n_kv, BH, len(rects)), device,
+        _launch(self.module.q_order_kernel, (n_kv, BH, len(rects)),
                 state, q_num[0], q_idx[0], q_num[full], q_idx[full], table, state.stride(0), state.stride(1),
                 n_q, n_kv, *corner, CHUNK=chunk_q, **common)
 
@@ -160,11 +160,12 @@ def _aligned(n: int) -> int:
     return -(-n // 4) * 4
 
 
-def _launch(kernel, grid: tuple, device: torch.device, *args, **constexprs) -> None:
-    """``kernel[grid](*args, **constexprs)`` on the current stream, through the launch layer
-    (`launch.Launch`): after the first calls with these numbers, argument dtypes and constexprs, a
-    direct launch of the compiled kernel (Triton's launch path costs tens of µs of host time per
-    kernel, and a build launches three to five)."""
+def _launch(kernel, grid: tuple, *args, **constexprs) -> None:
+    """``kernel[grid](*args, **constexprs)`` on the current stream of the first argument's device,
+    through the launch layer (`launch.Launch`): after the first calls with these numbers, argument
+    dtypes and constexprs, a direct launch of the compiled kernel (Triton's launch path costs tens
+    of µs of host time per kernel, and a build launches three to five)."""
+    device = args[0].device  # (a tensor's device names its index, which the launch switches to)
     key = (kernel, grid, device, tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args),
            tuple(constexprs.items()))
     _LAUNCHES.get_or_make(key, lambda: launch.Launch(kernel, grid, constexprs, device))(*args)
@@ -176,7 +177,7 @@ def classify(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BL
     interpret = device.type == "cpu"
     module = kernel_module(mod, "interpret" if interpret else "cuda")
     used = ir.buffers_of(mod.ir)
-    summaries = {buf.index: interval.Summary.of(mod.buffers[buf.index]) for buf in used}
+    summaries = {buf.index: summary(mod.buffers[buf.index]) for buf in used}
     n_q, n_kv = triton.cdiv(Q_LEN, Q_BLOCK), triton.cdiv(KV_LEN, KV_BLOCK)
     n_words = triton.cdiv(n_kv, 16)
     BH = BD * HD
@@ -197,16 +198,51 @@ def classify(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BL
                  # No FMA contraction: interval bounds rely on every float op rounding like torch's.
                  enable_fp_fusion=False)
     # (the arguments in the order `signatures.CLASSIFY` / `EXACT` declare)
-    _launch(module.classify_kernel, (n_q, BH), device,
+    _launch(module.classify_kernel, (n_q, BH),
             state, deferred, *mod_args, *summary_args(used, summaries), state.stride(0), state.stride(1),
             HD, Q_LEN, KV_LEN, n_kv, n_words, DEFER_CAP,
             CHUNK_WORDS=chunk_words, USE_INTERVAL=use_interval, DEFER_MIN=defer_min, **fixed)
     if defer_min:  # (4 programs per SM; one in the interpreter, which runs one at a time)
         programs = 1 if interpret else 4 * launch.num_sms(device)
-        _launch(module.exact_kernel, (programs,), device,
+        _launch(module.exact_kernel, (programs,),
                 state, deferred, *mod_args, state.stride(0), state.stride(1), HD, Q_LEN, KV_LEN, DEFER_CAP,
                 NPROG=programs, **fixed)
     return Tiles(module, state, BD, HD, n_q, n_kv, interpret)
+
+
+def summary(t: torch.Tensor) -> interval.Summary:
+    """`interval.Summary.of(t)`; where ``t`` is a 1-D integer or bool tensor, its pyramid made by
+    two launches (templates/summary.py) instead of a torch reduction per level (a document-id table
+    of 131,072 entries has 14 levels)."""
+    kept = interval.Summary.kept(t)
+    if kept is not None:
+        return kept
+    if t.dim() != 1 or t.numel() == 0 or t.dtype.is_floating_point or t.dtype.is_complex:
+        return interval.Summary.of(t)
+    K = interval.Summary.levels(t.numel())
+    L = min(K, PYRAMID_LEVELS)
+    if K - L > PYRAMID_TOP:
+        return interval.Summary.of(t)
+    device, interpret = t.device, t.device.type == "cpu"
+    target = "interpret" if interpret else "cuda"
+    module = _MODULES.get_or_make(("summary", target), lambda: load_kernel_module(
+        "summary", {"prelude": emit.prelude(target)}, {}, interpret=interpret))
+    # (2**(K + 1) - 1 entries each, in rows of 2**(K + 1): both start 16-byte aligned, as a direct
+    # launch takes them)
+    both = torch.empty(2, 2 << K, dtype=torch.int64, device=device)
+    mins, maxs = both[0, :-1], both[1, :-1]
+    x = t.detach().contiguous()
+    _launch(module.pyramid_kernel, (1 << (K - L),), x, mins, maxs, x.numel(), K=K, L=L, GRANULE=interval.GRANULE)
+    if K > L:
+        _launch(module.top_kernel, (1,), mins, maxs, K=K, L=L)
+    return interval.Summary.pyramid(mins, maxs, K)
+
+
+# Levels of a summary pyramid that one program of pyramid_kernel writes (2**8 granules: 4,096
+# elements), and at most top_kernel's (its one program holds 2**12 entries of each): past 2**24
+# elements, torch's reductions summarise.
+PYRAMID_LEVELS = 8
+PYRAMID_TOP = 12
 
 
 # Undecided tiles of one chunk of a row (CHUNK_WORDS x 16 tiles) from which classify_kernel lists
