@@ -14,6 +14,7 @@ from flexattn.block_mask.mask_mods import as_mod
 from flexattn.block_mask.sizes import _DEFAULT_SPARSE_BLOCK_SIZE, _check_block_sizes, _check_positive
 from flexattn.kernels import mask_tiles
 from flexattn.kernels.tables import block_size_pair, ordered
+from flexattn.lru import LRU
 from flexattn.mods import MASK, SCORE, Mod, template
 
 # Elements evaluated at once on the CPU path (the evaluator keeps every intermediate alive).
@@ -62,7 +63,7 @@ def _classify_torch(mod: Mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, QB: int
     kv_lo = torch.arange(n_kv, dtype=i64, device=device) * KVB
     kv_hi = torch.clamp(kv_lo + KVB, max=KV_LEN) - 1
     kv_whole = (kv_lo + KVB <= KV_LEN).view(1, 1, 1, n_kv)
-    summaries = {buf.index: interval.Summary.of(mod.buffers[buf.index]) for buf in ir.buffers_of(mod.ir)}
+    summaries = {buf.index: interval.Summary.of(mod.buffers[buf.index]) for buf in mod.buffer_specs}
     rows_per_step = max(1, _CPU_TILES_PER_STEP // (n_kv * BD * HD))
     for r0 in range(0, n_q, rows_per_step):
         r1 = min(n_q, r0 + rows_per_step)
@@ -190,11 +191,15 @@ def _build_tables(mod: Mod, B, H, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOC
     return classify(mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, backend).tables(separate_full=separate_full)
 
 
+# mask key -> the index inputs (b, h, q_idx, kv_idx) its IR reads
+_INPUTS = LRU(1024)
+
+
 def classify(mod: Mod, B: int, H: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOCK: int,
              device: torch.device, backend: str) -> "Classified":
     """Every (query tile, KV tile) of ``mod`` classified (empty, partial, full), on ``backend``:
     the tables of its block mask, or of any rectangle of its tiles, come from it."""
-    used = {n.arg for n in ir.toposort(mod.ir) if n.op == "input"}
+    used = _INPUTS.get_or_make(mod.key(), lambda: frozenset(n.arg for n in ir.toposort(mod.ir) if n.op == "input"))
     BD = B if "b" in used else 1
     HD = H if "h" in used else 1
     if backend == "triton":

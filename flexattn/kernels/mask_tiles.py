@@ -17,7 +17,7 @@ import math
 import torch
 import triton
 
-from flexattn import interval, ir
+from flexattn import interval
 from flexattn.codegen import emit
 from flexattn.codegen.interval import emit_interval, summary_args, summary_params
 from flexattn.codegen.render import load_kernel_module
@@ -142,7 +142,9 @@ class Tiles:
                 n_q, n_kv, *corner, CHUNK=chunk_q, **common)
 
         def part(buf, k, lo, *shape):  # (a rectangle's table: BH * shape entries of row k from lo)
-            return buf[k, lo:lo + BH * math.prod(shape)].view(self.BD, self.HD, *shape)
+            n = math.prod(shape)  # (one as_strided: a distributed build takes 32 of them)
+            inner = (shape[1], 1) if len(shape) == 2 else (1,)
+            return buf.as_strided((self.BD, self.HD, *shape), (self.HD * n, n, *inner), k * buf.stride(0) + lo)
 
         out = []
         for (r, c), (kv_at, q_at, idx_at) in zip(shapes, at):
@@ -176,7 +178,7 @@ def classify(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BL
     """Every (query tile, KV tile) of ``mod`` classified as empty, partial or full, for [BD, HD]."""
     interpret = device.type == "cpu"
     module = kernel_module(mod, "interpret" if interpret else "cuda")
-    used = ir.buffers_of(mod.ir)
+    used = mod.buffer_specs
     summaries = {buf.index: summary(mod.buffers[buf.index]) for buf in used}
     n_q, n_kv = triton.cdiv(Q_LEN, Q_BLOCK), triton.cdiv(KV_LEN, KV_BLOCK)
     n_words = triton.cdiv(n_kv, 16)
