@@ -83,12 +83,13 @@ def _library_frame(frame) -> bool:
     return name.startswith(_FLEXATTN_DIR) or name.startswith(_TORCH_DIR) or name in _STDLIB_HELPERS
 
 
-def _user_frame(depth: int = 1):
-    """The innermost stack frame outside flexattn and torch: the mod line being traced."""
+def _user_frame(depth: int = 1, stop=None):
+    """The innermost stack frame outside flexattn and torch: the mod line being traced; None where
+    the walk reaches the frame ``stop`` first."""
     frame = sys._getframe(depth)
-    while frame is not None and _library_frame(frame):
+    while frame is not None and frame is not stop and _library_frame(frame):
         frame = frame.f_back
-    return frame
+    return None if frame is stop else frame
 
 
 # flexattn's own torch calls while a mod runs: promotion, constant folding, eager evaluation.
@@ -117,6 +118,7 @@ class _Trace:
         self.buffers: dict[int, ir.Buffer] = {}  # id(tensor) -> Buffer (tensors keeps them alive)
         self.names: set[str] = set()
         self.host_values = False  # whether the mod read a captured tensor's value on the host
+        self.entry = None  # the frame of the `trace` call, while the mod runs
 
     def describe(self) -> str:
         return f"{self.kind}_mod '{self.name}'"
@@ -155,8 +157,13 @@ def _active() -> "_Trace":
 
 
 def _variable_name(tensor: torch.Tensor) -> str | None:
-    """The name the mod's code uses for ``tensor``: a local/closure variable, a global, an attribute."""
-    frame = _user_frame(2)
+    """The name the mod's code uses for ``tensor``: a local/closure variable, a global, an attribute.
+    Only frames the mod runs in are read: a mod of flexattn's own (a ready-made mask) has none, and
+    reading the caller's locals would keep its variables alive (CPython up to 3.12 keeps the
+    snapshot ``f_locals`` made on the frame until the next read of it: a training loop's tensors
+    of that step, for as long as the loop runs)."""
+    stack = _stack()
+    frame = _user_frame(2, stack[-1].entry if stack else None)
     if frame is None:
         return None
     scopes = [frame.f_locals, frame.f_globals]
@@ -675,12 +682,14 @@ def trace(fn, kind: str | None = None, *, score_dtype: torch.dtype = torch.float
         inputs = [ir.input_(n) for n in ir.INDEX_INPUTS]
     stack = _stack()
     stack.append(t)
+    t.entry = sys._getframe()
     try:
         with _TraceMode():
             out = fn(*(Proxy(n, t) for n in inputs))
             root = _result(t, out)
     finally:
         stack.pop()
+        t.entry = None
     mod = Mod(kind, root, t.tensors, name=name, source=_source(fn), fn=fn)
     mod.host_values = t.host_values
     return mod

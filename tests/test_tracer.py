@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import flex_attention as torch_flex
 
 import flexattn
-from flexattn import ir
+from flexattn import ir, masks
 from flexattn.tracer import Proxy, TraceError, inline, is_traced, trace
 from helpers.tracing import B, BIAS1, BIAS3, BIAS4, H, KV, Q, SCORE, causal, check, traced_eval, uncast, vmap_eval
 
@@ -538,3 +539,17 @@ def test_kind_inference_errors():
         trace(causal, score_dtype=torch.int32)
     with pytest.raises(TypeError, match="expected a score_mod/mask_mod function or a Mod, got int"):
         trace(3)
+
+
+def test_tracing_a_ready_made_mask_keeps_none_of_the_callers_tensors_alive():
+    """A mod of flexattn's own runs in no frame of the caller's, so tracing it reads none of the
+    caller's locals: CPython up to 3.12 keeps the snapshot of a frame's locals made by reading
+    them until they are read again, which would keep this step's tensors of a training loop alive
+    for as long as the loop runs."""
+    ids = torch.tensor([0, 0, 1, 1, 1])
+    batch = torch.randn(8)
+    alive = weakref.ref(batch)
+    mod = flexattn.trace(masks.document(ids), "mask")
+    del batch
+    assert alive() is None
+    assert torch.equal(mod.buffers[0], ids.int())
