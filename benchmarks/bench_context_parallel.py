@@ -8,7 +8,8 @@
 B=1, H=16, D=128, bfloat16, forward + backward; masks: causal (head-tail layout), 16 documents (per-
 document head-tail, torch's layout, and whole documents per rank), sliding window 4096. Prints per-
 GPU TFLOP/s, scaling efficiency (time of the whole sequence on one GPU / (P x time on P GPUs)), peak
-memory per GPU, and torch's context parallel (all-gathered K/V, ``torch.compile(flex_attention)``)
+memory per GPU (what the case allocates, its inputs included, over what earlier cases left), and
+torch's context parallel (all-gathered K/V, ``torch.compile(flex_attention)``)
 at the same shapes; records the time to build each one's block mask (a repeated call:
 `flexattn.distributed.create_block_mask` on every rank, flexattn's one-GPU `create_block_mask` of
 the whole sequence, torch's compiled CP mask); also a length torch refuses (not a multiple of P x
@@ -22,6 +23,7 @@ finish in a run's time (16 documents at S=512k), so that flexattn's rows of that
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -61,9 +63,18 @@ def mask_of(name: str, S: int):
     raise ValueError(f"unknown mask {name!r}")
 
 
-def timed(fn, iters: int, warmup: int = 2, barrier: bool = True) -> tuple[float, float]:
-    """(median ms of fwd+bwd, peak GiB), with a barrier before each iteration unless ``barrier``
-    is False (one rank alone)."""
+def allocated() -> int:
+    """Bytes of live tensors on this GPU now, after a collection of unreachable ones: what earlier
+    cases of the process still hold (caches, compiled modules) counts here, not in a case's peak."""
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def timed(fn, iters: int, base: int, warmup: int = 2, barrier: bool = True) -> tuple[float, float]:
+    """(median ms of fwd+bwd, peak GiB over ``base`` bytes: what the case allocated itself, its
+    inputs included, as in a process of its own), with a barrier before each iteration unless
+    ``barrier`` is False (one rank alone)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -78,7 +89,7 @@ def timed(fn, iters: int, warmup: int = 2, barrier: bool = True) -> tuple[float,
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
+    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def mask_ms(build, barrier: bool = True, repeats: int = 7, budget_s: float = 3.0) -> float:
@@ -131,6 +142,7 @@ def flops(S: int, kept: float) -> float:
 
 
 def bench_flexattn(S: int, mask_name: str, method: str, iters: int) -> dict:
+    base = allocated()
     mask, lb, kept = mask_of(mask_name, S)
 
     def build():
@@ -139,7 +151,7 @@ def bench_flexattn(S: int, mask_name: str, method: str, iters: int) -> dict:
     bm = build()
     q, k, v = inputs(bm.qpos.numel(), bm.kvpos[bm.rank].numel())
     ms, gib = timed(fwd_bwd(lambda q, k, v: fd.flex_attention(q, k, v, block_mask=bm, method=method), q, k, v),
-                    iters)
+                    iters, base)
     if method == "ring":  # (the slots of the ring's copy engines: symmetric memory, outside the allocator's count)
         gib += copies.workspace_bytes(torch.device("cuda", torch.cuda.current_device())) / 2**30
     row = {"impl": method, "ms": ms, "peak_gib": gib, "tflops_per_gpu": flops(S, kept) / dist.get_world_size() / ms / 1e9,
@@ -160,6 +172,7 @@ def bench_one_gpu(S: int, mask_name: str, iters: int) -> dict | None:
     """The whole sequence on rank 0's GPU alone with flexattn's flex_attention (other ranks wait)."""
     result = None
     if dist.get_rank() == 0:
+        base = allocated()
         mask, _, kept = mask_of(mask_name, S)
 
         def build():
@@ -168,7 +181,7 @@ def bench_one_gpu(S: int, mask_name: str, iters: int) -> dict | None:
         bm = build()
         q, k, v = inputs(S, S)
         run = fwd_bwd(lambda q, k, v: flexattn.flex_attention(q, k, v, block_mask=bm), q, k, v)
-        ms, gib = timed(run, iters, barrier=False)
+        ms, gib = timed(run, iters, base, barrier=False)
         result = {"impl": "one_gpu", "ms": ms, "peak_gib": gib, "tflops_per_gpu": flops(S, kept) / ms / 1e9,
                   "mask_ms": mask_ms(build, barrier=False)}
         del q, k, v, run
@@ -187,6 +200,7 @@ def bench_torch_cp(mesh, S: int, mask_name: str, iters: int) -> dict:
     from torch.nn.attention.flex_attention import flex_attention
 
     P = dist.get_world_size()
+    base = allocated()
     mask, lb, kept = mask_of(mask_name, S)
     balancer = _HeadTailLoadBalancer(S, P, "cuda") if lb == "head_tail" else None
 
@@ -207,7 +221,7 @@ def bench_torch_cp(mesh, S: int, mask_name: str, iters: int) -> dict:
     module = parallelize_module(Attention(), mesh, _ContextParallel(
         seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
     q, k, v = inputs(S // P, S // P)
-    ms, gib = timed(fwd_bwd(module, q, k, v), iters)
+    ms, gib = timed(fwd_bwd(module, q, k, v), iters, base)
     return {"impl": "torch_cp", "ms": ms, "peak_gib": gib, "tflops_per_gpu": flops(S, kept) / P / ms / 1e9,
             "mask_ms": build_ms}
 
@@ -227,6 +241,8 @@ def run(args, save=lambda rows: None) -> list[dict]:
             if S == refused and mask_name != "causal":
                 continue
             case = {"P": P, "S": S, "mask": mask_name}
+            if dist.get_rank() == 0:
+                print(f"# P={P} S={S} {mask_name}: {allocated() / 2**30:.2f} GiB live before the case", flush=True)
             found = [bench_flexattn(S, mask_name, method, args.iters) for method in args.methods.split(",")]
             if S > args.one_gpu_max_seq:
                 found.append({"impl": "one_gpu", "skipped": f"S > --one-gpu-max-seq {args.one_gpu_max_seq}"})
