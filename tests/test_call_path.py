@@ -538,6 +538,8 @@ def test_tensor_map_launch_keeps_a_map_per_address_and_refuses_what_it_cannot_la
     site = triton_launcher.TensorMapLaunch.plan(compiled, wrapper, lambda *a: calls.append(a), recorded, (*args, 128), 5,
                                        None, (2, 1, 1), 7)
     assert site is not None
+    # (nothing of the recorded call's tensors is kept: a plan lives as long as its cache entry)
+    assert not any(isinstance(a, torch.Tensor) for a in site.template)
 
     q2, lse2 = torch.zeros(2, 2, 64, 16), torch.zeros(2, 2, 64)
     for step, (qq, ll, scale) in enumerate([(q, lse2, 0.5), (q2, lse, 0.125), (q2, lse2, 1.0)]):

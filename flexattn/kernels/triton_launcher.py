@@ -242,6 +242,7 @@ class TensorMapLaunch:
                 descriptors.append((j, k, list(d.shape), list(d.strides), m, {d.base.data_ptr(): tensor_map}))
             elif isinstance(args[i], torch.Tensor):
                 pointers.append((j, k))
+                template[k] = 0  # (a call writes its own; the recorded tensor must not be kept alive)
             elif type(args[i]) in (int, float, bool):
                 values.append((j, k))
             else:
