@@ -84,6 +84,7 @@ class Mod:
         # What launches need on every call, computed once: the structural key, the buffers read.
         self._key = f"{kind}:{root.key()}"
         self.buffer_specs = tuple(ir.buffers_of(root))
+        self.inputs = frozenset(n.arg for n in ir.toposort(root) if n.op == "input")  # (score, b, h, q_idx, kv_idx)
         for buf in self.buffer_specs:
             t = self.buffers[buf.index]
             if t.dtype != buf.dtype or t.dim() != buf.ndim:

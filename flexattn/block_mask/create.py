@@ -14,7 +14,6 @@ from flexattn.block_mask.mask_mods import as_mod
 from flexattn.block_mask.sizes import _DEFAULT_SPARSE_BLOCK_SIZE, _check_block_sizes, _check_positive
 from flexattn.kernels import mask_tiles
 from flexattn.kernels.tables import block_size_pair, ordered
-from flexattn.lru import LRU
 from flexattn.mods import MASK, SCORE, Mod, template
 
 # Elements evaluated at once on the CPU path (the evaluator keeps every intermediate alive).
@@ -191,15 +190,11 @@ def _build_tables(mod: Mod, B, H, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOC
     return classify(mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, backend).tables(separate_full=separate_full)
 
 
-# mask key -> the index inputs (b, h, q_idx, kv_idx) its IR reads
-_INPUTS = LRU(1024)
-
-
 def classify(mod: Mod, B: int, H: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOCK: int,
              device: torch.device, backend: str) -> "Classified":
     """Every (query tile, KV tile) of ``mod`` classified (empty, partial, full), on ``backend``:
     the tables of its block mask, or of any rectangle of its tiles, come from it."""
-    used = _INPUTS.get_or_make(mod.key(), lambda: frozenset(n.arg for n in ir.toposort(mod.ir) if n.op == "input"))
+    used = mod.inputs
     BD = B if "b" in used else 1
     HD = H if "h" in used else 1
     if backend == "triton":

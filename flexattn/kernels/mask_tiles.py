@@ -30,7 +30,7 @@ _MODULES = LRU(256)
 # (shards, tiles per shard, query tiles, device) -> the start of `Tiles.shard_ranges`' atomics
 _RANGES_START = LRU(64)
 # (kernel, grid, device, arguments' values or dtypes, constexprs) -> its `launch.Launch`
-_LAUNCHES = LRU(512)
+_LAUNCHES = LRU(256)
 
 
 def kernel_module(mod, target: str):
