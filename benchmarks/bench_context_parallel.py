@@ -39,7 +39,7 @@ if __package__ in (None, ""):  # run as `torchrun benchmarks/bench_context_paral
 import flexattn
 import flexattn.distributed as fd
 from flexattn.distributed import copies
-from benchmarks import results
+from benchmarks import report, results
 from flexattn import masks
 
 B, H, D = 1, 16, 128
@@ -299,7 +299,8 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     P = dist.get_world_size()
     env = results.environment("cuda")
-    config = {"P": P, "B": B, "H": H, "D": D, "dtype": str(DTYPE).removeprefix("torch."), "iters": args.iters}
+    config = {"P": P, "B": B, "H": H, "D": D, "dtype": str(DTYPE).removeprefix("torch."), "iters": args.iters,
+              "peak": report.PEAK_PER_CASE}
 
     def save(rows: list[dict]) -> None:
         if not args.no_save:

@@ -47,6 +47,8 @@ METHOD = """\
   the ring's; torch CP is torch's context parallel with `torch.compile(flex_attention)`. Mask ms:
   the wall time of a repeated block-mask build (`flexattn.distributed.create_block_mask` on every
   rank, flexattn's `create_block_mask` of the whole sequence on one GPU, torch's compiled CP mask).
+  Peak GiB: what the case allocates on a GPU, its inputs included (the ring's copy-engine slots
+  added); one marked * counts everything live in the process, earlier cases' leftovers included.
 - Per-call times are wall clock over a loop of calls (model code that builds its score_mod anew
   each call), the median of five interleaved rounds: host work plus launch for these small shapes.
 """
@@ -187,6 +189,10 @@ def context_parallel_cases(record: dict) -> dict:
     return cases
 
 
+# bench_context_parallel's config["peak"] where a case's peak counts its own allocations only
+PEAK_PER_CASE = "per case"
+
+
 def efficiency(impls: dict) -> float | None:
     """Scaling efficiency of the ring: one GPU's time / (P x the ring's time)."""
     one, ring = impls.get("one_gpu") or {}, impls.get("ring") or {}
@@ -208,7 +214,9 @@ def context_parallel_table(record: dict) -> list[str]:
     for (P, S, mask), impls in cases.items():
         ring, ag, one, theirs = (impls.get(i) or {} for i in ("ring", "allgather", "one_gpu", "torch_cp"))
         torch_ms = fmt(theirs.get("ms"), ".1f") if "error" not in theirs else "refused"
-        peaks = " / ".join(fmt(r.get("peak_gib"), ".1f") for r in (ring, ag, theirs))
+        # (peaks of a run that counted everything live in the process, not the case's own: marked)
+        whole = "" if ring.get("peak", config.get("peak")) == PEAK_PER_CASE else "*"
+        peaks = " / ".join(fmt(r.get("peak_gib"), ".1f", whole) for r in (ring, ag, theirs))
         mask_times = " / ".join(fmt(r.get("mask_ms"), ".1f") for r in (ring, one, theirs)) + " | " if with_masks else ""
         lines.append(f"| {P} | {S} | {mask} | {fmt(ring.get('ms'), '.1f')} | {fmt(ag.get('ms'), '.1f')} | {torch_ms} | "
                      f"{fmt(one.get('ms'), '.1f')} | {fmt(ring.get('tflops_per_gpu'))} | "
@@ -346,8 +354,8 @@ def main(argv=None) -> int:
         suites = by_gpu.setdefault(record["gpu"], {})
         earlier = suites.get(record["suite"])
         if record["suite"] in BY_GPU_COUNT:  # (one table of several runs: each row names its run's commit)
-            rows = [{**r, "commit": r.get("commit") or record.get("commit") or "?"}  # (a row may name its own)
-                    for r in record["rows"]]
+            rows = [{**r, "commit": r.get("commit") or record.get("commit") or "?",  # (a row may name its own)
+                     "peak": r.get("peak") or record.get("config", {}).get("peak")} for r in record["rows"]]
             record = {**record, "rows": rows, "commit": " / ".join(dict.fromkeys(r["commit"] for r in rows))}
             if earlier is not None:
                 record = {**earlier, "rows": earlier["rows"] + record["rows"],

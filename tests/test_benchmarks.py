@@ -138,9 +138,9 @@ def context_parallel_rows(P: int, ring_ms: float) -> list[dict]:
 def test_context_parallel_runs_on_2_and_4_gpus_make_one_table(tmp_path):
     folder = tmp_path / "results"
     config = {"B": 1, "H": 16, "D": 128, "dtype": "bfloat16"}
-    for P, ring_ms, commit in ((4, 50.0, "4444444"), (2, 100.0, "2222222")):
+    for P, ring_ms, commit, peak in ((4, 50.0, "4444444", {}), (2, 100.0, "2222222", {"peak": "per case"})):
         path = results.save("context_parallel", {**env("NVIDIA H100 80GB HBM3"), "commit": commit},
-                            {**config, "P": P}, context_parallel_rows(P, ring_ms), folder, tag=f"{P}gpu")
+                            {**config, "P": P, **peak}, context_parallel_rows(P, ring_ms), folder, tag=f"{P}gpu")
         assert path.name == f"context_parallel-{P}gpu-h100-80gb-hbm3.json"
     page = generate(tmp_path, "--no-plot")
     assert "### Context parallelism: B=1 H=16 D=128, bfloat16, forward + backward" in page
@@ -149,8 +149,9 @@ def test_context_parallel_runs_on_2_and_4_gpus_make_one_table(tmp_path):
     assert table.index("| 2 | 131072 |") < table.index("| 4 | 131072 |")
     assert "| 2 | 131072 | causal | 100.0 | 110.0 | 150.0 | 180.0 | 400 | 0.90 | 1.50x | 3.0 / 5.0 / 6.0 | " \
         "2.0 / 3.0 / 40.0 | 2222222 |" in table
-    # (a row without a mask time, as older results files have: a dash)
-    assert "| 4 | 131265 | causal | 50.0 | — | refused | — | 400 | — | — | 3.0 / — / — | — / — / — | 4444444 |" \
+    # (a row without a mask time, as older results files have: a dash; peaks of a run that counted
+    # everything live in the process: marked)
+    assert "| 4 | 131265 | causal | 50.0 | — | refused | — | 400 | — | — | 3.0* / — / — | — / — / — | 4444444 |" \
         in table
     assert "flexattn 2222222 / 4444444" in page  # (the heading names both runs)
     assert "mask ms ring / one GPU / torch CP" in table
@@ -191,6 +192,7 @@ def test_context_parallel_keeps_flexattn_rows_when_torch_never_returns(monkeypat
     monkeypatch.setattr(cp.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(cp.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(device_mesh, "init_device_mesh", lambda *a, **k: "mesh")
+    monkeypatch.setattr(cp, "allocated", lambda: 0)
     ring, one = context_parallel_rows(2, 100.0)[0], context_parallel_rows(2, 100.0)[2]
     monkeypatch.setattr(cp, "bench_flexattn", lambda S, mask, method, iters: {
         k: v for k, v in ring.items() if k not in ("P", "S", "mask")})
@@ -224,7 +226,8 @@ def test_context_parallel_table_without_mask_times_has_no_such_column(tmp_path):
                  {"B": 1, "H": 16, "D": 128, "dtype": "bfloat16", "P": 2}, rows, tmp_path / "results", tag="2gpu")
     table = generate(tmp_path, "--no-plot").split("### Context parallelism")[1]
     assert "mask ms" not in table
-    assert "| 2 | 131072 | causal | 100.0 | 110.0 | 150.0 | 180.0 | 400 | 0.90 | 1.50x | 3.0 / 5.0 / 6.0 | 2222222 |" \
+    # (nor the scope of its peaks: everything live in the process, marked)
+    assert "| 2 | 131072 | causal | 100.0 | 110.0 | 150.0 | 180.0 | 400 | 0.90 | 1.50x | 3.0* / 5.0* / 6.0* | 2222222 |" \
         in table
 
 
