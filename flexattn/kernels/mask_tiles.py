@@ -7,7 +7,7 @@ them, with ``kv_order_kernel`` / ``q_order_kernel``; `build_tables` does both.
 Scratch memory is 2 bits per tile; nothing of size Q_LEN x KV_LEN is ever allocated.
 
 ``mod`` is a mask `flexattn.mods.Mod`; only what the IR layer defines is read from it (its IR,
-captured tensors, key, name and source).
+captured tensors and the buffers it reads, key, name and source).
 """
 
 from __future__ import annotations
