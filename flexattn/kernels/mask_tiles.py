@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 
 from flexattn import interval
 from flexattn.codegen import emit
@@ -64,9 +63,8 @@ def chunks(n_q: int, n_kv: int, interpret: bool) -> tuple[int, int, int]:
     runs fastest with vectors no longer than needed."""
     if not interpret:
         return 8, 1024, 1024
-    n_words = triton.cdiv(n_kv, 16)
-    return (min(8, triton.next_power_of_2(n_words)), min(1024, triton.next_power_of_2(n_q)),
-            min(1024, triton.next_power_of_2(n_kv)))
+    n_words = -(-n_kv // 16)
+    return min(8, _pow2(n_words)), min(1024, _pow2(n_q)), min(1024, _pow2(n_kv))
 
 
 def build_tables(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOCK: int,
@@ -95,7 +93,7 @@ class Tiles:
             [[n, 0, self.n_q, 0]] * shards, dtype=torch.int32, device=device)).clone()
         module = _MODULES.get_or_make(("tile_ranges", "interpret" if interpret else "cuda"), lambda: load_kernel_module(
             "tile_ranges", {"prelude": emit.prelude("interpret" if interpret else "cuda")}, {}, interpret=interpret))
-        chunk = min(1024, triton.next_power_of_2(n)) if interpret else 256
+        chunk = min(1024, _pow2(n)) if interpret else 256
         _launch(module.tile_ranges_kernel, (self.n_q, shards), self.state, out, self.BD * self.HD, n,
                 self.state.stride(0), self.state.stride(1), CHUNK=chunk)
         return out
@@ -155,6 +153,12 @@ class Tiles:
         return out
 
 
+def _pow2(n: int) -> int:
+    """The least power of two >= ``n`` (>= 1), in plain integers: a build's host path, where
+    ``triton.next_power_of_2`` (a constexpr function in newer Triton) costs microseconds a call."""
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
 def _aligned(n: int) -> int:
     """``n`` int32 entries rounded up to whole 16 bytes: a table that starts there in a shared
     buffer starts 16-byte aligned (the next one too), as a kernel launch that takes no Triton
@@ -180,8 +184,8 @@ def classify(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BL
     module = kernel_module(mod, "interpret" if interpret else "cuda")
     used = mod.buffer_specs
     summaries = {buf.index: summary(mod.buffers[buf.index]) for buf in used}
-    n_q, n_kv = triton.cdiv(Q_LEN, Q_BLOCK), triton.cdiv(KV_LEN, KV_BLOCK)
-    n_words = triton.cdiv(n_kv, 16)
+    n_q, n_kv = -(-Q_LEN // Q_BLOCK), -(-KV_LEN // KV_BLOCK)
+    n_words = -(-n_kv // 16)
     BH = BD * HD
     state = torch.empty(BH, n_q, n_words, dtype=torch.int32, device=device)
     # The interpreter runs one program at a time: bigger vectors, fewer steps. On the GPU, sub-tiles
