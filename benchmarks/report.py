@@ -215,7 +215,7 @@ def context_parallel_table(record: dict) -> list[str]:
         ring, ag, one, theirs = (impls.get(i) or {} for i in ("ring", "allgather", "one_gpu", "torch_cp"))
         torch_ms = fmt(theirs.get("ms"), ".1f") if "error" not in theirs else "refused"
         # (peaks of a run that counted everything live in the process, not the case's own: marked)
-        whole = "" if ring.get("peak", config.get("peak")) == PEAK_PER_CASE else "*"
+        whole = "" if ring.get("peak") == PEAK_PER_CASE else "*"
         peaks = " / ".join(fmt(r.get("peak_gib"), ".1f", whole) for r in (ring, ag, theirs))
         mask_times = " / ".join(fmt(r.get("mask_ms"), ".1f") for r in (ring, one, theirs)) + " | " if with_masks else ""
         lines.append(f"| {P} | {S} | {mask} | {fmt(ring.get('ms'), '.1f')} | {fmt(ag.get('ms'), '.1f')} | {torch_ms} | "

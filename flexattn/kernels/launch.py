@@ -40,8 +40,10 @@ def target_for(device: torch.device) -> str:
 
 
 def pow2_at_least(n: int, floor: int = 16) -> int:
-    """The next power of two >= ``n`` and >= ``floor`` (tl.arange / tl.dot shapes)."""
-    return max(floor, triton.next_power_of_2(n))
+    """The next power of two >= ``n`` and >= ``floor`` (tl.arange / tl.dot shapes), in plain
+    integers: ``triton.next_power_of_2`` is a constexpr function in newer Triton, microseconds a
+    call, and a block-mask build asks on every call."""
+    return max(floor, 1 << max(n - 1, 0).bit_length())
 
 
 def fit_tile(tile: int, length: int, sparse: int | None) -> int:

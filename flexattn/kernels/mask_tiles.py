@@ -64,7 +64,7 @@ def chunks(n_q: int, n_kv: int, interpret: bool) -> tuple[int, int, int]:
     if not interpret:
         return 8, 1024, 1024
     n_words = -(-n_kv // 16)
-    return min(8, _pow2(n_words)), min(1024, _pow2(n_q)), min(1024, _pow2(n_kv))
+    return tuple(min(cap, launch.pow2_at_least(n, 1)) for cap, n in ((8, n_words), (1024, n_q), (1024, n_kv)))
 
 
 def build_tables(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOCK: int,
@@ -91,9 +91,8 @@ class Tiles:
         device, interpret = self.state.device, self.interpret
         out = _RANGES_START.get_or_make((shards, n, self.n_q, device), lambda: torch.tensor(
             [[n, 0, self.n_q, 0]] * shards, dtype=torch.int32, device=device)).clone()
-        module = _MODULES.get_or_make(("tile_ranges", "interpret" if interpret else "cuda"), lambda: load_kernel_module(
-            "tile_ranges", {"prelude": emit.prelude("interpret" if interpret else "cuda")}, {}, interpret=interpret))
-        chunk = min(1024, _pow2(n)) if interpret else 256
+        module = _plain_module("tile_ranges", interpret)
+        chunk = min(1024, launch.pow2_at_least(n, 1)) if interpret else 256
         _launch(module.tile_ranges_kernel, (self.n_q, shards), self.state, out, self.BD * self.HD, n,
                 self.state.stride(0), self.state.stride(1), CHUNK=chunk)
         return out
@@ -153,10 +152,12 @@ class Tiles:
         return out
 
 
-def _pow2(n: int) -> int:
-    """The least power of two >= ``n`` (>= 1), in plain integers: a build's host path, where
-    ``triton.next_power_of_2`` (a constexpr function in newer Triton) costs microseconds a call."""
-    return 1 << (max(n, 1) - 1).bit_length()
+def _plain_module(template: str, interpret: bool):
+    """The module of a template with no mod in it (tile_ranges, summary), for the GPU or the
+    interpreter."""
+    target = "interpret" if interpret else "cuda"
+    return _MODULES.get_or_make((template, target), lambda: load_kernel_module(
+        template, {"prelude": emit.prelude(target)}, {}, interpret=interpret))
 
 
 def _aligned(n: int) -> int:
@@ -229,10 +230,8 @@ def summary(t: torch.Tensor) -> interval.Summary:
     L = min(K, PYRAMID_LEVELS)
     if K - L > PYRAMID_TOP:
         return interval.Summary.of(t)
-    device, interpret = t.device, t.device.type == "cpu"
-    target = "interpret" if interpret else "cuda"
-    module = _MODULES.get_or_make(("summary", target), lambda: load_kernel_module(
-        "summary", {"prelude": emit.prelude(target)}, {}, interpret=interpret))
+    device = t.device
+    module = _plain_module("summary", device.type == "cpu")
     # (2**(K + 1) - 1 entries each, in rows of 2**(K + 1): both start 16-byte aligned, as a direct
     # launch takes them)
     both = torch.empty(2, 2 << K, dtype=torch.int64, device=device)
