@@ -1,10 +1,11 @@
 """Process groups and the pre-collective agreement checks: errors on every rank, not hangs.
 
-Before a collective that could deadlock on a mismatch, every rank gathers a small description of
-its call (shapes, lengths, dtype, method, mask and mod keys, and any local error) with one
-``all_gather_object``; if the descriptions differ, or any rank found a local error, every rank
-raises the same `DistributedMismatchError`. Calls check once per description: a description
-seen before (on this rank) is not gathered again.
+Before a collective that could deadlock on a mismatch, every rank gathers a digest of a small
+description of its call (shapes, lengths, dtype, method, mask and mod keys) and whether it found
+a local error, in one fixed-size all-gather; only if the digests differ, or any rank found an
+error, do the ranks gather the descriptions themselves (``all_gather_object``), so that every
+rank raises the same `DistributedMismatchError` naming what differs. Calls check once per
+description: a description seen before (on this rank) is not gathered again.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import socket
 
 import torch
 import torch.distributed as dist
+
+from flexattn.lru import LRU
 
 
 class DistributedMismatchError(ValueError):
@@ -99,24 +102,45 @@ def _digest(value) -> int:
 
 def agree_table(group: dist.ProcessGroup, what: str, fields: dict, local_error: str, table: torch.Tensor | None,
                 width: int, can: bool = True) -> tuple[list[list[int]], bool]:
-    """`agree` and a gather of an int64 ``table`` of ``width`` entries (on the device that
-    ``group``'s backend sends from; None where ``local_error``) in one fixed-size collective and one
-    host sync: ``(every rank's table, whether every rank runs on this host and passed can=True)``.
-    A disagreement or an error anywhere then takes `agree`'s gather of the descriptions, which
-    raises on every rank."""
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend_of(group) else torch.device("cpu")
-    header = torch.tensor([0 if local_error else 1, _digest(sorted(fields.items())), _digest(socket.gethostname()),
-                           int(bool(can))], dtype=torch.int64, pin_memory=device.type == "cuda")
-    body = table.to(device=device, dtype=torch.int64).flatten() if table is not None and not local_error else \
-        torch.zeros(width, dtype=torch.int64, device=device)
-    mine = torch.cat([header.to(device, non_blocking=True), body])
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    rows = torch.stack(every).tolist()
+    """`agree` and a gather of an integer ``table`` of ``width`` entries (on any device; None where
+    ``local_error``) in one fixed-size collective and one host sync: ``(every rank's table, whether
+    every rank runs on this host and passed can=True)``."""
+    rows = _gather_digests(group, fields, local_error, can, table, width)
     if not all(r[0] for r in rows) or len({r[1] for r in rows}) > 1:
-        agree(group, what, fields, local_error, cache=False)  # (raises, naming what differs)
-        raise DistributedMismatchError(f"{what}: the ranks' descriptions differ")  # (equal reprs, unequal digests)
+        _compare(group, what, fields, local_error)  # (raises on every rank, naming what differs)
     return [r[4:] for r in rows], len({r[2] for r in rows}) == 1 and all(r[3] for r in rows)
+
+
+def _gather_digests(group: dist.ProcessGroup, fields: dict, local_error: str, can: bool = True,
+                    table: torch.Tensor | None = None, width: int = 0) -> list[list[int]]:
+    """Every rank's ``[no local error, digest of fields, digest of the host name, can, *table]``
+    (a table of ``width`` zeros where None or ``local_error``): one all-gather on the device the
+    group's backend sends from, and one host sync."""
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend_of(group) else torch.device("cpu")
+
+    def make():
+        return torch.tensor([0 if local_error else 1, _digest(sorted(fields.items())), _HOST, int(bool(can))],
+                            dtype=torch.int64, device=device)
+
+    key = (tuple(fields.items()), bool(local_error), bool(can), device)
+    try:  # (the header, made once per description: a repeated build sends it from the device as it is)
+        header = _HEADERS.get_or_make(key, make)
+    except TypeError:  # (a value that cannot be hashed, such as a list passed for B: no entry)
+        header = make()
+    if table is not None and not local_error:
+        mine = torch.cat([header, table.to(device).flatten()])  # (int64: cat promotes the table)
+    else:
+        mine = torch.cat([header, torch.zeros(width, dtype=torch.int64, device=device)]) if width else header
+    every = torch.empty(group.size() * mine.numel(), dtype=torch.int64, device=device)
+    _gather_single(every, mine, group=group)
+    return every.view(group.size(), -1).tolist()
+
+
+# (fields, no local error, can, device) -> the header tensor `agree_table` sends
+_HEADERS = LRU(256)
+_HOST = _digest(socket.gethostname())
+# (one output tensor: torch 2.13 names it all_gather_single, earlier releases all_gather_into_tensor)
+_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 _AGREED: set = set()
@@ -132,7 +156,20 @@ def agree(group: dist.ProcessGroup, what: str, fields: dict, local_error: str = 
     token = (id(group), what, tuple(fields.items()), local_error) if cache else None
     if token is not None and token in _AGREED:
         return
-    size = dist.get_world_size(group)
+    rows = _gather_digests(group, fields, local_error)
+    if not all(r[0] for r in rows) or len({r[1] for r in rows}) > 1:
+        _compare(group, what, fields, local_error)
+    if token is not None:
+        if len(_AGREED) >= _AGREED_LIMIT:
+            _AGREED.clear()
+        _AGREED.add(token)
+
+
+def _compare(group: dist.ProcessGroup, what: str, fields: dict, local_error: str) -> None:
+    """The descriptions and errors of every rank, gathered (every rank calls it after digests that
+    differ or an error anywhere): raises the same `DistributedMismatchError` on every rank, unless
+    the descriptions turn out equal (a value whose repr differs between processes)."""
+    size = group.size()
     gathered: list = [None] * size
     dist.all_gather_object(gathered, (local_error, fields), group=group)
     errors = [f"rank {r}: {err}" for r, (err, _) in enumerate(gathered) if err]
@@ -145,7 +182,3 @@ def agree(group: dist.ProcessGroup, what: str, fields: dict, local_error: str = 
             detail = ", ".join(f"{k}: rank 0 has {first.get(k)!r}, rank {r} has {theirs.get(k)!r}"
                                for k in sorted(diff))
             raise DistributedMismatchError(f"{what}: the ranks disagree ({detail})")
-    if token is not None:
-        if len(_AGREED) >= _AGREED_LIMIT:
-            _AGREED.clear()
-        _AGREED.add(token)
