@@ -208,6 +208,45 @@ def _layouts_and_masks(group) -> None:
         assert bm.masks[r - 1].seq_lengths == (min(BLOCK, L), n[r - 1] - bm.windows[r - 1][0])
 
 
+def _repeated_builds(group) -> None:
+    """Masks of one mod whose captured tensor changes from build to build, then comes back (as a
+    training loop's batches): each rank's pairs, windows, rows, pair tables and pair mods are those
+    of the mask it was just given, read at the pair's positions. A repeated build reuses positions
+    and the plan of a gather it has seen, never a mask's tables or tensors."""
+    # (shards of 3 or 4 blocks: a window of 9 keys reads a block of the shard before, one of 30 most
+    # of it, one of 100 every shard before)
+    S = 101
+    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+             "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+    seen = {}
+    for width in (9, 30, 9, 100):
+        reach = torch.tensor([width])
+
+        def window(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx < reach[0])
+
+        bm = fd.create_block_mask(window, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
+        plan = (bm.needs, bm.windows, bm.rows)
+        assert seen.setdefault(width, plan) == plan, width
+        for j, pair in enumerate(bm.masks):
+            assert (pair is None) == (bm.rows[j] is None), (width, j)
+            if pair is None:
+                continue
+            qpos, kvpos = bm.qpos_rows[j], bm.kvpos_held[j]
+
+            def at_pair(b, h, q_idx, kv_idx, qpos=qpos, kvpos=kvpos):
+                return window(b, h, qpos[q_idx], kvpos[kv_idx])
+
+            want = flexattn.create_block_mask(at_pair, None, None, qpos.numel(), kvpos.numel(), device="cpu",
+                                              BLOCK_SIZE=BLOCK)
+            for name in names:
+                assert torch.equal(getattr(pair, name), getattr(want, name)), (width, j, name)
+            dense = flexattn.create_mask(at_pair, None, None, qpos.numel(), kvpos.numel(), device="cpu")
+            assert torch.equal(flexattn.create_mask(pair.mask_mod, None, None, qpos.numel(), kvpos.numel(),
+                                                    device="cpu"), dense), (width, j)
+    assert len({seen[w] for w in seen}) == 3  # (each width its own pairs)
+
+
 def _errors(group) -> None:
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     # lengths that differ between ranks: the same clear error on every rank, no hang
@@ -389,6 +428,7 @@ def _torch_context_parallel(group) -> None:
 def _body(group) -> None:
     P = dist.get_world_size(group)
     _layouts_and_masks(group)
+    _repeated_builds(group)
     _errors(group)
     _aux(group)
     if P == 2:

@@ -17,7 +17,6 @@ import weakref
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 import flexattn
 from flexattn.block_mask.create import _resolve_mask as resolve_mask, classify
@@ -109,20 +108,19 @@ class DistributedBlockMask:
     """
 
     def __init__(self, group, layout: Layout, B: int, H: int, seq_lengths: tuple[int, int], block_size,
-                 mask: "flexattn.Mod", qpos, kvpos: list, masks: list, needs: tuple, windows: tuple,
-                 rows: tuple, token: tuple):
+                 mask: "flexattn.Mod", shards: "_Shards", pairs: "_Pairs", masks: list, name: str):
         self.group, self.layout, self.B, self.H = group, layout, B, H
-        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.world_size, self.rank = shards.P, shards.rank
         self.seq_lengths, self.BLOCK_SIZE, self.mask_mod = seq_lengths, block_size, mask
-        self.qpos, self.kvpos, self.masks, self.needs, self.token = qpos, kvpos, masks, needs, token
-        self.windows, self.rows = windows, rows
-        self.kvpos_held = [p if j == self.rank else p[slice(*windows[j])] for j, p in enumerate(kvpos)]
-        self.qpos_rows = [None if r is None else qpos[slice(*r)] for r in rows]
+        self.qpos, self.kvpos, self.masks = shards.qpos, shards.kvpos, masks
+        self.needs, self.windows, self.rows = pairs.needs, pairs.windows, pairs.rows
+        self.kvpos_held, self.qpos_rows = pairs.kvpos_held, pairs.qpos_rows
         self._gathered = None
         # (every rank a GPU of this host that can and may use the copy engines, `copies.usable`)
         self.copy_engines = False
-        # (the name the custom ops know it by; equal on every rank, new for every mask)
-        self.name = repr(token)
+        # (the name the custom ops know it by: the group's and the mask's number on it, equal on
+        # every rank, new for every mask)
+        self.name = name
         _BY_NAME[self.name] = self
 
     def gathered(self):
@@ -179,7 +177,7 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     """
     group = checks.resolve_group(group_or_mesh)
     layout = as_layout(load_balance)
-    P, r = dist.get_world_size(group), dist.get_rank(group)
+    P, r = group.size(), group.rank()
     device = torch.device(device) if device is not None else \
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     mod = as_mask_mod(mask_mod, device)
@@ -189,22 +187,20 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     # gather both checks that the ranks agree and shares which tiles each rank keeps; an error
     # while classifying is reported by that gather; then each pair's tables, of the rows that read
     # the shard against what travels of it, are listed from the one classification)
-    error, failure, table, tiles = "", None, None, None
+    error, failure, table, tiles, shards = "", None, None, None, None
     try:  # (arguments checked here: an error on one rank is raised on every rank by the gather)
         B, H = _check_positive("B", B, allow_none=True), _check_positive("H", H, allow_none=True)
         Q_LEN, KV_LEN = _check_positive("Q_LEN", Q_LEN), _check_positive("KV_LEN", KV_LEN)
         q_block, kv_block = block_size_pair(BLOCK_SIZE)
         _check_block_sizes((q_block, kv_block))
-        qpos = layout.positions(Q_LEN, P, r, device)
-        kvpos = [layout.positions(KV_LEN, P, j, device) for j in range(P)]
-        tiled, kept, n = layout.tiled_positions(KV_LEN, P, kv_block, device)
-        if qpos.numel() == 0:  # (a rank without queries keeps nothing)
+        shards = _shards(layout, Q_LEN, KV_LEN, P, r, q_block, kv_block, device)
+        if shards.qpos.numel() == 0:  # (a rank without queries keeps nothing)
             table = torch.zeros(P, 4, dtype=torch.int64, device=device)
         else:
-            local, _ = at_global_positions(mod, MASK, torch.float32, qpos, tiled, kept)
-            tiles = classify(local, B, H, qpos.numel(), tiled.numel(), q_block, kv_block, device,
+            local = shards.positioned(mod, None, shards.qpos, shards.tiled, shards.kept)
+            tiles = classify(local, B, H, shards.qpos.numel(), shards.tiled.numel(), q_block, kv_block, device,
                              "triton" if device.type == "cuda" else "torch")
-            table = tiles.shard_ranges(P, n)
+            table = tiles.shard_ranges(P, shards.n)
     except (ValueError, TypeError, RuntimeError) as e:
         error, failure = str(e), e
     try:
@@ -214,32 +210,92 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
                                                   error, table, 4 * P, can=copies.usable(device))
     except checks.DistributedMismatchError as e:
         raise e from failure
-    L = qpos.numel()
-    ranges = [[_ranges(flat[4 * j:4 * j + 4]) for j in range(P)] for flat in tables]  # (rank i's, pair j's)
-    # (every[i][j]: the local KV positions rank i's tables list in shard j, or None)
-    every = [[None if g is None else (g[0][0] * kv_block, min(g[0][1] * kv_block, kvpos[j].numel()))
-              for j, g in enumerate(mine)] for mine in ranges]
-    rows = [None if g is None else (g[1][0] * q_block, min(g[1][1] * q_block, L)) for g in ranges[r]]
-    needs = tuple(tuple(span is not None for span in r) for r in every)
-    windows = tuple(_window(every, j, kvpos[j].numel()) for j in range(P))
-    # (the tables of the rows that read shard j, against what travels of it: every pair's from one
-    # launch of each order kernel)
-    read = [j for j, g in enumerate(ranges[r]) if g is not None]
-    held = [(0, kvpos[j].numel()) if j == r else windows[j] for j in range(P)]
-    rects = [(ranges[r][j][1], (n * j + held[j][0] // kv_block, n * j + -(-held[j][1] // kv_block)))
-             for j in read]  # (shard j's tiles: n j ..)
+    pairs = _PAIRS.get_or_make((shards.key, tuple(map(tuple, tables))), lambda: _Pairs(shards, tables))
     masks = [None] * P
-    for j, tables in zip(read, tiles.tables_of(rects) if read else []):
-        pair, _ = at_global_positions(mod, MASK, torch.float32, qpos[slice(*rows[j])], kvpos[j][slice(*held[j])])
-        masks[j] = flexattn.BlockMask((rows[j][1] - rows[j][0], held[j][1] - held[j][0]), *tables,
-                                      BLOCK_SIZE=(q_block, kv_block), mask_mod=pair, validate=False)
+    for j, lists in zip(pairs.read, tiles.tables_of(pairs.rects) if pairs.read else []):
+        rows, held = pairs.rows[j], pairs.held[j]
+        local = pairs.positioned(mod, j, pairs.qpos_rows[j], pairs.kvpos_held[j])
+        masks[j] = flexattn.BlockMask((rows[1] - rows[0], held[1] - held[0]), *lists, BLOCK_SIZE=(q_block, kv_block),
+                                      mask_mod=local, validate=False)
     checks.ring_groups(group)  # (made here, where every rank of the group is)
     counter = _TOKENS.setdefault(group.group_name, itertools.count())
-    token = (mod.key(), layout.key(), Q_LEN, KV_LEN, B, H, BLOCK_SIZE, group.group_name, next(counter))
-    bm = DistributedBlockMask(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, qpos, kvpos, masks,
-                              needs, windows, tuple(rows), token)
+    bm = DistributedBlockMask(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, shards, pairs, masks,
+                              f"{group.group_name}/{next(counter)}")
     bm.copy_engines = copy_engines
     return bm
+
+
+class _Positioned:
+    """Mods at the global positions of one build's shards (`at_global_positions`); those of mods
+    that capture no tensors kept per mod, so that a repeated build of them rebinds nothing."""
+
+    def __init__(self):
+        self._mods = LRU(16)
+
+    def positioned(self, mod, slot, qpos, kvpos, kept=None):
+        if mod.buffers:
+            return at_global_positions(mod, MASK, torch.float32, qpos, kvpos, kept)[0]
+        return self._mods.get_or_make((mod.key(), slot), lambda: at_global_positions(
+            mod, MASK, torch.float32, qpos, kvpos, kept)[0])
+
+
+class _Shards(_Positioned):
+    """What every build of one layout, pair of lengths, group size, rank, block size and device
+    reads: this rank's query positions, every KV shard's, and the KV shards side by side
+    (`Layout.tiled_positions`)."""
+
+    def __init__(self, key: tuple, layout: Layout, Q_LEN: int, KV_LEN: int, P: int, r: int, q_block: int,
+                 kv_block: int, device: torch.device):
+        super().__init__()
+        self.key, self.P, self.rank, self.q_block, self.kv_block = key, P, r, q_block, kv_block
+        self.qpos = layout.positions(Q_LEN, P, r, device)
+        self.kvpos = [layout.positions(KV_LEN, P, j, device) for j in range(P)]
+        self.tiled, self.kept, self.n = layout.tiled_positions(KV_LEN, P, kv_block, device)
+
+
+# (layout key, lengths, group size, rank, block sizes, device) -> `_Shards`
+_SHARDS = LRU(16)
+
+
+def _shards(layout: Layout, Q_LEN: int, KV_LEN: int, P: int, r: int, q_block: int, kv_block: int,
+            device: torch.device) -> _Shards:
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (layout.key(), Q_LEN, KV_LEN, P, r, q_block, kv_block, device)
+    return _SHARDS.get_or_make(key, lambda: _Shards(key, layout, Q_LEN, KV_LEN, P, r, q_block, kv_block, device))
+
+
+class _Pairs(_Positioned):
+    """The pairs of shards a build's gathered ranges (``tables[i]``: rank i's `shard_ranges`) make
+    this rank compute: which pairs any rank reads (``needs``), what travels of each KV shard
+    (``windows``), this rank's rows of each (``rows``), the tile rectangles of its tables
+    (``rects``) and the positions of those rows and of what it holds of each shard. Made once per
+    distinct gather: a training loop over one mask, or masks of the same shape, repeats it."""
+
+    def __init__(self, shards: _Shards, tables: list):
+        super().__init__()
+        P, r, q_block, kv_block, n = shards.P, shards.rank, shards.q_block, shards.kv_block, shards.n
+        qpos, kvpos = shards.qpos, shards.kvpos
+        L = qpos.numel()
+        ranges = [[_ranges(flat[4 * j:4 * j + 4]) for j in range(P)] for flat in tables]  # (rank i's, pair j's)
+        # (every[i][j]: the local KV positions rank i's tables list in shard j, or None)
+        every = [[None if g is None else (g[0][0] * kv_block, min(g[0][1] * kv_block, kvpos[j].numel()))
+                  for j, g in enumerate(mine)] for mine in ranges]
+        self.rows = tuple(None if g is None else (g[1][0] * q_block, min(g[1][1] * q_block, L)) for g in ranges[r])
+        self.needs = tuple(tuple(span is not None for span in row) for row in every)
+        self.windows = tuple(_window(every, j, kvpos[j].numel()) for j in range(P))
+        # (the tables of the rows that read shard j, against what travels of it: every pair's from
+        # one launch of each order kernel)
+        self.read = [j for j, g in enumerate(ranges[r]) if g is not None]
+        self.held = [(0, kvpos[j].numel()) if j == r else self.windows[j] for j in range(P)]
+        self.rects = [(ranges[r][j][1], (n * j + self.held[j][0] // kv_block, n * j + -(-self.held[j][1] // kv_block)))
+                      for j in self.read]  # (shard j's tiles: n j ..)
+        self.kvpos_held = [p if j == r else p[slice(*self.windows[j])] for j, p in enumerate(kvpos)]
+        self.qpos_rows = [None if g is None else qpos[slice(*g)] for g in self.rows]
+
+
+# (`_Shards.key`, every rank's ranges) -> `_Pairs`
+_PAIRS = LRU(256)
 
 
 def _window(every: list, j: int, length: int) -> tuple[int, int]:

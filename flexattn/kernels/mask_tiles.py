@@ -28,6 +28,9 @@ from flexattn.lru import LRU
 _MODULES = LRU(256)
 # (shards, tiles per shard, query tiles, device) -> the start of `Tiles.shard_ranges`' atomics
 _RANGES_START = LRU(64)
+# (rectangles and their offsets, device) -> the table of them `Tiles.tables_of` passes its kernels
+# (read only: a distributed build lists the same rectangles every step)
+_RECTS = LRU(64)
 # (kernel, grid, device, arguments' values or dtypes, constexprs) -> its `launch.Launch`
 _LAUNCHES = LRU(256)
 
@@ -122,8 +125,9 @@ class Tiles:
                                         for n in (total[0], total[1], total[2], total[2]))
         many = len(rects) > 1
         if many:
-            rows = [[q0, q1 - q0, kv0, kv1 - kv0, *at[i], 0] for i, ((q0, q1), (kv0, kv1)) in enumerate(rects)]
-            table = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+            rows = tuple((q0, q1 - q0, kv0, kv1 - kv0, *at[i], 0) for i, ((q0, q1), (kv0, kv1)) in enumerate(rects))
+            table = _RECTS.get_or_make((rows, device), lambda: torch.tensor(
+                rows, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True))
             corner = (0, 0)
         else:
             table, corner = state, (rects[0][0][0], rects[0][1][0])  # (Rects unread: the corner in the scalars)
