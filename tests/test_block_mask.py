@@ -135,6 +135,29 @@ def test_undecided_tiles_listed_for_the_exact_kernel_match_torch(cap, monkeypatc
         assert_same(*both(mask, 1, 2, Q, KV, 32, backend="triton"))
 
 
+def test_classify_without_deferral_evaluates_undecided_tiles_in_place(monkeypatch):
+    """``defer=False`` (a distributed build whose tiles each hold consecutive positions): even from
+    DEFER_MIN 1, no tile is listed and exact_kernel never runs; the tables are the same as with
+    the list, whose kernel does run."""
+    from flexattn.block_mask.create import _resolve_mask, classify
+    from flexattn.kernels import mask_tiles
+
+    monkeypatch.setitem(mask_tiles.DEFER_MIN, "interpret", 1)
+    launched, launch = [], mask_tiles._launch
+    monkeypatch.setattr(mask_tiles, "_launch",
+                        lambda kernel, *a, **k: (launched.append(kernel), launch(kernel, *a, **k)))
+    mod = _resolve_mask(document_causal, torch.device("cpu"))
+    tables = {}
+    for defer in (True, False):
+        launched.clear()
+        tiles = classify(mod, 1, 2, 300, 299, 32, 32, torch.device("cpu"), "triton", defer=defer)
+        tables[defer] = tiles.tables()
+        exact = [k for k in launched if k is tiles.tiles.module.exact_kernel]
+        assert bool(exact) == defer, (defer, launched)
+    for i, (listed, in_place) in enumerate(zip(tables[True], tables[False])):
+        assert torch.equal(listed, in_place), FIELDS[i]
+
+
 @pytest.mark.parametrize("levels", [8, 2], ids=lambda n: f"{n} levels a program")
 def test_summary_pyramids_from_the_kernels_are_torchs(levels, monkeypatch):
     """The min/max pyramid of a 1-D integer or bool tensor that the summary kernels make

@@ -191,14 +191,15 @@ def _build_tables(mod: Mod, B, H, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOC
 
 
 def classify(mod: Mod, B: int, H: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOCK: int,
-             device: torch.device, backend: str) -> "Classified":
+             device: torch.device, backend: str, defer: bool = True) -> "Classified":
     """Every (query tile, KV tile) of ``mod`` classified (empty, partial, full), on ``backend``:
-    the tables of its block mask, or of any rectangle of its tiles, come from it."""
+    the tables of its block mask, or of any rectangle of its tiles, come from it. ``defer``: see
+    `mask_tiles.classify`."""
     used = mod.inputs
     BD = B if "b" in used else 1
     HD = H if "h" in used else 1
     if backend == "triton":
-        tiles = mask_tiles.classify(mod, BD, HD, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device)
+        tiles = mask_tiles.classify(mod, BD, HD, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, defer=defer)
     else:
         tiles = _TorchTiles(_classify_torch(mod, BD, HD, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device))
     return Classified(tiles, B, H)

@@ -198,8 +198,11 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
             table = torch.zeros(P, 4, dtype=torch.int64, device=device)
         else:
             local = shards.positioned(mod, None, shards.qpos, shards.tiled, shards.kept)
+            # (undecided tiles listed for a kernel of their own only where a tile can span two runs
+            # of positions, or the mask reads tensors of its own: else they lie along its edges)
             tiles = classify(local, B, H, shards.qpos.numel(), shards.tiled.numel(), q_block, kv_block, device,
-                             "triton" if device.type == "cuda" else "torch")
+                             "triton" if device.type == "cuda" else "torch",
+                             defer=bool(mod.buffer_specs) or not shards.tiles_in_runs)
             table = tiles.shard_ranges(P, shards.n)
     except (ValueError, TypeError, RuntimeError) as e:
         error, failure = str(e), e
@@ -251,6 +254,21 @@ class _Shards(_Positioned):
         self.qpos = layout.positions(Q_LEN, P, r, device)
         self.kvpos = [layout.positions(KV_LEN, P, j, device) for j in range(P)]
         self.tiled, self.kept, self.n = layout.tiled_positions(KV_LEN, P, kv_block, device)
+        # (whether every query tile and every KV tile holds consecutive positions: each run of the
+        # layout starts on a tile's edge of its shard)
+        self.tiles_in_runs = _runs_on_edges(layout.runs(Q_LEN, P, r), q_block) and all(
+            _runs_on_edges(layout.runs(KV_LEN, P, j), kv_block) for j in range(P))
+
+
+def _runs_on_edges(runs: list[tuple[int, int]], block: int) -> bool:
+    """Whether each of the runs of a shard (``Layout.runs``) after its first starts at a local
+    index that is a multiple of ``block``."""
+    at = 0
+    for begin, end in runs[:-1]:
+        at += end - begin
+        if at % block:
+            return False
+    return True
 
 
 # (layout key, lengths, group size, rank, block sizes, device) -> `_Shards`

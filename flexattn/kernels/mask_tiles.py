@@ -183,8 +183,10 @@ def _launch(kernel, grid: tuple, *args, **constexprs) -> None:
 
 
 def classify(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOCK: int,
-             device: torch.device, use_interval: bool = True) -> Tiles:
-    """Every (query tile, KV tile) of ``mod`` classified as empty, partial or full, for [BD, HD]."""
+             device: torch.device, use_interval: bool = True, defer: bool = True) -> Tiles:
+    """Every (query tile, KV tile) of ``mod`` classified as empty, partial or full, for [BD, HD].
+    ``defer=False``: undecided tiles are evaluated where they are found, never listed for
+    exact_kernel (for a caller that knows they lie along the mask's edges only)."""
     interpret = device.type == "cpu"
     module = kernel_module(mod, "interpret" if interpret else "cuda")
     used = mod.buffer_specs
@@ -202,7 +204,7 @@ def classify(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BL
     # tile across two distant runs of positions); arithmetic on the indices alone leaves its
     # undecided tiles along the mask's edges, spread over the rows, and pays no second launch. The
     # list packs a tile's row and column in 20 bits each)
-    defer_min = DEFER_MIN["interpret" if interpret else "cuda"] if used and max(n_q, n_kv) < 1 << 20 else 0
+    defer_min = DEFER_MIN["interpret" if interpret else "cuda"] if defer and used and max(n_q, n_kv) < 1 << 20 else 0
     deferred = torch.zeros(1 + DEFER_CAP, dtype=torch.int64, device=device) if defer_min else _unused_list(device)
     mod_args = emit.launch_args(used, mod.buffers)
     fixed = dict(BLOCK_Q=Q_BLOCK, BLOCK_KV=KV_BLOCK, SUB_Q=sub_q, SUB_KV=sub_kv,
