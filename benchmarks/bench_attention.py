@@ -259,6 +259,8 @@ def run(args) -> tuple[dict, list[dict]]:
     config = {"dtype": str(dtype).removeprefix("torch."), "shapes": [f"{B}x{H}x{S}x{D}" for B, H, S, D in shapes],
               "window": window, "docs": docs, "BLOCK_SIZE": block, "rounds": max(1, args.rounds), "rep": rep,
               "backward": not args.no_backward, "kernel_options": args.kernel_options}
+    if args.cases:  # (a subset: the report names it)
+        config["cases"] = [c.strip() for c in args.cases.split(",")]
     rows = []
     for B, H, S, D in shapes:
         g = torch.Generator(device=args.device).manual_seed(0)

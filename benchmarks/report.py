@@ -250,6 +250,8 @@ def summary(suites: dict) -> str:
     parts = []
     if "attention" in suites:
         cases = training_cases(suites["attention"]).values()
+        subset = suites["attention"]["config"].get("cases")  # (a run of some cases: named)
+        only = f" ({', '.join(subset)} only)" if subset else ""
         ours = [c["flexattn"] for c in cases if "error" not in c.get("flexattn", {"error": 1})]
         for key, what in (("fwd", "forward"), ("bwd", "backward")):
             tf = span([r.get(f"{key}_tflops") for r in ours], ".0f", " TF/s")
@@ -257,7 +259,7 @@ def summary(suites: dict) -> str:
                 continue
             torch_x = span([ratio(c.get("torch"), c.get("flexattn"), f"{key}_ms") for c in cases], ".2f", "x")
             cudnn_x = span([ratio(c.get("sdpa"), c.get("flexattn"), f"{key}_ms") for c in cases], ".2f", "x")
-            parts.append(f"the training {what} runs at {tf}, {torch_x} the speed of torch.compile(flex_attention)"
+            parts.append(f"the training {what}{only} runs at {tf}, {torch_x} the speed of torch.compile(flex_attention)"
                          + ("" if cudnn_x == NONE else f" and {cudnn_x} that of cuDNN SDPA where it runs"))
         extra = [e for c in cases if (e := determ_extra(c)) is not None]
         if extra:

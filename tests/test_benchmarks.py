@@ -110,11 +110,13 @@ def test_several_gpus_each_get_a_section_and_cpu_results_are_left_out(tmp_path):
     folder = tmp_path / "results"
     write_h100(folder)
     rows = [training_row("no mask", "flexattn", 4.0, 10.0)]
-    results.save("attention", env("NVIDIA H200"), {"dtype": "bfloat16"}, rows, folder)
+    # (a run of some cases, --cases: the summary names them)
+    results.save("attention", env("NVIDIA H200"), {"dtype": "bfloat16", "cases": ["no mask"]}, rows, folder)
     results.save("attention", {**env(results.CPU_NAME), "device": "cpu"}, {}, rows, folder)
     page = generate(tmp_path, "--no-plot")
     assert page.count("\n## NVIDIA ") == 2 and "## NVIDIA H200" in page
-    assert "- **NVIDIA H200**: the training forward runs at" in page
+    assert "- **NVIDIA H200**: the training forward (no mask only) runs at" in page
+    assert "- **NVIDIA H100 80GB HBM3**: the training forward runs at" in page
     assert results.CPU_NAME not in page
     assert len(page.splitlines()) < 200
 
