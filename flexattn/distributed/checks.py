@@ -105,17 +105,16 @@ def agree_table(group: dist.ProcessGroup, what: str, fields: dict, local_error: 
     """`agree` and a gather of an integer ``table`` of ``width`` entries (on any device; None where
     ``local_error``) in one fixed-size collective and one host sync: ``(every rank's table, whether
     every rank runs on this host and passed can=True)``."""
-    rows = _gather_digests(group, fields, local_error, can, table, width)
-    if not all(r[0] for r in rows) or len({r[1] for r in rows}) > 1:
-        _compare(group, what, fields, local_error)  # (raises on every rank, naming what differs)
+    rows = _gather_digests(group, what, fields, local_error, can, table, width)
     return [r[4:] for r in rows], len({r[2] for r in rows}) == 1 and all(r[3] for r in rows)
 
 
-def _gather_digests(group: dist.ProcessGroup, fields: dict, local_error: str, can: bool = True,
+def _gather_digests(group: dist.ProcessGroup, what: str, fields: dict, local_error: str, can: bool = True,
                     table: torch.Tensor | None = None, width: int = 0) -> list[list[int]]:
     """Every rank's ``[no local error, digest of fields, digest of the host name, can, *table]``
     (a table of ``width`` zeros where None or ``local_error``): one all-gather on the device the
-    group's backend sends from, and one host sync."""
+    group's backend sends from, and one host sync. Where a rank has an error or the digests
+    differ, every rank raises (`_compare`)."""
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend_of(group) else torch.device("cpu")
 
     def make():
@@ -133,7 +132,10 @@ def _gather_digests(group: dist.ProcessGroup, fields: dict, local_error: str, ca
         mine = torch.cat([header, torch.zeros(width, dtype=torch.int64, device=device)]) if width else header
     every = torch.empty(group.size() * mine.numel(), dtype=torch.int64, device=device)
     _gather_single(every, mine, group=group)
-    return every.view(group.size(), -1).tolist()
+    rows = every.view(group.size(), -1).tolist()
+    if not all(r[0] for r in rows) or len({r[1] for r in rows}) > 1:
+        _compare(group, what, fields, local_error)  # (raises on every rank, naming what differs)
+    return rows
 
 
 # (fields, no local error, can, device) -> the header tensor `agree_table` sends
@@ -156,9 +158,7 @@ def agree(group: dist.ProcessGroup, what: str, fields: dict, local_error: str = 
     token = (id(group), what, tuple(fields.items()), local_error) if cache else None
     if token is not None and token in _AGREED:
         return
-    rows = _gather_digests(group, fields, local_error)
-    if not all(r[0] for r in rows) or len({r[1] for r in rows}) > 1:
-        _compare(group, what, fields, local_error)
+    _gather_digests(group, what, fields, local_error)
     if token is not None:
         if len(_AGREED) >= _AGREED_LIMIT:
             _AGREED.clear()

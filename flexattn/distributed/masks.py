@@ -149,7 +149,7 @@ class DistributedBlockMask:
 
 
 # group name -> counter of the masks made on it (a collective: equal on every rank of the group)
-_TOKENS: dict[str, itertools.count] = {}
+_COUNTERS: dict[str, itertools.count] = {}
 _BY_NAME: "weakref.WeakValueDictionary[str, DistributedBlockMask]" = weakref.WeakValueDictionary()
 
 
@@ -221,7 +221,7 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         masks[j] = flexattn.BlockMask((rows[1] - rows[0], held[1] - held[0]), *lists, BLOCK_SIZE=(q_block, kv_block),
                                       mask_mod=local, validate=False)
     checks.ring_groups(group)  # (made here, where every rank of the group is)
-    counter = _TOKENS.setdefault(group.group_name, itertools.count())
+    counter = _COUNTERS.setdefault(group.group_name, itertools.count())
     bm = DistributedBlockMask(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, shards, pairs, masks,
                               f"{group.group_name}/{next(counter)}")
     bm.copy_engines = copy_engines
