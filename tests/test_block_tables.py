@@ -19,7 +19,7 @@ import torch
 
 import flexattn
 from flexattn.block_mask import BlockMask, create_block_mask, validate_block_tables
-from flexattn.kernels.tables import Direction, Tables, ordered_q_lists, q_direction
+from flexattn.kernels.tables import Direction, Tables, ordered_q_lists, q_direction, regrouped, tables_of
 from flexattn.reference import attention_reference
 
 I32 = torch.int32
@@ -224,3 +224,48 @@ def _lists(flags: torch.Tensor):
     num = flags.sum(-1).to(torch.int32)
     idx = torch.sort(torch.where(flags, torch.arange(flags.shape[-1]), flags.shape[-1]), dim=-1).values
     return num, idx.clamp_max(flags.shape[-1] - 1).to(torch.int32)
+
+
+@pytest.mark.parametrize("src_rows,rows,has_full", [(128, 192, True), (64, 192, True), (128, 192, False)])
+def test_regrouped_lists_visit_every_block_of_the_tiles_they_span(src_rows, rows, has_full):
+    """The Hopper forward's lists for its 192-row tiles from a mask's smaller blocks: a KV block is
+    listed where any of the mask's blocks the tile overlaps lists it, and full only where all of
+    them hold it full (the tile's mask work is skipped only where no element can be masked).
+    Against the dense tile states of random masks, per-head rows, a last tile past the mask's rows."""
+    g = torch.Generator().manual_seed(src_rows + has_full)
+    states = torch.randint(0, 3 if has_full else 2, (2, 3, 7, 5), generator=g)  # 0 empty, 1 partial, 2 full
+    full = _lists(states == 2) if has_full else (None, None)
+    source = Tables.of(Direction(*_lists(states == 1), *full), None, src_rows, 128, None)
+    got = regrouped(source, rows)
+    n = -(-7 * src_rows // rows)
+    assert got.q_block == rows and got.kv.num.shape == (2, 3, n) and got.kv.has_full == has_full
+    for b, h, t in itertools.product(range(2), range(3), range(n)):
+        spanned = states[b, h, t * rows // src_rows:(t * rows + rows - 1) // src_rows + 1]
+        whole = (spanned == 2).all(0)
+        partial = (spanned > 0).any(0) & ~whole
+        assert got.kv.idx[b, h, t, :got.kv.num[b, h, t]].tolist() == partial.nonzero().flatten().tolist()
+        if has_full:
+            assert got.kv.full_idx[b, h, t, :got.kv.full_num[b, h, t]].tolist() == whole.nonzero().flatten().tolist()
+    assert regrouped(source, rows) is got  # (made once per mask)
+    source.kv.num[0, 0, 0] = 0  # an in-place change of the mask's lists: made again
+    assert regrouped(source, rows) is not got
+
+
+def test_regrouped_lists_give_the_right_answer():
+    """A document mask's 128-row lists regrouped to 192 rows, run as a (192, 128) block mask
+    through the Triton template at lengths off both block sizes, against the float64 reference."""
+    torch.manual_seed(0)
+    S_Q, S_KV = 437, 401
+    doc = torch.randint(0, 3, (max(S_Q, S_KV),)).sort().values
+
+    def documents(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    bm = create_block_mask(documents, None, 2, S_Q, S_KV, device="cpu")
+    lists = regrouped(tables_of(bm), 192).kv
+    wide = BlockMask((S_Q, S_KV), lists.num, lists.idx, lists.full_num, lists.full_idx, None, None, None, None,
+                     BLOCK_SIZE=(192, 128), mask_mod=documents)
+    q, k, v = (torch.randn(1, 2, s, 16, dtype=torch.float64) for s in (S_Q, S_KV, S_KV))
+    out = flexattn.flex_attention(q, k, v, block_mask=wide)
+    ref = attention_reference(q, k, v, mask_mod=documents)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)

@@ -132,6 +132,22 @@ def test_head_dim_64_takes_three_consumers(S_Q, S_KV):
             if p.descriptors is not None and p.out_shape[3] == 64} == {192}
 
 
+@pytest.mark.parametrize("S_Q, S_KV", [(1000, 1000), (4097, 4097), (193, 450)])
+def test_head_dim_64_reads_a_masks_128_row_lists_regrouped(S_Q, S_KV):
+    """Head dim 64 under block masks of 128-row blocks: the 192-row tiles read the lists regrouped
+    to their rows (a tile spans one and a half blocks: partial where either lists a block, full
+    where both hold it full), at lengths off both block sizes, with GQA and K/V broadcast over the
+    batch, captured tensors in both mods, and 64-row blocks (three to a tile)."""
+    plans.FORWARD.plans.clear()
+    check(*qkv(2, 8, 2, S_Q, S_KV, 64, Bkv=1), mask_mod=causal)
+    check(*qkv(1, 8, 8, S_Q, S_KV, 64), mask_mod=sliding_window_1024, score_mod=softcap)
+    check(*qkv(2, 8, 4, S_Q, S_KV, 64), score_mod=make_alibi(8, "cuda"),
+          mask_mod=make_document_causal(max(S_Q, S_KV), "cuda"))
+    check(*qkv(1, 4, 4, S_Q, S_KV, 64), mask_mod=causal, block=(64, 128))
+    regrouped = [p for p in plans.FORWARD.plans.values() if p.descriptors is not None and p.out_shape[3] == 64]
+    assert regrouped and {(p.rows, p.kernel.constexprs["SPARSE_Q_BLOCK_SIZE"]) for p in regrouped} == {(192, 192)}
+
+
 @pytest.mark.parametrize("S", [333, 2100])
 def test_head_dim_256(S):
     check(*qkv(2, 4, 4, S, S, 256))
@@ -173,7 +189,7 @@ def test_flash_refuses_what_it_cannot_run():
     q, k, v = qkv(1, 4, 4, 512, 512, 80)
     with pytest.raises(ValueError, match="BACKEND='FLASH'.*head dims"):
         flex_attention(q, k, v, kernel_options=FLASH)
-    q, k, v = qkv(1, 4, 4, 512, 512, 64)  # 192-row tiles against a mask's 128-row blocks
-    bm = create_block_mask(causal, None, None, 512, 512, device="cuda")
-    with pytest.raises(ValueError, match="BACKEND='FLASH'.*not multiples of the kernel's 192x128 tiles"):
+    q, k, v = qkv(1, 4, 4, 512, 512, 64)  # 128-column tiles against a mask's 64-column blocks
+    bm = create_block_mask(causal, None, None, 512, 512, device="cuda", BLOCK_SIZE=(128, 64))
+    with pytest.raises(ValueError, match="BACKEND='FLASH'.*KV blocks of 64 are not multiples of the kernel's 128"):
         flex_attention(q, k, v, block_mask=bm, kernel_options=FLASH)

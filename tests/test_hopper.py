@@ -16,7 +16,7 @@ from flexattn import tracer
 from flexattn.block_mask import create_block_mask
 from flexattn.codegen import emit
 from flexattn.kernels import arguments, backward as bwd, forward as fwd, hopper, launch, layout, options as opts
-from flexattn.kernels.tables import ordered_q_lists, q_direction, tables_of
+from flexattn.kernels.tables import ordered_q_lists, q_direction, regrouped, tables_of
 from flexattn.mods import MASK, SCORE
 
 gluon = pytest.importorskip("triton.experimental.gluon")
@@ -217,8 +217,11 @@ def test_reason_on_a_hopper(monkeypatch):
     assert hopper.reason(q64, k64, v64, None, {}) is None and "below one 192-row tile" in hopper.reason(
         *_qkv(S=150, D=64), None, {})
     assert hopper.timed_against_triton(q64, {}) and not hopper.timed_against_triton(q64, {"BACKEND": "FLASH"})
-    assert "192x128" in hopper.reason(q64, k64, v64, tables_of(create_block_mask(causal, None, None, 300, 300,
-                                                                                 device="cpu")), {})
+    causal64 = tables_of(create_block_mask(causal, None, None, 300, 300, device="cpu"))
+    assert hopper.reason(q64, k64, v64, causal64, {}) is None and hopper.forward_rows(causal64, 64) == 192
+    assert "KV blocks of 64 are not multiples of the kernel's 128-column" in hopper.reason(  # (KV: not regrouped)
+        q64, k64, v64, tables_of(create_block_mask(causal, None, None, 300, 300, device="cpu",
+                                                   BLOCK_SIZE=(128, 64))), {})
     assert "float8 inputs at head dims" in hopper.reason(
         *(t.to(torch.float8_e4m3fn) for t in (q64, k64, layout.k_major(v64))), None, {})
     padded = torch.randn(1, 2, 300, 132, dtype=torch.bfloat16)[..., :128]  # rows 264 bytes apart
@@ -265,6 +268,39 @@ def test_float8_forward_at_head_dim_128_is_chosen_by_timing(monkeypatch, tmp_pat
     bf16 = _qkv()
     plans._make_forward_plan(*bf16, score, (), mask, (), None, False, {"AUTOTUNE": True}, False, None)
     assert len(asked) == 1  # 16-bit: the Hopper kernel, untimed
+    tuning.forget()
+
+
+def test_masked_forward_at_head_dim_64_times_the_hopper_kernel_on_regrouped_lists(monkeypatch, tmp_path):
+    """Head dim 64 under a block mask of 128-row blocks: the tuner times the Hopper kernel (192-row
+    tiles) on the mask's lists regrouped to 192 rows beside the Triton template's configs, under a
+    key of its own; the Hopper plan launches with the regrouped lists, the template's with the mask's."""
+    from flexattn.kernels import plans, tuning
+
+    monkeypatch.setattr(hopper, "_on_sm90", lambda device: True)
+    monkeypatch.setenv("FLEXATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(plans, "TUNE_MIN_WORK", 0)
+    tuning.forget()
+    asked = []
+
+    def choose(key, candidates, make, run, device):
+        asked.append((key, candidates))
+        return make(candidates[-1]), candidates[-1]
+
+    monkeypatch.setattr(tuning, "choose", choose)
+    q, k, v = _qkv(S=300, D=64)
+    score, mask = _mod(lambda s, b, h, q_idx, kv_idx: s, SCORE), _mod(causal, MASK)
+    tables = tables_of(create_block_mask(causal, None, None, 300, 300, device="cpu"))
+    plan = plans._make_forward_plan(q, k, v, score, (), mask, (), tables, False, {"AUTOTUNE": True}, False, None)
+    (key, candidates), = asked
+    assert "or Hopper on 192-row lists" in key and candidates[-1] == {"BACKEND": "FLASH"}
+    assert plan.rows == 192 and plan.kernel.constexprs["SPARSE_Q_BLOCK_SIZE"] == 192
+    out, lse = torch.empty(1, 2, 300, 64, dtype=torch.bfloat16), torch.empty(1, 2, 300)
+    args = fwd.launch_args(plan, q, k, v, out, lse, None, score, (), mask, (), tables, 1.0)
+    lists = regrouped(tables, 192).kv.args()
+    assert sum(a is t for a in args for t in lists) == 4 and not any(a is t for a in args for t in tables.kv.args())
+    template = plans._make_forward_plan(q, k, v, score, (), mask, (), tables, False, {"AUTOTUNE": False}, False, None)
+    assert template.rows == 0 and template.descriptors is None
     tuning.forget()
 
 

@@ -10,7 +10,7 @@ import triton
 from flexattn.kernels import hopper, launch, layout, options as opts
 from flexattn.kernels.arguments import UNUSED
 from flexattn.kernels.launch import LARGE_BLOCK, fit_tile, pow2_at_least
-from flexattn.kernels.tables import Direction, Tables, check_block_size, dense
+from flexattn.kernels.tables import Direction, Tables, check_block_size, dense, regrouped
 from flexattn.mods import Mod
 
 
@@ -32,6 +32,7 @@ class Plan:
     want_max: bool  # the kernel writes the row max too
     is_empty: bool  # no output elements: nothing to launch
     descriptors: hopper.Descriptors | None = None  # the Hopper kernel's Q/K/V (and output) TMA descriptors
+    rows: int = 0  # the query block size of the block lists read (`hopper.forward_rows`; 0: the mask's)
 
 
 def module(score: Mod, mask: Mod, target: str, fast_math: bool = False, template: str = "forward"):
@@ -170,12 +171,15 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     block_m, block_n = hopper.BLOCK_M[E], hopper.BLOCK_N[E]
     consumers = block_m // 64
     dense_rows = None
+    rows = hopper.forward_rows(tables, E)
     if tables is None:  # (one block of rows: a multiple of block_m past any length)
         sparse_q, sparse_kv = LARGE_BLOCK // 128 * block_m, block_n
         dense_rows = dense(device, triton.cdiv(KV_LEN, block_n))
     else:
-        sparse_q, sparse_kv = tables.q_block, tables.kv_block
+        sparse_q, sparse_kv = rows or tables.q_block, tables.kv_block
     options = {**opts.forward_defaults(device, dtype, E, Ev), **explicit}
+    if rows:  # (a regrouped list of consecutive blocks need not be consecutive)
+        options["BLOCKS_ARE_CONTIGUOUS"] = False
     descriptors = hopper.Descriptors(dtype, E)
     constexprs = dict(
         BLOCK_M=block_m, BLOCK_N=block_n, SPARSE_Q_BLOCK_SIZE=sparse_q, SPARSE_KV_BLOCK_SIZE=sparse_kv,
@@ -212,7 +216,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
         out_shape=out_shape, stat_shape=(B, Hq, Q_LEN), out_order=out_order, stat_dtype=torch.float32,
         out_dtype=out_dtype, out_like_query=layout.empty_like_gives(query, out_shape, out_dtype, out_order),
         strides=strides, dense_rows=dense_rows, sizes=(Hq, Q_LEN, KV_LEN, group), want_max=want_max,
-        is_empty=B * Hq * Q_LEN * Ev == 0, descriptors=descriptors,
+        is_empty=B * Hq * Q_LEN * Ev == 0, descriptors=descriptors, rows=rows,
     )
 
 
@@ -241,7 +245,10 @@ def launch_args(plan: Plan, query, key, value, out, lse, mx, score: Mod, score_b
     """The kernel's arguments, group by group in the order `signatures.FORWARD` (or
     `FORWARD_HOPPER`) declares: tensors, descale, sinks, tables, mods, strides, table strides,
     sizes, scalars (the Hopper kernel reads Q, K, V and writes the output through descriptors)."""
-    rows = plan.dense_rows if tables is None else tables.kv
+    if tables is None:
+        rows = plan.dense_rows
+    else:
+        rows = regrouped(tables, plan.rows).kv if plan.rows else tables.kv
     mods = (*launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs))
     tail = (*plan.strides, *rows.strides(), *plan.sizes, scale)
     mx = UNUSED if mx is None else mx

@@ -22,8 +22,8 @@ from flexattn.kernels import launch
 # Query rows per program, by head dim: 64 per consumer warp group. Head dim 64 takes three
 # consumers (192-row tiles, FlashAttention-3's shape there): its matrix multiplies are half head
 # dim 128's per score, so the softmax needs two warp groups' multiplies to hide behind. A block
-# mask's blocks must be multiples of the tile (`_tiles_reason`): masked calls at head dim 64 (128-row
-# blocks) take the Triton template.
+# mask's query blocks that are not multiples of the tile are read regrouped to the tile's rows at
+# TIMED_HEAD_DIMS (`forward_rows`); its KV blocks must be multiples of BLOCK_N (`_tiles_reason`).
 BLOCK_M = {64: 192, 128: 128, 256: 128}
 # KV columns per tile, by head dim (at 256, two buffers of 128-row K and V tiles would not fit in
 # shared memory).
@@ -42,7 +42,8 @@ FP8_GLUON_HEAD_DIMS = (128, 256)
 # Head dims where every call is timed against the Triton template's configs (`timed_against_triton`):
 # at 64 the 192-row tiles win without a mask (H100 B=4 H=32 S=8k: 527 against 449 TF/s; the tuner
 # kept them for a soft-cap too), and timing keeps the choice measured where a score_mod works (the
-# two-consumer kernel ran 9-27% slower than the template there). Masked calls run the template.
+# two-consumer kernel ran 9-27% slower than the template there) and under a block mask, whose
+# 128-row lists it reads regrouped to its 192-row tiles (`forward_rows`).
 TIMED_HEAD_DIMS = (64,)
 NUM_BUFFERS = 2  # K and V tiles in flight
 NUM_WARPS = 4      # the kernel's own warps: consumer 0 (the other consumers and the loader are workers)
@@ -139,7 +140,11 @@ def _tma_reason(**tensors: torch.Tensor) -> str | None:
     return None
 
 
-def _tiles_reason(tables, block_m: int, block_n: int) -> str | None:
+def _tiles_reason(tables, block_m: int | None, block_n: int) -> str | None:
+    """``block_m`` None: the query blocks are read regrouped (`forward_rows`), only the KV blocks count."""
+    if tables is not None and block_m is None:
+        return (f"the block mask's KV blocks of {tables.kv_block} are not multiples of the kernel's "
+                f"{block_n}-column tiles") if tables.kv_block % block_n else None
     if tables is not None and (tables.q_block % block_m or tables.kv_block % block_n):
         return (f"the block mask's blocks ({tables.q_block}x{tables.kv_block}) are not multiples of the "
                 f"kernel's {block_m}x{block_n} tiles")
@@ -169,8 +174,24 @@ def reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tables, 
         if value.stride(2) != 1:  # (call.py lays float8 V out KV-innermost: P V reads it K-major)
             return "float8 value is not KV-innermost (stride(2) == 1)"
         value = value.transpose(2, 3)
-    return (_tma_reason(query=query, key=key, value=value) or _tiles_reason(tables, BLOCK_M[E], BLOCK_N[E])
+    block_m = None if forward_rows(tables, E) else BLOCK_M[E]
+    return (_tma_reason(query=query, key=key, value=value) or _tiles_reason(tables, block_m, BLOCK_N[E])
             or _knobs_reason(options, _TRITON_KNOBS, "Triton template"))
+
+
+def forward_rows(tables, head_dim: int) -> int:
+    """The query block size of the lists the Hopper forward reads for ``tables``: 0 for the
+    mask's own, else BLOCK_M, the lists regrouped to the kernel's query tiles (`tables.regrouped`).
+    At TIMED_HEAD_DIMS only, where the tuner times the kernel on them against the Triton template
+    on the mask's own blocks: the 192-row tiles at head dim 64 span one and a half of a mask's
+    128-row blocks, so a regrouped list visits the blocks of both. H200, B=4 H=32 S=8k bfloat16
+    (python -m benchmarks attention): the tuner takes this kernel for causal (1.21x
+    torch.compile(flex_attention), against 1.11-1.14x with the template) and keeps the template for
+    sliding window 1024, ALiBi + causal and 16 documents, whose regrouped lists visit more columns,
+    mostly partial (exact 192-row tables measured 0.92x, 0.92x and 0.68x torch there)."""
+    if tables is None or head_dim not in TIMED_HEAD_DIMS or tables.q_block % BLOCK_M[head_dim] == 0:
+        return 0
+    return BLOCK_M[head_dim]
 
 
 def runnable(query, key, value, tables, options: dict) -> bool:

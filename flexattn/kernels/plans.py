@@ -157,7 +157,9 @@ def _make_forward_plan(query, key, value, score, score_bufs, mask, mask_bufs, ta
     # passes a missing pointer as null)
     descale = (torch.ones(1, dtype=torch.float32, device=device),) * 3 \
         if query.dtype == torch.float8_e4m3fn else None
-    extra = ("max" if want_max else "",) + (("or Hopper",) if flash else ())
+    rows = hopper.forward_rows(tables, query.shape[3])  # (its own key: the kernel reads other lists)
+    hopper_on = f"or Hopper on {rows}-row lists" if rows else "or Hopper"
+    extra = ("max" if want_max else "",) + ((hopper_on,) if flash else ())
     plan = _tuned("forward", tuning.FORWARD_KNOBS, candidates_for, extra,
                   query, key, value, score, tables, options, make,
                   lambda p: fwd.run(p, query, key, value, score, score_bufs, mask, mask_bufs, tables, scale, descale,

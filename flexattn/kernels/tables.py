@@ -290,6 +290,42 @@ def q_direction(tables: Tables, KV_LEN: int) -> Direction:
     return _made_from(tables, "_transposed", n_kv, tables.kv, make)
 
 
+def regrouped(tables: Tables, rows: int) -> Tables:
+    """``tables`` for query blocks of ``rows`` rows (the Hopper forward's 192-row tiles on a mask's
+    128-row blocks; `hopper.forward_rows` says when): a KV block is listed for a new block where
+    it is listed for any of the mask's query blocks the new one overlaps, and is full where it is
+    full in all of them, so a tile's mask work is never skipped where an element could be masked.
+    KV lists only; made once per mask (again after an in-place change of its KV lists).
+
+    >>> kv = Direction(torch.tensor([[[1, 1, 1]]]), torch.tensor([[[[0, 1], [1, 0], [1, 0]]]]),
+    ...                torch.tensor([[[0, 1, 1]]]), torch.tensor([[[[1, 0], [0, 1], [0, 1]]]]))
+    >>> two = regrouped(Tables.of(kv, None, 64, 128, None), 128)  # (query blocks 0-1, then 2)
+    >>> two.kv.num.tolist(), two.kv.idx[..., 0].tolist(), two.kv.full_num.tolist(), two.q_block
+    ([[[2, 1]]], [[[0, 1]]], [[[0, 1]]], 128)
+    """
+    kv = tables.kv
+    n_src, n_kv = kv.num.shape[-1], kv.idx.shape[-1]
+    n = -(-n_src * tables.q_block // rows)
+
+    def make():
+        partial = flags(kv.num, kv.idx, n_kv)  # [..., mask's query block, KV block]
+        full = flags(kv.full_num, kv.full_idx, n_kv) if kv.has_full else torch.zeros_like(partial)
+        visits = partial | full
+        starts = torch.arange(n, device=visits.device) * rows
+        first, last = starts // tables.q_block, ((starts + rows - 1) // tables.q_block).clamp_max(n_src - 1)
+        listed = torch.zeros(*visits.shape[:-2], n, n_kv, dtype=torch.bool, device=visits.device)
+        whole = torch.ones_like(listed)
+        for step in range(-(-rows // tables.q_block) + 1):  # (the most mask blocks a new one overlaps)
+            src, inside = (first + step).clamp_max(n_src - 1), (first + step <= last)[:, None]
+            listed |= visits.index_select(-2, src) & inside
+            whole &= full.index_select(-2, src) | ~inside
+        num, idx = ordered(listed & ~whole)
+        fnum, fidx = ordered(whole) if kv.has_full else (None, None)
+        return Tables.of(Direction(num, idx, fnum, fidx), None, rows, tables.kv_block, tables.seq_lengths)
+
+    return _made_from(tables, "_regrouped", rows, kv, make)
+
+
 def listed_blocks(tables: Tables) -> tuple[int, int, int]:
     """(partial, full, all) (query block, KV block) pairs of the KV lists: what they visit, and
     how many there are (one host sync: for plans, not calls)."""
