@@ -17,6 +17,9 @@ the case (no mask, causal).
 ``--rounds N`` times every competitor N times, taking turns (flexattn, torch, SDPA, flexattn, ...),
 and keeps each one's median: a shared host drifts by tens of percent within a minute, and a short
 call (S=2k) can be bound by the host, so one timing per competitor reads whichever drift it met.
+On a GPU each call is also timed with the GPU's work alone (GPU fwd / bwd, `timing.gpu_timer`):
+where the host takes longer to reach a call's launches than the GPU takes to run them, the two
+differ, and the GPU-only time is the kernels' own.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ if __package__ in (None, ""):  # run as `python benchmarks/bench_attention.py`: 
 import flexattn
 from flexattn import scalars
 from benchmarks import results
-from benchmarks.timing import timer
+from benchmarks.timing import gpu_timer, timer
 
 SUITE = "attention"
 IMPLS = {"flexattn": "flexattn", "flexattn deterministic": "flexattn determ.", "flexattn dq pass": "flexattn dQ pass",
@@ -187,8 +190,9 @@ def competitors(q, k, v, score_mod, mask_mod, sdpa_causal, S, block, torch_impls
 
 
 def measure_case(impls: dict, q, k, v, d_out, args, warmup: int, rep: int) -> dict:
-    """impl -> {fwd_ms, bwd_ms, max_diff, grad_diff} or {error}: outputs checked against flexattn's,
-    then timed in interleaved rounds."""
+    """impl -> {fwd_ms, bwd_ms, fwd_gpu_ms, bwd_gpu_ms, max_diff, grad_diff} or {error}: outputs
+    checked against flexattn's, then timed in interleaved rounds (the GPU-only times: None on the
+    CPU, or where the GPU's work could not be isolated)."""
     base = base_grads = None
     out_of = {}
     checked = {}  # impl -> (result fields, backward closure or None)
@@ -211,6 +215,8 @@ def measure_case(impls: dict, q, k, v, d_out, args, warmup: int, rep: int) -> di
         except Exception as e:  # a competitor that cannot run a case is reported, not fatal
             out_of[impl] = {"error": results.error_text(e)}
     t_fwd, t_bwd = {impl: [] for impl in checked}, {impl: [] for impl in checked}
+    # (the GPU's time alone, where the device has one: `gpu_timer`)
+    g_fwd, g_bwd = {impl: [] for impl in checked}, {impl: [] for impl in checked}
     for r in range(max(1, args.rounds)):
         # (each round starts one impl later, so that none is always timed first: in two processes
         # on an H100 the first impl's forward read 14-16% slower than the same kernel timed second)
@@ -224,14 +230,20 @@ def measure_case(impls: dict, q, k, v, d_out, args, warmup: int, rep: int) -> di
             try:
                 with torch.no_grad():
                     t_fwd[impl].append(timer(impls[impl], args.device, warmup, rep))
+                    if args.device != "cpu":
+                        g_fwd[impl].append(gpu_timer(impls[impl], 0, rep))
                 if backward is not None:
                     t_bwd[impl].append(timer(backward, args.device, warmup, rep))
+                    if args.device != "cpu":
+                        g_bwd[impl].append(gpu_timer(backward, 0, rep))
             except Exception as e:
                 del checked[impl]
                 out_of[impl] = {"error": results.error_text(e)}
     for impl, (fields, _) in checked.items():
         fields["fwd_ms"] = statistics.median(t_fwd[impl]) * 1e3
         fields["bwd_ms"] = statistics.median(t_bwd[impl]) * 1e3 if t_bwd[impl] else None
+        for key, times in (("fwd_gpu_ms", g_fwd[impl]), ("bwd_gpu_ms", g_bwd[impl])):
+            fields[key] = statistics.median(times) * 1e3 if times and None not in times else None
         out_of[impl] = fields
     checked.clear()  # (the saved graphs hold their activations)
     return out_of
@@ -291,7 +303,8 @@ def with_tflops(row: dict, fwd_flops: float) -> dict:
     return row
 
 
-MEASURED = f"{'fwd ms':>9} {'fwd TF/s':>9} {'bwd ms':>9} {'bwd TF/s':>9} {'max|diff|':>10} {'grad diff':>10}"
+MEASURED = (f"{'fwd ms':>9} {'fwd TF/s':>9} {'bwd ms':>9} {'bwd TF/s':>9} {'GPU fwd':>8} {'GPU bwd':>8} "
+            f"{'max|diff|':>10} {'grad diff':>10}")
 
 
 def measured(r: dict) -> str:
@@ -300,7 +313,8 @@ def measured(r: dict) -> str:
         return f" n/a  {r['error']}"
     bwd = (f"{r['bwd_ms']:>9.3f} {r['bwd_tflops']:>9.1f}" if r["bwd_ms"] is not None else f"{'-':>9} {'-':>9}")
     gerr = f"{r['grad_diff']:>10.2e}" if r["grad_diff"] is not None else f"{'-':>10}"
-    return f"{r['fwd_ms']:>9.3f} {r['fwd_tflops']:>9.1f} {bwd} {r['max_diff']:>10.2e} {gerr}"
+    gpu = " ".join(f"{r[k]:>8.3f}" if r.get(k) is not None else f"{'-':>8}" for k in ("fwd_gpu_ms", "bwd_gpu_ms"))
+    return f"{r['fwd_ms']:>9.3f} {r['fwd_tflops']:>9.1f} {bwd} {gpu} {r['max_diff']:>10.2e} {gerr}"
 
 
 def print_table(rows: list[dict]) -> None:

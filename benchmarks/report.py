@@ -33,7 +33,9 @@ METHOD = """\
   output (and gradients) in the results JSON.
 - Kernel times are medians of CUDA-event timings after warm-up (`benchmarks/timing.py`); the
   training suite times the competitors in turns over several rounds, each round starting with the
-  next competitor, and keeps each one's median.
+  next competitor, and keeps each one's median. A call's span starts when the host queues it, so
+  for short calls it holds the host's time up to each launch; the training suite also times the
+  GPU's work alone (the calls queued behind a sleep kernel: GPU only, vs torch).
 - FLOPs: the forward counts 4·B·H·S²·D times the fraction of tiles the block mask visits (a causal
   mask is credited about half the work of no mask); the backward counts 2.5 times the forward.
 - Ratios are the competitor's time over flexattn's: above 1, flexattn is faster. cuDNN SDPA runs
@@ -101,12 +103,14 @@ def training_cases(record: dict) -> dict:
 
 def training_table(record: dict) -> list[str]:
     dtype = record.get("config", {}).get("dtype", "")
+    gpu_only = any(row.get("bwd_gpu_ms") is not None for row in record["rows"])  # (newer runs time it)
     lines = []
     for shape in dict.fromkeys(row["shape"] for row in record["rows"]):
         B, H, S, D = shape.split("x")
         lines += section(f"Training attention: B={B} H={H} S={S} D={D}, {dtype}",
                          ["case", "tiles", "fwd TF/s", "vs torch", "vs cuDNN", "bwd TF/s", "vs torch", "vs cuDNN",
-                          "determ. bwd", "torch fwd / bwd TF/s"])
+                          "determ. bwd", "torch fwd / bwd TF/s"]
+                         + (["GPU only, vs torch fwd / bwd"] if gpu_only else []))
         for (row_shape, case), impls in training_cases(record).items():
             if row_shape != shape:
                 continue
@@ -119,7 +123,9 @@ def training_table(record: dict) -> list[str]:
                 f"{fmt(ours.get('bwd_tflops') if ok else None)} | {fmt(ratio(theirs, ours, 'bwd_ms'), '.2f', 'x')} | "
                 f"{fmt(ratio(cudnn, ours, 'bwd_ms'), '.2f', 'x')} | "
                 f"{fmt(determ_extra(impls), '+.0f', '%')} | "
-                f"{fmt((theirs or {}).get('fwd_tflops'))} / {fmt((theirs or {}).get('bwd_tflops'))} |")
+                f"{fmt((theirs or {}).get('fwd_tflops'))} / {fmt((theirs or {}).get('bwd_tflops'))} |"
+                + (f" {fmt(ratio(theirs, ours, 'fwd_gpu_ms'), '.2f', 'x')} / "
+                   f"{fmt(ratio(theirs, ours, 'bwd_gpu_ms'), '.2f', 'x')} |" if gpu_only else ""))
     return lines
 
 

@@ -303,3 +303,54 @@ def test_training_rounds_rotate_which_impl_is_timed_first(monkeypatch):
     assert firsts == [1, 2, 3, 2, 3, 1, 3, 1, 2, 1, 2, 3]
     assert set(out) == {"a", "b", "c"} and all(r["fwd_ms"] == 1.0 for r in out.values())
 
+
+
+def test_gpu_only_times_get_a_column_where_a_run_has_them(tmp_path):
+    """Runs that timed the GPU's work alone (`timing.gpu_timer`) get a column of its ratios to
+    torch, forward and backward; a missing time reads as a dash, and older runs get no column."""
+    rows = [{**training_row("no mask", "flexattn", 2.0, 5.0), "fwd_gpu_ms": 1.5, "bwd_gpu_ms": 4.0},
+            {**training_row("no mask", "torch", 3.0, 6.0), "fwd_gpu_ms": 3.0, "bwd_gpu_ms": 6.0},
+            {**training_row("causal", "flexattn", 1.0, 2.5, tiles=0.5), "fwd_gpu_ms": 1.0, "bwd_gpu_ms": None},
+            {**training_row("causal", "torch", 1.5, 3.0, tiles=0.5), "fwd_gpu_ms": 1.2, "bwd_gpu_ms": 3.0}]
+    results.save("attention", env("NVIDIA H200"), {"dtype": "bfloat16"}, rows, tmp_path / "results")
+    page = generate(tmp_path, "--no-plot")
+    assert "| GPU only, vs torch fwd / bwd |" in page
+    assert page.split("| no mask | 1.00 |")[1].splitlines()[0].endswith("| 2.00x / 1.50x |")
+    assert page.split("| causal | 0.50 |")[1].splitlines()[0].endswith("| 1.20x / — |")
+    write_h100(tmp_path / "older")
+    assert "| GPU only, vs torch" not in generate(tmp_path, "--no-plot", "--results", str(tmp_path / "older"))
+
+
+class _FakeEvent:
+    """A CUDA event on a fake clock: ``record`` reads it, ``query`` says whether the GPU got past it."""
+
+    def __init__(self, clock, enable_timing=False):
+        self.clock, self.at = clock, None
+
+    def record(self):
+        self.at = self.clock["gpu"]
+
+    def query(self):
+        return self.clock["done"]
+
+    def elapsed_time(self, end):
+        return end.at - self.at
+
+
+@pytest.mark.parametrize("host_late", [False, True])
+def test_gpu_timer_is_none_where_the_host_could_not_queue_ahead(monkeypatch, host_late):
+    """`gpu_timer` queues the calls behind a sleep; where the sleep has ended before the last call
+    was queued, the spans would hold host time again, and it gives None instead of a time."""
+    from benchmarks import timing
+
+    clock = {"gpu": 0.0, "done": host_late}
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: _FakeEvent(clock, enable_timing))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: clock.update(gpu=clock["gpu"] + 100.0))
+    spans = iter([2.0, 4.0, 3.0])
+
+    def call():  # the GPU's work of one call: 2, 4 and 3 ms
+        clock["gpu"] += next(spans)
+
+    got = timing.gpu_timer(call, 0, 3)
+    assert got is None if host_late else got == pytest.approx(3e-3)
