@@ -111,6 +111,9 @@ def training_table(record: dict) -> list[str]:
                          ["case", "tiles", "fwd TF/s", "vs torch", "vs cuDNN", "bwd TF/s", "vs torch", "vs cuDNN",
                           "determ. bwd", "torch fwd / bwd TF/s"]
                          + (["GPU only, vs torch fwd / bwd"] if gpu_only else []))
+        run = next((row["run"] for row in record["rows"] if row["shape"] == shape and "run" in row), None)
+        if run is not None:  # (a shape of another run than the GPU's first: RUNS_MERGED)
+            lines[-2:-2] = [run, ""]
         for (row_shape, case), impls in training_cases(record).items():
             if row_shape != shape:
                 continue
@@ -249,6 +252,9 @@ TABLES = {"attention": training_table, "decode": decode_table, "fp8": fp8_table,
           "block_mask": block_mask_table, "context_parallel": context_parallel_table, "varlen": varlen_table}
 # suites with one results file per number of GPUs: their records on one GPU model make one table
 BY_GPU_COUNT = ("context_parallel",)
+# Suites whose runs on one GPU (results files told apart by a tag) make one table: the untagged
+# run's first, and each shape of another run says which run it is from.
+RUNS_MERGED = ("attention",)
 
 
 def summary(suites: dict) -> str:
@@ -353,7 +359,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-plot", action="store_true", help="write the page without plots")
     args = p.parse_args(argv)
     by_gpu: dict = {}
-    for record in results.load(args.results) if args.results.is_dir() else []:
+    loaded = results.load(args.results) if args.results.is_dir() else []
+    for record in sorted(loaded, key=lambda r: bool(r.get("tag"))):  # (stable: per GPU and suite as loaded)
         if record.get("device") == "cpu":
             print(f"report: {record['suite']} results from the CPU left out (the interpreter is no measurement)")
             continue
@@ -370,6 +377,8 @@ def main(argv=None) -> int:
                           **{key: " / ".join(dict.fromkeys(part for r in (earlier, record)
                                                            for part in f"{r.get(key) or '?'}".split(" / ")))
                              for key in ("date", "commit")}}
+        elif record["suite"] in RUNS_MERGED and earlier is not None:
+            record = {**earlier, "rows": earlier["rows"] + [{**r, "run": env_line(record)} for r in record["rows"]]}
         suites[record["suite"]] = record
     for suites in by_gpu.values():  # the suites in the order of TABLES
         ordered = {s: suites[s] for s in TABLES if s in suites}

@@ -65,7 +65,7 @@ def save(suite: str, env: dict, config: dict, rows: list[dict], folder: Path | N
     folder = RESULTS_DIR if folder is None else Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{suite}{'-' + tag if tag else ''}-{slug(env['gpu'])}.json"
-    record = {"suite": suite, **env, "config": config, "rows": rows}
+    record = {"suite": suite, **({"tag": tag} if tag else {}), **env, "config": config, "rows": rows}
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
 
@@ -91,6 +91,8 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results", type=Path, default=RESULTS_DIR,
                         help=f"folder of the JSON results (default {RESULTS_DIR})")
     parser.add_argument("--no-save", action="store_true", help="print the table only")
+    parser.add_argument("--tag", default="", help="save as <suite>-<tag>-<gpu>.json, beside the suite's other runs "
+                                                  "on the GPU (the page shows the training suite's runs together)")
 
 
 def run_suite(suite: str, run, print_table, args: argparse.Namespace) -> Path | None:
@@ -105,7 +107,7 @@ def run_suite(suite: str, run, print_table, args: argparse.Namespace) -> Path | 
     print_table(rows)
     if args.no_save:
         return None
-    path = save(suite, env, config, rows, args.results)
+    path = save(suite, env, config, rows, args.results, tag=getattr(args, "tag", ""))
     print(f"# results: {path}")
     return path
 

@@ -354,3 +354,23 @@ def test_gpu_timer_is_none_where_the_host_could_not_queue_ahead(monkeypatch, hos
 
     got = timing.gpu_timer(call, 0, 3)
     assert got is None if host_late else got == pytest.approx(3e-3)
+
+
+def test_tagged_runs_of_the_training_suite_join_its_table_and_name_their_run(tmp_path):
+    """A run saved with a tag (``--tag 2k``: attention-2k-<gpu>.json) keeps the suite's untagged
+    run: the page shows both runs' shapes, the untagged run first, and under each shape of the
+    other run that run's date, versions and commit."""
+    folder = tmp_path / "results"
+    results.save("attention", env("NVIDIA H200", "2030-01-02"), {"dtype": "bfloat16"},
+                 [training_row("no mask", "flexattn", 2.0, 5.0), training_row("no mask", "torch", 3.0, 6.0)], folder)
+    short = [{**training_row("no mask", impl, ms, 2 * ms), "shape": "4x16x2048x128", "S": 2048}
+             for impl, ms in (("flexattn", 0.2), ("torch", 0.3))]
+    path = results.save("attention", {**env("NVIDIA H200", "2030-01-05"), "commit": "def456"},
+                        {"dtype": "bfloat16"}, short, folder, tag="2k")
+    assert path.name == "attention-2k-h200.json" and json.loads(path.read_text())["tag"] == "2k"
+    page = generate(tmp_path, "--no-plot")
+    first, second = page.index("S=8192 D=128"), page.index("S=2048 D=128")
+    assert first < second and page.count("### Training attention") == 2
+    assert "## NVIDIA H200\n\n2030-01-02 · NVIDIA H200" in page
+    assert "flexattn def456" in page[second:] and "flexattn def456" not in page[:second]
+    assert "| no mask | 1.00 |" in page[second:] and "1.50x" in page[second:]
