@@ -19,15 +19,7 @@ def timer(fn, device: str, warmup: int, rep: int) -> float:
             fn()
             times.append(time.perf_counter() - t)
         return statistics.median(times)
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
+    return _spans(fn, rep)
 
 
 # GPU clock cycles of the sleep that `gpu_timer` queues its calls behind: about 0.1 s at 2 GHz,
@@ -44,17 +36,25 @@ def gpu_timer(fn, warmup: int, rep: int) -> float | None:
     the sleep ended before the last call was queued."""
     for _ in range(warmup):
         fn()
+    return _spans(fn, rep, behind_sleep=True)
+
+
+def _spans(fn, rep: int, behind_sleep: bool = False) -> float | None:
+    """The median CUDA-event span of ``rep`` calls, in seconds; ``behind_sleep``: queued behind
+    a sleep kernel (`gpu_timer`), None where it ended before the last call was queued."""
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-    torch.cuda._sleep(HOST_AHEAD_CYCLES)
-    slept = torch.cuda.Event()
-    slept.record()
+    slept = None
+    if behind_sleep:
+        torch.cuda._sleep(HOST_AHEAD_CYCLES)
+        slept = torch.cuda.Event()
+        slept.record()
     for s, e in zip(starts, ends):
         s.record()
         fn()
         e.record()
-    queued_in_time = not slept.query()
+    queued_in_time = slept is None or not slept.query()
     torch.cuda.synchronize()
     if not queued_in_time:
         return None
