@@ -171,6 +171,12 @@ def test_the_hopper_backward_plans_in_deterministic_mode(monkeypatch):
         return plans._make_backward_plan(q, k, v, q, q, score, mask, tables, options, need, score.buffers, False,
                                          launch_once=None)
 
+    def plan_raw(options, L):  # (no score_mod: unmodified scores)
+        identity = tracer.trace(lambda s, b, h, qi, ki: s, SCORE, score_dtype=torch.float32, device=cpu)
+        q, k, v = (torch.randn(1, 2, L, 64).bfloat16() for _ in range(3))
+        return plans._make_backward_plan(q, k, v, q, q, identity, causal, None, options, (), (), False,
+                                         launch_once=None)
+
     default, det, det_grad = plan({}), plan(DET), plan(DET, need=(True,))
     assert isinstance(default, bwd.HopperPlan) and default.dq_pass is None and not default.ordered
     assert default.main.constexprs["COMPUTE_DQ"] and default.preprocess.constexprs["ZERO_DQ"]
@@ -186,8 +192,10 @@ def test_the_hopper_backward_plans_in_deterministic_mode(monkeypatch):
     assert det_grad.dq_pass.exact_grads and not plan({}, need=(True,)).dq_pass.exact_grads
     # (a block mask at head dim 128, one that reads captured tensors, or DQ_PASS: the Gluon dQ
     # pass, which writes Delta itself)
+    # (without a mask and a score_mod, up to KV_LEN 4096: the Gluon dQ pass; longer, the ordered adds)
+    assert plan_raw(DET, bwd.SHORT_DQ_PASS + 1).ordered
     for p in (plan(DET, tables=causal_tables), plan(DET, D=64, mask=documents, tables=doc_tables),
-              plan({**DET, "DQ_PASS": True})):
+              plan({**DET, "DQ_PASS": True}), plan_raw(DET, bwd.SHORT_DQ_PASS), plan_raw(DET, 1000)):
         assert isinstance(p.dq_pass, bwd.HopperDqPlan) and p.preprocess is None and not p.ordered
         assert not p.main.constexprs["COMPUTE_DQ"]
     monkeypatch.setattr(bwd, "GLUON_DQ", False)

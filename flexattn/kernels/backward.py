@@ -327,12 +327,13 @@ def _programs(grid: tuple[int, int], persistent: bool, device: torch.device) -> 
 
 
 def ordered_dq(options: dict, buffer_grads: bool, mask: Mod, tables: Tables | None, KV_LEN: int,
-               head_dim: int) -> bool:
+               head_dim: int, raw: bool = False) -> bool:
     """Whether the deterministic Hopper backward adds dQ in its one pass, into each dQ tile in a
     fixed order (templates/backward_hopper.py: DQ_ORDERED; the ranks from
     `tables.ordered_q_lists`) instead of leaving it to a dQ pass that recomputes the scores. In
     deterministic mode, unless captured tensors need gradients (the Triton dQ pass sums them
-    exactly) or the rank tables would be too large: without a block mask, and at head dim 64
+    exactly) or the rank tables would be too large: without a block mask (but not for ``raw``
+    scores, no score_mod, at KV_LEN up to `SHORT_DQ_PASS`), and at head dim 64
     under a mask that visits a quarter of the blocks or more and reads no captured tensors; the
     kernel option DQ_PASS, where given, chooses. No timed choice (it could differ between
     processes). H100, B=4 S=8k bfloat16, backward against the default's (one pass, unordered):
@@ -345,12 +346,22 @@ def ordered_dq(options: dict, buffer_grads: bool, mask: Mod, tables: Tables | No
     if "DQ_PASS" in options:
         wanted = not options["DQ_PASS"]
     elif tables is None:
-        wanted = True
+        wanted = not (raw and KV_LEN <= SHORT_DQ_PASS)
     elif tables.kv.num.is_cuda and torch.cuda.is_current_stream_capturing():
         wanted = False  # (the share below is read on the host: a plan first made in a graph's capture)
     else:
         wanted = head_dim <= 64 and not persistent_programs(mask) and visited_share(tables) >= 0.25
     return wanted and (tables is None or ordered_q_lists(tables, KV_LEN) is not None)
+
+
+# Without a block mask and a score_mod, deterministic mode leaves dQ to the dQ pass up to this
+# KV_LEN: the ordered adds' programs wait for each other longer there than a pass takes to
+# recompute unmodified scores. H200, bfloat16, backward against the default's (one pass,
+# unordered), ordered / dQ pass: head dim 128 (H=16) S=2k +20% / +4% (B=4), +24% / +5% (B=2),
+# +17% / +4% (B=8); S=4k +13% / +6%; S=8k +1% / +7%. Head dim 64 (H=32, B=4): S=2k +13% / +3%,
+# 4k +12% / +2%, 8k +0% / +6%. With a score_mod the pass evaluates it twice: tanh soft-cap at
+# head dim 64 ordered +13-15% / pass +23% (S=2k, 4k), so the ordered adds stay there.
+SHORT_DQ_PASS = 4096
 
 
 def dq_by_pass(options: dict, buffer_grads: bool, ordered: bool = False) -> bool:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, hopper, tuning
+from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, hopper, launch, tuning
 from flexattn.kernels.launch import PlanCache
 from flexattn.kernels.tables import Tables, check_against, listed_blocks, visited_share
 from flexattn.mods import Mod
@@ -201,7 +201,8 @@ def _make_backward_plan(query, key, value, out, grad_out, score, mask, tables, o
         def make_hopper(config: dict):  # (DQ_PASS, and the dQ pass's tiles where it is on)
             tiles = {k: v for k, v in config.items() if k != "DQ_PASS"}
             split = None
-            ordered = bwd.ordered_dq({**options, **config}, buffer_grads, mask, tables, key.shape[2], query.shape[3])
+            ordered = bwd.ordered_dq({**options, **config}, buffer_grads, mask, tables, key.shape[2], query.shape[3],
+                                     launch.raw_scores(score, torch.float32))
             if bwd.dq_by_pass({**options, **config}, buffer_grads, ordered):
                 gluon = bwd.GLUON_DQ and not buffer_grads and not tiles and bwd.gluon_dq_reason(tables) is None
                 split = (bwd.hopper_dq_plan(query, key, value, score, mask, tables, options, has_grad_lse) if gluon
