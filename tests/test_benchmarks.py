@@ -321,6 +321,19 @@ def test_gpu_only_times_get_a_column_where_a_run_has_them(tmp_path):
     assert "| GPU only, vs torch" not in generate(tmp_path, "--no-plot", "--results", str(tmp_path / "older"))
 
 
+def test_deterministic_extra_reads_gpu_only_times_where_both_rows_have_them():
+    """The deterministic backward's extra time compares the GPU's work alone where both rows
+    timed it, else the spans (and nothing where a row is missing)."""
+    default = {"bwd_ms": 0.40, "bwd_gpu_ms": 0.20}
+    assert report.determ_extra({"flexattn": default,
+                                "flexattn deterministic": {"bwd_ms": 0.50, "bwd_gpu_ms": 0.21}}) == pytest.approx(5)
+    assert report.determ_extra({"flexattn": default,
+                                "flexattn deterministic": {"bwd_ms": 0.50, "bwd_gpu_ms": None}}) == pytest.approx(25)
+    assert report.determ_extra({"flexattn": {"bwd_ms": 0.40},
+                                "flexattn deterministic": {"bwd_ms": 0.44}}) == pytest.approx(10)
+    assert report.determ_extra({"flexattn": default}) is None
+
+
 class _FakeEvent:
     """A CUDA event on a fake clock: ``record`` reads it, ``query`` says whether the GPU got past it."""
 
