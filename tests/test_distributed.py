@@ -210,17 +210,19 @@ def _layouts_and_masks(group) -> None:
 
 def _repeated_builds(group) -> None:
     """Masks of one mod whose captured tensor changes from build to build, then comes back (as a
-    training loop's batches): each rank's pairs, windows, rows, pair tables and pair mods are those
-    of the mask it was just given, read at the pair's positions. A repeated build reuses positions
-    and the plan of a gather it has seen, never a mask's tables or tensors."""
+    training loop's batches), each value in a new tensor and in one tensor changed in place: each
+    rank's pairs, windows, rows, pair tables and pair mods are those of the mask it was just given,
+    read at the pair's positions. A repeated build reuses positions and the plan of a gather it
+    has seen, never a mask's tables or tensors."""
     # (shards of 3 or 4 blocks: a window of 9 keys reads a block of the shard before, one of 30 most
     # of it, one of 100 every shard before)
     S = 101
     names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
              "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
     seen = {}
-    for width in (9, 30, 9, 100):
-        reach = torch.tensor([width])
+    same = torch.tensor([0])
+    for width, in_place in itertools.product((9, 30, 9, 100), (False, True)):
+        reach = same.fill_(width) if in_place else torch.tensor([width])
 
         def window(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (q_idx - kv_idx < reach[0])

@@ -69,9 +69,15 @@ def at_global_positions(mod, kind: str, score_dtype: torch.dtype, qpos: torch.Te
     if given); also returns, for each buffer of the result, the index of the ``mod`` buffer it is
     (None for the position tables)."""
     wrapped, slots = _template(mod, kind, score_dtype, kept is not None)
-    pool = (*mod.buffers, qpos, kvpos, kept)
     n = len(mod.buffers)
-    return wrapped.rebind([pool[i] for i in slots]), tuple(i if i < n else None for i in slots)
+    return _bound(wrapped, slots, mod.buffers, qpos, kvpos, kept), tuple(i if i < n else None for i in slots)
+
+
+def _bound(wrapped: "flexattn.Mod", slots: tuple, buffers: tuple, qpos: torch.Tensor, kvpos: torch.Tensor,
+           kept: torch.Tensor | None = None) -> "flexattn.Mod":
+    """The template of `_template` over a mod's ``buffers`` and the position tables."""
+    pool = (*buffers, qpos, kvpos, kept)
+    return wrapped.rebind([pool[i] for i in slots])
 
 
 def as_mask_mod(mask_mod, device=None) -> "flexattn.Mod":
@@ -197,7 +203,7 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         if shards.qpos.numel() == 0:  # (a rank without queries keeps nothing)
             table = torch.zeros(P, 4, dtype=torch.int64, device=device)
         else:
-            local = shards.positioned(mod, None, shards.qpos, shards.tiled, shards.kept)
+            local = shards.positioned(mod)
             # (undecided tiles listed for a kernel of their own only where a tile can span two runs
             # of positions, or the mask reads tensors of its own: else they lie along its edges)
             tiles = classify(local, B, H, shards.qpos.numel(), shards.tiled.numel(), q_block, kv_block, device,
@@ -215,9 +221,9 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         raise e from failure
     pairs = _PAIRS.get_or_make((shards.key, tuple(map(tuple, tables))), lambda: _Pairs(shards, tables))
     masks = [None] * P
-    for j, lists in zip(pairs.read, tiles.tables_of(pairs.rects) if pairs.read else []):
+    for j, lists, local in zip(pairs.read, tiles.tables_of(pairs.rects) if pairs.read else [],
+                               pairs.positioned_pairs(mod)):
         rows, held = pairs.rows[j], pairs.held[j]
-        local = pairs.positioned(mod, j, pairs.qpos_rows[j], pairs.kvpos_held[j])
         masks[j] = flexattn.BlockMask((rows[1] - rows[0], held[1] - held[0]), *lists, BLOCK_SIZE=(q_block, kv_block),
                                       mask_mod=local, validate=False)
     checks.ring_groups(group)  # (made here, where every rank of the group is)
@@ -228,28 +234,13 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     return bm
 
 
-class _Positioned:
-    """Mods at the global positions of one build's shards (`at_global_positions`); those of mods
-    that capture no tensors kept per mod, so that a repeated build of them rebinds nothing."""
-
-    def __init__(self):
-        self._mods = LRU(16)
-
-    def positioned(self, mod, slot, qpos, kvpos, kept=None):
-        if mod.buffers:
-            return at_global_positions(mod, MASK, torch.float32, qpos, kvpos, kept)[0]
-        return self._mods.get_or_make((mod.key(), slot), lambda: at_global_positions(
-            mod, MASK, torch.float32, qpos, kvpos, kept)[0])
-
-
-class _Shards(_Positioned):
+class _Shards:
     """What every build of one layout, pair of lengths, group size, rank, block size and device
     reads: this rank's query positions, every KV shard's, and the KV shards side by side
     (`Layout.tiled_positions`)."""
 
     def __init__(self, key: tuple, layout: Layout, Q_LEN: int, KV_LEN: int, P: int, r: int, q_block: int,
                  kv_block: int, device: torch.device):
-        super().__init__()
         self.key, self.P, self.rank, self.q_block, self.kv_block = key, P, r, q_block, kv_block
         self.qpos = layout.positions(Q_LEN, P, r, device)
         self.kvpos = [layout.positions(KV_LEN, P, j, device) for j in range(P)]
@@ -258,6 +249,17 @@ class _Shards(_Positioned):
         # layout starts on a tile's edge of its shard)
         self.tiles_in_runs = _runs_on_edges(layout.runs(Q_LEN, P, r), q_block) and all(
             _runs_on_edges(layout.runs(KV_LEN, P, j), kv_block) for j in range(P))
+        self._mods = LRU(16)
+
+    def positioned(self, mod):
+        """``mod`` at this rank's query positions against every KV shard side by side, kept only
+        where the shards are not padding (`at_global_positions`): rebound to the mod's captured
+        tensors at every build (new ones, or ones changed in place, are read), kept per mod where
+        it captures none."""
+        if mod.buffers:
+            return at_global_positions(mod, MASK, torch.float32, self.qpos, self.tiled, self.kept)[0]
+        return self._mods.get_or_make(mod.key(), lambda: at_global_positions(
+            mod, MASK, torch.float32, self.qpos, self.tiled, self.kept)[0])
 
 
 def _runs_on_edges(runs: list[tuple[int, int]], block: int) -> bool:
@@ -283,7 +285,7 @@ def _shards(layout: Layout, Q_LEN: int, KV_LEN: int, P: int, r: int, q_block: in
     return _SHARDS.get_or_make(key, lambda: _Shards(key, layout, Q_LEN, KV_LEN, P, r, q_block, kv_block, device))
 
 
-class _Pairs(_Positioned):
+class _Pairs:
     """The pairs of shards a build's gathered ranges (``tables[i]``: rank i's `shard_ranges`) make
     this rank compute: which pairs any rank reads (``needs``), what travels of each KV shard
     (``windows``), this rank's rows of each (``rows``), the tile rectangles of its tables
@@ -291,7 +293,6 @@ class _Pairs(_Positioned):
     distinct gather: a training loop over one mask, or masks of the same shape, repeats it."""
 
     def __init__(self, shards: _Shards, tables: list):
-        super().__init__()
         P, r, q_block, kv_block, n = shards.P, shards.rank, shards.q_block, shards.kv_block, shards.n
         qpos, kvpos = shards.qpos, shards.kvpos
         L = qpos.numel()
@@ -310,6 +311,17 @@ class _Pairs(_Positioned):
                       for j in self.read]  # (shard j's tiles: n j ..)
         self.kvpos_held = [p if j == r else p[slice(*self.windows[j])] for j, p in enumerate(kvpos)]
         self.qpos_rows = [None if g is None else qpos[slice(*g)] for g in self.rows]
+        self._mods = LRU(16)
+
+    def positioned_pairs(self, mod) -> list:
+        """``mod`` at the positions of each pair this rank reads (``read``, in that order: its rows
+        against what it holds of the shard): rebound to the mod's captured tensors at every build,
+        from one lookup of the template for all pairs; kept per mod where it captures none."""
+        if mod.buffers:
+            wrapped, slots = _template(mod, MASK, torch.float32)
+            return [_bound(wrapped, slots, mod.buffers, self.qpos_rows[j], self.kvpos_held[j]) for j in self.read]
+        return self._mods.get_or_make(mod.key(), lambda: [at_global_positions(
+            mod, MASK, torch.float32, self.qpos_rows[j], self.kvpos_held[j])[0] for j in self.read])
 
 
 # (`_Shards.key`, every rank's ranges) -> `_Pairs`
