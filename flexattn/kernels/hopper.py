@@ -185,8 +185,8 @@ def forward_rows(tables, head_dim: int) -> int:
     At TIMED_HEAD_DIMS only, where the tuner times the kernel on them against the Triton template
     on the mask's own blocks: the 192-row tiles at head dim 64 span one and a half of a mask's
     128-row blocks, so a regrouped list visits the blocks of both. H200, B=4 H=32 S=8k bfloat16
-    (python -m benchmarks attention): the tuner takes this kernel for causal (1.20-1.21x
-    torch.compile(flex_attention) in two runs, against 1.11-1.14x with the template) and keeps the template for
+    (python -m benchmarks attention): the tuner takes this kernel for causal (1.20-1.27x
+    torch.compile(flex_attention) in three runs, against 1.11-1.14x with the template) and keeps the template for
     sliding window 1024, ALiBi + causal and 16 documents, whose regrouped lists visit more columns,
     mostly partial (exact 192-row tables measured 0.92x, 0.92x and 0.68x torch there)."""
     if tables is None or head_dim not in TIMED_HEAD_DIMS or tables.q_block % BLOCK_M[head_dim] == 0:
