@@ -203,7 +203,7 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         if shards.qpos.numel() == 0:  # (a rank without queries keeps nothing)
             table = torch.zeros(P, 4, dtype=torch.int64, device=device)
         else:
-            local = shards.positioned(mod)
+            local = shards.positioned(mod)[0]
             # (undecided tiles listed for a kernel of their own only where a tile can span two runs
             # of positions, or the mask reads tensors of its own: else they lie along its edges)
             tiles = classify(local, B, H, shards.qpos.numel(), shards.tiled.numel(), q_block, kv_block, device,
@@ -222,7 +222,7 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     pairs = _PAIRS.get_or_make((shards.key, tuple(map(tuple, tables))), lambda: _Pairs(shards, tables))
     masks = [None] * P
     for j, lists, local in zip(pairs.read, tiles.tables_of(pairs.rects) if pairs.read else [],
-                               pairs.positioned_pairs(mod)):
+                               pairs.positioned(mod)):
         rows, held = pairs.rows[j], pairs.held[j]
         masks[j] = flexattn.BlockMask((rows[1] - rows[0], held[1] - held[0]), *lists, BLOCK_SIZE=(q_block, kv_block),
                                       mask_mod=local, validate=False)
@@ -234,7 +234,27 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     return bm
 
 
-class _Shards:
+class _Positioned:
+    """A mask mod at the global positions of a build's ``places`` ((query positions, KV positions,
+    kept or None) each, all with ``kept`` or all without): rebound to the mod's captured tensors
+    at every build (new ones, or ones changed in place, are read), from one lookup of the template
+    for all places; kept per mod where it captures none, so that a repeated build rebinds nothing."""
+
+    def __init__(self, places: list):
+        self.places = places
+        self._mods = LRU(16)
+
+    def positioned(self, mod) -> list:
+        if not mod.buffers:
+            return self._mods.get_or_make(mod.key(), lambda: [
+                at_global_positions(mod, MASK, torch.float32, *place)[0] for place in self.places])
+        if not self.places:
+            return []
+        wrapped, slots = _template(mod, MASK, torch.float32, self.places[0][2] is not None)
+        return [_bound(wrapped, slots, mod.buffers, *place) for place in self.places]
+
+
+class _Shards(_Positioned):
     """What every build of one layout, pair of lengths, group size, rank, block size and device
     reads: this rank's query positions, every KV shard's, and the KV shards side by side
     (`Layout.tiled_positions`)."""
@@ -249,17 +269,8 @@ class _Shards:
         # layout starts on a tile's edge of its shard)
         self.tiles_in_runs = _runs_on_edges(layout.runs(Q_LEN, P, r), q_block) and all(
             _runs_on_edges(layout.runs(KV_LEN, P, j), kv_block) for j in range(P))
-        self._mods = LRU(16)
-
-    def positioned(self, mod):
-        """``mod`` at this rank's query positions against every KV shard side by side, kept only
-        where the shards are not padding (`at_global_positions`): rebound to the mod's captured
-        tensors at every build (new ones, or ones changed in place, are read), kept per mod where
-        it captures none."""
-        if mod.buffers:
-            return at_global_positions(mod, MASK, torch.float32, self.qpos, self.tiled, self.kept)[0]
-        return self._mods.get_or_make(mod.key(), lambda: at_global_positions(
-            mod, MASK, torch.float32, self.qpos, self.tiled, self.kept)[0])
+        # (this rank's queries against every KV shard side by side, kept where not padding)
+        super().__init__([(self.qpos, self.tiled, self.kept)])
 
 
 def _runs_on_edges(runs: list[tuple[int, int]], block: int) -> bool:
@@ -285,7 +296,7 @@ def _shards(layout: Layout, Q_LEN: int, KV_LEN: int, P: int, r: int, q_block: in
     return _SHARDS.get_or_make(key, lambda: _Shards(key, layout, Q_LEN, KV_LEN, P, r, q_block, kv_block, device))
 
 
-class _Pairs:
+class _Pairs(_Positioned):
     """The pairs of shards a build's gathered ranges (``tables[i]``: rank i's `shard_ranges`) make
     this rank compute: which pairs any rank reads (``needs``), what travels of each KV shard
     (``windows``), this rank's rows of each (``rows``), the tile rectangles of its tables
@@ -311,17 +322,8 @@ class _Pairs:
                       for j in self.read]  # (shard j's tiles: n j ..)
         self.kvpos_held = [p if j == r else p[slice(*self.windows[j])] for j, p in enumerate(kvpos)]
         self.qpos_rows = [None if g is None else qpos[slice(*g)] for g in self.rows]
-        self._mods = LRU(16)
-
-    def positioned_pairs(self, mod) -> list:
-        """``mod`` at the positions of each pair this rank reads (``read``, in that order: its rows
-        against what it holds of the shard): rebound to the mod's captured tensors at every build,
-        from one lookup of the template for all pairs; kept per mod where it captures none."""
-        if mod.buffers:
-            wrapped, slots = _template(mod, MASK, torch.float32)
-            return [_bound(wrapped, slots, mod.buffers, self.qpos_rows[j], self.kvpos_held[j]) for j in self.read]
-        return self._mods.get_or_make(mod.key(), lambda: [at_global_positions(
-            mod, MASK, torch.float32, self.qpos_rows[j], self.kvpos_held[j])[0] for j in self.read])
+        # (each pair this rank reads, in that order: its rows against what it holds of the shard)
+        super().__init__([(self.qpos_rows[j], self.kvpos_held[j], None) for j in self.read])
 
 
 # (`_Shards.key`, every rank's ranges) -> `_Pairs`
