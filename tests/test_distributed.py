@@ -30,6 +30,7 @@ import triton
 import flexattn
 import flexattn.distributed as fd
 from flexattn import AuxRequest, masks
+from flexattn.distributed import checks
 from flexattn.reference import apply_score_mod, attention_reference
 from tests.helpers.testing import assert_close_to_reference, backward_atol, weighted_grads
 
@@ -56,7 +57,11 @@ def _worker(rank: int, world_size: int, store_path: str) -> None:
             _body(pair)
         _body(dist.group.WORLD)
         # the default group made again: the ring makes its groups again (those of the first are gone)
+        made = list(checks._RING.values())
+        assert made and all(ref() is not None for refs in made for ref in refs)
         dist.destroy_process_group()
+        # destroy_process_group frees the ring's groups (flexattn holds them weakly)
+        assert all(ref() is None for refs in made for ref in refs), made
         dist.init_process_group("gloo", store=dist.FileStore(store_path + ".again", world_size), rank=rank,
                                 world_size=world_size)
         _check_case(dist.group.WORLD, 2, CASES[3][2])

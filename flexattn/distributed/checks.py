@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,7 @@ def resolve_group(group_or_mesh) -> dist.ProcessGroup:
                     f"{type(group_or_mesh).__name__}")
 
 
-_RING: dict[str, tuple] = {}  # group name: (the group, its two ring groups)
+_RING: dict[str, tuple] = {}  # group name: weak references to the group and its two ring groups
 
 
 def ring_groups(group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -61,19 +62,24 @@ def ring_groups(group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, dist.Proce
     A subgroup gets neither: `torch.distributed.new_group` is a collective of every rank, and
     groups made by their members alone are named after how many groups each member has made, so
     that ranks that made different ones would wait for each other for ever. (A subgroup made with
-    ``ProcessGroupNCCL.Options(is_high_priority_stream=True)`` has the priority.)"""
+    ``ProcessGroupNCCL.Options(is_high_priority_stream=True)`` has the priority.)
+
+    The cache holds the groups weakly: torch.distributed owns them, and `destroy_process_group`
+    frees them then and there. (A group kept alive past it would keep its connections and threads
+    until the interpreter's own teardown frees it.)"""
     if group is not dist.group.WORLD:
         return group, group
-    made = _RING.get(group.group_name)
-    if made is None or made[0] is not group:  # (a default group made again after destroy_process_group)
+    made = [ref() for ref in _RING.get(group.group_name, ())]
+    if not made or made[0] is not group or None in made:  # (a default group made again after destroy_process_group)
         backend = dist.get_backend(group)
         options = None
         if "nccl" in backend_of(group):
             options = dist.ProcessGroupNCCL.Options()
             options.is_high_priority_stream = True
-        made = _RING[group.group_name] = (group, tuple(
-            dist.new_group(backend=backend, pg_options=options, group_desc=f"flexattn ring {i}") for i in range(2)))
-    return made[1]
+        made = [group, *(dist.new_group(backend=backend, pg_options=options, group_desc=f"flexattn ring {i}")
+                         for i in range(2))]
+        _RING[group.group_name] = tuple(map(weakref.ref, made))
+    return made[1], made[2]
 
 
 def backend_of(group: dist.ProcessGroup) -> str:
