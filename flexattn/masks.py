@@ -136,20 +136,23 @@ def _document_ids(document_ids, lengths, offsets) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(value), device=value.device), value.long())
 
 
-def document(document_ids=None, *, lengths=None, offsets=None, causal: bool = False) -> Callable:
+def document(document_ids=None, *, lengths=None, offsets=None, causal: bool = False, device=None) -> Callable:
     """Packed documents: a token sees only tokens of its own document (causally on request).
 
     Give exactly one of ``document_ids`` ([S], or [B, S] per sequence; any integer labels),
     ``lengths`` ([n_docs], packed in order) or ``offsets`` ([n_docs + 1], starting at 0: the
     layout of a nested jagged tensor's ``offsets()``). The documents must cover the whole
-    sequence: build the block mask for exactly ``sum(lengths)`` tokens.
+    sequence: build the block mask for exactly ``sum(lengths)`` tokens. The mask reads a tensor of
+    document ids on ``device`` (default: the given tensor's, the CPU for a list), which must be
+    the block mask's and the queries' device.
 
     Example::
 
         >>> docs = masks.document(lengths=[300, 200, 524], causal=True)
         >>> bm = flexattn.create_block_mask(docs, None, None, 1024, 1024, device="cpu")
+        >>> on_gpu = masks.document(lengths=[300, 200, 524], device="cuda")  # doctest: +SKIP
     """
-    ids = _document_ids(document_ids, lengths, offsets).to(torch.int32)
+    ids = _document_ids(document_ids, lengths, offsets).to(device=device, dtype=torch.int32)
     if ids.dim() == 2:
         if causal:
             def mask(b, h, q_idx, kv_idx):

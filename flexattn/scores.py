@@ -53,10 +53,11 @@ def alibi_slopes(num_heads: int, device=None) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32, device=device)
 
 
-def alibi(num_heads: int, slopes: torch.Tensor | None = None) -> Callable:
+def alibi(num_heads: int, slopes: torch.Tensor | None = None, device=None) -> Callable:
     """ALiBi: adds ``slope[h] * (kv_idx - q_idx)`` (a penalty growing with distance into the past).
 
-    ``slopes`` ([num_heads]) defaults to `alibi_slopes`; pass your own (e.g. learnable) ones.
+    ``slopes`` ([num_heads]) defaults to `alibi_slopes` on ``device`` (the queries' device; the
+    CPU by default); pass your own (e.g. learnable) ones on the queries' device instead.
     Use it with a causal mask, as ALiBi models do.
 
     Example::
@@ -64,13 +65,17 @@ def alibi(num_heads: int, slopes: torch.Tensor | None = None) -> Callable:
         >>> mod = scores.alibi(8)
         >>> mod.__name__
         'alibi_8'
+        >>> on_gpu = scores.alibi(8, device="cuda")  # doctest: +SKIP
     """
     _positive_int("num_heads", num_heads)
     if slopes is None:
-        slopes = alibi_slopes(num_heads)
+        slopes = alibi_slopes(num_heads, device)
     elif not isinstance(slopes, torch.Tensor) or tuple(slopes.shape) != (num_heads,):
         raise ValueError(f"slopes must be a [{num_heads}] tensor, got "
                          f"{tuple(slopes.shape) if isinstance(slopes, torch.Tensor) else type(slopes).__name__}")
+    elif device is not None:
+        raise ValueError(f"device is where alibi makes its default slopes: give slopes or device, not both "
+                         f"(got slopes on {slopes.device} and device={device!r})")
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx)

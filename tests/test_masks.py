@@ -99,6 +99,18 @@ def test_names_and_docstrings():
         assert "Example::" in fn.__doc__, fn.__name__
 
 
+@pytest.mark.parametrize("given", [{"lengths": [2, 3]}, {"offsets": torch.tensor([0, 2, 5])},
+                                   {"document_ids": torch.tensor([[0, 0, 1, 1, 1]])}])
+def test_document_ids_live_on_the_given_device(given):
+    """The ids the mask reads are made on ``device`` (the block mask's), else where the given
+    tensor is (the CPU for a list): a mask for a GPU needs no tensor moved by hand."""
+    assert flexattn.trace(masks.document(**given), "mask").buffers[0].device.type == "cpu"
+    on_meta = flexattn.trace(masks.document(**given, device="meta"), "mask")
+    assert [(t.device.type, t.dtype) for t in on_meta.buffers] == [("meta", torch.int32)]
+    with pytest.raises(ValueError, match="captured a tensor on meta, but the block mask's device is on cpu"):
+        flexattn.create_block_mask(masks.document(**given, device="meta"), None, None, 5, 5, device="cpu")
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: masks.sliding_window(0), r"window must be a positive int, got 0"),
     (lambda: masks.chunked(2.5), r"chunk must be a positive int, got 2.5"),

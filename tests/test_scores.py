@@ -132,6 +132,12 @@ def test_alibi_slopes():
     assert scores.alibi_slopes(6).tolist() == [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3]
 
 
+def test_alibi_makes_its_slopes_on_the_given_device():
+    assert flexattn.trace(scores.alibi(4)).buffers[0].device.type == "cpu"
+    on_meta = flexattn.trace(scores.alibi(4, device="meta"))
+    assert [(t.device.type, tuple(t.shape)) for t in on_meta.buffers] == [("meta", (4,))]
+
+
 def test_names_and_docstrings():
     assert [f.__name__ for f in (scores.alibi(4), scores.softcap(30), scores.relative_bias(torch.zeros(3)),
                                  scores.t5_bucketed_bias(torch.zeros(32, 2)))] == \
@@ -143,6 +149,7 @@ def test_names_and_docstrings():
 @pytest.mark.parametrize("call, match", [
     (lambda: scores.alibi(0), r"num_heads must be a positive int, got 0"),
     (lambda: scores.alibi(4, slopes=torch.ones(3)), r"slopes must be a \[4\] tensor, got \(3,\)"),
+    (lambda: scores.alibi(4, slopes=torch.ones(4), device="cpu"), r"give slopes or device, not both \(got slopes on cpu"),
     (lambda: scores.softcap(-1.0), r"cap must be a positive finite number, got -1.0"),
     (lambda: scores.relative_bias(torch.zeros(4, 8)), r"odd last dimension\), got \(4, 8\)"),
     (lambda: scores.relative_bias(torch.zeros(5, dtype=torch.long)), r"floating .* got \(5,\) torch.int64"),
