@@ -207,7 +207,9 @@ def timed_against_triton(query, options: dict) -> bool:
     """Whether a forward that can run the Hopper kernel (`runnable`) leaves the choice to the tuner,
     which times this kernel beside the Triton template's configs: float8 outside FP8_HEAD_DIMS and
     every call at TIMED_HEAD_DIMS, unless BACKEND='FLASH' demands this kernel. Untimed (tuning off,
-    a short call), such a call runs the Triton template; every other runnable call runs this kernel."""
+    a short call), such a call runs the Triton template, except where `plans._untuned_forward`
+    picks this kernel (long 16-bit calls without a block mask); every other runnable call runs
+    this kernel."""
     E = query.shape[3]
     return ((E in TIMED_HEAD_DIMS or query.dtype == torch.float8_e4m3fn and E not in FP8_HEAD_DIMS)
             and options.get("BACKEND") != "FLASH")
