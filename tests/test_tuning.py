@@ -128,6 +128,36 @@ def test_tunes_once_and_another_process_reuses_the_winner(fresh, clock, capsys):
     assert "BLOCK_M 32" in out
 
 
+def test_close_candidates_are_timed_again_in_the_opposite_order(fresh, monkeypatch):
+    """Two forms 1% apart, timed while the GPU's clock drifts by 2% of a call per timing: one
+    round ranks them by the drift (the one timed first wins); the close ones timed again in the
+    opposite order cancel it. A candidate far behind is not timed again; one that fails its second
+    timing is out of the running."""
+    true = {"a": 1.00, "b": 0.99, "c": 2.0}
+    order, failing = [], set()
+
+    def run(plan):
+        order.append(plan["name"])
+        if plan["name"] in failing and order.count(plan["name"]) > 1:
+            raise RuntimeError("out of resources")
+
+    def fake_bench(fn, device):
+        fn()
+        return true[order[-1]] + 0.02 * (len(order) - 1)
+
+    monkeypatch.setattr(tuning, "bench", fake_bench)
+    cpu = torch.device("cpu")
+    plan, config = tuning.choose("test|drift", [{"name": n} for n in "abc"], dict, run, cpu)
+    assert order == ["a", "b", "c", "b", "a"]
+    assert config == plan == {"name": "b"}
+    assert json.loads((fresh / tuning._FILE).read_text())["test|drift"] == {"name": "b"}
+
+    order.clear()
+    failing.add("b")
+    assert tuning.choose("test|drift again", [{"name": n} for n in "abc"], dict, run, cpu)[1] == {"name": "a"}
+    assert order == ["a", "b", "c", "b", "a"]
+
+
 @pytest.mark.parametrize("options", [{"AUTOTUNE": True, "BLOCK_M": 64}, {"AUTOTUNE": True, "num_warps": 4},
                                      {"AUTOTUNE": False}, {}])
 def test_explicit_options_or_switch_skip_tuning(fresh, clock, options):
