@@ -60,8 +60,10 @@ def _worker(rank: int, world_size: int, store_path: str) -> None:
         made = list(checks._RING.values())
         assert made and all(ref() is not None for refs in made for ref in refs)
         dist.destroy_process_group()
-        # destroy_process_group frees the ring's groups (flexattn holds them weakly)
+        # destroy_process_group frees the ring's groups (flexattn holds them weakly), and the
+        # agreements made in the default group go with it (the pair's stay while it lives)
         assert all(ref() is None for refs in made for ref in refs), made
+        assert list(checks._AGREED.keys()) == ([pair] if rank in (1, 2) else [])
         dist.init_process_group("gloo", store=dist.FileStore(store_path + ".again", world_size), rank=rank,
                                 world_size=world_size)
         _check_case(dist.group.WORLD, 2, CASES[3][2])

@@ -151,24 +151,28 @@ _HOST = _digest(socket.gethostname())
 _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-_AGREED: set = set()
-_AGREED_LIMIT = 4096
+# group -> the descriptions this rank agreed on in it (an entry goes with its group: a group made
+# later at the same address is not taken for one that agreed)
+_AGREED: "weakref.WeakKeyDictionary[dist.ProcessGroup, set]" = weakref.WeakKeyDictionary()
+_AGREED_LIMIT = 4096  # descriptions kept per group
 
 
 def agree(group: dist.ProcessGroup, what: str, fields: dict, local_error: str = "", cache: bool = True) -> None:
     """Every rank of ``group`` passes equal ``fields`` (name -> value) and no ``local_error``,
     else every rank raises the same `DistributedMismatchError` naming ``what``.
 
-    With ``cache``, a description this rank agreed on before skips the gather (all ranks must
-    then see the same description again, which a matching earlier agreement makes likely)."""
-    token = (id(group), what, tuple(fields.items()), local_error) if cache else None
-    if token is not None and token in _AGREED:
+    With ``cache``, a description this rank agreed on before in ``group`` skips the gather (all
+    ranks must then see the same description again, which a matching earlier agreement makes
+    likely)."""
+    token = (what, tuple(fields.items()), local_error) if cache else None
+    if token is not None and token in _AGREED.get(group, ()):
         return
     _gather_digests(group, what, fields, local_error)
     if token is not None:
-        if len(_AGREED) >= _AGREED_LIMIT:
-            _AGREED.clear()
-        _AGREED.add(token)
+        seen = _AGREED.setdefault(group, set())
+        if len(seen) >= _AGREED_LIMIT:
+            seen.clear()
+        seen.add(token)
 
 
 def _compare(group: dist.ProcessGroup, what: str, fields: dict, local_error: str) -> None:
