@@ -166,7 +166,7 @@ def choose(key: str, candidates: list[dict[str, Any]], make: Callable[[dict], An
             return make(winner), winner
         except Exception:  # noqa: BLE001 - a stale entry (other kernel version): tune again
             pass
-    timed = []  # [ms, plan, config] of each candidate that ran
+    timed = []  # [ms, plan, config] of the candidates that ran within CLOSE of the fastest so far
     start = time.perf_counter()
     tty = sys.stderr.isatty()
     for i, config in enumerate(candidates):
@@ -177,15 +177,14 @@ def choose(key: str, candidates: list[dict[str, Any]], make: Callable[[dict], An
             timed.append([bench(lambda: run(plan), device), plan, config])
         except Exception:  # noqa: BLE001 - e.g. triton.runtime.errors.OutOfResources
             continue
-    if timed:
         fastest = min(t[0] for t in timed)
-        close = [t for t in timed if t[0] <= fastest * (1 + CLOSE)]
-        if len(close) > 1:
-            for t in reversed(close):
-                try:
-                    t[0] = (t[0] + bench(lambda plan=t[1]: run(plan), device)) / 2
-                except Exception:  # noqa: BLE001 - (ran once already; out of the running if not again)
-                    t[0] = float("inf")
+        timed = [t for t in timed if t[0] <= fastest * (1 + CLOSE)]  # (the others' plans go)
+    if len(timed) > 1:  # (all close to the fastest: timed again, in the opposite order)
+        for t in reversed(timed):
+            try:
+                t[0] = (t[0] + bench(lambda plan=t[1]: run(plan), device)) / 2
+            except Exception:  # noqa: BLE001 - (ran once already; out of the running if not again)
+                t[0] = float("inf")
     ran = [t for t in timed if t[0] != float("inf")]
     ms, plan, config = min(ran, key=lambda t: t[0]) if ran else (float("inf"), None, None)
     del timed, ran
