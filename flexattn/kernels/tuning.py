@@ -187,7 +187,6 @@ def choose(key: str, candidates: list[dict[str, Any]], make: Callable[[dict], An
                 t[0] = float("inf")
     ran = [t for t in timed if t[0] != float("inf")]
     ms, plan, config = min(ran, key=lambda t: t[0]) if ran else (float("inf"), None, None)
-    del timed, ran
     took = time.perf_counter() - start
     if config is None:
         print(f"\rflexattn: tuning {key}: no candidate ran ({took:.1f} s)", file=sys.stderr)
