@@ -89,10 +89,16 @@ def _check_foreign_mask(block_mask) -> None:
 
 
 def resolve_mask_mod(block_mask, device: torch.device) -> tuple[Mod, tuple]:
-    """The block mask's mask_mod: flexattn's BlockMask keeps it traced (``.mod``); torch's holds
-    the Python function, resolved through the trace cache."""
+    """The block mask's mask_mod: flexattn's BlockMask keeps it traced (``.mod``), and where its
+    int64 tables were ranked (`flexattn.block_mask.ranks`) and not modified in place since, the
+    ranked mask; torch's holds the Python function, resolved through the trace cache."""
     mod = getattr(block_mask, "mod", None)
     if isinstance(mod, Mod):
+        ranked = getattr(block_mask, "_ranked", None)
+        if ranked is not None:
+            current = ranked.current()
+            if current is not None:
+                return current, current.buffers
         return mod, mod.buffers
     fn = getattr(block_mask, "mask_mod", None)
     if fn is None:

@@ -108,6 +108,23 @@ def test_mods_with_captured_tensors():
 
 
 @pytest.mark.parametrize("D", [64, 128])
+def test_int64_document_ids_run_as_int32_ranks(D):
+    """int64 document ids that the mask only compares run as their int32 ranks
+    (flexattn/block_mask/ranks.py), here ids whose low 32 bits are all equal, which a cast to int32
+    would merge into one document; GQA, ALiBi, a length no tile divides."""
+    S = 2049
+    lengths = torch.tensor([S // 2, S // 3, S - S // 2 - S // 3])
+    doc = (torch.repeat_interleave(torch.arange(3), lengths) * 2**32 + 5).to("cuda")
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    assert create_block_mask(document_causal, None, None, S, S, device="cuda")._ranked.mod.buffers[0].dtype \
+        == torch.int32
+    check(2, 8, 2, S, S, D, score_mod=make_alibi(8, "cuda"), mask_mod=document_causal)
+
+
+@pytest.mark.parametrize("D", [64, 128])
 def test_affine_score_mods(D):
     """ALiBi and a tempered bias take the kernel's SCORE_AFFINE path (flexattn/codegen/affine.py)."""
     for fn in (make_alibi(8, "cuda"), make_tempered_bias(8, "cuda")):

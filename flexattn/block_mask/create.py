@@ -10,6 +10,7 @@ import torch
 
 from flexattn import capture, interval, ir, modcache
 from flexattn.block_mask.blockmask import BlockMask
+from flexattn.block_mask import ranks
 from flexattn.block_mask.mask_mods import as_mod
 from flexattn.block_mask.sizes import _DEFAULT_SPARSE_BLOCK_SIZE, _check_block_sizes, _check_positive
 from flexattn.kernels import mask_tiles
@@ -170,9 +171,12 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         return bm
     mod = _resolve_mask(mask_mod, device)
     mod.check_device(device, arg="the block mask's device")
-    tables = _build_tables(mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, separate_full_blocks, backend)
+    # (int64 tables the mask only compares, as int32 ranks: the tables and the kernels read those)
+    ranked = ranks.ranked(mod)
+    tables = _build_tables(mod if ranked is None else ranked.mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device,
+                           separate_full_blocks, backend)
     bm = BlockMask((Q_LEN, KV_LEN), *tables, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod, validate=False)
-    bm._mod = mod
+    bm._mod, bm._ranked = mod, ranked
     return bm
 
 

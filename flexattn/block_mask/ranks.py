@@ -1,0 +1,109 @@
+"""Captured int64 tables that a mask only compares, read by the kernels as int32 ranks.
+
+Document masks written as torch's examples write them capture int64 ids (``torch.arange`` and
+``torch.repeat_interleave`` make int64): ``doc[q_idx] == doc[kv_idx]``. A 64-bit value takes two
+registers where a 32-bit one takes one, in every tile the kernels evaluate the mask on, and the
+Hopper backward then spills. Where every value read from such a tensor is only compared with
+another value read from the same tensor (==, !=, <, <=, >, >=), each element can be replaced by
+its rank, the number of smaller elements in the tensor: no comparison changes, and ranks fit in
+int32. `ranked` finds those tensors in a traced mask and computes the ranks on their device (a
+sort and a search, no host sync). flexattn's `create_block_mask` builds its tables from the
+ranked mask and keeps it with the tensors' in-place modification counters; a call whose tensors
+were modified in place since reads the tensors themselves (`Ranked.current`), so the mask still
+sees its captured tensors' current values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flexattn import ir
+from flexattn.lru import LRU
+from flexattn.mods import Mod
+
+_MAX_RANKED = 2**31 - 1  # elements: a rank is below the element count
+
+# mask key -> (indices of the ranked buffers, the ranked mask over meta stand-ins) or None
+_TEMPLATES = LRU(1024)
+
+
+def compared_only(root: ir.Node) -> tuple[int, ...]:
+    """The indices of the int64 buffers that ``root`` reads only to compare a value read from the
+    buffer with another value read from it."""
+    loads: dict[int, int] = {}  # id(load node) -> buffer index
+    for n in ir.toposort(root):
+        if n.op == "load" and n.arg.dtype == torch.int64:
+            loads[id(n)] = n.arg.index
+    if not loads:
+        return ()
+    ok = set(loads.values())
+    if id(root) in loads:
+        ok.discard(loads[id(root)])
+    for n in ir.toposort(root):
+        for s in n.src:
+            i = loads.get(id(s))
+            if i is None:
+                continue
+            if n.op not in ir.COMPARISONS or any(loads.get(id(o)) != i for o in n.src):
+                ok.discard(i)
+    return tuple(sorted(ok))
+
+
+def _template(mod: Mod):
+    """(indices, ranked mask over meta stand-ins) for ``mod``'s structure, or None: made once per key."""
+    return _TEMPLATES.get_or_make(mod.key(), lambda: _make_template(mod))
+
+
+def _make_template(mod: Mod):
+    which = compared_only(mod.ir)
+    if not which:
+        return None
+    wanted = set(which)
+
+    def narrow(n: ir.Node):
+        if n.op == "load" and n.arg.index in wanted:
+            b = n.arg
+            return ir.load(ir.Buffer(b.index, b.name, torch.int32, b.ndim), n.src)
+        return None
+
+    stand_ins = [torch.empty((0,) * t.dim(), dtype=torch.int32 if i in wanted else t.dtype, device="meta")
+                 for i, t in enumerate(mod.buffers)]
+    return which, Mod(mod.kind, ir.substitute(mod.ir, narrow), stand_ins, mod.name, mod.source)
+
+
+class Ranked:
+    """A mask with some captured int64 tensors replaced by their int32 ranks (`ranked`), valid
+    while those tensors are not modified in place."""
+
+    __slots__ = ("mod", "sources", "versions")
+
+    def __init__(self, mod: Mod, sources: tuple[torch.Tensor, ...], versions: tuple[int, ...]):
+        self.mod, self.sources, self.versions = mod, sources, versions
+
+    def current(self) -> Mod | None:
+        """The ranked mask, or None where a ranked tensor was modified in place since."""
+        for t, v in zip(self.sources, self.versions):
+            if t._version != v:
+                return None
+        return self.mod
+
+
+def ranked(mod: Mod) -> Ranked | None:
+    """``mod`` with every captured int64 tensor it only compares (`compared_only`) replaced by
+    its elements' ranks (int32, on the tensor's device), or None where there is none to replace:
+    no such tensor, a mod traced again at each call (it reads a tensor's value on the host), a
+    tensor of 2**31 elements or more, or an inference tensor (it has no modification counter)."""
+    if mod.kind != "mask" or mod.host_values or not any(t.dtype == torch.int64 for t in mod.buffers):
+        return None
+    made = _template(mod)
+    if made is None:
+        return None
+    which, template = made
+    sources = tuple(mod.buffers[i] for i in which)
+    if any(t.numel() > _MAX_RANKED or t.is_inference() for t in sources):
+        return None
+    buffers = list(mod.buffers)
+    with torch.no_grad():
+        for i, t in zip(which, sources):
+            buffers[i] = torch.searchsorted(t.reshape(-1).sort().values, t, out_int32=True)
+    return Ranked(template.rebind(buffers), sources, tuple(t._version for t in sources))
