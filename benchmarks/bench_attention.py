@@ -7,7 +7,9 @@
 Cases: no mask, causal, sliding window 1024 (causal), alibi + causal, tanh softcap, 16 documents
 (packed sequences of uneven lengths, causal inside each document); on request (``--cases``) "tanh
 softcap (cap read at run time)": the soft-cap's Python float seen changing first, so flexattn passes
-it as a kernel argument instead of folding it (what folding a constant is worth). All competitors run in one
+it as a kernel argument instead of folding it (what folding a constant is worth); "documents
+(int64 ids)": the documents' ids captured as int64, as torch.arange and torch.repeat_interleave make them
+(flexattn's kernels read their int32 ranks, flexattn/block_mask/ranks.py). All competitors run in one
 process on the same tensors, with each one's output and gradients compared to flexattn's
 (max|diff|, grad diff: the largest of dQ, dK, dV). TFLOP/s counts 4·B·H·S·S·D for the forward and
 2.5x that for the backward, times the fraction of tiles the block mask visits (so a causal run is
@@ -74,7 +76,7 @@ def cap_read_at_run_time(device: str):
 
 
 # cases run only when --cases names them
-ON_REQUEST = ("tanh softcap (cap read at run time)",)
+ON_REQUEST = ("tanh softcap (cap read at run time)", "documents (int64 ids)")
 
 
 def cases(H: int, S: int, window: int, docs: int, device: str, names=None):
@@ -98,6 +100,11 @@ def cases(H: int, S: int, window: int, docs: int, device: str, names=None):
     def documents(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
+    doc64 = doc.long()  # (the ids as torch.arange and torch.repeat_interleave make them)
+
+    def documents_int64(b, h, q_idx, kv_idx):
+        return (doc64[q_idx] == doc64[kv_idx]) & (q_idx >= kv_idx)
+
     made = {
         "no mask": (None, None, False),
         "causal": (None, causal, True),
@@ -110,6 +117,8 @@ def cases(H: int, S: int, window: int, docs: int, device: str, names=None):
         return made
     if ON_REQUEST[0] in names:
         made[ON_REQUEST[0]] = (cap_read_at_run_time(device), None, None)
+    if ON_REQUEST[1] in names:
+        made[ON_REQUEST[1]] = (None, documents_int64, None)
     return {name: case for name, case in made.items() if name in names}
 
 
