@@ -98,10 +98,14 @@ def section(title: str, columns: list[str]) -> list[str]:
 
 
 def training_cases(record: dict) -> dict:
-    """(shape, case) -> impl -> row, in the order the suite ran them."""
+    """(shape, case) -> impl -> row, in the order the suite ran them; a case that two merged runs
+    measured (RUNS_MERGED) keeps the first run's rows."""
     cases: dict = {}
+    owner: dict = {}  # (shape, case) -> the run its rows come from (None: the GPU's first)
     for row in record["rows"]:
-        cases.setdefault((row["shape"], row["case"]), {})[row["impl"]] = row
+        key = (row["shape"], row["case"])
+        if owner.setdefault(key, row.get("run")) == row.get("run"):
+            cases.setdefault(key, {})[row["impl"]] = row
     return cases
 
 
@@ -109,16 +113,20 @@ def training_table(record: dict) -> list[str]:
     dtype = record.get("config", {}).get("dtype", "")
     gpu_only = any(row.get("bwd_gpu_ms") is not None for row in record["rows"])  # (newer runs time it)
     lines = []
+    by_case = training_cases(record)
     for shape in dict.fromkeys(row["shape"] for row in record["rows"]):
         B, H, S, D = shape.split("x")
         lines += section(f"Training attention: B={B} H={H} S={S} D={D}, {dtype}",
                          ["case", "tiles", "fwd TF/s", "vs torch", "vs cuDNN", "bwd TF/s", "vs torch", "vs cuDNN",
                           "determ. bwd", "torch fwd / bwd TF/s"]
                          + (["GPU only, vs torch fwd / bwd"] if gpu_only else []))
-        run = next((row["run"] for row in record["rows"] if row["shape"] == shape and "run" in row), None)
-        if run is not None:  # (a shape of another run than the GPU's first: RUNS_MERGED)
-            lines[-2:-2] = [run, ""]
-        for (row_shape, case), impls in training_cases(record).items():
+        # (RUNS_MERGED: a shape of another run than the GPU's first names that run above its table;
+        # cases another run added to a shape of the first, below it)
+        runs = {case: next(iter(impls.values())).get("run") for (s, case), impls in by_case.items() if s == shape}
+        if None not in runs.values():
+            lines[-2:-2] = [next(iter(runs.values())), ""]
+        notes = [f"{case}: {run}" for case, run in runs.items() if run is not None and None in runs.values()]
+        for (row_shape, case), impls in by_case.items():
             if row_shape != shape:
                 continue
             ours, theirs, cudnn = impls.get("flexattn"), impls.get("torch"), impls.get("sdpa")
@@ -133,6 +141,8 @@ def training_table(record: dict) -> list[str]:
                 f"{fmt((theirs or {}).get('fwd_tflops'))} / {fmt((theirs or {}).get('bwd_tflops'))} |"
                 + (f" {fmt(ratio(theirs, ours, 'fwd_gpu_ms'), '.2f', 'x')} / "
                    f"{fmt(ratio(theirs, ours, 'bwd_gpu_ms'), '.2f', 'x')} |" if gpu_only else ""))
+        if notes:
+            lines += ["", *(f"{note}  " for note in notes[:-1]), notes[-1]]
     return lines
 
 

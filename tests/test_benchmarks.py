@@ -387,3 +387,24 @@ def test_tagged_runs_of_the_training_suite_join_its_table_and_name_their_run(tmp
     assert "## NVIDIA H200\n\n2030-01-02 · NVIDIA H200" in page
     assert "flexattn def456" in page[second:] and "flexattn def456" not in page[:second]
     assert "| no mask | 1.00 |" in page[second:] and "1.50x" in page[second:]
+
+
+def test_a_tagged_run_that_adds_cases_to_a_shape_names_its_run_below_the_table(tmp_path):
+    """A tagged run of a shape the untagged run has (``--cases`` with an extra case): a case both
+    measured keeps the untagged run's rows, the added case joins the table, and the line below the
+    table names the run it comes from; the table's shape keeps no other run's line above it."""
+    folder = tmp_path / "results"
+    results.save("attention", env("NVIDIA H200", "2030-01-02"), {"dtype": "bfloat16"},
+                 [training_row("no mask", "flexattn", 2.0, 5.0), training_row("no mask", "torch", 3.0, 6.0)], folder)
+    extra = [training_row("no mask", "flexattn", 1.0, 5.0), training_row("no mask", "torch", 3.0, 6.0),
+             training_row("documents (int64 ids)", "flexattn", 1.0, 2.0),
+             training_row("documents (int64 ids)", "torch", 4.0, 4.0)]
+    results.save("attention", {**env("NVIDIA H200", "2030-01-05"), "commit": "def456"}, {"dtype": "bfloat16"},
+                 extra, folder, tag="int64")
+    page = generate(tmp_path, "--no-plot")
+    table = page[page.index("### Training attention"):]
+    assert page.count("### Training attention") == 1
+    assert "| no mask | 1.00 |" in table and "| 1.50x |" in table and "| 3.00x |" not in table  # (the first run's)
+    assert "| documents (int64 ids) | 1.00 |" in table and "| 4.00x |" in table
+    assert table.index("documents (int64 ids): 2030-01-05 · NVIDIA H200") > table.index("| documents (int64 ids) |")
+    assert "flexattn def456" not in table[:table.index("| no mask |")]
