@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from flexattn.block_mask import ranks
+
 __all__ = ["causal", "sliding_window", "chunked", "prefix_lm", "document", "dilated_sliding_window",
            "global_tokens", "natten"]
 
@@ -109,6 +111,10 @@ def prefix_lm(prefix_length: int | torch.Tensor) -> Callable:
     return _named(mask, f"prefix_lm_{prefix_length}")
 
 
+# id dtypes that int32 holds exactly (wider ones, int64, become their ranks)
+_NARROW_IDS = (torch.int8, torch.int16, torch.int32, torch.uint8)
+
+
 def _document_ids(document_ids, lengths, offsets) -> torch.Tensor:
     given = [n for n, v in (("document_ids", document_ids), ("lengths", lengths), ("offsets", offsets))
              if v is not None]
@@ -133,7 +139,7 @@ def _document_ids(document_ids, lengths, offsets) -> torch.Tensor:
         value = value.diff()
     if (value < 0).any():
         raise ValueError(f"{name} must not decrease / be negative, got {value.tolist()}")
-    return torch.repeat_interleave(torch.arange(len(value), device=value.device), value.long())
+    return torch.repeat_interleave(torch.arange(len(value), dtype=torch.int32, device=value.device), value.long())
 
 
 def document(document_ids=None, *, lengths=None, offsets=None, causal: bool = False, device=None) -> Callable:
@@ -152,7 +158,9 @@ def document(document_ids=None, *, lengths=None, offsets=None, causal: bool = Fa
         >>> bm = flexattn.create_block_mask(docs, None, None, 1024, 1024, device="cpu")
         >>> on_gpu = masks.document(lengths=[300, 200, 524], device="cuda")  # doctest: +SKIP
     """
-    ids = _document_ids(document_ids, lengths, offsets).to(device=device, dtype=torch.int32)
+    ids = _document_ids(document_ids, lengths, offsets).to(device=device)
+    # (int32 for the kernels: labels that may not fit as their ranks, which compare alike)
+    ids = ids.to(torch.int32) if ids.dtype in _NARROW_IDS else ranks.int32_ranks(ids)
     if ids.dim() == 2:
         if causal:
             def mask(b, h, q_idx, kv_idx):

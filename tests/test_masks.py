@@ -127,3 +127,19 @@ def test_document_ids_live_on_the_given_device(given):
 def test_errors_name_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_document_labels_beyond_int32_stay_apart():
+    """Any integer labels: int64 labels that a cast to int32 would merge (equal low 32 bits) stay
+    different documents (the mask reads their int32 ranks), on every block, against the labels'
+    own dense mask."""
+    labels = torch.tensor([7, 7, 2**32 + 7, 2**32 + 7, 2**32 + 7, -2**40, 7, 7], dtype=torch.int64)
+    doc = masks.document(labels, causal=True)
+    assert flexattn.trace(doc, "mask").buffers[0].dtype == torch.int32
+    S = len(labels)
+    want = (labels[:, None] == labels[None, :]) & torch.ones(S, S, dtype=torch.bool).tril()
+    assert torch.equal(flexattn.create_mask(doc, 1, 1, S, S, device="cpu")[0, 0], want)
+    q, k, v = (torch.randn(1, 2, S, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    bm = flexattn.create_block_mask(doc, None, None, S, S, device="cpu", BLOCK_SIZE=16)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=want)
+    torch.testing.assert_close(flexattn.flex_attention(q, k, v, block_mask=bm).double(), ref, atol=1e-5, rtol=0)

@@ -103,7 +103,16 @@ def ranked(mod: Mod) -> Ranked | None:
     if any(t.numel() > _MAX_RANKED or t.is_inference() for t in sources):
         return None
     buffers = list(mod.buffers)
-    with torch.no_grad():
-        for i, t in zip(which, sources):
-            buffers[i] = torch.searchsorted(t.reshape(-1).sort().values, t, out_int32=True)
+    for i, t in zip(which, sources):
+        buffers[i] = int32_ranks(t)
     return Ranked(template.rebind(buffers), sources, tuple(t._version for t in sources))
+
+
+def int32_ranks(t: torch.Tensor) -> torch.Tensor:
+    """Each element of the integer tensor ``t`` (fewer than 2**31 elements) as the number of
+    elements of ``t`` smaller than it, int32, on ``t``'s device: equal where ``t`` is equal, in
+    the same order."""
+    if t.numel() > _MAX_RANKED:
+        raise ValueError(f"int32 ranks of a tensor of {t.numel()} elements: at most {_MAX_RANKED}")
+    with torch.no_grad():
+        return torch.searchsorted(t.reshape(-1).sort().values, t, out_int32=True)
