@@ -22,7 +22,7 @@ import numpy
 import torch
 
 from flexattn import capture, ir, modcache, ops
-from flexattn.block_mask import BlockMask, as_mod, is_noop_mask
+from flexattn.block_mask import BlockMask, as_mod, is_noop_mask, ranks
 from flexattn.kernels import backward as bwd, decode as dec, forward as fwd, layout, options as opts, plans
 from flexattn.kernels.tables import tables_of, validate_mask
 from flexattn.lru import LRU
@@ -89,23 +89,25 @@ def _check_foreign_mask(block_mask) -> None:
 
 
 def resolve_mask_mod(block_mask, device: torch.device) -> tuple[Mod, tuple]:
-    """The block mask's mask_mod: flexattn's BlockMask keeps it traced (``.mod``), and where its
-    int64 tables were ranked (`flexattn.block_mask.ranks`) and not modified in place since, the
-    ranked mask; torch's holds the Python function, resolved through the trace cache."""
+    """The block mask's mask_mod, with the int64 tensors it only compares as int32 ranks
+    (`flexattn.block_mask.ranks`): flexattn's BlockMask keeps it traced (``.mod``), and the ranks
+    `create_block_mask` made while they are current; torch's holds the Python function, resolved
+    through the trace cache."""
     mod = getattr(block_mask, "mod", None)
     if isinstance(mod, Mod):
-        ranked = getattr(block_mask, "_ranked", None)
-        if ranked is not None:
-            current = ranked.current()
-            if current is not None:
-                return current, current.buffers
-        return mod, mod.buffers
+        made = getattr(block_mask, "_ranked", None)
+        current = None if made is None else made.current()
+        if current is not None:
+            return current, current.buffers
+        return ranks.for_call(block_mask, mod, mod.buffers)
     fn = getattr(block_mask, "mask_mod", None)
     if fn is None:
         return noop_mask_mod(), ()
     if isinstance(fn, Mod):
-        return fn, fn.buffers
-    return modcache.resolve(fn, MASK, torch.float32, device, lambda f, kind, **kw: as_mod(f, MASK, "block_mask.mask_mod"))
+        return ranks.for_call(block_mask, fn, fn.buffers)
+    mod, bufs = modcache.resolve(fn, MASK, torch.float32, device,
+                                 lambda f, kind, **kw: as_mod(f, MASK, "block_mask.mask_mod"))
+    return ranks.for_call(block_mask, mod, bufs)
 
 
 # ---------------------------------------------------------------------------------------------

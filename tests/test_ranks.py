@@ -115,14 +115,35 @@ def _document_mask(S: int):
 def test_a_table_modified_in_place_is_read_as_it_is_now():
     S = 200
     ids, docs, bm = _document_mask(S)
-    _, bufs = call.resolve_mask_mod(bm, torch.device("cpu"))
-    assert bufs[0].dtype == torch.int32 and bufs[0] is not ids
-    ids[150:] += 2**40  # in place: no ranks any more, the mask reads the tensor itself
-    _, bufs = call.resolve_mask_mod(bm, torch.device("cpu"))
-    assert bufs == (ids,)
+    _, before = call.resolve_mask_mod(bm, torch.device("cpu"))
+    assert before[0].dtype == torch.int32 and before[0] is not ids
+    ids[150:] += 2**40  # in place: the call ranks the values as they are now
+    _, now = call.resolve_mask_mod(bm, torch.device("cpu"))
+    assert now[0].dtype == torch.int32 and torch.equal(now[0], ranks.int32_ranks(ids))
+    assert not torch.equal(now[0], before[0])
     x = torch.randn(1, 1, S, 16)
     torch.testing.assert_close(flexattn.flex_attention(x, x, x, block_mask=bm).double(),
                                attention_reference(x, x, x, block_mask=bm, mask_mod=docs), atol=2e-5, rtol=0)
+
+
+def test_torch_block_masks_run_ranks_too():
+    """torch's BlockMask of an int64 documents mask: the call ranks the ids once per mask object
+    and tensor version, and matches the reference."""
+    S = 301
+    ids = _documents(S)
+
+    def docs(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+
+    tbm = torch_create_block_mask(docs, None, None, S, S, device="cpu")
+    _, first = call.resolve_mask_mod(tbm, torch.device("cpu"))
+    _, again = call.resolve_mask_mod(tbm, torch.device("cpu"))
+    assert first[0].dtype == torch.int32 and again[0] is first[0]
+    x = torch.randn(1, 2, S, 16, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(flexattn.flex_attention(x, x, x, block_mask=tbm).double(),
+                               attention_reference(x, x, x, mask_mod=docs), atol=2e-5, rtol=0)
+    ids.add_(1)
+    assert call.resolve_mask_mod(tbm, torch.device("cpu"))[1][0] is not first[0]
 
 
 def test_copies_keep_the_ranks_and_inference_tensors_keep_their_ids():
@@ -131,7 +152,7 @@ def test_copies_keep_the_ranks_and_inference_tensors_keep_their_ids():
     for copy in (bm.to("cpu"), bm._adjust(150, 150)):
         _, bufs = call.resolve_mask_mod(copy, torch.device("cpu"))
         assert bufs[0].dtype == torch.int32
-    bm.mask_mod = docs  # (a mask_mod assigned later is traced afresh, without ranks)
+    bm.mask_mod = lambda b, h, q_idx, kv_idx: ids[q_idx] + 1 == ids[kv_idx]  # (read as numbers: no ranks)
     assert call.resolve_mask_mod(bm, torch.device("cpu"))[1] == (ids,)
     with torch.inference_mode():
         frozen = _documents(S)

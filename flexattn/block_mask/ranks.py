@@ -116,3 +116,34 @@ def int32_ranks(t: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"int32 ranks of a tensor of {t.numel()} elements: at most {_MAX_RANKED}")
     with torch.no_grad():
         return torch.searchsorted(t.reshape(-1).sort().values, t, out_int32=True)
+
+
+_ATTR = "_flexattn_ranked"  # on a block mask: (mask key, tensors, Ranked or None) of its last call
+
+
+def for_call(block_mask, mod: Mod, buffers: tuple) -> tuple[Mod, tuple]:
+    """The mask a call runs for ``block_mask`` whose mask is ``mod`` over ``buffers`` (this call's
+    tensors), where `create_block_mask` left no current ranks (torch's block masks, flexattn's
+    made from tables, a tensor modified in place since): ranked as `ranked` does, the ranks made
+    once per mask object, mask and tensors, and again after a tensor is modified in place, so that
+    the call compares the tensors' values as they are now."""
+    for t in buffers:  # (a loop, not any(): every call of a mask passes here)
+        if t.dtype == torch.int64:
+            break
+    else:
+        return mod, buffers
+    key = mod.key()
+    cached = getattr(block_mask, _ATTR, None)
+    if cached is not None and cached[0] == key and len(cached[1]) == len(buffers) and \
+            all(a is b for a, b in zip(cached[1], buffers)):
+        if cached[2] is None:
+            return mod, buffers
+        current = cached[2].current()
+        if current is not None:
+            return current, current.buffers
+    made = ranked(mod if buffers is mod.buffers else mod.rebind(buffers))
+    try:
+        setattr(block_mask, _ATTR, (key, tuple(buffers), made))
+    except AttributeError:  # (an object that takes no attributes: ranked again at each call)
+        pass
+    return (mod, buffers) if made is None else (made.mod, made.mod.buffers)
