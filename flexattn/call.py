@@ -442,7 +442,7 @@ def _attend_compiled(query, key, value, score_mod, block_mask, scale, enable_gqa
         score_key, score_bufs = identity_score_mod(stat_dtype).key(), []
     else:
         score_key, score_bufs = capture.capture(score_mod, SCORE, stat_dtype)
-    mask_key, mask_bufs = _compiled_mask(block_mask, mask_override)
+    mask_key, mask_bufs = ranks.in_graph(*_compiled_mask(block_mask, mask_override))
     block, tables, seq = _compiled_tables(block_mask)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 import flexattn
-from flexattn import call
+from flexattn import call, ops
 from flexattn.block_mask import create_block_mask, create_mask, ranks
 from flexattn.reference import attention_reference
 from test_block_mask import assert_same
@@ -157,3 +157,37 @@ def test_copies_keep_the_ranks_and_inference_tensors_keep_their_ids():
     with torch.inference_mode():
         frozen = _documents(S)
     assert ranks.ranked(_mask(lambda b, h, q, k: frozen[q] == frozen[k])) is None
+
+
+def test_compiled_calls_rank_in_the_graph(monkeypatch):
+    """Under torch.compile(fullgraph=True), block mask built in the graph or outside it: the
+    kernels' op gets the ids' int32 ranks (computed in the graph), and the result matches the
+    reference for ids that a cast to int32 would merge; new ids of the same shape do not recompile."""
+    torch._dynamo.reset()
+    S = 200
+    seen = []
+    real = ops.fwd.run
+
+    def spy(*args, **kw):  # (what the op's kernels read)
+        seen.append([t.dtype for t in args[7]])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ops.fwd, "run", spy)
+
+    def attend(q, k, v, doc, outside=None):
+        mask = outside or create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (qi >= ki), None, None,
+                                            q.shape[2], k.shape[2], device="cpu")
+        return flexattn.flex_attention(q, k, v, block_mask=mask)
+
+    compiled = torch.compile(attend, fullgraph=True)
+    q, k, v = (torch.randn(1, 2, S, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    for built_outside in (False, True):
+        for i, shift in enumerate((0, 3)):
+            ids = _documents(S) + shift * 2**33
+            docs = (lambda ids: lambda b, h, qi, ki: (ids[qi] == ids[ki]) & (qi >= ki))(ids)
+            ref = attention_reference(q, k, v, mask_mod=docs)
+            outside = create_block_mask(docs, None, None, S, S, device="cpu") if built_outside else None
+            with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                out = compiled(q, k, v, ids, outside)
+            torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
+    assert len(seen) == 4 and all(d == [torch.int32] for d in seen)

@@ -19,7 +19,7 @@ import torch
 
 from flexattn import ir
 from flexattn.lru import LRU
-from flexattn.mods import Mod
+from flexattn.mods import Mod, template
 
 _MAX_RANKED = 2**31 - 1  # elements: a rank is below the element count
 
@@ -147,3 +147,31 @@ def for_call(block_mask, mod: Mod, buffers: tuple) -> tuple[Mod, tuple]:
     except AttributeError:  # (an object that takes no attributes: ranked again at each call)
         pass
     return (mod, buffers) if made is None else (made.mod, made.mod.buffers)
+
+
+def in_graph(key: str, buffers: list) -> tuple[str, list]:
+    """While torch.compile traces a call: the mask of structural key ``key`` over ``buffers``, with
+    the int64 tensors it only compares replaced by their int32 ranks, computed in the graph (a
+    sort and a search per call: a compiled graph keeps nothing between calls)."""
+    for t in buffers:
+        if t.dtype == torch.int64:
+            break
+    else:
+        return key, buffers
+    made = _ranked_key(key)
+    if not made:
+        return key, buffers
+    ranked_key, which = made
+    buffers = list(buffers)
+    for i in which:
+        t = buffers[i]
+        buffers[i] = torch.searchsorted(t.reshape(-1).sort().values, t, out_int32=True)
+    return ranked_key, buffers
+
+
+@torch.compiler.assume_constant_result
+def _ranked_key(key: str) -> tuple:
+    """(structural key of the ranked mask, indices of the ranked tensors) of the mask known by
+    ``key``, or () where it has none to rank: a constant to torch.compile, found at compile time."""
+    made = _template(template(key))
+    return () if made is None else (made[1].key(), made[0])
