@@ -272,8 +272,16 @@ def _tables_op(buffers: list[torch.Tensor], mask_key: str, B: int, H: int, Q_LEN
     """`create_block_mask`'s tables as a custom op (torch.compile): the 8 tables, or the 4
     partial ones without ``separate_full``."""
     mod = template(mask_key).rebind(buffers)
-    return [t for t in _build_tables(mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, separate_full, backend)
-            if t is not None]
+    tables, storages = [], set()
+    for t in _build_tables(mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, separate_full, backend):
+        if t is None:
+            continue
+        # (a custom op's outputs may not alias each other: the kernels write counts and indices
+        # into one buffer, whose later views are copied out)
+        storage = t.untyped_storage().data_ptr()
+        tables.append(t.clone() if storage in storages else t)
+        storages.add(storage)
+    return tables
 
 
 @_tables_op.register_fake
