@@ -102,6 +102,29 @@ def test_compiled_model_on_the_gpu():
     torch.testing.assert_close(out, layer(q, k, v, mask), atol=0, rtol=0)
 
 
+def test_compiled_block_mask_built_in_the_graph_on_the_gpu():
+    """create_block_mask inside the compiled graph on the GPU (its triton backend) and int64
+    document ids beyond int32, which the graph ranks: forward and backward against float64."""
+    torch._dynamo.reset()
+    S = 2049
+    lengths = torch.tensor([S // 2, S // 3, S - S // 2 - S // 3])
+    doc = (torch.repeat_interleave(torch.arange(3), lengths) * 2**32 + 5).to(DEV)
+
+    def attend(q, k, v, doc):
+        bm = flexattn.create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (qi >= ki), None, None,
+                                        q.shape[2], k.shape[2], device=DEV)
+        return flexattn.flex_attention(q, k, v, block_mask=bm)
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, S, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = torch.compile(attend, fullgraph=True)(q, k, v, doc)
+    ref = attention_reference(q, k, v, mask_mod=lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (qi >= ki))
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    do = torch.randn_like(out)
+    for g, r in zip(torch.autograd.grad(out, (q, k, v), do), torch.autograd.grad(ref, (q, k, v), do.double())):
+        torch.testing.assert_close(g.double(), r.double(), atol=5e-2, rtol=5e-2)
+
+
 # Triton up to 3.6 (torch 2.11's) lays its launcher out the way `TensorMapLaunch` knows.
 _FLAT_LAUNCHER = tuple(int(x) for x in triton.__version__.split(".")[:2]) <= (3, 6)
 
