@@ -8,9 +8,10 @@ another value read from the same tensor (==, !=, <, <=, >, >=), each element can
 its rank, the number of smaller elements in the tensor: no comparison changes, and ranks fit in
 int32. `ranked` finds those tensors in a traced mask and computes the ranks on their device (a
 sort and a search, no host sync). flexattn's `create_block_mask` builds its tables from the
-ranked mask and keeps it with the tensors' in-place modification counters; a call whose tensors
-were modified in place since reads the tensors themselves (`Ranked.current`), so the mask still
-sees its captured tensors' current values.
+ranked mask and keeps it with the tensors' in-place modification counters (`Ranked.current`); a
+call ranks the tensors of any other block mask (torch's) once per mask object (`for_call`), and
+again after they are modified in place, so that the mask compares their values as they are now;
+under torch.compile the graph ranks them at each call (`in_graph`).
 """
 
 from __future__ import annotations
@@ -98,14 +99,14 @@ def ranked(mod: Mod) -> Ranked | None:
     made = _template(mod)
     if made is None:
         return None
-    which, template = made
+    which, narrowed = made
     sources = tuple(mod.buffers[i] for i in which)
     if any(t.numel() > _MAX_RANKED or t.is_inference() for t in sources):
         return None
     buffers = list(mod.buffers)
     for i, t in zip(which, sources):
         buffers[i] = int32_ranks(t)
-    return Ranked(template.rebind(buffers), sources, tuple(t._version for t in sources))
+    return Ranked(narrowed.rebind(buffers), sources, tuple(t._version for t in sources))
 
 
 def int32_ranks(t: torch.Tensor) -> torch.Tensor:
@@ -163,7 +164,7 @@ def in_graph(key: str, buffers: list) -> tuple[str, list]:
         return key, buffers
     ranked_key, which = made
     buffers = list(buffers)
-    for i in which:
+    for i in which:  # (int32_ranks without its size check, which would guard a symbolic size)
         t = buffers[i]
         buffers[i] = torch.searchsorted(t.reshape(-1).sort().values, t, out_int32=True)
     return ranked_key, buffers
