@@ -95,19 +95,15 @@ def resolve_mask_mod(block_mask, device: torch.device) -> tuple[Mod, tuple]:
     through the trace cache."""
     mod = getattr(block_mask, "mod", None)
     if isinstance(mod, Mod):
-        made = getattr(block_mask, "_ranked", None)
-        current = None if made is None else made.current()
-        if current is not None:
-            return current, current.buffers
-        return ranks.for_call(block_mask, mod, mod.buffers)
+        return ranks.for_call(block_mask, mod, mod.buffers, device)
     fn = getattr(block_mask, "mask_mod", None)
     if fn is None:
         return noop_mask_mod(), ()
     if isinstance(fn, Mod):
-        return ranks.for_call(block_mask, fn, fn.buffers)
+        return ranks.for_call(block_mask, fn, fn.buffers, device)
     mod, bufs = modcache.resolve(fn, MASK, torch.float32, device,
                                  lambda f, kind, **kw: as_mod(f, MASK, "block_mask.mask_mod"))
-    return ranks.for_call(block_mask, mod, bufs)
+    return ranks.for_call(block_mask, mod, bufs, device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -442,7 +438,9 @@ def _attend_compiled(query, key, value, score_mod, block_mask, scale, enable_gqa
         score_key, score_bufs = identity_score_mod(stat_dtype).key(), []
     else:
         score_key, score_bufs = capture.capture(score_mod, SCORE, stat_dtype)
-    mask_key, mask_bufs = ranks.in_graph(*_compiled_mask(block_mask, mask_override))
+    mask_key, mask_bufs = _compiled_mask(block_mask, mask_override)
+    if mask_override is None:  # (a block mask's mask, as eagerly: decoding's and varlen's masks are not ranked)
+        mask_key, mask_bufs = ranks.in_graph(mask_key, mask_bufs)
     block, tables, seq = _compiled_tables(block_mask)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])

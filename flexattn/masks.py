@@ -111,8 +111,9 @@ def prefix_lm(prefix_length: int | torch.Tensor) -> Callable:
     return _named(mask, f"prefix_lm_{prefix_length}")
 
 
-# id dtypes that int32 holds exactly (wider ones, int64, become their ranks)
-_NARROW_IDS = (torch.int8, torch.int16, torch.int32, torch.uint8)
+# id dtypes that int32 holds one to one (the mask only compares ids for equality); int64 ids
+# become their ranks, uint64 ones seen as int64
+_NARROW_IDS = (torch.int8, torch.int16, torch.int32, torch.uint8, torch.uint16, torch.uint32)
 
 
 def _document_ids(document_ids, lengths, offsets) -> torch.Tensor:
@@ -160,6 +161,8 @@ def document(document_ids=None, *, lengths=None, offsets=None, causal: bool = Fa
     """
     ids = _document_ids(document_ids, lengths, offsets).to(device=device)
     # (int32 for the kernels: labels that may not fit as their ranks, which compare alike)
+    if ids.dtype == torch.uint64:
+        ids = ids.view(torch.int64)
     ids = ids.to(torch.int32) if ids.dtype in _NARROW_IDS else ranks.int32_ranks(ids)
     if ids.dim() == 2:
         if causal:

@@ -139,6 +139,12 @@ def test_document_labels_beyond_int32_stay_apart():
     S = len(labels)
     want = (labels[:, None] == labels[None, :]) & torch.ones(S, S, dtype=torch.bool).tril()
     assert torch.equal(flexattn.create_mask(doc, 1, 1, S, S, device="cpu")[0, 0], want)
+    # unsigned labels: uint32 above 2**31 and uint64 above 2**63
+    for dtype, big in ((torch.uint32, 2**31 + 5), (torch.uint64, 2**63 + 5)):
+        unsigned = torch.tensor([5, 5, 5, 5, 5, 6, 5, 5], dtype=torch.int64)
+        unsigned[2:5] = big - 2**64 if dtype == torch.uint64 else big
+        same = masks.document(unsigned.to(dtype) if dtype != torch.uint64 else unsigned.view(dtype), causal=True)
+        assert torch.equal(flexattn.create_mask(same, 1, 1, S, S, device="cpu")[0, 0], want), dtype
     q, k, v = (torch.randn(1, 2, S, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
     bm = flexattn.create_block_mask(doc, None, None, S, S, device="cpu", BLOCK_SIZE=16)
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=want)

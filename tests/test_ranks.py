@@ -60,10 +60,11 @@ def test_ranks_keep_every_comparison(values, op):
     mod = _mask(lambda b, h, q, k: compare(ids[q], ids[k]))
     made = ranks.ranked(mod)
     assert made is not None and made.mod.buffers[0].dtype == torch.int32
-    n = len(values)
+    n = len(values) + 3  # (reads past the end: 0, which the ranks keep in its place)
     ours = create_mask(made.mod, 1, 1, n, n, device="cpu")
-    want = compare(ids[:, None], ids[None, :])[None, None]
-    assert torch.equal(ours, want)
+    read = torch.cat([ids, ids.new_zeros(3)])
+    want = compare(read[:, None], read[None, :])[None, None]
+    assert torch.equal(ours, want) and torch.equal(create_mask(mod, 1, 1, n, n, device="cpu"), want)
 
 
 def _documents(n: int, dtype=torch.int64) -> torch.Tensor:
@@ -100,6 +101,32 @@ def test_document_ids_beyond_int32_through_the_kernels(S, monkeypatch):
     want = torch.autograd.grad(ref, (q, k, v, bias), do.double())
     for got, w in zip(grads, want):
         torch.testing.assert_close(got.double(), w.double(), atol=1e-4, rtol=0)
+
+
+def test_reads_past_the_end_stay_apart_from_every_document():
+    """Ids without a 0 and a mask longer than them: the keys past the end read 0, which is no
+    document's id, so no query sees them (a rank of 0 for the smallest id would join them)."""
+    S = 200
+    ids = torch.repeat_interleave(torch.tensor([3, 9]), torch.tensor([90, 80]))  # 170 ids, none 0
+
+    def docs(b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+
+    bm = create_block_mask(docs, None, None, S, S, device="cpu")
+    x = torch.randn(1, 1, S, 16, generator=torch.Generator().manual_seed(2))
+    traced = _mask(docs)  # (the reference evaluates the IR, whose reads past the end are 0)
+    torch.testing.assert_close(flexattn.flex_attention(x, x, x, block_mask=bm).double(),
+                               attention_reference(x, x, x, mask_mod=traced), atol=2e-5, rtol=0)
+    assert call.resolve_mask_mod(bm, torch.device("cpu"))[1][0].dtype == torch.int32
+
+
+def test_no_ranks_while_a_cuda_graph_is_captured(monkeypatch):
+    """A CUDA graph's replays read the tensors its capture recorded: the ids themselves, whose
+    changes in place between replays the ranks would miss."""
+    ids, docs, bm = _document_mask(200)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert call.resolve_mask_mod(bm, torch.device("cuda"))[1] == (ids,)
+    assert call.resolve_mask_mod(bm, torch.device("cpu"))[1][0].dtype == torch.int32
 
 
 def _document_mask(S: int):

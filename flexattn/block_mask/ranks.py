@@ -5,13 +5,16 @@ Document masks written as torch's examples write them capture int64 ids (``torch
 registers where a 32-bit one takes one, in every tile the kernels evaluate the mask on, and the
 Hopper backward then spills. Where every value read from such a tensor is only compared with
 another value read from the same tensor (==, !=, <, <=, >, >=), each element can be replaced by
-its rank, the number of smaller elements in the tensor: no comparison changes, and ranks fit in
+its rank among the tensor's elements and 0, counted from 0's (a read past the tensor's end is 0,
+which must stay 0 and keep its place among the values): no comparison changes, and ranks fit in
 int32. `ranked` finds those tensors in a traced mask and computes the ranks on their device (a
 sort and a search, no host sync). flexattn's `create_block_mask` builds its tables from the
 ranked mask and keeps it with the tensors' in-place modification counters (`Ranked.current`); a
 call ranks the tensors of any other block mask (torch's) once per mask object (`for_call`), and
 again after they are modified in place, so that the mask compares their values as they are now;
-under torch.compile the graph ranks them at each call (`in_graph`).
+under torch.compile the graph ranks them at each call (`in_graph`). A change that bypasses a
+tensor's version counter (a write through ``.data``, another library's view of its memory) is not
+seen; while a CUDA graph is captured the kernels read the tensors themselves.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from flexattn import ir
 from flexattn.lru import LRU
 from flexattn.mods import Mod, template
 
-_MAX_RANKED = 2**31 - 1  # elements: a rank is below the element count
+_MAX_RANKED = 2**31 - 2  # elements: a rank's size is below the element count plus one (0)
 
 # mask key -> (indices of the ranked buffers, the ranked mask over meta stand-ins) or None
 _TEMPLATES = LRU(1024)
@@ -110,29 +113,44 @@ def ranked(mod: Mod) -> Ranked | None:
 
 
 def int32_ranks(t: torch.Tensor) -> torch.Tensor:
-    """Each element of the integer tensor ``t`` (fewer than 2**31 elements) as the number of
-    elements of ``t`` smaller than it, int32, on ``t``'s device: equal where ``t`` is equal, in
-    the same order."""
+    """Each element of the integer tensor ``t`` (fewer than 2**31 elements) as its rank among the
+    elements of ``t`` and 0, counted from 0's, int32, on ``t``'s device: equal where ``t`` is
+    equal, in the same order, and 0 where ``t`` is 0 (negative below it)."""
     if t.numel() > _MAX_RANKED:
         raise ValueError(f"int32 ranks of a tensor of {t.numel()} elements: at most {_MAX_RANKED}")
     with torch.no_grad():
-        return torch.searchsorted(t.reshape(-1).sort().values, t, out_int32=True)
+        return _ranks(t)
+
+
+def _ranks(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1)
+    values = torch.cat([flat, flat.new_zeros(1)]).sort().values
+    zero = torch.searchsorted(values, flat.new_zeros(1), out_int32=True)
+    return torch.searchsorted(values, t, out_int32=True) - zero.reshape((1,) * t.dim())
 
 
 _ATTR = "_flexattn_ranked"  # on a block mask: (mask key, tensors, Ranked or None) of its last call
 
 
-def for_call(block_mask, mod: Mod, buffers: tuple) -> tuple[Mod, tuple]:
-    """The mask a call runs for ``block_mask`` whose mask is ``mod`` over ``buffers`` (this call's
-    tensors), where `create_block_mask` left no current ranks (torch's block masks, flexattn's
-    made from tables, a tensor modified in place since): ranked as `ranked` does, the ranks made
-    once per mask object, mask and tensors, and again after a tensor is modified in place, so that
-    the call compares the tensors' values as they are now."""
+def for_call(block_mask, mod: Mod, buffers: tuple, device: torch.device) -> tuple[Mod, tuple]:
+    """The mask a call on ``device`` runs for ``block_mask``, whose mask is ``mod`` over ``buffers``
+    (this call's tensors): with the int64 tensors it only compares as int32 ranks, those that
+    `create_block_mask` made while they are current, else made here once per mask object, mask
+    and tensors, and again after a tensor is modified in place (torch's block masks, flexattn's
+    made from tables or given a new mask_mod), so that the call compares the tensors' values as
+    they are now. Not while a CUDA graph is captured: a replay reads the tensors the capture
+    recorded, and only the mask's own tensors show it what changed in place between replays."""
     for t in buffers:  # (a loop, not any(): every call of a mask passes here)
         if t.dtype == torch.int64:
             break
     else:
         return mod, buffers
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return mod, buffers
+    made = getattr(block_mask, "_ranked", None)
+    current = None if made is None else made.current()
+    if current is not None:
+        return current, current.buffers
     key = mod.key()
     cached = getattr(block_mask, _ATTR, None)
     if cached is not None and cached[0] == key and len(cached[1]) == len(buffers) and \
@@ -165,8 +183,7 @@ def in_graph(key: str, buffers: list) -> tuple[str, list]:
     ranked_key, which = made
     buffers = list(buffers)
     for i in which:  # (int32_ranks without its size check, which would guard a symbolic size)
-        t = buffers[i]
-        buffers[i] = torch.searchsorted(t.reshape(-1).sort().values, t, out_int32=True)
+        buffers[i] = _ranks(buffers[i])
     return ranked_key, buffers
 
 
