@@ -8,7 +8,7 @@ another value read from the same tensor (==, !=, <, <=, >, >=), each element can
 its rank among the tensor's elements and 0, counted from 0's (a read past the tensor's end is 0,
 which must stay 0 and keep its place among the values): no comparison changes, and ranks fit in
 int32. `ranked` finds those tensors in a traced mask and computes the ranks on their device (a
-sort and a search, no host sync). flexattn's `create_block_mask` builds its tables from the
+sort and two searches, no host sync). flexattn's `create_block_mask` builds its tables from the
 ranked mask and keeps it with the tensors' in-place modification counters (`Ranked.current`); a
 call ranks the tensors of any other block mask (torch's) once per mask object (`for_call`), and
 again after they are modified in place, so that the mask compares their values as they are now;
@@ -171,7 +171,7 @@ def for_call(block_mask, mod: Mod, buffers: tuple, device: torch.device) -> tupl
 def in_graph(key: str, buffers: list) -> tuple[str, list]:
     """While torch.compile traces a call: the mask of structural key ``key`` over ``buffers``, with
     the int64 tensors it only compares replaced by their int32 ranks, computed in the graph (a
-    sort and a search per call: a compiled graph keeps nothing between calls)."""
+    sort and two searches per call: a compiled graph keeps nothing between calls)."""
     for t in buffers:
         if t.dtype == torch.int64:
             break
