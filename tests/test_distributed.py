@@ -101,6 +101,15 @@ def last_rows_read_the_start(b, h, q_idx, kv_idx):
     return ((kv_idx < 10) & (q_idx >= 34)) | (q_idx == kv_idx)
 
 
+# int64 document ids, as torch.arange and repeat_interleave make them, whose low 32 bits are all
+# equal: the ranks flexattn runs them as must keep the documents apart
+DOC_IDS = torch.repeat_interleave(torch.arange(len(DOCS)), torch.tensor(DOCS)) * 2**32 + 5
+
+
+def documents_int64(b, h, q_idx, kv_idx):
+    return (DOC_IDS[q_idx] == DOC_IDS[kv_idx]) & (q_idx >= kv_idx)
+
+
 # name, S, Hq, Hkv, mask_mod, layout, score bias?, method, use the LSE in the loss; per world size
 # every layout and both methods, GQA with each method, a captured bias with each method.
 CASES = {
@@ -108,8 +117,7 @@ CASES = {
         ("documents per_document GQA", sum(DOCS), 2, 1, masks.document(lengths=DOCS, causal=True), _doc_layout,
          False, "allgather", False),
         ("sliding window none bias", 53, 2, 2, masks.sliding_window(9), None, True, "ring", True),
-        ("documents whole_documents bias", sum(DOCS), 2, 2, masks.document(lengths=DOCS, causal=True), _whole_docs,
-         True, "ring", True),
+        ("documents whole_documents bias int64", sum(DOCS), 2, 2, documents_int64, _whole_docs, True, "ring", True),
         # bfloat16: the neighbour's window sums travel home in bfloat16, the last merge writes it
         ("sliding window none bf16", 53, 2, 2, masks.sliding_window(9), None, False, "ring", True, torch.bfloat16)],
     3: [("documents per_document GQA", sum(DOCS), 2, 1, masks.document(lengths=DOCS, causal=True), _doc_layout,
@@ -141,6 +149,8 @@ def _check_case(group, index, case) -> None:
     local = [fd.shard(t, group, seq_dim=2, load_balance=layout).requires_grad_() for t in (q, k, v)]
     dbias = bias.clone().requires_grad_() if with_bias else None
     bm = fd.create_block_mask(mask, None, None, S, S, group, load_balance=layout, device="cpu", BLOCK_SIZE=BLOCK)
+    if name.endswith("int64"):  # (the shards' masks read the ids' int32 ranks)
+        assert [t.dtype for t in bm.mask_mod.buffers] == [torch.int32], name
     out, lse = fd.flex_attention(*local, score_mod=_bias_score(dbias) if with_bias else None, block_mask=bm,
                                  enable_gqa=gqa, return_lse=True, method=method)
     grads = weighted_grads(out, lse, local + ([dbias] if with_bias else []),

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 import flexattn
+from flexattn.block_mask import ranks
 from flexattn.block_mask.create import _resolve_mask as resolve_mask, classify
 from flexattn.block_mask.sizes import _check_block_sizes, _check_positive
 from flexattn.distributed import checks, copies
@@ -187,6 +188,9 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     device = torch.device(device) if device is not None else \
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     mod = as_mask_mod(mask_mod, device)
+    made = ranks.ranked(mod)  # (int64 ids the mask only compares: int32 ranks, as on one GPU)
+    if made is not None:
+        mod = made.mod
     fields = {"mask_mod": mod.key(), "B": B, "H": H, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "layout": layout.key(),
               "BLOCK_SIZE": BLOCK_SIZE, "device type": device.type}
     # (each rank classifies the tiles of its queries against every KV shard at once, then one
