@@ -14,6 +14,7 @@ import torch
 from helpers import testing
 from flexattn.attention import flex_attention
 from flexattn.block_mask import create_block_mask
+from flexattn.call import resolve_mask_mod
 from flexattn.kernels import backward as bwd, plans
 from flexattn.reference import attention_reference
 from test_forward_gpu import (causal, make_alibi, make_document_causal, make_tempered_bias, sliding_window_1024,
@@ -119,8 +120,8 @@ def test_int64_document_ids_run_as_int32_ranks(D):
     def document_causal(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
-    assert create_block_mask(document_causal, None, None, S, S, device="cuda")._ranked.mod.buffers[0].dtype \
-        == torch.int32
+    bm = create_block_mask(document_causal, None, None, S, S, device="cuda")
+    assert [t.dtype for t in resolve_mask_mod(bm, torch.device("cuda"))[1]] == [torch.int32]
     check(2, 8, 2, S, S, D, score_mod=make_alibi(8, "cuda"), mask_mod=document_causal)
 
 

@@ -9,7 +9,6 @@ from typing import Callable
 import torch
 
 from flexattn import viz
-from flexattn.block_mask import ranks
 from flexattn.block_mask.mask_mods import as_mod, noop_mask, _sliced_mask_mod_error
 from flexattn.block_mask.sizes import _DEFAULT_SPARSE_BLOCK_SIZE, _check_positive, _seq_pair
 from flexattn.kernels.tables import (block_size_pair, check_against, flags, ordered, tables_of, tile_states, transpose,
@@ -168,9 +167,6 @@ class BlockMask:
         # (a mask_mod assigned later is the one the kernels run, as with torch's BlockMask)
         self._mask_mod = mask_mod
         self._mod: Mod | None = mask_mod if isinstance(mask_mod, Mod) else None
-        # the mask with its compared-only int64 tables as int32 ranks (`ranks.ranked`): set by
-        # create_block_mask, which made the tables from it
-        self._ranked: ranks.Ranked | None = None
 
     @property
     def mod(self) -> Mod:
@@ -301,7 +297,7 @@ class BlockMask:
         out = BlockMask.from_kv_blocks(*kv, *full, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod,
                                        seq_lengths=(new_q_len, new_kv_len),
                                        compute_q_blocks=self.q_indices is not None)
-        out._mod, out._ranked = self._mod, self._ranked
+        out._mod = self._mod
         return out
 
     _adjust = adjust  # torch's name (flex_attention's error message points users to it)
@@ -318,8 +314,6 @@ class BlockMask:
         if self._mod is not None:
             m = self._mod
             out._mod = Mod(m.kind, m.ir, [t.to(device) for t in m.buffers], m.name, m.source, m.fn)
-            if self._ranked is not None:
-                out._ranked = ranks.ranked(out._mod)
         return out
 
     def check_shape(self, B: int, H: int, Q_LEN: int, KV_LEN: int) -> None:

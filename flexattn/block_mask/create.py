@@ -176,7 +176,8 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     tables = _build_tables(mod if ranked is None else ranked.mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device,
                            separate_full_blocks, backend)
     bm = BlockMask((Q_LEN, KV_LEN), *tables, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod, validate=False)
-    bm._mod, bm._ranked = mod, ranked
+    bm._mod = mod
+    ranks.remember(bm, mod, ranked)
     return bm
 
 

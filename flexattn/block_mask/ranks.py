@@ -4,17 +4,17 @@ Document masks written as torch's examples write them capture int64 ids (``torch
 ``torch.repeat_interleave`` make int64): ``doc[q_idx] == doc[kv_idx]``. A 64-bit value takes two
 registers where a 32-bit one takes one, in every tile the kernels evaluate the mask on, and the
 Hopper backward then spills. Where every value read from such a tensor is only compared with
-another value read from the same tensor (==, !=, <, <=, >, >=), each element can be replaced by
-its rank among the tensor's elements and 0, counted from 0's (a read past the tensor's end is 0,
-which must stay 0 and keep its place among the values): no comparison changes, and ranks fit in
-int32. `ranked` finds those tensors in a traced mask and computes the ranks on their device (a
-sort and two searches, no host sync). flexattn's `create_block_mask` builds its tables from the
-ranked mask and keeps it with the tensors' in-place modification counters (`Ranked.current`); a
-call ranks the tensors of any other block mask (torch's) once per mask object (`for_call`), and
-again after they are modified in place, so that the mask compares their values as they are now;
-under torch.compile the graph ranks them at each call (`in_graph`). A change that bypasses a
-tensor's version counter (a write through ``.data``, another library's view of its memory) is not
-seen; while a CUDA graph is captured the kernels read the tensors themselves.
+another value read from the same tensor (==, !=, <, <=, >, >=), each element can be replaced by its
+rank among the tensor's elements and 0, counted from 0's (a read past the tensor's end is 0, which
+must stay 0 and keep its place among the values): no comparison changes, and ranks fit in int32.
+`ranked` finds those tensors in a traced mask and computes the ranks on their device (a sort and
+two searches, no host sync). flexattn's `create_block_mask` builds its tables from the ranked mask
+and keeps it on the mask with the tensors' in-place modification counters (`remember`,
+`Ranked.current`); a call ranks the tensors of any other block mask (torch's) once per mask object
+(`for_call`), and again after they are modified in place, so that the mask compares their values as
+they are now; under torch.compile the graph ranks them at each call (`in_graph`). A change that
+bypasses a tensor's version counter (a write through ``.data``, another library's view of its
+memory) is not seen; while a CUDA graph is captured the kernels read the tensors themselves.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def ranked(mod: Mod) -> Ranked | None:
     its elements' ranks (int32, on the tensor's device), or None where there is none to replace:
     no such tensor, a mod traced again at each call (it reads a tensor's value on the host), a
     tensor of 2**31 elements or more, or an inference tensor (it has no modification counter)."""
-    if mod.kind != "mask" or mod.host_values or not any(t.dtype == torch.int64 for t in mod.buffers):
+    if mod.kind != "mask" or mod.host_values or not _any_int64(mod.buffers):
         return None
     made = _template(mod)
     if made is None:
@@ -107,9 +107,17 @@ def ranked(mod: Mod) -> Ranked | None:
     if any(t.numel() > _MAX_RANKED or t.is_inference() for t in sources):
         return None
     buffers = list(mod.buffers)
-    for i, t in zip(which, sources):
-        buffers[i] = int32_ranks(t)
+    with torch.no_grad():
+        for i, t in zip(which, sources):
+            buffers[i] = _ranks(t)
     return Ranked(narrowed.rebind(buffers), sources, tuple(t._version for t in sources))
+
+
+def _any_int64(buffers) -> bool:
+    for t in buffers:  # (a loop, not any(): every call of a mask asks)
+        if t.dtype == torch.int64:
+            return True
+    return False
 
 
 def int32_ranks(t: torch.Tensor) -> torch.Tensor:
@@ -129,42 +137,41 @@ def _ranks(t: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(values, t, out_int32=True) - zero.reshape((1,) * t.dim())
 
 
-_ATTR = "_flexattn_ranked"  # on a block mask: (mask key, tensors, Ranked or None) of its last call
+_ATTR = "_flexattn_ranked"  # on a block mask: (mask key, tensors, Ranked or None), its last ranks
+
+
+def remember(block_mask, mod: Mod, made: Ranked | None) -> None:
+    """Keep ``made`` (`ranked` of ``mod``, over ``mod``'s tensors) on ``block_mask`` for its calls
+    (`for_call`); an object that takes no attributes is ranked again at each call."""
+    try:
+        setattr(block_mask, _ATTR, (mod.key(), tuple(mod.buffers), made))
+    except AttributeError:
+        pass
 
 
 def for_call(block_mask, mod: Mod, buffers: tuple, device: torch.device) -> tuple[Mod, tuple]:
     """The mask a call on ``device`` runs for ``block_mask``, whose mask is ``mod`` over ``buffers``
-    (this call's tensors): with the int64 tensors it only compares as int32 ranks, those that
-    `create_block_mask` made while they are current, else made here once per mask object, mask
-    and tensors, and again after a tensor is modified in place (torch's block masks, flexattn's
-    made from tables or given a new mask_mod), so that the call compares the tensors' values as
-    they are now. Not while a CUDA graph is captured: a replay reads the tensors the capture
-    recorded, and only the mask's own tensors show it what changed in place between replays."""
-    for t in buffers:  # (a loop, not any(): every call of a mask passes here)
-        if t.dtype == torch.int64:
-            break
-    else:
+    (this call's tensors): with the int64 tensors it only compares as int32 ranks, those kept on
+    the mask (`remember`: by `create_block_mask`, or by an earlier call) while they are for this
+    mask and tensors and current, else made here and kept, so that the call compares the tensors'
+    values as they are now (a mask_mod assigned later, tensors modified in place, torch's block
+    masks). Not while a CUDA graph is captured: a replay reads the tensors the capture recorded,
+    and only the mask's own tensors show it what changed in place between replays."""
+    if not _any_int64(buffers) or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return mod, buffers
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return mod, buffers
-    made = getattr(block_mask, "_ranked", None)
-    current = None if made is None else made.current()
-    if current is not None:
-        return current, current.buffers
     key = mod.key()
     cached = getattr(block_mask, _ATTR, None)
-    if cached is not None and cached[0] == key and len(cached[1]) == len(buffers) and \
-            all(a is b for a, b in zip(cached[1], buffers)):
+    # (a flexattn mask's call passes its mod's own tuple of tensors: the same object each call)
+    if cached is not None and cached[0] == key and (cached[1] is buffers or len(cached[1]) == len(buffers) and
+                                                    all(a is b for a, b in zip(cached[1], buffers))):
         if cached[2] is None:
             return mod, buffers
         current = cached[2].current()
         if current is not None:
             return current, current.buffers
-    made = ranked(mod if buffers is mod.buffers else mod.rebind(buffers))
-    try:
-        setattr(block_mask, _ATTR, (key, tuple(buffers), made))
-    except AttributeError:  # (an object that takes no attributes: ranked again at each call)
-        pass
+    mod = mod if buffers is mod.buffers else mod.rebind(buffers)
+    made = ranked(mod)
+    remember(block_mask, mod, made)
     return (mod, buffers) if made is None else (made.mod, made.mod.buffers)
 
 
@@ -172,10 +179,7 @@ def in_graph(key: str, buffers: list) -> tuple[str, list]:
     """While torch.compile traces a call: the mask of structural key ``key`` over ``buffers``, with
     the int64 tensors it only compares replaced by their int32 ranks, computed in the graph (a
     sort and two searches per call: a compiled graph keeps nothing between calls)."""
-    for t in buffers:
-        if t.dtype == torch.int64:
-            break
-    else:
+    if not _any_int64(buffers):
         return key, buffers
     made = _ranked_key(key)
     if not made:
