@@ -19,8 +19,6 @@ from typing import Callable
 
 import torch
 
-from flexattn.block_mask import ranks
-
 __all__ = ["causal", "sliding_window", "chunked", "prefix_lm", "document", "dilated_sliding_window",
            "global_tokens", "natten"]
 
@@ -111,8 +109,8 @@ def prefix_lm(prefix_length: int | torch.Tensor) -> Callable:
     return _named(mask, f"prefix_lm_{prefix_length}")
 
 
-# id dtypes that int32 holds one to one (the mask only compares ids for equality); int64 ids
-# become their ranks, uint64 ones seen as int64
+# id dtypes that int32 holds one to one (the mask only compares ids for equality); int64 ids stay
+# (the block mask reads them as int32 ranks, flexattn/block_mask/ranks.py), uint64 ones seen as int64
 _NARROW_IDS = (torch.int8, torch.int16, torch.int32, torch.uint8, torch.uint16, torch.uint32)
 
 
@@ -160,10 +158,10 @@ def document(document_ids=None, *, lengths=None, offsets=None, causal: bool = Fa
         >>> on_gpu = masks.document(lengths=[300, 200, 524], device="cuda")  # doctest: +SKIP
     """
     ids = _document_ids(document_ids, lengths, offsets).to(device=device)
-    # (int32 for the kernels: labels that may not fit as their ranks, which compare alike)
     if ids.dtype == torch.uint64:
         ids = ids.view(torch.int64)
-    ids = ids.to(torch.int32) if ids.dtype in _NARROW_IDS else ranks.int32_ranks(ids)
+    elif ids.dtype in _NARROW_IDS:
+        ids = ids.to(torch.int32)
     if ids.dim() == 2:
         if causal:
             def mask(b, h, q_idx, kv_idx):

@@ -10,6 +10,7 @@ from torch.nn.attention import flex_attention as torch_flex
 
 import flexattn
 from flexattn import masks
+from flexattn.call import resolve_mask_mod
 from flexattn.reference import attention_reference
 
 S = 45  # not a multiple of the block size: tiles cut by the sequence end
@@ -106,7 +107,9 @@ def test_document_ids_live_on_the_given_device(given):
     tensor is (the CPU for a list): a mask for a GPU needs no tensor moved by hand."""
     assert flexattn.trace(masks.document(**given), "mask").buffers[0].device.type == "cpu"
     on_meta = flexattn.trace(masks.document(**given, device="meta"), "mask")
-    assert [(t.device.type, t.dtype) for t in on_meta.buffers] == [("meta", torch.int32)]
+    # (lengths and offsets make int32 ids; int64 ids stay, the block mask reads their int32 ranks)
+    want = torch.int64 if "document_ids" in given else torch.int32
+    assert [(t.device.type, t.dtype) for t in on_meta.buffers] == [("meta", want)]
     with pytest.raises(ValueError, match="captured a tensor on meta, but the block mask's device is on cpu"):
         flexattn.create_block_mask(masks.document(**given, device="meta"), None, None, 5, 5, device="cpu")
 
@@ -131,11 +134,10 @@ def test_errors_name_the_argument(call, match):
 
 def test_document_labels_beyond_int32_stay_apart():
     """Any integer labels: int64 labels that a cast to int32 would merge (equal low 32 bits) stay
-    different documents (the mask reads their int32 ranks), on every block, against the labels'
-    own dense mask."""
+    different documents (the mask keeps them; the block mask and the kernels read their int32
+    ranks), uint32 and uint64 ones too, on every block, against the labels' own dense mask."""
     labels = torch.tensor([7, 7, 2**32 + 7, 2**32 + 7, 2**32 + 7, -2**40, 7, 7], dtype=torch.int64)
     doc = masks.document(labels, causal=True)
-    assert flexattn.trace(doc, "mask").buffers[0].dtype == torch.int32
     S = len(labels)
     want = (labels[:, None] == labels[None, :]) & torch.ones(S, S, dtype=torch.bool).tril()
     assert torch.equal(flexattn.create_mask(doc, 1, 1, S, S, device="cpu")[0, 0], want)
@@ -147,5 +149,6 @@ def test_document_labels_beyond_int32_stay_apart():
         assert torch.equal(flexattn.create_mask(same, 1, 1, S, S, device="cpu")[0, 0], want), dtype
     q, k, v = (torch.randn(1, 2, S, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
     bm = flexattn.create_block_mask(doc, None, None, S, S, device="cpu", BLOCK_SIZE=16)
+    assert [t.dtype for t in resolve_mask_mod(bm, torch.device("cpu"))[1]] == [torch.int32]
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=want)
     torch.testing.assert_close(flexattn.flex_attention(q, k, v, block_mask=bm).double(), ref, atol=1e-5, rtol=0)

@@ -120,17 +120,10 @@ def _any_int64(buffers) -> bool:
     return False
 
 
-def int32_ranks(t: torch.Tensor) -> torch.Tensor:
-    """Each element of the integer tensor ``t`` (fewer than 2**31 elements) as its rank among the
-    elements of ``t`` and 0, counted from 0's, int32, on ``t``'s device: equal where ``t`` is
-    equal, in the same order, and 0 where ``t`` is 0 (negative below it)."""
-    if t.numel() > _MAX_RANKED:
-        raise ValueError(f"int32 ranks of a tensor of {t.numel()} elements: at most {_MAX_RANKED}")
-    with torch.no_grad():
-        return _ranks(t)
-
-
 def _ranks(t: torch.Tensor) -> torch.Tensor:
+    """Each element of the integer tensor ``t`` as its rank among the elements of ``t`` and 0,
+    counted from 0's, int32, on ``t``'s device: equal where ``t`` is equal, in the same order, 0
+    where ``t`` is 0 (negative below it)."""
     flat = t.reshape(-1)
     values = torch.cat([flat, flat.new_zeros(1)]).sort().values
     zero = torch.searchsorted(values, flat.new_zeros(1), out_int32=True)
@@ -186,7 +179,7 @@ def in_graph(key: str, buffers: list) -> tuple[str, list]:
         return key, buffers
     ranked_key, which = made
     buffers = list(buffers)
-    for i in which:  # (int32_ranks without its size check, which would guard a symbolic size)
+    for i in which:  # (no size check, as `ranked` makes: it would guard a symbolic size)
         buffers[i] = _ranks(buffers[i])
     return ranked_key, buffers
 
