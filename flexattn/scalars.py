@@ -119,8 +119,13 @@ def pin(code: types.CodeType) -> None:
 
 
 def value_tensor(v, device: torch.device, float_dtype: torch.dtype) -> torch.Tensor:
-    """The 0-d tensor a dynamic number is passed as (on ``device``: the kernel reads it there)."""
+    """The 0-d tensor a dynamic number is passed as (on ``device``: the kernel reads it there).
+    A number seen before is the same tensor again (`_VALUES`)."""
     t = type(v)
+    key = (t, v.hex() if t is float else v, float_dtype, device)  # (hex: -0.0 and 0.0 apart, nan equal)
+    hit = _VALUES.get(key)
+    if hit is not None:
+        return hit
     if t is bool:
         dtype = torch.bool
     elif t is int:
@@ -129,7 +134,21 @@ def value_tensor(v, device: torch.device, float_dtype: torch.dtype) -> torch.Ten
         dtype = float_dtype
     # (on the GPU a fill kernel on the current stream: no host synchronisation, unlike a copy;
     # on the CPU 1.1 µs, torch.tensor's 2.8)
-    return torch.scalar_tensor(v, dtype=dtype, device=device)
+    made = torch.scalar_tensor(v, dtype=dtype, device=device)
+    # (not kept where it would not serve a later call: a fill captured in a CUDA graph runs only
+    # at its replays, an inference tensor has no version counter, and a compiled graph's tensors
+    # are fake)
+    if not (torch.is_inference_mode_enabled() or torch.compiler.is_compiling()
+            or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+        _VALUES[key] = made
+    return made
+
+
+# (type, value, float dtype, device) -> the 0-d tensor of a dynamic number: a mod that reads the
+# same number at its next call gets the same tensor (no fill launch; and a repeated distributed
+# block-mask build sees the same captured tensors, `flexattn.distributed.masks`). Nothing writes
+# them: the kernels only read them.
+_VALUES = LRU(256)
 
 
 def slot_value(fn: types.FunctionType, slot: Slot, missing):
