@@ -238,6 +238,7 @@ def _repeated_builds(group) -> None:
              "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
     seen = {}
     same = torch.tensor([0])
+    gathers = _Gathers()
     for width, in_place in itertools.product((9, 30, 9, 100), (False, True)):
         reach = same.fill_(width) if in_place else torch.tensor([width])
 
@@ -245,6 +246,7 @@ def _repeated_builds(group) -> None:
             return (q_idx >= kv_idx) & (q_idx - kv_idx < reach[0])
 
         bm = fd.create_block_mask(window, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
+        assert gathers.taken() == 1, (width, in_place)  # (a new tensor, or one changed in place)
         plan = (bm.needs, bm.windows, bm.rows)
         assert seen.setdefault(width, plan) == plan, width
         for j, pair in enumerate(bm.masks):
@@ -264,6 +266,40 @@ def _repeated_builds(group) -> None:
             assert torch.equal(flexattn.create_mask(pair.mask_mod, None, None, qpos.numel(), kvpos.numel(),
                                                     device="cpu"), dense), (width, j)
     assert len({seen[w] for w in seen}) == 3  # (each width its own pairs)
+    # the same tensor again, unchanged since: the ranks agreed on this build, and it skips the gather
+    again = fd.create_block_mask(window, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
+    assert gathers.taken() == 0, "repeated"
+    assert (again.needs, again.windows, again.rows) == seen[100]
+    for pair, want in zip(again.masks, bm.masks):
+        assert (pair is None) == (want is None)
+        for name in names if pair is not None else ():
+            assert torch.equal(getattr(pair, name), getattr(want, name)), name
+    # a mask without captured tensors: the first build of its arguments gathers, the next do not
+    for expect in (1, 0, 0):
+        fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
+        assert gathers.taken() == expect, expect
+    gathers.close()
+
+
+class _Gathers:
+    """Counts this rank's pre-collective gathers (`checks._gather_single`) until `close`."""
+
+    def __init__(self):
+        self.count, self.inner = 0, checks._gather_single
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return self.inner(*args, **kwargs)
+
+        checks._gather_single = counted
+
+    def taken(self) -> int:
+        """The gathers since the last call."""
+        n, self.count = self.count, 0
+        return n
+
+    def close(self) -> None:
+        checks._gather_single = self.inner
 
 
 def _errors(group) -> None:
@@ -271,6 +307,20 @@ def _errors(group) -> None:
     # lengths that differ between ranks: the same clear error on every rank, no hang
     with pytest.raises(fd.DistributedMismatchError, match="Q_LEN: rank 0 has 40"):
         fd.create_block_mask(masks.causal, None, None, 40 + rank, 40 + rank, group, device="cpu", BLOCK_SIZE=BLOCK)
+    # one rank makes anew a build the others repeat (its captured tensor changed in place): they
+    # skip the gather that it takes, and meet it in their next check; every rank raises
+    reach = torch.tensor([5])
+
+    def near(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < reach[0])
+
+    fd.create_block_mask(near, None, None, 40, 40, group, device="cpu", BLOCK_SIZE=BLOCK)
+    if rank == P - 1:
+        reach.fill_(5)
+    x = torch.randn(1, 2, fd.shard(torch.empty(1, 1, 40, 1), group).shape[2], BLOCK)
+    with pytest.raises(fd.DistributedMismatchError, match="the ranks called different collective operations"):
+        fd.flex_attention(x, x, x, block_mask=fd.create_block_mask(near, None, None, 40, 40, group, device="cpu",
+                                                                  BLOCK_SIZE=BLOCK))
     # a block size one rank has wrong: checked before the gather, raised on every rank
     with pytest.raises(fd.DistributedMismatchError, match=f"rank {P - 1}: BLOCK_SIZE: the query block size"):
         fd.create_block_mask(masks.causal, None, None, 40, 40, group, device="cpu",
@@ -301,7 +351,7 @@ def _errors(group) -> None:
     from flexattn.distributed import checks
     for cans, expect in (([True] * P, True), ([r != P - 1 for r in range(P)], False)):
         table = torch.arange(4, dtype=torch.int64) + 10 * rank
-        every, both = checks.agree_table(group, "test", {"x": 1}, "", table, 4, can=cans[rank])
+        every, both = checks.agree_table(group, "test", {"x": 1}, "", table, can=cans[rank])
         assert both is expect and every == [list(range(10 * i, 10 * i + 4)) for i in range(P)], (every, both)
     # a block mask made inside the call, referenced by nothing else: the backward still finds it
     qg = q.clone().requires_grad_()

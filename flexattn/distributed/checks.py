@@ -1,11 +1,15 @@
 """Process groups and the pre-collective agreement checks: errors on every rank, not hangs.
 
 Before a collective that could deadlock on a mismatch, every rank gathers a digest of a small
-description of its call (shapes, lengths, dtype, method, mask and mod keys) and whether it found
-a local error, in one fixed-size all-gather; only if the digests differ, or any rank found an
-error, do the ranks gather the descriptions themselves (``all_gather_object``), so that every
+description of its call (which operation, shapes, lengths, dtype, method, mask and mod keys) and
+whether it found a local error, in one all-gather; only if the digests differ, or any rank found
+an error, do the ranks gather the descriptions themselves (``all_gather_object``), so that every
 rank raises the same `DistributedMismatchError` naming what differs. Calls check once per
-description: a description seen before (on this rank) is not gathered again.
+description: a description seen before (on this rank) is not gathered again, and neither is a
+repeated block-mask build's (`flexattn.distributed.masks`). Every such gather of a group has the
+same size (`WIDTH` table entries per rank, zeros where unused), so that ranks that disagree on
+whether to check, one repeating a call and another not, meet in gathers of one size, find their
+digests different and raise, instead of waiting in collectives that do not match.
 """
 
 from __future__ import annotations
@@ -106,36 +110,43 @@ def _digest(value) -> int:
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little", signed=True)
 
 
+# table entries a gather carries per rank of the group (`agree_table`'s widest table)
+WIDTH = 4
+
+
 def agree_table(group: dist.ProcessGroup, what: str, fields: dict, local_error: str, table: torch.Tensor | None,
-                width: int, can: bool = True) -> tuple[list[list[int]], bool]:
-    """`agree` and a gather of an integer ``table`` of ``width`` entries (on any device; None where
-    ``local_error``) in one fixed-size collective and one host sync: ``(every rank's table, whether
-    every rank runs on this host and passed can=True)``."""
-    rows = _gather_digests(group, what, fields, local_error, can, table, width)
-    return [r[4:] for r in rows], len({r[2] for r in rows}) == 1 and all(r[3] for r in rows)
+                can: bool = True) -> tuple[list[list[int]], bool]:
+    """`agree` and a gather of an integer ``table`` of up to ``WIDTH`` entries per rank of the
+    group (on any device; None where ``local_error``) in one collective and one host sync:
+    ``(every rank's table, whether every rank runs on this host and passed can=True)``."""
+    rows = _gather_digests(group, what, fields, local_error, can, table)
+    n = 0 if table is None else table.numel()
+    return [r[_HEADER:_HEADER + n] for r in rows], len({r[2] for r in rows}) == 1 and all(r[3] for r in rows)
 
 
 def _gather_digests(group: dist.ProcessGroup, what: str, fields: dict, local_error: str, can: bool = True,
-                    table: torch.Tensor | None = None, width: int = 0) -> list[list[int]]:
-    """Every rank's ``[no local error, digest of fields, digest of the host name, can, *table]``
-    (a table of ``width`` zeros where None or ``local_error``): one all-gather on the device the
-    group's backend sends from, and one host sync. Where a rank has an error or the digests
-    differ, every rank raises (`_compare`)."""
+                    table: torch.Tensor | None = None) -> list[list[int]]:
+    """Every rank's ``[no local error, digest of what and fields, digest of the host name, can,
+    *table]``, the table padded with zeros to ``WIDTH`` entries per rank of the group (all zeros
+    where None or ``local_error``): one all-gather on the device the group's backend sends from,
+    and one host sync. Where a rank has an error or the digests differ, every rank raises
+    (`_compare`)."""
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend_of(group) else torch.device("cpu")
+    width = WIDTH * group.size()
+    if table is not None and table.numel() > width:
+        raise ValueError(f"{what}: a table of {table.numel()} entries is wider than a gather's {width}")
 
-    def make():
-        return torch.tensor([0 if local_error else 1, _digest(sorted(fields.items())), _HOST, int(bool(can))],
-                            dtype=torch.int64, device=device)
+    def make():  # (the header, then a table of zeros)
+        return torch.tensor([0 if local_error else 1, _digest((what, sorted(fields.items()))), _HOST, int(bool(can))]
+                            + [0] * width, dtype=torch.int64, device=device)
 
-    key = (tuple(fields.items()), bool(local_error), bool(can), device)
-    try:  # (the header, made once per description: a repeated build sends it from the device as it is)
-        header = _HEADERS.get_or_make(key, make)
+    key = (what, tuple(fields.items()), bool(local_error), bool(can), width, device)
+    try:  # (made once per description: a repeated build sends it from the device as it is)
+        mine = _HEADERS.get_or_make(key, make)
     except TypeError:  # (a value that cannot be hashed, such as a list passed for B: no entry)
-        header = make()
-    if table is not None and not local_error:
-        mine = torch.cat([header, table.to(device).flatten()])  # (int64: cat promotes the table)
-    else:
-        mine = torch.cat([header, torch.zeros(width, dtype=torch.int64, device=device)]) if width else header
+        mine = make()
+    if table is not None and not local_error:  # (int64: cat promotes the table)
+        mine = torch.cat([mine[:_HEADER], table.flatten(), mine[_HEADER + table.numel():]])
     every = torch.empty(group.size() * mine.numel(), dtype=torch.int64, device=device)
     _gather_single(every, mine, group=group)
     rows = every.view(group.size(), -1).tolist()
@@ -144,8 +155,9 @@ def _gather_digests(group: dist.ProcessGroup, what: str, fields: dict, local_err
     return rows
 
 
-# (fields, no local error, can, device) -> the header tensor `agree_table` sends
+# (what, fields, no local error, can, width, device) -> the header and zeros `_gather_digests` sends
 _HEADERS = LRU(256)
+_HEADER = 4
 _HOST = _digest(socket.gethostname())
 # (one output tensor: torch 2.13 names it all_gather_single, earlier releases all_gather_into_tensor)
 _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -181,12 +193,17 @@ def _compare(group: dist.ProcessGroup, what: str, fields: dict, local_error: str
     the descriptions turn out equal (a value whose repr differs between processes)."""
     size = group.size()
     gathered: list = [None] * size
-    dist.all_gather_object(gathered, (local_error, fields), group=group)
-    errors = [f"rank {r}: {err}" for r, (err, _) in enumerate(gathered) if err]
+    dist.all_gather_object(gathered, (local_error, what, fields), group=group)
+    errors = [f"rank {r}: {err}" for r, (err, _, _) in enumerate(gathered) if err]
     if errors:
         raise DistributedMismatchError(f"{what}: " + "; ".join(errors))
-    first = gathered[0][1]
-    for r, (_, theirs) in enumerate(gathered[1:], start=1):
+    calls = [theirs for _, theirs, _ in gathered]
+    if len(set(calls)) > 1:  # (ranks in different operations: one repeated a call the others did not)
+        detail = ", ".join(f"rank {r} in {call}" for r, call in enumerate(calls))
+        raise DistributedMismatchError(f"{what}: the ranks called different collective operations ({detail}): "
+                                       f"a call that one rank repeats must be repeated by every rank")
+    first = gathered[0][2]
+    for r, (_, _, theirs) in enumerate(gathered[1:], start=1):
         if theirs != first:
             diff = [k for k in first.keys() | theirs.keys() if first.get(k) != theirs.get(k)]
             detail = ", ".join(f"{k}: rank 0 has {first.get(k)!r}, rank {r} has {theirs.get(k)!r}"

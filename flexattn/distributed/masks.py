@@ -183,11 +183,14 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         >>> bm = create_block_mask(causal, None, None, 100_000, 100_000, load_balance="head_tail")  # doctest: +SKIP
     """
     group = checks.resolve_group(group_or_mesh)
+    # (numbered first: every rank's call counts, also one that raises on some ranks only)
+    name = f"{group.group_name}/{next(_COUNTERS.setdefault(group.group_name, itertools.count()))}"
     layout = as_layout(load_balance)
     P, r = group.size(), group.rank()
     device = torch.device(device) if device is not None else \
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     mod = as_mask_mod(mask_mod, device)
+    captured = mod.buffers  # (as passed: what a repeated build compares)
     made = ranks.ranked(mod)  # (int64 ids the mask only compares: int32 ranks, as on one GPU)
     if made is not None:
         mod = made.mod
@@ -197,32 +200,41 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     # gather both checks that the ranks agree and shares which tiles each rank keeps; an error
     # while classifying is reported by that gather; then each pair's tables, of the rows that read
     # the shard against what travels of it, are listed from the one classification)
-    error, failure, table, tiles, shards = "", None, None, None, None
+    error, failure, tiles, shards = "", None, None, None
     try:  # (arguments checked here: an error on one rank is raised on every rank by the gather)
         B, H = _check_positive("B", B, allow_none=True), _check_positive("H", H, allow_none=True)
         Q_LEN, KV_LEN = _check_positive("Q_LEN", Q_LEN), _check_positive("KV_LEN", KV_LEN)
         q_block, kv_block = block_size_pair(BLOCK_SIZE)
         _check_block_sizes((q_block, kv_block))
         shards = _shards(layout, Q_LEN, KV_LEN, P, r, q_block, kv_block, device)
-        if shards.qpos.numel() == 0:  # (a rank without queries keeps nothing)
-            table = torch.zeros(P, 4, dtype=torch.int64, device=device)
-        else:
+        if shards.qpos.numel():  # (a rank without queries keeps nothing)
             local = shards.positioned(mod)[0]
             # (undecided tiles listed for a kernel of their own only where a tile can span two runs
             # of positions, or the mask reads tensors of its own: else they lie along its edges)
             tiles = classify(local, B, H, shards.qpos.numel(), shards.tiled.numel(), q_block, kv_block, device,
                              "triton" if device.type == "cuda" else "torch",
                              defer=bool(mod.buffer_specs) or not shards.tiles_in_runs)
-            table = tiles.shard_ranges(P, shards.n)
     except (ValueError, TypeError, RuntimeError) as e:
         error, failure = str(e), e
-    try:
-        # (the copy engines only where every rank can use them: one rank's FLEXATTN_RING_COPY=0
-        # keeps every rank's K/V on NCCL, so that sends and receives still pair up)
-        tables, copy_engines = checks.agree_table(group, "flexattn.distributed.create_block_mask", fields,
-                                                  error, table, 4 * P, can=copies.usable(device))
-    except checks.DistributedMismatchError as e:
-        raise e from failure
+    # (the copy engines only where every rank can use them: one rank's FLEXATTN_RING_COPY=0
+    # keeps every rank's K/V on NCCL, so that sends and receives still pair up)
+    can = copies.usable(device)
+    key = None if error else _agreed_key(fields, shards.key, can)
+    agreed = _agreed(group).get(key) if key is not None else None
+    if agreed is not None and agreed.holds(captured):  # (a repeated build: the ranks agreed on it)
+        tables, copy_engines = agreed.tables, agreed.copy_engines
+    else:
+        table = None
+        if not error:
+            table = tiles.shard_ranges(P, shards.n) if tiles is not None else \
+                torch.zeros(P, 4, dtype=torch.int64, device=device)
+        try:
+            tables, copy_engines = checks.agree_table(group, "flexattn.distributed.create_block_mask", fields,
+                                                      error, table, can=can)
+        except checks.DistributedMismatchError as e:
+            raise e from failure
+        if key is not None and not any(t.is_inference() for t in captured):  # (no version counter)
+            _agreed(group)[key] = _Agreed(captured, tables, copy_engines)
     pairs = _PAIRS.get_or_make((shards.key, tuple(map(tuple, tables))), lambda: _Pairs(shards, tables))
     masks = [None] * P
     for j, lists, local in zip(pairs.read, tiles.tables_of(pairs.rects) if pairs.read else [],
@@ -231,11 +243,61 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         masks[j] = flexattn.BlockMask((rows[1] - rows[0], held[1] - held[0]), *lists, BLOCK_SIZE=(q_block, kv_block),
                                       mask_mod=local, validate=False)
     checks.ring_groups(group)  # (made here, where every rank of the group is)
-    counter = _COUNTERS.setdefault(group.group_name, itertools.count())
-    bm = DistributedBlockMask(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, shards, pairs, masks,
-                              f"{group.group_name}/{next(counter)}")
+    bm = DistributedBlockMask(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, shards, pairs, masks, name)
     bm.copy_engines = copy_engines
     return bm
+
+
+class _Agreed:
+    """A build the ranks agreed on: every rank's ranges of the gather, and whether every rank can
+    use the copy engines, with what the mask's captured tensors were (each tensor's storage, held
+    weakly, its place in it and its version). A build with the same arguments over the same
+    tensors, not modified in place since, on every rank, gets the same ranges: it skips the
+    gather and its host sync. (The trace cache hands a mod's captured tensors over as new views
+    at each call: their storage and version counter are the captured tensor's.)
+
+    Like the per-call check of `flexattn.distributed.flex_attention`, this trusts that what
+    repeats on one rank repeats on every rank. Where one rank repeats a build and another does
+    not, the second rank's gather meets the first rank's next check (`checks`: gathers of one
+    size), and both raise. A write that bypasses the version counter (``tensor.data``) is not
+    seen, as in a one-GPU block mask's ranks (`flexattn.block_mask.ranks`)."""
+
+    __slots__ = ("storages", "places", "tables", "copy_engines")
+
+    def __init__(self, captured: tuple, tables: list, copy_engines: bool):
+        self.storages = tuple(weakref.ref(t.untyped_storage()) for t in captured)
+        self.places = tuple(map(_place, captured))
+        self.tables, self.copy_engines = tables, copy_engines
+
+    def holds(self, captured: tuple) -> bool:
+        """Whether ``captured`` are the tensors of the agreed build, unchanged."""
+        return len(captured) == len(self.storages) and all(
+            ref() is t.untyped_storage() and _place(t) == place
+            for ref, place, t in zip(self.storages, self.places, captured))
+
+
+def _place(t: torch.Tensor) -> tuple:
+    return t.storage_offset(), t.shape, t.stride(), t.dtype, t._version
+
+
+def _agreed_key(fields: dict, shards_key: tuple, can: bool) -> tuple | None:
+    key = (tuple(fields.items()), shards_key, can)
+    try:
+        hash(key)
+    except TypeError:  # (a value that cannot be hashed, such as a list passed for B: no entry)
+        return None
+    return key
+
+
+# group -> its agreed builds: (fields, `_Shards.key`, can) -> `_Agreed` (an entry goes with its group)
+_AGREED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _agreed(group) -> LRU:
+    found = _AGREED.get(group)
+    if found is None:
+        found = _AGREED[group] = LRU(16)
+    return found
 
 
 class _Positioned:
