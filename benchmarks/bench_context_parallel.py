@@ -11,8 +11,9 @@ GPU TFLOP/s, scaling efficiency (time of the whole sequence on one GPU / (P x ti
 memory per GPU (what the case allocates, its inputs included, over what earlier cases left), and
 torch's context parallel (all-gathered K/V, ``torch.compile(flex_attention)``)
 at the same shapes; records the time to build each one's block mask (a repeated call:
-`flexattn.distributed.create_block_mask` on every rank, flexattn's one-GPU `create_block_mask` of
-the whole sequence, torch's compiled CP mask); also a length torch refuses (not a multiple of P x
+`flexattn.distributed.create_block_mask` on every rank and flexattn's one-GPU `create_block_mask`
+of the whole sequence, each given the documents' ids in a new tensor at every build, as a training
+loop's batches; torch's compiled CP mask, of one mask); also a length torch refuses (not a multiple of P x
 128). The one-GPU baseline (flexattn's single-GPU flex_attention on the whole sequence) runs up to
 ``--one-gpu-max-seq``. Rank 0 writes ``benchmarks/results/context_parallel-<P>gpu-<gpu>.json`` (the
 record format of `benchmarks.results`; `benchmarks.report` makes its table) after each case, so that
@@ -51,9 +52,8 @@ def mask_of(name: str, S: int):
     if name == "causal":
         return masks.causal, "head_tail", (S + 1) / (2 * S)
     if name in ("documents", "whole_documents"):
-        lengths = [S // 16 + (i < S % 16) for i in range(16)]
+        lengths, ids = _documents(S)
         kept = sum(n * (n + 1) / 2 for n in lengths) / (S * S)
-        ids = torch.repeat_interleave(torch.arange(16), torch.tensor(lengths)).to("cuda")  # captured: on the GPU
         layout = fd.PerDocument(lengths) if name == "documents" else fd.WholeDocuments(lengths)
         return masks.document(ids, causal=True), layout, kept
     if name == "sliding_window":
@@ -61,6 +61,22 @@ def mask_of(name: str, S: int):
         kept = (w * (w + 1) / 2 + (S - w) * w) / (S * S) if S > w else (S + 1) / (2 * S)
         return masks.sliding_window(w), None, kept
     raise ValueError(f"unknown mask {name!r}")
+
+
+def _documents(S: int) -> tuple[list[int], torch.Tensor]:
+    """16 documents' lengths and their int64 ids (as torch's examples make them), on the GPU."""
+    lengths = [S // 16 + (i < S % 16) for i in range(16)]
+    return lengths, torch.repeat_interleave(torch.arange(16), torch.tensor(lengths)).to("cuda")
+
+
+def batches(name: str, S: int):
+    """A function that makes the mask of a case anew, as a training loop does for each batch: the
+    documents' ids in a new tensor at each call (the same values); other masks as they are."""
+    mask = mask_of(name, S)[0]
+    if name not in ("documents", "whole_documents"):
+        return lambda: mask
+    ids = _documents(S)[1]
+    return lambda: masks.document(ids.clone(), causal=True)
 
 
 def allocated() -> int:
@@ -143,10 +159,11 @@ def flops(S: int, kept: float) -> float:
 
 def bench_flexattn(S: int, mask_name: str, method: str, iters: int) -> dict:
     base = allocated()
-    mask, lb, kept = mask_of(mask_name, S)
+    _, lb, kept = mask_of(mask_name, S)
+    batch = batches(mask_name, S)
 
     def build():
-        return fd.create_block_mask(mask, None, None, S, S, load_balance=lb, device="cuda")
+        return fd.create_block_mask(batch(), None, None, S, S, load_balance=lb, device="cuda")
 
     bm = build()
     q, k, v = inputs(bm.qpos.numel(), bm.kvpos[bm.rank].numel())
@@ -173,10 +190,11 @@ def bench_one_gpu(S: int, mask_name: str, iters: int) -> dict | None:
     result = None
     if dist.get_rank() == 0:
         base = allocated()
-        mask, _, kept = mask_of(mask_name, S)
+        kept = mask_of(mask_name, S)[2]
+        batch = batches(mask_name, S)
 
         def build():
-            return flexattn.create_block_mask(mask, None, None, S, S, device="cuda")
+            return flexattn.create_block_mask(batch(), None, None, S, S, device="cuda")
 
         bm = build()
         q, k, v = inputs(S, S)
