@@ -108,7 +108,7 @@ def timed(fn, iters: int, base: int, warmup: int = 2, barrier: bool = True) -> t
     return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
-def mask_ms(build, barrier: bool = True, repeats: int = 7, budget_s: float = 3.0) -> float:
+def mask_ms(build, barrier: bool = True, repeats: int = 21, budget_s: float = 3.0) -> float:
     """Median wall ms of ``build()`` (a block mask) called again: the caller's own first call warmed
     its caches (and compiled torch's); with a barrier before each call unless ``barrier`` is False.
     ``repeats`` builds, or three once their total passes ``budget_s`` (torch's compiled CP mask
