@@ -122,8 +122,9 @@ def value_tensor(v, device: torch.device, float_dtype: torch.dtype) -> torch.Ten
     """The 0-d tensor a dynamic number is passed as (on ``device``: the kernel reads it there).
     A number seen before is the same tensor again (`_VALUES`)."""
     t = type(v)
+    compiling = torch.compiler.is_compiling()
     key = (t, v.hex() if t is float else v, float_dtype, device)  # (hex: -0.0 and 0.0 apart, nan equal)
-    hit = _VALUES.get(key)
+    hit = None if compiling else _VALUES.get(key)
     if hit is not None:
         return hit
     if t is bool:
@@ -137,8 +138,8 @@ def value_tensor(v, device: torch.device, float_dtype: torch.dtype) -> torch.Ten
     made = torch.scalar_tensor(v, dtype=dtype, device=device)
     # (not kept where it would not serve a later call: a fill captured in a CUDA graph runs only
     # at its replays, an inference tensor has no version counter, and a compiled graph's tensors
-    # are fake)
-    if not (torch.is_inference_mode_enabled() or torch.compiler.is_compiling()
+    # are fake; nor looked up in a compiled graph, which makes its own)
+    if not (compiling or torch.is_inference_mode_enabled()
             or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
         _VALUES[key] = made
     return made

@@ -175,7 +175,9 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     sequences of Q_LEN queries and KV_LEN keys sharded over ``group_or_mesh`` by ``load_balance``
     (None, "head_tail" or a layout of `flexattn.distributed`). Any lengths work; each rank's
     tables come from flexattn's block-mask kernels (no torch.compile). A collective: every
-    rank calls it with the same arguments (checked: a mismatch raises on every rank).
+    rank calls it with the same arguments (checked: a mismatch raises on every rank). A build
+    that repeats one the ranks agreed on (the same arguments, the mask's captured tensors the
+    same and not modified in place since) skips that check and its host sync (`_Agreed`).
 
     Example (under torchrun)::
 
