@@ -122,9 +122,12 @@ def value_tensor(v, device: torch.device, float_dtype: torch.dtype) -> torch.Ten
     """The 0-d tensor a dynamic number is passed as (on ``device``: the kernel reads it there).
     A number seen before is the same tensor again (`_VALUES`)."""
     t = type(v)
-    compiling = torch.compiler.is_compiling()
+    # (a compiled graph makes its own tensors; a CUDA graph keeps only the memory of those made
+    # while it is captured, so a kept tensor read by the graph could be evicted and its memory
+    # reused before a replay)
+    fresh = torch.compiler.is_compiling() or _capturing(device)
     key = (t, v.hex() if t is float else v, float_dtype, device)  # (hex: -0.0 and 0.0 apart, nan equal)
-    hit = None if compiling else _VALUES.get(key)
+    hit = None if fresh else _VALUES.get(key)
     if hit is not None:
         return hit
     if t is bool:
@@ -136,13 +139,14 @@ def value_tensor(v, device: torch.device, float_dtype: torch.dtype) -> torch.Ten
     # (on the GPU a fill kernel on the current stream: no host synchronisation, unlike a copy;
     # on the CPU 1.1 µs, torch.tensor's 2.8)
     made = torch.scalar_tensor(v, dtype=dtype, device=device)
-    # (not kept where it would not serve a later call: a fill captured in a CUDA graph runs only
-    # at its replays, an inference tensor has no version counter, and a compiled graph's tensors
-    # are fake; nor looked up in a compiled graph, which makes its own)
-    if not (compiling or torch.is_inference_mode_enabled()
-            or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+    # (not kept from inference mode either: an inference tensor has no version counter)
+    if not (fresh or torch.is_inference_mode_enabled()):
         _VALUES[key] = made
     return made
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 # (type, value, float dtype, device) -> the 0-d tensor of a dynamic number: a mod that reads the

@@ -112,6 +112,21 @@ def test_a_number_seen_again_is_passed_as_the_same_tensor():
     assert not later.is_inference() and int(later) == 104759 and captured(104759)[0] is later
 
 
+def test_a_cuda_graph_capture_makes_its_own_number_tensors(monkeypatch):
+    """While a CUDA graph is captured, a number's tensor is made anew (in the graph's memory,
+    which the graph keeps) and not kept: a kept tensor that a capture read could be evicted and
+    its memory reused before a replay."""
+    cpu = torch.device("cpu")
+    kept = scalars.value_tensor(104761, cpu, torch.float32)
+    assert scalars.value_tensor(104761, cpu, torch.float32) is kept
+    monkeypatch.setattr(scalars, "_capturing", lambda device: True)
+    during = [scalars.value_tensor(n, cpu, torch.float32) for n in (104761, 104773, 104773)]
+    assert during[0] is not kept and during[1] is not during[2] and [int(t) for t in during] == [104761, 104773, 104773]
+    monkeypatch.setattr(scalars, "_capturing", lambda device: False)
+    assert scalars.value_tensor(104761, cpu, torch.float32) is kept
+    assert scalars.value_tensor(104773, cpu, torch.float32) is not during[2]
+
+
 def test_a_number_used_as_a_python_value_stays_a_constant():
     """``math.exp(t)`` needs the number itself: the slot stays a constant of the code (one kernel
     per value), and every answer is right."""
