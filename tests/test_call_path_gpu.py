@@ -63,6 +63,32 @@ def test_cuda_graph_decoding_through_flex_attention():
         torch.testing.assert_close(static_out.double(), ref, atol=2e-2, rtol=2e-2)
 
 
+def test_cuda_graph_of_a_python_number_seen_before():
+    """A Python number the mod reads, once it changes, is passed as a 0-d tensor, and a value seen
+    before is a kept tensor. A capture makes its own: the kept one can be evicted and its memory
+    reused before a replay, which then reads another number."""
+    from flexattn import scalars
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 300, 64, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(3))
+
+    def run(limit):
+        return flexattn.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: torch.where(ki <= limit, s, -math.inf))
+
+    for limit in (100, 211):  # (the second value makes the number dynamic; 211's tensor is kept)
+        run(limit)
+    graph, static_out = capture_after_warmup(lambda: run(211))
+    for n in range(2 * 256):  # (every kept tensor evicted, and their memory taken by other numbers)
+        scalars.value_tensor(10**6 + n, torch.device(DEV), torch.float32)
+    taken = [torch.full((), 7, dtype=torch.int32, device=DEV) for _ in range(1024)]
+    static_out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = attention_reference(q, k, v, score_mod=lambda s, b, h, qi, ki: torch.where(ki <= 211, s, -math.inf))
+    torch.testing.assert_close(static_out.double(), ref, atol=2e-2, rtol=2e-2)
+    del taken
+
+
 def test_compiled_model_on_the_gpu():
     torch._dynamo.reset()
 
