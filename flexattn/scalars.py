@@ -119,17 +119,8 @@ def pin(code: types.CodeType) -> None:
 
 
 def value_tensor(v, device: torch.device, float_dtype: torch.dtype) -> torch.Tensor:
-    """The 0-d tensor a dynamic number is passed as (on ``device``: the kernel reads it there).
-    A number seen before is the same tensor again (`_VALUES`)."""
+    """The 0-d tensor a dynamic number is passed as (on ``device``: the kernel reads it there)."""
     t = type(v)
-    # (a compiled graph makes its own tensors; a CUDA graph keeps only the memory of those made
-    # while it is captured, so a kept tensor read by the graph could be evicted and its memory
-    # reused before a replay)
-    fresh = torch.compiler.is_compiling() or _capturing(device)
-    key = (t, v.hex() if t is float else v, float_dtype, device)  # (hex: -0.0 and 0.0 apart, nan equal)
-    hit = None if fresh else _VALUES.get(key)
-    if hit is not None:
-        return hit
     if t is bool:
         dtype = torch.bool
     elif t is int:
@@ -138,22 +129,7 @@ def value_tensor(v, device: torch.device, float_dtype: torch.dtype) -> torch.Ten
         dtype = float_dtype
     # (on the GPU a fill kernel on the current stream: no host synchronisation, unlike a copy;
     # on the CPU 1.1 µs, torch.tensor's 2.8)
-    made = torch.scalar_tensor(v, dtype=dtype, device=device)
-    # (not kept from inference mode either: an inference tensor has no version counter)
-    if not (fresh or torch.is_inference_mode_enabled()):
-        _VALUES[key] = made
-    return made
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-# (type, value, float dtype, device) -> the 0-d tensor of a dynamic number: a mod that reads the
-# same number at its next call gets the same tensor (no fill launch; and a repeated distributed
-# block-mask build sees the same captured tensors, `flexattn.distributed.masks`). Nothing writes
-# them: the kernels only read them.
-_VALUES = LRU(256)
+    return torch.scalar_tensor(v, dtype=dtype, device=device)
 
 
 def slot_value(fn: types.FunctionType, slot: Slot, missing):

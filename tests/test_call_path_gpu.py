@@ -64,9 +64,9 @@ def test_cuda_graph_decoding_through_flex_attention():
 
 
 def test_cuda_graph_of_a_python_number_seen_before():
-    """A Python number the mod reads, once it changes, is passed as a 0-d tensor, and a value seen
-    before is a kept tensor. A capture makes its own: the kept one can be evicted and its memory
-    reused before a replay, which then reads another number."""
+    """A Python number the mod reads, once it changes, is passed as a 0-d tensor. A replay reads
+    the number its capture passed, whatever number tensors the process made and freed since (a
+    number tensor kept across calls and evicted would not be: 71% of this output was wrong)."""
     from flexattn import scalars
 
     g = torch.Generator(device=DEV).manual_seed(0)

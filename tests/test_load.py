@@ -91,42 +91,6 @@ def test_python_float_temperature_changed_every_step(monkeypatch):
     assert len(compiled) <= 2
 
 
-def test_a_number_seen_again_is_passed_as_the_same_tensor():
-    """A dynamic number's 0-d tensor is made once per value (no fill per call; a repeated
-    distributed block-mask build recognises the mask's tensors), and never kept from inference
-    mode: an inference tensor has no version counter, which that build and the ranks of int64
-    tables read."""
-    from flexattn.block_mask.create import _resolve_mask
-
-    def captured(limit):
-        return _resolve_mask(lambda b, h, q_idx, kv_idx: kv_idx < limit, torch.device("cpu")).buffers
-
-    # (numbers no other test uses: the tensors are kept for the whole process)
-    seen = {limit: captured(limit) for limit in (104723, 104729)}  # (the second makes the slot dynamic)
-    again = captured(104729)
-    assert len(again) == 1 and again[0] is seen[104729][0] and int(again[0]) == 104729
-    assert captured(104743)[0] is not again[0] and int(captured(104743)[0]) == 104743
-    with torch.inference_mode():
-        assert captured(104759)[0].is_inference()
-    later = captured(104759)[0]
-    assert not later.is_inference() and int(later) == 104759 and captured(104759)[0] is later
-
-
-def test_a_cuda_graph_capture_makes_its_own_number_tensors(monkeypatch):
-    """While a CUDA graph is captured, a number's tensor is made anew (in the graph's memory,
-    which the graph keeps) and not kept: a kept tensor that a capture read could be evicted and
-    its memory reused before a replay."""
-    cpu = torch.device("cpu")
-    kept = scalars.value_tensor(104761, cpu, torch.float32)
-    assert scalars.value_tensor(104761, cpu, torch.float32) is kept
-    monkeypatch.setattr(scalars, "_capturing", lambda device: True)
-    during = [scalars.value_tensor(n, cpu, torch.float32) for n in (104761, 104773, 104773)]
-    assert during[0] is not kept and during[1] is not during[2] and [int(t) for t in during] == [104761, 104773, 104773]
-    monkeypatch.setattr(scalars, "_capturing", lambda device: False)
-    assert scalars.value_tensor(104761, cpu, torch.float32) is kept
-    assert scalars.value_tensor(104773, cpu, torch.float32) is not during[2]
-
-
 def test_a_number_used_as_a_python_value_stays_a_constant():
     """``math.exp(t)`` needs the number itself: the slot stays a constant of the code (one kernel
     per value), and every answer is right."""
