@@ -225,17 +225,50 @@ def _layouts_and_masks(group) -> None:
         assert bm.masks[r - 1].seq_lengths == (min(BLOCK, L), n[r - 1] - bm.windows[r - 1][0])
 
 
+PAIR_TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+               "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+def _assert_pairs(bm, mask, label) -> tuple:
+    """Each pair's tables and mod of ``bm`` are those of ``mask`` read at the pair's positions
+    (flexattn's one-process build, and the dense mask); returns ``bm``'s plan."""
+    for j, pair in enumerate(bm.masks):
+        assert (pair is None) == (bm.rows[j] is None), (label, j)
+        if pair is None:
+            continue
+        qpos, kvpos = bm.qpos_rows[j], bm.kvpos_held[j]
+
+        def at_pair(b, h, q_idx, kv_idx, qpos=qpos, kvpos=kvpos):
+            return mask(b, h, qpos[q_idx], kvpos[kv_idx])
+
+        want = flexattn.create_block_mask(at_pair, None, None, qpos.numel(), kvpos.numel(), device="cpu",
+                                          BLOCK_SIZE=BLOCK)
+        for name in PAIR_TABLES:
+            assert torch.equal(getattr(pair, name), getattr(want, name)), (label, j, name)
+        dense = flexattn.create_mask(at_pair, None, None, qpos.numel(), kvpos.numel(), device="cpu")
+        assert torch.equal(flexattn.create_mask(pair.mask_mod, None, None, qpos.numel(), kvpos.numel(),
+                                                device="cpu"), dense), (label, j)
+    return bm.needs, bm.windows, bm.rows
+
+
+def _within(width: int):
+    """Causal within ``width`` keys, reading the Python number ``width`` (a 0-d tensor once it
+    changes, `flexattn.scalars`)."""
+    def mask(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < width)
+    return mask
+
+
 def _repeated_builds(group) -> None:
     """Masks of one mod whose captured tensor changes from build to build, then comes back (as a
     training loop's batches), each value in a new tensor and in one tensor changed in place: each
     rank's pairs, windows, rows, pair tables and pair mods are those of the mask it was just given,
-    read at the pair's positions. A repeated build reuses positions and the plan of a gather it
-    has seen, never a mask's tables or tensors."""
+    read at the pair's positions. A mask that reads a tensor gathers at every build (its values
+    can change with no trace on the host); a mask that reads none, built again with arguments the
+    ranks agreed on, skips the gather."""
     # (shards of 3 or 4 blocks: a window of 9 keys reads a block of the shard before, one of 30 most
     # of it, one of 100 every shard before)
     S = 101
-    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-             "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
     seen = {}
     same = torch.tensor([0])
     gathers = _Gathers()
@@ -246,38 +279,51 @@ def _repeated_builds(group) -> None:
             return (q_idx >= kv_idx) & (q_idx - kv_idx < reach[0])
 
         bm = fd.create_block_mask(window, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
-        assert gathers.taken() == 1, (width, in_place)  # (a new tensor, or one changed in place)
-        plan = (bm.needs, bm.windows, bm.rows)
+        assert gathers.taken() == 1, (width, in_place)
+        plan = _assert_pairs(bm, window, width)
         assert seen.setdefault(width, plan) == plan, width
-        for j, pair in enumerate(bm.masks):
-            assert (pair is None) == (bm.rows[j] is None), (width, j)
-            if pair is None:
-                continue
-            qpos, kvpos = bm.qpos_rows[j], bm.kvpos_held[j]
-
-            def at_pair(b, h, q_idx, kv_idx, qpos=qpos, kvpos=kvpos):
-                return window(b, h, qpos[q_idx], kvpos[kv_idx])
-
-            want = flexattn.create_block_mask(at_pair, None, None, qpos.numel(), kvpos.numel(), device="cpu",
-                                              BLOCK_SIZE=BLOCK)
-            for name in names:
-                assert torch.equal(getattr(pair, name), getattr(want, name)), (width, j, name)
-            dense = flexattn.create_mask(at_pair, None, None, qpos.numel(), kvpos.numel(), device="cpu")
-            assert torch.equal(flexattn.create_mask(pair.mask_mod, None, None, qpos.numel(), kvpos.numel(),
-                                                    device="cpu"), dense), (width, j)
     assert len({seen[w] for w in seen}) == 3  # (each width its own pairs)
-    # the same tensor again, unchanged since: the ranks agreed on this build, and it skips the gather
-    again = fd.create_block_mask(window, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
-    assert gathers.taken() == 0, "repeated"
-    assert (again.needs, again.windows, again.rows) == seen[100]
-    for pair, want in zip(again.masks, bm.masks):
-        assert (pair is None) == (want is None)
-        for name in names if pair is not None else ():
-            assert torch.equal(getattr(pair, name), getattr(want, name)), name
-    # a mask without captured tensors: the first build of its arguments gathers, the next do not
+    # the tensor written by a collective, which need not move its version counter (gloo's does
+    # not): the build gathers, and its pairs are those of the value the collective wrote
+    same.fill_(15)
+    before = _assert_pairs(fd.create_block_mask(window, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK),
+                           window, 15)
+    dist.all_reduce(same, group=group)  # (15 P: a window that reads most of the shard before)
+    after = _assert_pairs(fd.create_block_mask(window, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK),
+                          window, "all_reduce")
+    assert gathers.taken() == 2 and after != before
+    # a mask that reads no tensor: the first build of its arguments gathers, the next do not
     for expect in (1, 0, 0):
-        fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
+        bm = fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
         assert gathers.taken() == expect, expect
+        _assert_pairs(bm, masks.causal, "causal")
+    # an error while a repeated build classifies is this rank's alone (no gather to report it on):
+    # it raises there, and the other ranks go on
+    from flexattn.distributed import masks as dmasks
+    if dist.get_rank(group) == dist.get_world_size(group) - 1:
+        inner = dmasks.classify
+
+        def failing(*args, **kwargs):
+            raise RuntimeError("out of memory (simulated)")
+
+        dmasks.classify = failing
+        try:
+            with pytest.raises(RuntimeError, match="simulated"):
+                fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
+        finally:
+            dmasks.classify = inner
+    else:
+        fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
+    assert gathers.taken() == 0
+    dist.barrier(group=group)
+    # a Python number the mask reads counts by its value: each width's first build gathers, and it
+    # again does not (only on the pair: the number's history decides its trace, and rank 0 has not
+    # seen these calls)
+    if group is not dist.group.WORLD:
+        for width, expect in ((9, 1), (30, 1), (9, 1), (30, 0), (9, 0)):
+            bm = fd.create_block_mask(_within(width), None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
+            assert gathers.taken() == expect, (width, expect)
+            assert _assert_pairs(bm, _within(width), width) == seen[width], width
     gathers.close()
 
 
@@ -307,25 +353,18 @@ def _errors(group) -> None:
     # lengths that differ between ranks: the same clear error on every rank, no hang
     with pytest.raises(fd.DistributedMismatchError, match="Q_LEN: rank 0 has 40"):
         fd.create_block_mask(masks.causal, None, None, 40 + rank, 40 + rank, group, device="cpu", BLOCK_SIZE=BLOCK)
-    # one rank makes anew a build the others repeat (its captured tensor changed in place): they
-    # skip the gather that it takes, and meet it in their next check; every rank raises
-    reach = torch.tensor([5])
-
-    def near(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx < reach[0])
-
-    fd.create_block_mask(near, None, None, 40, 40, group, device="cpu", BLOCK_SIZE=BLOCK)
-    if rank == P - 1:
-        reach.fill_(5)
-    x = torch.randn(1, 2, fd.shard(torch.empty(1, 1, 40, 1), group).shape[2], BLOCK)
-    with pytest.raises(fd.DistributedMismatchError, match="the ranks called different collective operations"):
-        fd.flex_attention(x, x, x, block_mask=fd.create_block_mask(near, None, None, 40, 40, group, device="cpu",
-                                                                  BLOCK_SIZE=BLOCK))
     # a block size one rank has wrong: checked before the gather, raised on every rank
     with pytest.raises(fd.DistributedMismatchError, match=f"rank {P - 1}: BLOCK_SIZE: the query block size"):
         fd.create_block_mask(masks.causal, None, None, 40, 40, group, device="cpu",
                              BLOCK_SIZE=24 if rank == P - 1 else BLOCK)
     bm = fd.create_block_mask(masks.causal, None, None, 40, 40, group, device="cpu", BLOCK_SIZE=BLOCK)
+    # one rank's arguments differ from a build the others repeat: they skip the gather that it
+    # takes, and meet it at their next check; every rank raises
+    x = torch.randn(1, 2, fd.shard(torch.empty(1, 1, 40, 1), group).shape[2], BLOCK)
+    with pytest.raises(fd.DistributedMismatchError, match="the ranks called different collective operations"):
+        S = 41 if rank == P - 1 else 40
+        fd.flex_attention(x, x, x, block_mask=fd.create_block_mask(masks.causal, None, None, S, S, group,
+                                                                  device="cpu", BLOCK_SIZE=BLOCK))
     n = bm.qpos.numel()
     q = torch.randn(1, 2, n, BLOCK)
     # one rank's shard does not match the mask's layout: every rank raises

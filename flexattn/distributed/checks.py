@@ -6,10 +6,10 @@ whether it found a local error, in one all-gather; only if the digests differ, o
 an error, do the ranks gather the descriptions themselves (``all_gather_object``), so that every
 rank raises the same `DistributedMismatchError` naming what differs. Calls check once per
 description: a description seen before (on this rank) is not gathered again, and neither is a
-repeated block-mask build's (`flexattn.distributed.masks`). Every such gather of a group has the
-same size (`WIDTH` table entries per rank, zeros where unused), so that ranks that disagree on
-whether to check, one repeating a call and another not, meet in gathers of one size, find their
-digests different and raise, instead of waiting in collectives that do not match.
+repeated build of a block mask that reads no tensor (`flexattn.distributed.masks`). Every such
+gather of a group has the same size (`WIDTH` table entries per rank, zeros where unused), so that
+where one rank checks and the others skip, its gather meets theirs at their next check: the
+digests differ and every rank raises, instead of waiting in collectives that do not match.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def _gather_digests(group: dist.ProcessGroup, what: str, fields: dict, local_err
     except TypeError:  # (a value that cannot be hashed, such as a list passed for B: no entry)
         mine = make()
     if table is not None and not local_error:  # (int64: cat promotes the table)
-        mine = torch.cat([mine[:_HEADER], table.flatten(), mine[_HEADER + table.numel():]])
+        mine = torch.cat([mine[:_HEADER], table.flatten().to(device), mine[_HEADER + table.numel():]])
     every = torch.empty(group.size() * mine.numel(), dtype=torch.int64, device=device)
     _gather_single(every, mine, group=group)
     rows = every.view(group.size(), -1).tolist()

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 import flexattn
+from flexattn import modcache
 from flexattn.block_mask import ranks
 from flexattn.block_mask.create import _resolve_mask as resolve_mask, classify
 from flexattn.block_mask.sizes import _check_block_sizes, _check_positive
@@ -176,8 +177,8 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     (None, "head_tail" or a layout of `flexattn.distributed`). Any lengths work; each rank's
     tables come from flexattn's block-mask kernels (no torch.compile). A collective: every
     rank calls it with the same arguments (checked: a mismatch raises on every rank). A build
-    that repeats one the ranks agreed on (the same arguments, the mask's captured tensors the
-    same and not modified in place since) skips that check and its host sync (`_Agreed`).
+    of a mask that reads no tensor, with arguments the ranks agreed on before, skips that check
+    and its host sync (`_repeat_key`).
 
     Example (under torchrun)::
 
@@ -191,52 +192,42 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     P, r = group.size(), group.rank()
     device = torch.device(device) if device is not None else \
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     mod = as_mask_mod(mask_mod, device)
-    captured = mod.buffers  # (as passed: what a repeated build compares)
     made = ranks.ranked(mod)  # (int64 ids the mask only compares: int32 ranks, as on one GPU)
     if made is not None:
         mod = made.mod
     fields = {"mask_mod": mod.key(), "B": B, "H": H, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "layout": layout.key(),
               "BLOCK_SIZE": BLOCK_SIZE, "device type": device.type}
-    # (each rank classifies the tiles of its queries against every KV shard at once, then one
-    # gather both checks that the ranks agree and shares which tiles each rank keeps; an error
-    # while classifying is reported by that gather; then each pair's tables, of the rows that read
-    # the shard against what travels of it, are listed from the one classification)
-    error, failure, tiles, shards = "", None, None, None
-    try:  # (arguments checked here: an error on one rank is raised on every rank by the gather)
-        B, H = _check_positive("B", B, allow_none=True), _check_positive("H", H, allow_none=True)
-        Q_LEN, KV_LEN = _check_positive("Q_LEN", Q_LEN), _check_positive("KV_LEN", KV_LEN)
-        q_block, kv_block = block_size_pair(BLOCK_SIZE)
-        _check_block_sizes((q_block, kv_block))
-        shards = _shards(layout, Q_LEN, KV_LEN, P, r, q_block, kv_block, device)
-        if shards.qpos.numel():  # (a rank without queries keeps nothing)
-            local = shards.positioned(mod)[0]
-            # (undecided tiles listed for a kernel of their own only where a tile can span two runs
-            # of positions, or the mask reads tensors of its own: else they lie along its edges)
-            tiles = classify(local, B, H, shards.qpos.numel(), shards.tiled.numel(), q_block, kv_block, device,
-                             "triton" if device.type == "cuda" else "torch",
-                             defer=bool(mod.buffer_specs) or not shards.tiles_in_runs)
-    except (ValueError, TypeError, RuntimeError) as e:
-        error, failure = str(e), e
     # (the copy engines only where every rank can use them: one rank's FLEXATTN_RING_COPY=0
     # keeps every rank's K/V on NCCL, so that sends and receives still pair up)
     can = copies.usable(device)
-    key = None if error else _agreed_key(fields, shards.key, can)
+    key = _repeat_key(mask_mod, mod, fields, P, r, device, can)
     agreed = _agreed(group).get(key) if key is not None else None
-    if agreed is not None and agreed.holds(captured):  # (a repeated build: the ranks agreed on it)
-        tables, copy_engines = agreed.tables, agreed.copy_engines
+    if agreed is not None:  # (a repeat: no gather, so an error here is this rank's alone)
+        shards, tiles, q_block, kv_block = _classified(mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, layout, P, r, device)
+        tables, copy_engines = agreed
     else:
-        table = None
-        if not error:
+        # (each rank classifies the tiles of its queries against every KV shard at once, then one
+        # gather both checks that the ranks agree and shares which tiles each rank keeps; an error
+        # while classifying is reported by that gather)
+        error, failure, table = "", None, None
+        try:  # (arguments checked here: an error on one rank is raised on every rank by the gather)
+            shards, tiles, q_block, kv_block = _classified(mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, layout, P, r, device)
             table = tiles.shard_ranges(P, shards.n) if tiles is not None else \
-                torch.zeros(P, 4, dtype=torch.int64, device=device)
+                torch.zeros(P, 4, dtype=torch.int64, device=device)  # (a rank without queries keeps nothing)
+        except (ValueError, TypeError, RuntimeError) as e:
+            error, failure = str(e), e
         try:
             tables, copy_engines = checks.agree_table(group, "flexattn.distributed.create_block_mask", fields,
                                                       error, table, can=can)
         except checks.DistributedMismatchError as e:
             raise e from failure
-        if key is not None and not any(t.is_inference() for t in captured):  # (no version counter)
-            _agreed(group)[key] = _Agreed(captured, tables, copy_engines)
+        if key is not None:
+            _agreed(group)[key] = (tables, copy_engines)
+    # (each pair's tables, of the rows that read the shard against what travels of it, listed from
+    # the one classification)
     pairs = _PAIRS.get_or_make((shards.key, tuple(map(tuple, tables))), lambda: _Pairs(shards, tables))
     masks = [None] * P
     for j, lists, local in zip(pairs.read, tiles.tables_of(pairs.rects) if pairs.read else [],
@@ -250,40 +241,49 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     return bm
 
 
-class _Agreed:
-    """A build the ranks agreed on: every rank's ranges of the gather, and whether every rank can
-    use the copy engines, with what the mask's captured tensors were (each tensor's storage, held
-    weakly, its place in it and its version). A build with the same arguments over the same
-    tensors, not modified in place since, on every rank, gets the same ranges: it skips the
-    gather and its host sync. (The trace cache hands a mod's captured tensors over as new views
-    at each call: their storage and version counter are the captured tensor's.)
-
-    Like the per-call check of `flexattn.distributed.flex_attention`, this trusts that what
-    repeats on one rank repeats on every rank. Where one rank repeats a build and another does
-    not, the second rank's gather meets the first rank's next check (`checks`: gathers of one
-    size), and both raise. A write that bypasses the version counter (``tensor.data``) is not
-    seen, as in a one-GPU block mask's ranks (`flexattn.block_mask.ranks`)."""
-
-    __slots__ = ("storages", "places", "tables", "copy_engines")
-
-    def __init__(self, captured: tuple, tables: list, copy_engines: bool):
-        self.storages = tuple(weakref.ref(t.untyped_storage()) for t in captured)
-        self.places = tuple(map(_place, captured))
-        self.tables, self.copy_engines = tables, copy_engines
-
-    def holds(self, captured: tuple) -> bool:
-        """Whether ``captured`` are the tensors of the agreed build, unchanged."""
-        return len(captured) == len(self.storages) and all(
-            ref() is t.untyped_storage() and _place(t) == place
-            for ref, place, t in zip(self.storages, self.places, captured))
+def _classified(mod, B, H, Q_LEN: int, KV_LEN: int, BLOCK_SIZE, layout: Layout, P: int, r: int,
+                device: torch.device) -> tuple:
+    """``(shards, tiles, q_block, kv_block)``: the arguments checked, and every tile of this rank's
+    queries against all KV shards side by side classified (tiles None for a rank without
+    queries)."""
+    B, H = _check_positive("B", B, allow_none=True), _check_positive("H", H, allow_none=True)
+    Q_LEN, KV_LEN = _check_positive("Q_LEN", Q_LEN), _check_positive("KV_LEN", KV_LEN)
+    q_block, kv_block = block_size_pair(BLOCK_SIZE)
+    _check_block_sizes((q_block, kv_block))
+    shards = _shards(layout, Q_LEN, KV_LEN, P, r, q_block, kv_block, device)
+    if not shards.qpos.numel():
+        return shards, None, q_block, kv_block
+    # (undecided tiles listed for a kernel of their own only where a tile can span two runs of
+    # positions, or the mask reads tensors of its own: else they lie along its edges)
+    tiles = classify(shards.positioned(mod)[0], B, H, shards.qpos.numel(), shards.tiled.numel(), q_block, kv_block,
+                     device, "triton" if device.type == "cuda" else "torch",
+                     defer=bool(mod.buffer_specs) or not shards.tiles_in_runs)
+    return shards, tiles, q_block, kv_block
 
 
-def _place(t: torch.Tensor) -> tuple:
-    return t.storage_offset(), t.shape, t.stride(), t.dtype, t._version
+def _repeat_key(mask_mod, mod: "flexattn.Mod", fields: dict, P: int, r: int, device: torch.device,
+                can: bool) -> tuple | None:
+    """The key of a build that can repeat without the gather, or None. A mask that reads no tensor
+    is decided by its code and the numbers it reads (`flexattn.modcache.fingerprint`, numbers by
+    value: a number passed as a 0-d tensor, `flexattn.scalars`, counts by its value), and with
+    the same arguments every rank gets the same ranges again. A mask that reads tensors (document
+    ids) gathers at every build: their values can change without a trace on the host (a
+    collective that writes into them, a write through ``.data`` or another library).
 
-
-def _agreed_key(fields: dict, shards_key: tuple, can: bool) -> tuple | None:
-    key = (tuple(fields.items()), shards_key, can)
+    Like the per-call check of `flexattn.distributed.flex_attention`, this trusts that a build
+    one rank repeats is repeated by every rank. Where a rank's arguments differ, its gather meets
+    the others' next flexattn check (`checks`: one size for all of a group's), and every rank
+    raises; a collective of other code in between waits for ever."""
+    if isinstance(mask_mod, flexattn.Mod):
+        if mask_mod.buffers:
+            return None
+        decided = mask_mod.key()
+    else:
+        fp, tensors = modcache.fingerprint(mask_mod)
+        if fp is None or tensors:
+            return None
+        decided = fp
+    key = (decided, tuple(fields.items()), P, r, device, can)
     try:
         hash(key)
     except TypeError:  # (a value that cannot be hashed, such as a list passed for B: no entry)
@@ -291,7 +291,8 @@ def _agreed_key(fields: dict, shards_key: tuple, can: bool) -> tuple | None:
     return key
 
 
-# group -> its agreed builds: (fields, `_Shards.key`, can) -> `_Agreed` (an entry goes with its group)
+# group -> the builds its ranks agreed on: `_repeat_key` -> (every rank's ranges, whether every
+# rank can use the copy engines); an entry goes with its group
 _AGREED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
