@@ -129,7 +129,15 @@ def value_tensor(v, device: torch.device, float_dtype: torch.dtype) -> torch.Ten
         dtype = float_dtype
     # (on the GPU a fill kernel on the current stream: no host synchronisation, unlike a copy;
     # on the CPU 1.1 µs, torch.tensor's 2.8)
-    return torch.scalar_tensor(v, dtype=dtype, device=device)
+    made = torch.scalar_tensor(v, dtype=dtype, device=device)
+    made._flexattn_number = (t, v.hex() if t is float else v)  # (`number_of`)
+    return made
+
+
+def number_of(t: torch.Tensor) -> tuple | None:
+    """``(type, value)`` of the number ``t`` was made for by `value_tensor` (a float's value in
+    hex), or None for any other tensor."""
+    return getattr(t, "_flexattn_number", None)
 
 
 def slot_value(fn: types.FunctionType, slot: Slot, missing):

@@ -251,6 +251,14 @@ def _assert_pairs(bm, mask, label) -> tuple:
     return bm.needs, bm.windows, bm.rows
 
 
+_REACH = torch.tensor([9])
+
+
+class _Reach:
+    def within(self, b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < _REACH[0])
+
+
 def _within(width: int):
     """Causal within ``width`` keys, reading the Python number ``width`` (a 0-d tensor once it
     changes, `flexattn.scalars`)."""
@@ -297,10 +305,11 @@ def _repeated_builds(group) -> None:
         bm = fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
         assert gathers.taken() == expect, expect
         _assert_pairs(bm, masks.causal, "causal")
-    # an error while a repeated build classifies is this rank's alone (no gather to report it on):
-    # it raises there, and the other ranks go on
+    # an error while a repeated build classifies raises on its rank at once, and on the others at
+    # the mask's first use (its gather, read there)
     from flexattn.distributed import masks as dmasks
-    if dist.get_rank(group) == dist.get_world_size(group) - 1:
+    last = dist.get_rank(group) == dist.get_world_size(group) - 1
+    if last:
         inner = dmasks.classify
 
         def failing(*args, **kwargs):
@@ -313,9 +322,17 @@ def _repeated_builds(group) -> None:
         finally:
             dmasks.classify = inner
     else:
-        fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
+        bm = fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
+        with pytest.raises(fd.DistributedMismatchError, match=rf"rank\(s\) \[{dist.get_world_size(group) - 1}\] failed"):
+            fd.flex_attention(*[torch.randn(1, 1, bm.qpos.numel(), BLOCK)] * 3, block_mask=bm)
     assert gathers.taken() == 0
-    dist.barrier(group=group)
+    # a mask that reads a tensor the trace cache cannot reach (through a method): its build reads
+    # its gather at once, as any mask's that reads tensors, and has the pairs of the tensor's values
+    global _REACH
+    for width in (9, 100):
+        _REACH = torch.tensor([width])
+        bm = fd.create_block_mask(_Reach().within, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
+        assert gathers.taken() == 1 and _assert_pairs(bm, _Reach().within, width) == seen[width], width
     # a Python number the mask reads counts by its value: each width's first build gathers, and it
     # again does not (only on the pair: the number's history decides its trace, and rank 0 has not
     # seen these calls)
@@ -328,24 +345,31 @@ def _repeated_builds(group) -> None:
 
 
 class _Gathers:
-    """Counts this rank's pre-collective gathers (`checks._gather_single`) until `close`."""
+    """Counts this rank's pre-collective gathers (`checks._gather_single`) and those of them read
+    at once (`checks._read`, a host sync) until `close`."""
 
     def __init__(self):
-        self.count, self.inner = 0, checks._gather_single
+        self.launched, self.read = 0, 0
+        self.gather, self.reader = checks._gather_single, checks._read
 
-        def counted(*args, **kwargs):
-            self.count += 1
-            return self.inner(*args, **kwargs)
+        def gather(*args, **kwargs):
+            self.launched += 1
+            return self.gather(*args, **kwargs)
 
-        checks._gather_single = counted
+        def read(*args, **kwargs):
+            self.read += 1
+            return self.reader(*args, **kwargs)
+
+        checks._gather_single, checks._read = gather, read
 
     def taken(self) -> int:
-        """The gathers since the last call."""
-        n, self.count = self.count, 0
+        """The gathers read at once since the last call (every build launches one)."""
+        assert self.launched >= 1, "a build without a gather"
+        n, self.launched, self.read = self.read, 0, 0
         return n
 
     def close(self) -> None:
-        checks._gather_single = self.inner
+        checks._gather_single, checks._read = self.gather, self.reader
 
 
 def _errors(group) -> None:
@@ -358,10 +382,10 @@ def _errors(group) -> None:
         fd.create_block_mask(masks.causal, None, None, 40, 40, group, device="cpu",
                              BLOCK_SIZE=24 if rank == P - 1 else BLOCK)
     bm = fd.create_block_mask(masks.causal, None, None, 40, 40, group, device="cpu", BLOCK_SIZE=BLOCK)
-    # one rank's arguments differ from a build the others repeat: they skip the gather that it
-    # takes, and meet it at their next check; every rank raises
+    # one rank's arguments differ from a build the others repeat: it raises at the build, they at
+    # the mask's first use (their gather read there)
     x = torch.randn(1, 2, fd.shard(torch.empty(1, 1, 40, 1), group).shape[2], BLOCK)
-    with pytest.raises(fd.DistributedMismatchError, match="the ranks called different collective operations"):
+    with pytest.raises(fd.DistributedMismatchError, match="the ranks disagree"):
         S = 41 if rank == P - 1 else 40
         fd.flex_attention(x, x, x, block_mask=fd.create_block_mask(masks.causal, None, None, S, S, group,
                                                                   device="cpu", BLOCK_SIZE=BLOCK))

@@ -182,6 +182,7 @@ def _local_error(q, k, v, bm: DistributedBlockMask, method: str, enable_gqa: boo
 
 def _check_call(q, k, v, bm: DistributedBlockMask, method: str, pair: Pair) -> None:
     """Every rank agrees on the call before the first transfer (once per configuration)."""
+    bm.verify()  # (a repeated build's gather, read here: before this call's own collectives)
     error = _local_error(q, k, v, bm, method, pair.enable_gqa)
     fields = {
         "mask": bm.name, "method": method, "dtype": str(q.dtype),

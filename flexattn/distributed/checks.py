@@ -5,11 +5,12 @@ description of its call (which operation, shapes, lengths, dtype, method, mask a
 whether it found a local error, in one all-gather; only if the digests differ, or any rank found
 an error, do the ranks gather the descriptions themselves (``all_gather_object``), so that every
 rank raises the same `DistributedMismatchError` naming what differs. Calls check once per
-description: a description seen before (on this rank) is not gathered again, and neither is a
-repeated build of a block mask that reads no tensor (`flexattn.distributed.masks`). Every such
+description: a description seen before (on this rank) is not gathered again. A repeated build of
+a block mask whose only tensors are its Python numbers' gathers but reads its gather later, at
+the mask's first use (`launch_table`, `flexattn.distributed.masks`); where ranks then disagree,
+each raises by itself, since the repeating ranks are not there to gather descriptions. Every
 gather of a group has the same size (`WIDTH` table entries per rank, zeros where unused), so that
-where one rank checks and the others skip, its gather meets theirs at their next check: the
-digests differ and every rank raises, instead of waiting in collectives that do not match.
+ranks in different flexattn operations meet in gathers of one size and raise.
 """
 
 from __future__ import annotations
@@ -119,28 +120,55 @@ def agree_table(group: dist.ProcessGroup, what: str, fields: dict, local_error: 
     """`agree` and a gather of an integer ``table`` of up to ``WIDTH`` entries per rank of the
     group (on any device; None where ``local_error``) in one collective and one host sync:
     ``(every rank's table, whether every rank runs on this host and passed can=True)``."""
-    rows = _gather_digests(group, what, fields, local_error, can, table)
+    rows = _read(group, what, fields, local_error, _launch(group, what, fields, local_error, can, table))
     n = 0 if table is None else table.numel()
     return [r[_HEADER:_HEADER + n] for r in rows], len({r[2] for r in rows}) == 1 and all(r[3] for r in rows)
 
 
-def _gather_digests(group: dist.ProcessGroup, what: str, fields: dict, local_error: str, can: bool = True,
-                    table: torch.Tensor | None = None) -> list[list[int]]:
-    """Every rank's ``[no local error, digest of what and fields, digest of the host name, can,
-    *table]``, the table padded with zeros to ``WIDTH`` entries per rank of the group (all zeros
-    where None or ``local_error``): one all-gather on the device the group's backend sends from,
-    and one host sync. Where a rank has an error or the digests differ, every rank raises
-    (`_compare`)."""
+class Pending:
+    """The gather of `agree_table` launched by a rank that reads it later (`launch_table`)."""
+
+    def __init__(self, group: dist.ProcessGroup, what: str, every: torch.Tensor, n: int):
+        self.group, self.what, self.every, self.n = group, what, every, n
+
+    def check(self, expected: list[list[int]]) -> None:
+        """Raises, on this rank, where a rank had an error, the ranks' digests differ, or the
+        tables are not ``expected``; reads the gather (a host sync)."""
+        rows = self.every.view(self.group.size(), -1).tolist()
+        if not all(r[0] for r in rows) or len({r[1] for r in rows}) > 1:
+            raise DistributedMismatchError(_summary(self.what, rows))
+        if [r[_HEADER:_HEADER + self.n] for r in rows] != expected:
+            raise DistributedMismatchError(
+                f"{self.what}: the ranks' block ranges differ from those of the build they agreed on with the same "
+                f"arguments: the mask reads something its arguments do not show (make it with its tensors captured)")
+
+
+def launch_table(group: dist.ProcessGroup, what: str, fields: dict, local_error: str, table: torch.Tensor | None,
+                 can: bool = True) -> Pending:
+    """The gather of `agree_table`, launched and not read: a rank that repeats a call the ranks
+    agreed on takes part in it with no host sync, and reads it later (`Pending.check`). Ranks
+    that read theirs now and find a mismatch raise by themselves where any rank launched its
+    gather this way, instead of gathering the descriptions (the launching ranks are not there)."""
+    every = _launch(group, what, fields, local_error, can, table, later=True)
+    return Pending(group, what, every, 0 if table is None else table.numel())
+
+
+def _launch(group: dist.ProcessGroup, what: str, fields: dict, local_error: str, can: bool = True,
+            table: torch.Tensor | None = None, later: bool = False) -> torch.Tensor:
+    """The all-gather of every rank's ``[no local error, digest of what and fields, digest of the
+    host name, can, reads later, *table]``, the table padded with zeros to ``WIDTH`` entries per
+    rank of the group (all zeros where None or ``local_error``), on the device the group's
+    backend sends from; launched, not read."""
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend_of(group) else torch.device("cpu")
     width = WIDTH * group.size()
     if table is not None and table.numel() > width:
         raise ValueError(f"{what}: a table of {table.numel()} entries is wider than a gather's {width}")
 
     def make():  # (the header, then a table of zeros)
-        return torch.tensor([0 if local_error else 1, _digest((what, sorted(fields.items()))), _HOST, int(bool(can))]
-                            + [0] * width, dtype=torch.int64, device=device)
+        return torch.tensor([0 if local_error else 1, _digest((what, sorted(fields.items()))), _HOST, int(bool(can)),
+                             int(later)] + [0] * width, dtype=torch.int64, device=device)
 
-    key = (what, tuple(fields.items()), bool(local_error), bool(can), width, device)
+    key = (what, tuple(fields.items()), bool(local_error), bool(can), later, width, device)
     try:  # (made once per description: a repeated build sends it from the device as it is)
         mine = _HEADERS.get_or_make(key, make)
     except TypeError:  # (a value that cannot be hashed, such as a list passed for B: no entry)
@@ -149,15 +177,43 @@ def _gather_digests(group: dist.ProcessGroup, what: str, fields: dict, local_err
         mine = torch.cat([mine[:_HEADER], table.flatten().to(device), mine[_HEADER + table.numel():]])
     every = torch.empty(group.size() * mine.numel(), dtype=torch.int64, device=device)
     _gather_single(every, mine, group=group)
+    return every
+
+
+def _read(group: dist.ProcessGroup, what: str, fields: dict, local_error: str, every: torch.Tensor) -> list[list[int]]:
+    """The rows of a launched gather (one host sync). Where a rank has an error or the digests
+    differ, every rank raises: by gathering the descriptions (`_compare`), or, where a rank reads
+    its gather later, by itself."""
     rows = every.view(group.size(), -1).tolist()
     if not all(r[0] for r in rows) or len({r[1] for r in rows}) > 1:
+        if any(r[4] for r in rows):
+            raise DistributedMismatchError(_summary(what, rows, local_error))
         _compare(group, what, fields, local_error)  # (raises on every rank, naming what differs)
     return rows
 
 
-# (what, fields, no local error, can, width, device) -> the header and zeros `_gather_digests` sends
+def _summary(what: str, rows: list[list[int]], local_error: str = "") -> str:
+    """What the gathered digests show, where the descriptions are not gathered."""
+    failed = [i for i, r in enumerate(rows) if not r[0]]
+    differ = [i for i, r in enumerate(rows) if r[0] and r[1] != rows[0][1]]
+    parts = [f"this rank: {local_error}"] if local_error else []
+    if failed:
+        parts.append(f"rank(s) {failed} failed (their errors are raised there)")
+    if differ:
+        parts.append(f"the arguments of rank(s) {differ} differ from rank 0's")
+    later = [i for i, r in enumerate(rows) if r[4]]
+    return (f"{what}: the ranks disagree ({'; '.join(parts)}); rank(s) {later} repeated a call the ranks had "
+            f"agreed on, and raise at their next flexattn.distributed call")
+
+
+def _gather_digests(group: dist.ProcessGroup, what: str, fields: dict, local_error: str) -> list[list[int]]:
+    """`_launch` and `_read` of a gather without a table."""
+    return _read(group, what, fields, local_error, _launch(group, what, fields, local_error))
+
+
+# (what, fields, no local error, can, reads later, width, device) -> the header and zeros a gather sends
 _HEADERS = LRU(256)
-_HEADER = 4
+_HEADER = 5
 _HOST = _digest(socket.gethostname())
 # (one output tensor: torch 2.13 names it all_gather_single, earlier releases all_gather_into_tensor)
 _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -201,7 +257,7 @@ def _compare(group: dist.ProcessGroup, what: str, fields: dict, local_error: str
     if len(set(calls)) > 1:  # (ranks in different operations: one repeated a call the others did not)
         detail = ", ".join(f"rank {r} in {call}" for r, call in enumerate(calls))
         raise DistributedMismatchError(f"{what}: the ranks called different collective operations ({detail}): "
-                                       f"a call that one rank repeats must be repeated by every rank")
+                                       f"every rank makes the same flexattn.distributed calls, in the same order")
     first = gathered[0][2]
     for r, (_, _, theirs) in enumerate(gathered[1:], start=1):
         if theirs != first:

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 import flexattn
-from flexattn import modcache
+from flexattn import scalars
 from flexattn.block_mask import ranks
 from flexattn.block_mask.create import _resolve_mask as resolve_mask, classify
 from flexattn.block_mask.sizes import _check_block_sizes, _check_positive
@@ -124,12 +124,24 @@ class DistributedBlockMask:
         self.needs, self.windows, self.rows = pairs.needs, pairs.windows, pairs.rows
         self.kvpos_held, self.qpos_rows = pairs.kvpos_held, pairs.qpos_rows
         self._gathered = None
+        # (a repeated build's gather, not read yet, and the tables it should show: `verify`)
+        self._pending = None
         # (every rank a GPU of this host that can and may use the copy engines, `copies.usable`)
         self.copy_engines = False
         # (the name the custom ops know it by: the group's and the mask's number on it, equal on
         # every rank, new for every mask)
         self.name = name
         _BY_NAME[self.name] = self
+
+    def verify(self) -> None:
+        """Reads the gather of a repeated build (`create_block_mask`, `_repeat_key`) at the mask's
+        first use, before that call's own collectives: raises where a rank failed or its
+        arguments differed, or where the ranges are not those the ranks agreed on before (then
+        at every use)."""
+        if self._pending is not None:
+            pending, tables = self._pending
+            pending.check(tables)
+            self._pending = None
 
     def gathered(self):
         """The BlockMask of this rank's queries against all KV shards in rank order (the
@@ -177,8 +189,8 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     (None, "head_tail" or a layout of `flexattn.distributed`). Any lengths work; each rank's
     tables come from flexattn's block-mask kernels (no torch.compile). A collective: every
     rank calls it with the same arguments (checked: a mismatch raises on every rank). A build
-    of a mask that reads no tensor, with arguments the ranks agreed on before, skips that check
-    and its host sync (`_repeat_key`).
+    of a mask whose only tensors are its Python numbers', with arguments the ranks agreed on
+    before, reads that check at the mask's first use: no host sync of its own (`_repeat_key`).
 
     Example (under torchrun)::
 
@@ -195,6 +207,7 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     mod = as_mask_mod(mask_mod, device)
+    key = _repeat_key(mod, layout, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, P, r, device)
     made = ranks.ranked(mod)  # (int64 ids the mask only compares: int32 ranks, as on one GPU)
     if made is not None:
         mod = made.mod
@@ -203,25 +216,27 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     # (the copy engines only where every rank can use them: one rank's FLEXATTN_RING_COPY=0
     # keeps every rank's K/V on NCCL, so that sends and receives still pair up)
     can = copies.usable(device)
-    key = _repeat_key(mask_mod, mod, fields, P, r, device, can)
+    key = None if key is None else (key, can)
     agreed = _agreed(group).get(key) if key is not None else None
-    if agreed is not None:  # (a repeat: no gather, so an error here is this rank's alone)
+    # (each rank classifies the tiles of its queries against every KV shard at once, then one
+    # gather both checks that the ranks agree and shares which tiles each rank keeps; an error
+    # while classifying is reported by that gather)
+    error, failure, table = "", None, None
+    try:  # (arguments checked here: an error on one rank is raised on every rank by the gather)
         shards, tiles, q_block, kv_block = _classified(mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, layout, P, r, device)
+        table = tiles.shard_ranges(P, shards.n) if tiles is not None else \
+            torch.zeros(P, 4, dtype=torch.int64, device=device)  # (a rank without queries keeps nothing)
+    except (ValueError, TypeError, RuntimeError) as e:
+        error, failure = str(e), e
+    pending = None
+    if agreed is not None:  # (a repeat: the gather is launched and read at the mask's first use)
+        pending = checks.launch_table(group, WHAT, fields, error, table, can=can)
+        if failure is not None:
+            raise failure  # (the others read it in the gather, at their next call)
         tables, copy_engines = agreed
     else:
-        # (each rank classifies the tiles of its queries against every KV shard at once, then one
-        # gather both checks that the ranks agree and shares which tiles each rank keeps; an error
-        # while classifying is reported by that gather)
-        error, failure, table = "", None, None
-        try:  # (arguments checked here: an error on one rank is raised on every rank by the gather)
-            shards, tiles, q_block, kv_block = _classified(mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, layout, P, r, device)
-            table = tiles.shard_ranges(P, shards.n) if tiles is not None else \
-                torch.zeros(P, 4, dtype=torch.int64, device=device)  # (a rank without queries keeps nothing)
-        except (ValueError, TypeError, RuntimeError) as e:
-            error, failure = str(e), e
         try:
-            tables, copy_engines = checks.agree_table(group, "flexattn.distributed.create_block_mask", fields,
-                                                      error, table, can=can)
+            tables, copy_engines = checks.agree_table(group, WHAT, fields, error, table, can=can)
         except checks.DistributedMismatchError as e:
             raise e from failure
         if key is not None:
@@ -238,7 +253,11 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     checks.ring_groups(group)  # (made here, where every rank of the group is)
     bm = DistributedBlockMask(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, shards, pairs, masks, name)
     bm.copy_engines = copy_engines
+    bm._pending = None if pending is None else (pending, tables)
     return bm
+
+
+WHAT = "flexattn.distributed.create_block_mask"
 
 
 def _classified(mod, B, H, Q_LEN: int, KV_LEN: int, BLOCK_SIZE, layout: Layout, P: int, r: int,
@@ -261,29 +280,21 @@ def _classified(mod, B, H, Q_LEN: int, KV_LEN: int, BLOCK_SIZE, layout: Layout, 
     return shards, tiles, q_block, kv_block
 
 
-def _repeat_key(mask_mod, mod: "flexattn.Mod", fields: dict, P: int, r: int, device: torch.device,
-                can: bool) -> tuple | None:
-    """The key of a build that can repeat without the gather, or None. A mask that reads no tensor
-    is decided by its code and the numbers it reads (`flexattn.modcache.fingerprint`, numbers by
-    value: a number passed as a 0-d tensor, `flexattn.scalars`, counts by its value), and with
-    the same arguments every rank gets the same ranges again. A mask that reads tensors (document
-    ids) gathers at every build: their values can change without a trace on the host (a
-    collective that writes into them, a write through ``.data`` or another library).
-
-    Like the per-call check of `flexattn.distributed.flex_attention`, this trusts that a build
-    one rank repeats is repeated by every rank. Where a rank's arguments differ, its gather meets
-    the others' next flexattn check (`checks`: one size for all of a group's), and every rank
-    raises; a collective of other code in between waits for ever."""
-    if isinstance(mask_mod, flexattn.Mod):
-        if mask_mod.buffers:
-            return None
-        decided = mask_mod.key()
-    else:
-        fp, tensors = modcache.fingerprint(mask_mod)
-        if fp is None or tensors:
-            return None
-        decided = fp
-    key = (decided, tuple(fields.items()), P, r, device, can)
+def _repeat_key(mod: "flexattn.Mod", layout: Layout, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, P: int, r: int,
+                device: torch.device) -> tuple | None:
+    """The key of a build whose gather can be read later, or None. A mask whose only tensors are
+    the 0-d tensors of Python numbers (`flexattn.scalars.number_of`; causal masks, sliding windows)
+    is decided by its trace and those numbers' values: built again with the same arguments, every
+    rank gets the ranges the ranks agreed on before. Such a build launches its gather (the check
+    and the ranges, as every build does) and reads it at the mask's first use, which raises where
+    the ranks disagreed or the ranges changed (`DistributedBlockMask.verify`): no host sync of its
+    own. A mask that reads other tensors (document ids) reads its gather at every build: a
+    tensor's values can change with no trace on the host (a collective that writes into it leaves
+    its version counter as it was)."""
+    numbers = tuple(map(scalars.number_of, mod.buffers))
+    if mod.host_values or None in numbers:
+        return None
+    key = (mod.key(), numbers, layout.key(), B, H, Q_LEN, KV_LEN, BLOCK_SIZE, P, r, device)
     try:
         hash(key)
     except TypeError:  # (a value that cannot be hashed, such as a list passed for B: no entry)
