@@ -306,9 +306,10 @@ def _repeated_builds(group) -> None:
         assert gathers.taken() == expect, expect
         _assert_pairs(bm, masks.causal, "causal")
     # an error while a repeated build classifies raises on its rank at once, and on the others at
-    # the mask's first use (its gather, read there)
-    from flexattn.distributed import masks as dmasks
+    # their next call, before its collectives (their gathers, read there), and the mask at every use
+    from flexattn.distributed import copies, masks as dmasks
     last = dist.get_rank(group) == dist.get_world_size(group) - 1
+    failed = rf"rank\(s\) \[{dist.get_world_size(group) - 1}\] failed"
     if last:
         inner = dmasks.classify
 
@@ -323,9 +324,26 @@ def _repeated_builds(group) -> None:
             dmasks.classify = inner
     else:
         bm = fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
-        with pytest.raises(fd.DistributedMismatchError, match=rf"rank\(s\) \[{dist.get_world_size(group) - 1}\] failed"):
+        with pytest.raises(fd.DistributedMismatchError, match=failed):
+            dmasks.verify(group)  # (what their next call does first)
+        with pytest.raises(fd.DistributedMismatchError, match=failed):
             fd.flex_attention(*[torch.randn(1, 1, bm.qpos.numel(), BLOCK)] * 3, block_mask=bm)
     assert gathers.taken() == 0
+    # the copy engines one rank may no longer use (its FLEXATTN_RING_COPY changed) while the others
+    # repeat a build agreed with them: every rank raises, that one at the build
+    usable = copies.usable
+    copies.usable = lambda device: True
+    try:
+        for _ in range(2):
+            fd.create_block_mask(masks.causal, None, None, S + 1, S + 1, group, device="cpu", BLOCK_SIZE=BLOCK)
+        if last:
+            copies.usable = lambda device: False
+        with pytest.raises(fd.DistributedMismatchError, match="copy engines"):
+            fd.create_block_mask(masks.causal, None, None, S + 1, S + 1, group, device="cpu", BLOCK_SIZE=BLOCK)
+            dmasks.verify(group)
+    finally:
+        copies.usable = usable
+    assert gathers.taken() == 1 + last
     # a mask that reads a tensor the trace cache cannot reach (through a method): its build reads
     # its gather at once, as any mask's that reads tensors, and has the pairs of the tensor's values
     global _REACH
@@ -345,31 +363,31 @@ def _repeated_builds(group) -> None:
 
 
 class _Gathers:
-    """Counts this rank's pre-collective gathers (`checks._gather_single`) and those of them read
-    at once (`checks._read`, a host sync) until `close`."""
+    """Counts this rank's pre-collective gathers (`checks._gather_single`) and the builds' gathers
+    read at once (`checks.agree_table`, a host sync) until `close`."""
 
     def __init__(self):
         self.launched, self.read = 0, 0
-        self.gather, self.reader = checks._gather_single, checks._read
+        self.gather, self.agree = checks._gather_single, checks.agree_table
 
         def gather(*args, **kwargs):
             self.launched += 1
             return self.gather(*args, **kwargs)
 
-        def read(*args, **kwargs):
+        def agree(*args, **kwargs):
             self.read += 1
-            return self.reader(*args, **kwargs)
+            return self.agree(*args, **kwargs)
 
-        checks._gather_single, checks._read = gather, read
+        checks._gather_single, checks.agree_table = gather, agree
 
     def taken(self) -> int:
-        """The gathers read at once since the last call (every build launches one)."""
+        """The builds' gathers read at once since the last call (every build launches one)."""
         assert self.launched >= 1, "a build without a gather"
         n, self.launched, self.read = self.read, 0, 0
         return n
 
     def close(self) -> None:
-        checks._gather_single, checks._read = self.gather, self.reader
+        checks._gather_single, checks.agree_table = self.gather, self.agree
 
 
 def _errors(group) -> None:
@@ -385,10 +403,15 @@ def _errors(group) -> None:
     # one rank's arguments differ from a build the others repeat: it raises at the build, they at
     # the mask's first use (their gather read there)
     x = torch.randn(1, 2, fd.shard(torch.empty(1, 1, 40, 1), group).shape[2], BLOCK)
-    with pytest.raises(fd.DistributedMismatchError, match="the ranks disagree"):
-        S = 41 if rank == P - 1 else 40
-        fd.flex_attention(x, x, x, block_mask=fd.create_block_mask(masks.causal, None, None, S, S, group,
-                                                                  device="cpu", BLOCK_SIZE=BLOCK))
+    differ = rf"the arguments of rank\(s\) \[{P - 1}\] differ from rank 0's.*repeated a build"
+    if rank == P - 1:
+        with pytest.raises(fd.DistributedMismatchError, match=differ):
+            fd.create_block_mask(masks.causal, None, None, 41, 41, group, device="cpu", BLOCK_SIZE=BLOCK)
+    else:
+        again = fd.create_block_mask(masks.causal, None, None, 40, 40, group, device="cpu", BLOCK_SIZE=BLOCK)
+        for _ in range(2):  # (and at every use after)
+            with pytest.raises(fd.DistributedMismatchError, match=differ):
+                fd.flex_attention(x, x, x, block_mask=again)
     n = bm.qpos.numel()
     q = torch.randn(1, 2, n, BLOCK)
     # one rank's shard does not match the mask's layout: every rank raises

@@ -6,11 +6,12 @@ whether it found a local error, in one all-gather; only if the digests differ, o
 an error, do the ranks gather the descriptions themselves (``all_gather_object``), so that every
 rank raises the same `DistributedMismatchError` naming what differs. Calls check once per
 description: a description seen before (on this rank) is not gathered again. A repeated build of
-a block mask whose only tensors are its Python numbers' gathers but reads its gather later, at
-the mask's first use (`launch_table`, `flexattn.distributed.masks`); where ranks then disagree,
-each raises by itself, since the repeating ranks are not there to gather descriptions. Every
-gather of a group has the same size (`WIDTH` table entries per rank, zeros where unused), so that
-ranks in different flexattn operations meet in gathers of one size and raise.
+a block mask whose only tensors are its Python numbers' takes part in its gather and reads it at
+the rank's next flexattn call in the group (`launch_table`, `flexattn.distributed.masks.verify`);
+every rank decides the same from a gather (`_decide`), and where any rank reads later the ranks
+raise by themselves instead of gathering descriptions. Every gather of a group has the same size
+(`WIDTH` table entries per rank, zeros where unused), so that ranks in different flexattn
+operations meet in gathers of one size and raise.
 """
 
 from __future__ import annotations
@@ -120,45 +121,71 @@ def agree_table(group: dist.ProcessGroup, what: str, fields: dict, local_error: 
     """`agree` and a gather of an integer ``table`` of up to ``WIDTH`` entries per rank of the
     group (on any device; None where ``local_error``) in one collective and one host sync:
     ``(every rank's table, whether every rank runs on this host and passed can=True)``."""
-    rows = _read(group, what, fields, local_error, _launch(group, what, fields, local_error, can, table))
-    n = 0 if table is None else table.numel()
-    return [r[_HEADER:_HEADER + n] for r in rows], len({r[2] for r in rows}) == 1 and all(r[3] for r in rows)
+    every = _launch(group, what, fields, local_error, can, table)
+    return _decide(group, what, fields, local_error, every.view(group.size(), -1).tolist(),
+                   0 if table is None else table.numel())
+
+
+def _decide(group: dist.ProcessGroup, what: str, fields: dict | None, local_error: str, rows: list[list[int]],
+            n: int) -> tuple[list[list[int]], bool]:
+    """What every rank decides from the same gathered ``rows``: ``(tables, copy engines)``, or
+    the same error on every rank. Where a rank launched its gather to read it later
+    (`launch_table`), the ranks raise by themselves instead of gathering descriptions, and also
+    where its agreed tables and copy engines are not this gather's."""
+    later = [i for i, r in enumerate(rows) if r[4]]
+    if not all(r[0] for r in rows) or len({r[1] for r in rows}) > 1:
+        if later:
+            raise DistributedMismatchError(_summary(what, rows, local_error))
+        _compare(group, what, fields, local_error)  # (raises on every rank, naming what differs)
+    tables = [r[_HEADER:_HEADER + n] for r in rows]
+    engines = len({r[2] for r in rows}) == 1 and all(r[3] for r in rows)
+    agreed = _digest((tables, engines))
+    stale = [i for i in later if rows[i][5] != agreed]
+    if stale:
+        raise DistributedMismatchError(
+            f"{what}: rank(s) {stale} repeated a build the ranks had agreed on, but the block ranges or the copy "
+            f"engines of this build are not that build's (a rank's FLEXATTN_RING_COPY changed, or the mask reads "
+            f"something its arguments do not show: capture its tensors)")
+    return tables, engines
 
 
 class Pending:
-    """The gather of `agree_table` launched by a rank that reads it later (`launch_table`)."""
+    """The gather of a build launched by a rank that reads it later (`launch_table`)."""
 
     def __init__(self, group: dist.ProcessGroup, what: str, every: torch.Tensor, n: int):
         self.group, self.what, self.every, self.n = group, what, every, n
+        # (read on whatever stream is current then: ordered after the gather by this event)
+        self.done = None
+        if every.is_cuda:
+            self.done = torch.cuda.Event()
+            self.done.record()
 
-    def check(self, expected: list[list[int]]) -> None:
-        """Raises, on this rank, where a rank had an error, the ranks' digests differ, or the
-        tables are not ``expected``; reads the gather (a host sync)."""
-        rows = self.every.view(self.group.size(), -1).tolist()
-        if not all(r[0] for r in rows) or len({r[1] for r in rows}) > 1:
-            raise DistributedMismatchError(_summary(self.what, rows))
-        if [r[_HEADER:_HEADER + self.n] for r in rows] != expected:
-            raise DistributedMismatchError(
-                f"{self.what}: the ranks' block ranges differ from those of the build they agreed on with the same "
-                f"arguments: the mask reads something its arguments do not show (make it with its tensors captured)")
+    def check(self) -> None:
+        """Reads the gather (a host sync) and raises, on this rank, what every rank decides from
+        it (`_decide`)."""
+        if self.done is not None:
+            self.done.synchronize()
+        _decide(self.group, self.what, None, "", self.every.view(self.group.size(), -1).tolist(), self.n)
 
 
 def launch_table(group: dist.ProcessGroup, what: str, fields: dict, local_error: str, table: torch.Tensor | None,
-                 can: bool = True) -> Pending:
-    """The gather of `agree_table`, launched and not read: a rank that repeats a call the ranks
-    agreed on takes part in it with no host sync, and reads it later (`Pending.check`). Ranks
-    that read theirs now and find a mismatch raise by themselves where any rank launched its
-    gather this way, instead of gathering the descriptions (the launching ranks are not there)."""
-    every = _launch(group, what, fields, local_error, can, table, later=True)
+                 can: bool, agreed: tuple[list[list[int]], bool]) -> Pending:
+    """The gather of `agree_table`, launched and not read, for a rank that repeats a build the
+    ranks ``agreed`` on (its tables and copy engines): it takes part in the gather with no host
+    sync and reads it later (`Pending.check`). Every rank decides the same from the gather: a rank
+    that reads its gather at once and finds a mismatch, or tables not those agreed, raises by
+    itself (the repeating ranks are not there to gather descriptions)."""
+    every = _launch(group, what, fields, local_error, can, table, later=_digest(agreed))
     return Pending(group, what, every, 0 if table is None else table.numel())
 
 
 def _launch(group: dist.ProcessGroup, what: str, fields: dict, local_error: str, can: bool = True,
-            table: torch.Tensor | None = None, later: bool = False) -> torch.Tensor:
+            table: torch.Tensor | None = None, later: int | None = None) -> torch.Tensor:
     """The all-gather of every rank's ``[no local error, digest of what and fields, digest of the
-    host name, can, reads later, *table]``, the table padded with zeros to ``WIDTH`` entries per
-    rank of the group (all zeros where None or ``local_error``), on the device the group's
-    backend sends from; launched, not read."""
+    host name, can, reads later, digest of the agreed tables and copy engines where it does,
+    *table]``, the table padded with zeros to ``WIDTH`` entries per rank of the group (all zeros
+    where None or ``local_error``), on the device the group's backend sends from; launched, not
+    read."""
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend_of(group) else torch.device("cpu")
     width = WIDTH * group.size()
     if table is not None and table.numel() > width:
@@ -166,7 +193,7 @@ def _launch(group: dist.ProcessGroup, what: str, fields: dict, local_error: str,
 
     def make():  # (the header, then a table of zeros)
         return torch.tensor([0 if local_error else 1, _digest((what, sorted(fields.items()))), _HOST, int(bool(can)),
-                             int(later)] + [0] * width, dtype=torch.int64, device=device)
+                             int(later is not None), later or 0] + [0] * width, dtype=torch.int64, device=device)
 
     key = (what, tuple(fields.items()), bool(local_error), bool(can), later, width, device)
     try:  # (made once per description: a repeated build sends it from the device as it is)
@@ -181,14 +208,10 @@ def _launch(group: dist.ProcessGroup, what: str, fields: dict, local_error: str,
 
 
 def _read(group: dist.ProcessGroup, what: str, fields: dict, local_error: str, every: torch.Tensor) -> list[list[int]]:
-    """The rows of a launched gather (one host sync). Where a rank has an error or the digests
-    differ, every rank raises: by gathering the descriptions (`_compare`), or, where a rank reads
-    its gather later, by itself."""
+    """The rows of a launched gather without a table (one host sync); `_decide` raises where the
+    ranks disagree."""
     rows = every.view(group.size(), -1).tolist()
-    if not all(r[0] for r in rows) or len({r[1] for r in rows}) > 1:
-        if any(r[4] for r in rows):
-            raise DistributedMismatchError(_summary(what, rows, local_error))
-        _compare(group, what, fields, local_error)  # (raises on every rank, naming what differs)
+    _decide(group, what, fields, local_error, rows, 0)
     return rows
 
 
@@ -202,7 +225,7 @@ def _summary(what: str, rows: list[list[int]], local_error: str = "") -> str:
     if differ:
         parts.append(f"the arguments of rank(s) {differ} differ from rank 0's")
     later = [i for i, r in enumerate(rows) if r[4]]
-    return (f"{what}: the ranks disagree ({'; '.join(parts)}); rank(s) {later} repeated a call the ranks had "
+    return (f"{what}: the ranks disagree ({'; '.join(parts)}); rank(s) {later} repeated a build the ranks had "
             f"agreed on, and raise at their next flexattn.distributed call")
 
 
@@ -211,9 +234,9 @@ def _gather_digests(group: dist.ProcessGroup, what: str, fields: dict, local_err
     return _read(group, what, fields, local_error, _launch(group, what, fields, local_error))
 
 
-# (what, fields, no local error, can, reads later, width, device) -> the header and zeros a gather sends
+# (what, fields, no local error, can, agreed digest, width, device) -> the header and zeros a gather sends
 _HEADERS = LRU(256)
-_HEADER = 5
+_HEADER = 6
 _HOST = _digest(socket.gethostname())
 # (one output tensor: torch 2.13 names it all_gather_single, earlier releases all_gather_into_tensor)
 _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

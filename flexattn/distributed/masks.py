@@ -124,8 +124,8 @@ class DistributedBlockMask:
         self.needs, self.windows, self.rows = pairs.needs, pairs.windows, pairs.rows
         self.kvpos_held, self.qpos_rows = pairs.kvpos_held, pairs.qpos_rows
         self._gathered = None
-        # (a repeated build's gather, not read yet, and the tables it should show: `verify`)
-        self._pending = None
+        # (why its repeated build's gather failed, read later: `verify`)
+        self._failed = None
         # (every rank a GPU of this host that can and may use the copy engines, `copies.usable`)
         self.copy_engines = False
         # (the name the custom ops know it by: the group's and the mask's number on it, equal on
@@ -134,14 +134,12 @@ class DistributedBlockMask:
         _BY_NAME[self.name] = self
 
     def verify(self) -> None:
-        """Reads the gather of a repeated build (`create_block_mask`, `_repeat_key`) at the mask's
-        first use, before that call's own collectives: raises where a rank failed or its
-        arguments differed, or where the ranges are not those the ranks agreed on before (then
-        at every use)."""
-        if self._pending is not None:
-            pending, tables = self._pending
-            pending.check(tables)
-            self._pending = None
+        """Raises where the gather of a repeated build of this mask's group, not read yet, shows
+        that the ranks disagreed (`verify` of the module); at the mask's first use, before the
+        call's own collectives."""
+        verify(self.group)
+        if self._failed is not None:
+            raise checks.DistributedMismatchError(self._failed)
 
     def gathered(self):
         """The BlockMask of this rank's queries against all KV shards in rank order (the
@@ -200,6 +198,7 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     group = checks.resolve_group(group_or_mesh)
     # (numbered first: every rank's call counts, also one that raises on some ranks only)
     name = f"{group.group_name}/{next(_COUNTERS.setdefault(group.group_name, itertools.count()))}"
+    verify(group)  # (the repeated builds whose gathers this rank has not read: before this one's)
     layout = as_layout(load_balance)
     P, r = group.size(), group.rank()
     device = torch.device(device) if device is not None else \
@@ -226,11 +225,11 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         shards, tiles, q_block, kv_block = _classified(mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, layout, P, r, device)
         table = tiles.shard_ranges(P, shards.n) if tiles is not None else \
             torch.zeros(P, 4, dtype=torch.int64, device=device)  # (a rank without queries keeps nothing)
-    except (ValueError, TypeError, RuntimeError) as e:
-        error, failure = str(e), e
+    except Exception as e:  # noqa: BLE001 - (any error of one rank, Triton's too, goes to the gather)
+        error, failure = str(e) or type(e).__name__, e
     pending = None
-    if agreed is not None:  # (a repeat: the gather is launched and read at the mask's first use)
-        pending = checks.launch_table(group, WHAT, fields, error, table, can=can)
+    if agreed is not None:  # (a repeat: the gather is launched, and read at the next call)
+        pending = checks.launch_table(group, WHAT, fields, error, table, can, agreed)
         if failure is not None:
             raise failure  # (the others read it in the gather, at their next call)
         tables, copy_engines = agreed
@@ -253,8 +252,33 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     checks.ring_groups(group)  # (made here, where every rank of the group is)
     bm = DistributedBlockMask(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, shards, pairs, masks, name)
     bm.copy_engines = copy_engines
-    bm._pending = None if pending is None else (pending, tables)
+    if pending is not None:
+        _UNREAD.setdefault(group, []).append((pending, weakref.ref(bm)))
     return bm
+
+
+# group -> the repeated builds whose gathers this rank has not read: [(checks.Pending, the mask)]
+_UNREAD: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def verify(group) -> None:
+    """Reads the gathers of this rank's repeated builds in ``group`` (`_repeat_key`) that it has
+    not read yet, at its next call of `create_block_mask` or `flex_attention` in the group, before
+    that call's collectives. Where the ranks disagreed, or a rank failed while building, raises;
+    the masks of those builds then raise at every use."""
+    unread = _UNREAD.get(group)
+    while unread:
+        pending, ref = unread[0]
+        try:
+            pending.check()
+        except checks.DistributedMismatchError as e:
+            for _, later in unread:  # (every mask not verified: none of them is used)
+                bm = later()
+                if bm is not None:
+                    bm._failed = str(e)
+            unread.clear()
+            raise
+        unread.pop(0)
 
 
 WHAT = "flexattn.distributed.create_block_mask"
