@@ -359,6 +359,10 @@ def _repeated_builds(group) -> None:
             bm = fd.create_block_mask(_within(width), None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
             assert gathers.taken() == expect, (width, expect)
             assert _assert_pairs(bm, _within(width), width) == seen[width], width
+        # numbers that differ between the ranks: every rank raises (the numbers are in the check)
+        rank = dist.get_rank(group)
+        with pytest.raises(fd.DistributedMismatchError, match="numbers"):
+            fd.create_block_mask(_within(11 + 2 * rank), None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
     gathers.close()
 
 

@@ -210,8 +210,10 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     made = ranks.ranked(mod)  # (int64 ids the mask only compares: int32 ranks, as on one GPU)
     if made is not None:
         mod = made.mod
-    fields = {"mask_mod": mod.key(), "B": B, "H": H, "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "layout": layout.key(),
-              "BLOCK_SIZE": BLOCK_SIZE, "device type": device.type}
+    # (the numbers a traced mask reads as 0-d tensors are not in its key: their values are)
+    fields = {"mask_mod": mod.key(), "numbers": tuple(map(scalars.number_of, mod.buffers)), "B": B, "H": H,
+              "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "layout": layout.key(), "BLOCK_SIZE": BLOCK_SIZE,
+              "device type": device.type}
     # (the copy engines only where every rank can use them: one rank's FLEXATTN_RING_COPY=0
     # keeps every rank's K/V on NCCL, so that sends and receives still pair up)
     can = copies.usable(device)
