@@ -305,32 +305,34 @@ def _repeated_builds(group) -> None:
         bm = fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
         assert gathers.taken() == expect, expect
         _assert_pairs(bm, masks.causal, "causal")
-    # an error while a repeated build classifies raises on its rank at once, and on the others at
-    # their next call, before its collectives (their gathers, read there), and the mask at every use
+    # an error while a repeated build classifies: every rank raises at its next call in the group
+    # (here the next build), before that call's collectives, and the mask raises at every use
     from flexattn.distributed import copies, masks as dmasks
     last = dist.get_rank(group) == dist.get_world_size(group) - 1
-    failed = rf"rank\(s\) \[{dist.get_world_size(group) - 1}\] failed"
+    failed = rf"rank\(s\) \[{dist.get_world_size(group) - 1}\] failed|this rank failed.*simulated"
+    inner = dmasks.classify
     if last:
-        inner = dmasks.classify
-
         def failing(*args, **kwargs):
             raise RuntimeError("out of memory (simulated)")
 
         dmasks.classify = failing
-        try:
-            with pytest.raises(RuntimeError, match="simulated"):
-                fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
-        finally:
-            dmasks.classify = inner
-    else:
+    try:
         bm = fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
+    finally:
+        dmasks.classify = inner
+    with pytest.raises(fd.DistributedMismatchError, match=failed):
+        fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
+    for _ in range(2):
         with pytest.raises(fd.DistributedMismatchError, match=failed):
-            dmasks.verify(group)  # (what their next call does first)
-        with pytest.raises(fd.DistributedMismatchError, match=failed):
-            fd.flex_attention(*[torch.randn(1, 1, bm.qpos.numel(), BLOCK)] * 3, block_mask=bm)
+            fd.flex_attention(*[torch.randn(1, 1, 7, BLOCK)] * 3, block_mask=bm)
     assert gathers.taken() == 0
+    # the agreement was forgotten: the next build reads its gather at once, and the one after repeats
+    for expect in (1, 0):
+        _assert_pairs(fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK),
+                      masks.causal, "again")
+        assert gathers.taken() == expect
     # the copy engines one rank may no longer use (its FLEXATTN_RING_COPY changed) while the others
-    # repeat a build agreed with them: every rank raises, that one at the build
+    # repeat a build agreed with them: every rank raises at its next call
     usable = copies.usable
     copies.usable = lambda device: True
     try:
@@ -338,9 +340,9 @@ def _repeated_builds(group) -> None:
             fd.create_block_mask(masks.causal, None, None, S + 1, S + 1, group, device="cpu", BLOCK_SIZE=BLOCK)
         if last:
             copies.usable = lambda device: False
+        fd.create_block_mask(masks.causal, None, None, S + 1, S + 1, group, device="cpu", BLOCK_SIZE=BLOCK)
         with pytest.raises(fd.DistributedMismatchError, match="copy engines"):
             fd.create_block_mask(masks.causal, None, None, S + 1, S + 1, group, device="cpu", BLOCK_SIZE=BLOCK)
-            dmasks.verify(group)
     finally:
         copies.usable = usable
     assert gathers.taken() == 1 + last
@@ -404,18 +406,15 @@ def _errors(group) -> None:
         fd.create_block_mask(masks.causal, None, None, 40, 40, group, device="cpu",
                              BLOCK_SIZE=24 if rank == P - 1 else BLOCK)
     bm = fd.create_block_mask(masks.causal, None, None, 40, 40, group, device="cpu", BLOCK_SIZE=BLOCK)
-    # one rank's arguments differ from a build the others repeat: it raises at the build, they at
-    # the mask's first use (their gather read there)
+    # one rank's arguments differ from a build the others repeat: every rank raises at its next
+    # call in the group (the mask's use), and the mask at every use
     x = torch.randn(1, 2, fd.shard(torch.empty(1, 1, 40, 1), group).shape[2], BLOCK)
     differ = rf"the arguments of rank\(s\) \[{P - 1}\] differ from rank 0's.*repeated a build"
-    if rank == P - 1:
+    again = fd.create_block_mask(masks.causal, None, None, 41 if rank == P - 1 else 40, 41 if rank == P - 1 else 40,
+                                 group, device="cpu", BLOCK_SIZE=BLOCK)
+    for _ in range(2):
         with pytest.raises(fd.DistributedMismatchError, match=differ):
-            fd.create_block_mask(masks.causal, None, None, 41, 41, group, device="cpu", BLOCK_SIZE=BLOCK)
-    else:
-        again = fd.create_block_mask(masks.causal, None, None, 40, 40, group, device="cpu", BLOCK_SIZE=BLOCK)
-        for _ in range(2):  # (and at every use after)
-            with pytest.raises(fd.DistributedMismatchError, match=differ):
-                fd.flex_attention(x, x, x, block_mask=again)
+            fd.flex_attention(x, x, x, block_mask=again)
     n = bm.qpos.numel()
     q = torch.randn(1, 2, n, BLOCK)
     # one rank's shard does not match the mask's layout: every rank raises

@@ -30,6 +30,11 @@ class DistributedMismatchError(ValueError):
     """Ranks called a collective flexattn operation with inputs that do not agree."""
 
 
+class Deferred(DistributedMismatchError):
+    """A mismatch found in a gather that some rank reads later (`launch_table`): every rank raises
+    it at the same later call, not at once."""
+
+
 def resolve_group(group_or_mesh) -> dist.ProcessGroup:
     """A process group from a ProcessGroup, a 1-D DeviceMesh, or None (the default group)."""
     if not dist.is_available() or not dist.is_initialized():
@@ -135,14 +140,14 @@ def _decide(group: dist.ProcessGroup, what: str, fields: dict | None, local_erro
     later = [i for i, r in enumerate(rows) if r[4]]
     if not all(r[0] for r in rows) or len({r[1] for r in rows}) > 1:
         if later:
-            raise DistributedMismatchError(_summary(what, rows, local_error))
+            raise Deferred(_summary(what, rows, local_error))
         _compare(group, what, fields, local_error)  # (raises on every rank, naming what differs)
     tables = [r[_HEADER:_HEADER + n] for r in rows]
     engines = len({r[2] for r in rows}) == 1 and all(r[3] for r in rows)
     agreed = _digest((tables, engines))
     stale = [i for i in later if rows[i][5] != agreed]
     if stale:
-        raise DistributedMismatchError(
+        raise Deferred(
             f"{what}: rank(s) {stale} repeated a build the ranks had agreed on, but the block ranges or the copy "
             f"engines of this build are not that build's (a rank's FLEXATTN_RING_COPY changed, or the mask reads "
             f"something its arguments do not show: capture its tensors)")
@@ -153,16 +158,19 @@ class Pending:
     """The gather of a build launched by a rank that reads it later (`launch_table`)."""
 
     def __init__(self, group: dist.ProcessGroup, what: str, every: torch.Tensor, n: int):
-        self.group, self.what, self.every, self.n = group, what, every, n
-        # (read on whatever stream is current then: ordered after the gather by this event)
+        self.group, self.what, self.n = group, what, n
         self.done = None
-        if every.is_cuda:
+        if every.is_cuda:  # (copied to pinned memory behind the gather: the read waits for no later work)
+            self.every = torch.empty(every.shape, dtype=every.dtype, pin_memory=True)
+            self.every.copy_(every, non_blocking=True)
             self.done = torch.cuda.Event()
             self.done.record()
+        else:
+            self.every = every
 
     def check(self) -> None:
-        """Reads the gather (a host sync) and raises, on this rank, what every rank decides from
-        it (`_decide`)."""
+        """Reads the gather (waiting for it and the work queued before it) and raises, on this
+        rank, what every rank decides from it (`_decide`)."""
         if self.done is not None:
             self.done.synchronize()
         _decide(self.group, self.what, None, "", self.every.view(self.group.size(), -1).tolist(), self.n)
@@ -226,7 +234,7 @@ def _summary(what: str, rows: list[list[int]], local_error: str = "") -> str:
         parts.append(f"the arguments of rank(s) {differ} differ from rank 0's")
     later = [i for i, r in enumerate(rows) if r[4]]
     return (f"{what}: the ranks disagree ({'; '.join(parts)}); rank(s) {later} repeated a build the ranks had "
-            f"agreed on, and raise at their next flexattn.distributed call")
+            f"agreed on, so every rank raises at its next flexattn.distributed call in the group")
 
 
 def _gather_digests(group: dist.ProcessGroup, what: str, fields: dict, local_error: str) -> list[list[int]]:

@@ -232,12 +232,15 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     pending = None
     if agreed is not None:  # (a repeat: the gather is launched, and read at the next call)
         pending = checks.launch_table(group, WHAT, fields, error, table, can, agreed)
-        if failure is not None:
-            raise failure  # (the others read it in the gather, at their next call)
+        if failure is not None:  # (the others read it at their next call: every rank raises there)
+            return _failed(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, name, key,
+                           f"{WHAT}: this rank failed while building the mask: {type(failure).__name__}: {error}")
         tables, copy_engines = agreed
     else:
         try:
             tables, copy_engines = checks.agree_table(group, WHAT, fields, error, table, can=can)
+        except checks.Deferred as e:  # (a rank repeated this build: every rank raises at its next call)
+            return _failed(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, name, key, str(e))
         except checks.DistributedMismatchError as e:
             raise e from failure
         if key is not None:
@@ -255,35 +258,56 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     bm = DistributedBlockMask(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, shards, pairs, masks, name)
     bm.copy_engines = copy_engines
     if pending is not None:
-        _UNREAD.setdefault(group, []).append((pending, weakref.ref(bm)))
+        _UNREAD.setdefault(group, []).append((pending, weakref.ref(bm), key, None))
     return bm
 
 
-# group -> the repeated builds whose gathers this rank has not read: [(checks.Pending, the mask)]
+def _failed(group, layout: Layout, B, H, seq_lengths: tuple, BLOCK_SIZE, name: str, key, message: str):
+    """A stand-in for a mask whose build failed where some rank reads its gather later: it raises
+    ``message`` at this rank's next call in the group, where the other ranks raise too, and at
+    every use (no tables)."""
+    bm = DistributedBlockMask.__new__(DistributedBlockMask)
+    bm.group, bm.layout, bm.B, bm.H = group, layout, B, H
+    bm.world_size, bm.rank = group.size(), group.rank()
+    bm.seq_lengths, bm.BLOCK_SIZE, bm.mask_mod = seq_lengths, BLOCK_SIZE, None
+    bm.qpos = bm.kvpos = bm.masks = bm.needs = bm.windows = bm.rows = bm.kvpos_held = bm.qpos_rows = None
+    bm._gathered, bm._failed, bm.copy_engines, bm.name = None, message, False, name
+    _BY_NAME[name] = bm
+    _UNREAD.setdefault(group, []).append((None, weakref.ref(bm), key, message))
+    return bm
+
+
+WHAT = "flexattn.distributed.create_block_mask"
+
+# group -> the repeated builds whose gathers this rank has not read: [(checks.Pending or None, the
+# mask, its agreement's key, the message of a build that failed)]
 _UNREAD: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def verify(group) -> None:
     """Reads the gathers of this rank's repeated builds in ``group`` (`_repeat_key`) that it has
     not read yet, at its next call of `create_block_mask` or `flex_attention` in the group, before
-    that call's collectives. Where the ranks disagreed, or a rank failed while building, raises;
-    the masks of those builds then raise at every use."""
+    that call's collectives. Where the ranks disagreed, or a rank failed while building, raises
+    (every rank at the same call), forgets those builds' agreements, and the masks of those
+    builds raise at every use."""
     unread = _UNREAD.get(group)
     while unread:
-        pending, ref = unread[0]
+        pending, ref, key, message = unread[0]
         try:
+            if message is not None:
+                raise checks.DistributedMismatchError(message)
             pending.check()
         except checks.DistributedMismatchError as e:
-            for _, later in unread:  # (every mask not verified: none of them is used)
+            agreed = _agreed(group)
+            for _, later, stale, _ in unread:  # (every mask not verified: none of them is used)
                 bm = later()
                 if bm is not None:
                     bm._failed = str(e)
+                if stale is not None:
+                    agreed.pop(stale)
             unread.clear()
             raise
         unread.pop(0)
-
-
-WHAT = "flexattn.distributed.create_block_mask"
 
 
 def _classified(mod, B, H, Q_LEN: int, KV_LEN: int, BLOCK_SIZE, layout: Layout, P: int, r: int,
