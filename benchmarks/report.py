@@ -49,7 +49,9 @@ METHOD = """\
   pairs the mask keeps; efficiency is the one-GPU time of the whole sequence (flexattn) over P times
   the ring's; torch CP is torch's context parallel with `torch.compile(flex_attention)`. Mask ms:
   the wall time of a repeated block-mask build (`flexattn.distributed.create_block_mask` on every
-  rank, flexattn's `create_block_mask` of the whole sequence on one GPU, torch's compiled CP mask).
+  rank, flexattn's `create_block_mask` of the whole sequence on one GPU, torch's compiled CP mask;
+  in runs at 70adb4a and later, the documents' ids in a new tensor at each build of the first two,
+  as a training loop's batches).
   Peak GiB: what the case allocates on a GPU, its inputs included (the ring's copy-engine slots
   added); one marked * counts everything live in the process, earlier cases' leftovers included.
 - Per-call times are wall clock over a loop of calls (model code that builds its score_mod anew
