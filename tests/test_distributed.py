@@ -311,10 +311,11 @@ def _repeated_builds(group) -> None:
     last = dist.get_rank(group) == dist.get_world_size(group) - 1
     failed = rf"rank\(s\) \[{dist.get_world_size(group) - 1}\] failed|this rank failed.*simulated"
     inner = dmasks.classify
-    if last:
-        def failing(*args, **kwargs):
-            raise RuntimeError("out of memory (simulated)")
 
+    def failing(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+
+    if last:
         dmasks.classify = failing
     try:
         bm = fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
@@ -331,6 +332,18 @@ def _repeated_builds(group) -> None:
         _assert_pairs(fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK),
                       masks.causal, "again")
         assert gathers.taken() == expect
+    # an error after the classification (listing the pairs' tables) in a repeat: the same, and the
+    # stand-in mask has its positions
+    assembled = dmasks._assembled
+    if last:
+        dmasks._assembled = failing
+    try:
+        bm = fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
+    finally:
+        dmasks._assembled = assembled
+    assert bm.qpos.numel() == fd.shard(torch.empty(1, 1, S, 1), group).shape[2]
+    with pytest.raises(fd.DistributedMismatchError, match=failed):
+        bm.sparsity()
     # the copy engines one rank may no longer use (its FLEXATTN_RING_COPY changed) while the others
     # repeat a build agreed with them: every rank raises at its next call
     usable = copies.usable

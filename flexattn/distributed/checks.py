@@ -234,7 +234,7 @@ def _summary(what: str, rows: list[list[int]], local_error: str = "") -> str:
         parts.append(f"the arguments of rank(s) {differ} differ from rank 0's")
     later = [i for i, r in enumerate(rows) if r[4]]
     return (f"{what}: the ranks disagree ({'; '.join(parts)}); rank(s) {later} repeated a build the ranks had "
-            f"agreed on, so every rank raises at its next flexattn.distributed call in the group")
+            f"agreed on, so every rank raises at its next create_block_mask or flex_attention in the group")
 
 
 def _gather_digests(group: dist.ProcessGroup, what: str, fields: dict, local_error: str) -> list[list[int]]:

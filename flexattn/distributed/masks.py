@@ -135,8 +135,8 @@ class DistributedBlockMask:
 
     def verify(self) -> None:
         """Raises where the gather of a repeated build of this mask's group, not read yet, shows
-        that the ranks disagreed (`verify` of the module); at the mask's first use, before the
-        call's own collectives."""
+        that the ranks disagreed (`verify` of the module), or this mask's did; at every use,
+        before the call's own collectives."""
         verify(self.group)
         if self._failed is not None:
             raise checks.DistributedMismatchError(self._failed)
@@ -144,6 +144,7 @@ class DistributedBlockMask:
     def gathered(self):
         """The BlockMask of this rank's queries against all KV shards in rank order (the
         all-gather method's; None if empty), and those KV positions; built on first use."""
+        self.verify()
         if self._gathered is None:
             kvpos = torch.cat(self.kvpos)
             if self.qpos.numel() == 0 or kvpos.numel() == 0:  # (a rank without queries: nothing to do)
@@ -158,6 +159,7 @@ class DistributedBlockMask:
 
     def sparsity(self) -> float:
         """Percentage of (query shard, KV shard) pairs that no rank computes."""
+        self.verify()
         P = self.world_size
         return 100.0 * (1 - sum(map(sum, self.needs)) / (P * P))
 
@@ -188,7 +190,8 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     tables come from flexattn's block-mask kernels (no torch.compile). A collective: every
     rank calls it with the same arguments (checked: a mismatch raises on every rank). A build
     of a mask whose only tensors are its Python numbers', with arguments the ranks agreed on
-    before, reads that check at the mask's first use: no host sync of its own (`_repeat_key`).
+    before, reads that check at the rank's next call in the group: no host sync of its own
+    (`_repeat_key`).
 
     Example (under torchrun)::
 
@@ -222,55 +225,69 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     # (each rank classifies the tiles of its queries against every KV shard at once, then one
     # gather both checks that the ranks agree and shares which tiles each rank keeps; an error
     # while classifying is reported by that gather)
-    error, failure, table = "", None, None
+    error, failure, table, shards, tiles = "", None, None, None, None
     try:  # (arguments checked here: an error on one rank is raised on every rank by the gather)
         shards, tiles, q_block, kv_block = _classified(mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, layout, P, r, device)
         table = tiles.shard_ranges(P, shards.n) if tiles is not None else \
             torch.zeros(P, 4, dtype=torch.int64, device=device)  # (a rank without queries keeps nothing)
     except Exception as e:  # noqa: BLE001 - (any error of one rank, Triton's too, goes to the gather)
         error, failure = str(e) or type(e).__name__, e
-    pending = None
-    if agreed is not None:  # (a repeat: the gather is launched, and read at the next call)
-        pending = checks.launch_table(group, WHAT, fields, error, table, can, agreed)
+    if agreed is not None:  # (a repeat: the mask made first, then the gather launched and read at the next call)
+        tables, copy_engines = agreed
+        bm = None
+        if failure is None:
+            try:
+                bm = _assembled(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, shards, tiles, tables,
+                                copy_engines, name)
+            except Exception as e:  # noqa: BLE001 - (as above: the gather carries it)
+                error, failure = str(e) or type(e).__name__, e
+        pending = checks.launch_table(group, WHAT, fields, error, None if failure else table, can, agreed)
         if failure is not None:  # (the others read it at their next call: every rank raises there)
             return _failed(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, name, key,
-                           f"{WHAT}: this rank failed while building the mask: {type(failure).__name__}: {error}")
-        tables, copy_engines = agreed
-    else:
-        try:
-            tables, copy_engines = checks.agree_table(group, WHAT, fields, error, table, can=can)
-        except checks.Deferred as e:  # (a rank repeated this build: every rank raises at its next call)
-            return _failed(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, name, key, str(e))
-        except checks.DistributedMismatchError as e:
-            raise e from failure
-        if key is not None:
-            _agreed(group)[key] = (tables, copy_engines)
-    # (each pair's tables, of the rows that read the shard against what travels of it, listed from
-    # the one classification)
+                           f"{WHAT}: this rank failed while building the mask: {type(failure).__name__}: {error}",
+                           shards)
+        _UNREAD.setdefault(group, []).append((pending, weakref.ref(bm), key, None))
+        return bm
+    try:
+        tables, copy_engines = checks.agree_table(group, WHAT, fields, error, table, can=can)
+    except checks.Deferred as e:  # (a rank repeated this build: every rank raises at its next call)
+        return _failed(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, name, key, str(e), shards)
+    except checks.DistributedMismatchError as e:
+        raise e from failure
+    if key is not None:
+        _agreed(group)[key] = (tables, copy_engines)
+    return _assembled(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, shards, tiles, tables, copy_engines,
+                      name)
+
+
+def _assembled(group, layout: Layout, B, H, seq_lengths: tuple, BLOCK_SIZE, mod, shards: "_Shards", tiles, tables,
+               copy_engines: bool, name: str) -> DistributedBlockMask:
+    """The mask of a build whose ranges are ``tables`` (every rank's): each pair's tables, of the
+    rows that read the shard against what travels of it, listed from the one classification."""
     pairs = _PAIRS.get_or_make((shards.key, tuple(map(tuple, tables))), lambda: _Pairs(shards, tables))
-    masks = [None] * P
+    masks = [None] * shards.P
     for j, lists, local in zip(pairs.read, tiles.tables_of(pairs.rects) if pairs.read else [],
                                pairs.positioned(mod)):
         rows, held = pairs.rows[j], pairs.held[j]
-        masks[j] = flexattn.BlockMask((rows[1] - rows[0], held[1] - held[0]), *lists, BLOCK_SIZE=(q_block, kv_block),
-                                      mask_mod=local, validate=False)
+        masks[j] = flexattn.BlockMask((rows[1] - rows[0], held[1] - held[0]), *lists,
+                                      BLOCK_SIZE=(shards.q_block, shards.kv_block), mask_mod=local, validate=False)
     checks.ring_groups(group)  # (made here, where every rank of the group is)
-    bm = DistributedBlockMask(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, shards, pairs, masks, name)
+    bm = DistributedBlockMask(group, layout, B, H, seq_lengths, BLOCK_SIZE, mod, shards, pairs, masks, name)
     bm.copy_engines = copy_engines
-    if pending is not None:
-        _UNREAD.setdefault(group, []).append((pending, weakref.ref(bm), key, None))
     return bm
 
 
-def _failed(group, layout: Layout, B, H, seq_lengths: tuple, BLOCK_SIZE, name: str, key, message: str):
+def _failed(group, layout: Layout, B, H, seq_lengths: tuple, BLOCK_SIZE, name: str, key, message: str,
+            shards: "_Shards | None") -> DistributedBlockMask:
     """A stand-in for a mask whose build failed where some rank reads its gather later: it raises
     ``message`` at this rank's next call in the group, where the other ranks raise too, and at
-    every use (no tables)."""
+    every use. It has the positions where the build got that far, and no tables (None)."""
     bm = DistributedBlockMask.__new__(DistributedBlockMask)
     bm.group, bm.layout, bm.B, bm.H = group, layout, B, H
     bm.world_size, bm.rank = group.size(), group.rank()
     bm.seq_lengths, bm.BLOCK_SIZE, bm.mask_mod = seq_lengths, BLOCK_SIZE, None
-    bm.qpos = bm.kvpos = bm.masks = bm.needs = bm.windows = bm.rows = bm.kvpos_held = bm.qpos_rows = None
+    bm.masks = bm.needs = bm.windows = bm.rows = bm.kvpos_held = bm.qpos_rows = None
+    bm.qpos, bm.kvpos = (shards.qpos, shards.kvpos) if shards is not None else (None, None)
     bm._gathered, bm._failed, bm.copy_engines, bm.name = None, message, False, name
     _BY_NAME[name] = bm
     _UNREAD.setdefault(group, []).append((None, weakref.ref(bm), key, message))
@@ -336,9 +353,9 @@ def _repeat_key(mod: "flexattn.Mod", layout: Layout, B, H, Q_LEN, KV_LEN, BLOCK_
     the 0-d tensors of Python numbers (`flexattn.scalars.number_of`; causal masks, sliding windows)
     is decided by its trace and those numbers' values: built again with the same arguments, every
     rank gets the ranges the ranks agreed on before. Such a build launches its gather (the check
-    and the ranges, as every build does) and reads it at the mask's first use, which raises where
-    the ranks disagreed or the ranges changed (`DistributedBlockMask.verify`): no host sync of its
-    own. A mask that reads other tensors (document ids) reads its gather at every build: a
+    and the ranges, as every build does) and reads it at the rank's next `create_block_mask` or
+    `flex_attention` in the group, which raises where the ranks disagreed or the ranges changed
+    (`verify`): no host sync of its own. A mask that reads other tensors (document ids) reads its gather at every build: a
     tensor's values can change with no trace on the host (a collective that writes into it leaves
     its version counter as it was)."""
     numbers = tuple(map(scalars.number_of, mod.buffers))
