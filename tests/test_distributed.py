@@ -310,17 +310,21 @@ def _repeated_builds(group) -> None:
     from flexattn.distributed import copies, masks as dmasks
     last = dist.get_rank(group) == dist.get_world_size(group) - 1
     failed = rf"rank\(s\) \[{dist.get_world_size(group) - 1}\] failed|this rank failed.*simulated"
-    inner = dmasks.classify
 
     def failing(*args, **kwargs):
         raise RuntimeError("out of memory (simulated)")
 
-    if last:
-        dmasks.classify = failing
-    try:
-        bm = fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
-    finally:
-        dmasks.classify = inner
+    def built_failing_on_the_last_rank(step: str):
+        """A causal build in which ``step`` of `flexattn.distributed.masks` fails on the last rank."""
+        inner = getattr(dmasks, step)
+        if last:
+            setattr(dmasks, step, failing)
+        try:
+            return fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
+        finally:
+            setattr(dmasks, step, inner)
+
+    bm = built_failing_on_the_last_rank("classify")
     with pytest.raises(fd.DistributedMismatchError, match=failed):
         fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
     for _ in range(2):
@@ -334,13 +338,7 @@ def _repeated_builds(group) -> None:
         assert gathers.taken() == expect
     # an error after the classification (listing the pairs' tables) in a repeat: the same, and the
     # stand-in mask has its positions
-    assembled = dmasks._assembled
-    if last:
-        dmasks._assembled = failing
-    try:
-        bm = fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
-    finally:
-        dmasks._assembled = assembled
+    bm = built_failing_on_the_last_rank("_assembled")
     assert bm.qpos.numel() == fd.shard(torch.empty(1, 1, S, 1), group).shape[2]
     with pytest.raises(fd.DistributedMismatchError, match=failed):
         bm.sparsity()
