@@ -126,17 +126,17 @@ def agree_table(group: dist.ProcessGroup, what: str, fields: dict, local_error: 
     """`agree` and a gather of an integer ``table`` of up to ``WIDTH`` entries per rank of the
     group (on any device; None where ``local_error``) in one collective and one host sync:
     ``(every rank's table, whether every rank runs on this host and passed can=True)``."""
-    every = _launch(group, what, fields, local_error, can, table)
-    return _decide(group, what, fields, local_error, every.view(group.size(), -1).tolist(),
+    return _decide(group, what, fields, local_error, _launch(group, what, fields, local_error, can, table),
                    0 if table is None else table.numel())
 
 
-def _decide(group: dist.ProcessGroup, what: str, fields: dict | None, local_error: str, rows: list[list[int]],
+def _decide(group: dist.ProcessGroup, what: str, fields: dict | None, local_error: str, every: torch.Tensor,
             n: int) -> tuple[list[list[int]], bool]:
-    """What every rank decides from the same gathered ``rows``: ``(tables, copy engines)``, or
-    the same error on every rank. Where a rank launched its gather to read it later
+    """What every rank decides from the same gather ``every`` (read here: a host sync):
+    ``(tables of n entries, copy engines)``, or the same error on every rank. Where a rank launched its gather to read it later
     (`launch_table`), the ranks raise by themselves instead of gathering descriptions, and also
     where its agreed tables and copy engines are not this gather's."""
+    rows = every.view(group.size(), -1).tolist()
     later = [i for i, r in enumerate(rows) if r[4]]
     if not all(r[0] for r in rows) or len({r[1] for r in rows}) > 1:
         if later:
@@ -173,7 +173,7 @@ class Pending:
         rank, what every rank decides from it (`_decide`)."""
         if self.done is not None:
             self.done.synchronize()
-        _decide(self.group, self.what, None, "", self.every.view(self.group.size(), -1).tolist(), self.n)
+        _decide(self.group, self.what, None, "", self.every, self.n)
 
 
 def launch_table(group: dist.ProcessGroup, what: str, fields: dict, local_error: str, table: torch.Tensor | None,
@@ -215,14 +215,6 @@ def _launch(group: dist.ProcessGroup, what: str, fields: dict, local_error: str,
     return every
 
 
-def _read(group: dist.ProcessGroup, what: str, fields: dict, local_error: str, every: torch.Tensor) -> list[list[int]]:
-    """The rows of a launched gather without a table (one host sync); `_decide` raises where the
-    ranks disagree."""
-    rows = every.view(group.size(), -1).tolist()
-    _decide(group, what, fields, local_error, rows, 0)
-    return rows
-
-
 def _summary(what: str, rows: list[list[int]], local_error: str = "") -> str:
     """What the gathered digests show, where the descriptions are not gathered."""
     failed = [i for i, r in enumerate(rows) if not r[0]]
@@ -235,11 +227,6 @@ def _summary(what: str, rows: list[list[int]], local_error: str = "") -> str:
     later = [i for i, r in enumerate(rows) if r[4]]
     return (f"{what}: the ranks disagree ({'; '.join(parts)}); rank(s) {later} repeated a build the ranks had "
             f"agreed on, so every rank raises at its next create_block_mask or flex_attention in the group")
-
-
-def _gather_digests(group: dist.ProcessGroup, what: str, fields: dict, local_error: str) -> list[list[int]]:
-    """`_launch` and `_read` of a gather without a table."""
-    return _read(group, what, fields, local_error, _launch(group, what, fields, local_error))
 
 
 # (what, fields, no local error, can, agreed digest, width, device) -> the header and zeros a gather sends
@@ -266,7 +253,7 @@ def agree(group: dist.ProcessGroup, what: str, fields: dict, local_error: str = 
     token = (what, tuple(fields.items()), local_error) if cache else None
     if token is not None and token in _AGREED.get(group, ()):
         return
-    _gather_digests(group, what, fields, local_error)
+    _decide(group, what, fields, local_error, _launch(group, what, fields, local_error), 0)
     if token is not None:
         seen = _AGREED.setdefault(group, set())
         if len(seen) >= _AGREED_LIMIT:

@@ -209,12 +209,13 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     mod = as_mask_mod(mask_mod, device)
-    key = _repeat_key(mod, layout, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, P, r, device)
+    numbers = tuple(map(scalars.number_of, mod.buffers))
+    key = _repeat_key(mod, numbers, layout, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, P, r, device)
     made = ranks.ranked(mod)  # (int64 ids the mask only compares: int32 ranks, as on one GPU)
     if made is not None:
         mod = made.mod
     # (the numbers a traced mask reads as 0-d tensors are not in its key: their values are)
-    fields = {"mask_mod": mod.key(), "numbers": tuple(map(scalars.number_of, mod.buffers)), "B": B, "H": H,
+    fields = {"mask_mod": mod.key(), "numbers": numbers, "B": B, "H": H,
               "Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "layout": layout.key(), "BLOCK_SIZE": BLOCK_SIZE,
               "device type": device.type}
     # (the copy engines only where every rank can use them: one rank's FLEXATTN_RING_COPY=0
@@ -347,8 +348,8 @@ def _classified(mod, B, H, Q_LEN: int, KV_LEN: int, BLOCK_SIZE, layout: Layout, 
     return shards, tiles, q_block, kv_block
 
 
-def _repeat_key(mod: "flexattn.Mod", layout: Layout, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, P: int, r: int,
-                device: torch.device) -> tuple | None:
+def _repeat_key(mod: "flexattn.Mod", numbers: tuple, layout: Layout, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, P: int,
+                r: int, device: torch.device) -> tuple | None:
     """The key of a build whose gather can be read later, or None. A mask whose only tensors are
     the 0-d tensors of Python numbers (`flexattn.scalars.number_of`; causal masks, sliding windows)
     is decided by its trace and those numbers' values: built again with the same arguments, every
@@ -358,8 +359,7 @@ def _repeat_key(mod: "flexattn.Mod", layout: Layout, B, H, Q_LEN, KV_LEN, BLOCK_
     (`verify`): no host sync of its own. A mask that reads other tensors (document ids) reads its gather at every build: a
     tensor's values can change with no trace on the host (a collective that writes into it leaves
     its version counter as it was)."""
-    numbers = tuple(map(scalars.number_of, mod.buffers))
-    if mod.host_values or None in numbers:
+    if mod.host_values or None in numbers:  # (``numbers``: `scalars.number_of` of each buffer)
         return None
     key = (mod.key(), numbers, layout.key(), B, H, Q_LEN, KV_LEN, BLOCK_SIZE, P, r, device)
     try:
@@ -437,8 +437,6 @@ _SHARDS = LRU(16)
 
 def _shards(layout: Layout, Q_LEN: int, KV_LEN: int, P: int, r: int, q_block: int, kv_block: int,
             device: torch.device) -> _Shards:
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
     key = (layout.key(), Q_LEN, KV_LEN, P, r, q_block, kv_block, device)
     return _SHARDS.get_or_make(key, lambda: _Shards(key, layout, Q_LEN, KV_LEN, P, r, q_block, kv_block, device))
 
