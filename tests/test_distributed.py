@@ -271,15 +271,16 @@ def _repeated_builds(group) -> None:
     """Masks of one mod whose captured tensor changes from build to build, then comes back (as a
     training loop's batches), each value in a new tensor and in one tensor changed in place: each
     rank's pairs, windows, rows, pair tables and pair mods are those of the mask it was just given,
-    read at the pair's positions. A mask that reads a tensor gathers at every build (its values
-    can change with no trace on the host); a mask that reads none, built again with arguments the
-    ranks agreed on, skips the gather."""
+    read at the pair's positions. The first build of a mod and arguments reads its gather at once;
+    the next ones take the pairs the ranks agreed on last, launch their gathers, and list their
+    pairs again when the gather, read at the next use, shows other ranges."""
     # (shards of 3 or 4 blocks: a window of 9 keys reads a block of the shard before, one of 30 most
     # of it, one of 100 every shard before)
     S = 101
     seen = {}
     same = torch.tensor([0])
     gathers = _Gathers()
+    previous = None
     for width, in_place in itertools.product((9, 30, 9, 100), (False, True)):
         reach = same.fill_(width) if in_place else torch.tensor([width])
 
@@ -287,19 +288,34 @@ def _repeated_builds(group) -> None:
             return (q_idx >= kv_idx) & (q_idx - kv_idx < reach[0])
 
         bm = fd.create_block_mask(window, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
-        assert gathers.taken() == 1, (width, in_place)
-        plan = _assert_pairs(bm, window, width)
+        assert gathers.listed == 1 and gathers.taken() == (previous is None), (width, in_place)
+        plan = _assert_pairs(bm, window, width)  # (its first use reads the gather, and lists it again)
+        assert gathers.listed == (previous not in (None, width)), (width, in_place)
+        gathers.listed = 0
         assert seen.setdefault(width, plan) == plan, width
+        previous = width
     assert len({seen[w] for w in seen}) == 3  # (each width its own pairs)
     # the tensor written by a collective, which need not move its version counter (gloo's does
-    # not): the build gathers, and its pairs are those of the value the collective wrote
+    # not): the build's pairs are those of the value the collective wrote
     same.fill_(15)
     before = _assert_pairs(fd.create_block_mask(window, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK),
                            window, 15)
     dist.all_reduce(same, group=group)  # (15 P: a window that reads most of the shard before)
     after = _assert_pairs(fd.create_block_mask(window, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK),
                           window, "all_reduce")
-    assert gathers.taken() == 2 and after != before
+    assert gathers.listed == 4 and gathers.taken() == 0 and after != before
+    # a build whose first use is an attention call, with a window wider than the last build's: the
+    # call lists the pairs again before its transfers, and its output is that of the new window
+    g = torch.Generator().manual_seed(S)
+    q, k, v = (torch.randn(1, 2, S, BLOCK, generator=g) for _ in range(3))
+    for width in (9, 100):
+        same.fill_(width)
+        bm = fd.create_block_mask(window, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
+        out = fd.flex_attention(*(fd.shard(t, group, seq_dim=2) for t in (q, k, v)), block_mask=bm)
+        want = flexattn.flex_attention(q, k, v, block_mask=flexattn.create_block_mask(
+            window, None, None, S, S, device="cpu", BLOCK_SIZE=BLOCK))
+        torch.testing.assert_close(fd.unshard(out, group, seq_dim=2), want, rtol=1e-4, atol=1e-5)
+        assert gathers.listed == 2 and gathers.taken() == 0, width
     # a mask that reads no tensor: the first build of its arguments gathers, the next do not
     for expect in (1, 0, 0):
         bm = fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
@@ -343,27 +359,26 @@ def _repeated_builds(group) -> None:
     with pytest.raises(fd.DistributedMismatchError, match=failed):
         bm.sparsity()
     # the copy engines one rank may no longer use (its FLEXATTN_RING_COPY changed) while the others
-    # repeat a build agreed with them: every rank raises at its next call
+    # repeat a build agreed with them: that rank reads its gather at once, the others at the mask's
+    # first use, and every rank's mask sends by NCCL
     usable = copies.usable
     copies.usable = lambda device: True
     try:
-        for _ in range(2):
-            fd.create_block_mask(masks.causal, None, None, S + 1, S + 1, group, device="cpu", BLOCK_SIZE=BLOCK)
-        if last:
-            copies.usable = lambda device: False
-        fd.create_block_mask(masks.causal, None, None, S + 1, S + 1, group, device="cpu", BLOCK_SIZE=BLOCK)
-        with pytest.raises(fd.DistributedMismatchError, match="copy engines"):
-            fd.create_block_mask(masks.causal, None, None, S + 1, S + 1, group, device="cpu", BLOCK_SIZE=BLOCK)
+        for expect in (True, True, False, False):
+            if not expect and last:
+                copies.usable = lambda device: False
+            bm = fd.create_block_mask(masks.causal, None, None, S + 1, S + 1, group, device="cpu", BLOCK_SIZE=BLOCK)
+            assert bm.copy_engines is expect
     finally:
         copies.usable = usable
     assert gathers.taken() == 1 + last
-    # a mask that reads a tensor the trace cache cannot reach (through a method): its build reads
-    # its gather at once, as any mask's that reads tensors, and has the pairs of the tensor's values
+    # a mask that reads a tensor the trace cache cannot reach (through a method): its builds have
+    # the pairs of the tensor's values
     global _REACH
-    for width in (9, 100):
+    for width in (9, 100, 9):
         _REACH = torch.tensor([width])
         bm = fd.create_block_mask(_Reach().within, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
-        assert gathers.taken() == 1 and _assert_pairs(bm, _Reach().within, width) == seen[width], width
+        assert _assert_pairs(bm, _Reach().within, width) == seen[width], width
     # a Python number the mask reads counts by its value: each width's first build gathers, and it
     # again does not (only on the pair: the number's history decides its trace, and rank 0 has not
     # seen these calls)
@@ -380,12 +395,14 @@ def _repeated_builds(group) -> None:
 
 
 class _Gathers:
-    """Counts this rank's pre-collective gathers (`checks._gather_single`) and the builds' gathers
-    read at once (`checks.agree_table`, a host sync) until `close`."""
+    """Counts this rank's pre-collective gathers (`checks._gather_single`), the builds' gathers
+    read at once (`checks.agree_table`, a host sync) and the listings of a mask's pairs
+    (``listed``) until `close`."""
 
     def __init__(self):
-        self.launched, self.read = 0, 0
-        self.gather, self.agree = checks._gather_single, checks.agree_table
+        from flexattn.distributed import masks as dmasks
+        self.launched, self.read, self.listed = 0, 0, 0
+        self.gather, self.agree, self.list = checks._gather_single, checks.agree_table, dmasks._listed
 
         def gather(*args, **kwargs):
             self.launched += 1
@@ -395,16 +412,22 @@ class _Gathers:
             self.read += 1
             return self.agree(*args, **kwargs)
 
-        checks._gather_single, checks.agree_table = gather, agree
+        def listed(*args, **kwargs):
+            self.listed += 1
+            return self.list(*args, **kwargs)
+
+        checks._gather_single, checks.agree_table, dmasks._listed = gather, agree, listed
 
     def taken(self) -> int:
-        """The builds' gathers read at once since the last call (every build launches one)."""
+        """The builds' gathers read at once since the last call (every build launches one); the
+        count of listings starts again."""
         assert self.launched >= 1, "a build without a gather"
-        n, self.launched, self.read = self.read, 0, 0
+        n, self.launched, self.read, self.listed = self.read, 0, 0, 0
         return n
 
     def close(self) -> None:
-        checks._gather_single, checks.agree_table = self.gather, self.agree
+        from flexattn.distributed import masks as dmasks
+        checks._gather_single, checks.agree_table, dmasks._listed = self.gather, self.agree, self.list
 
 
 def _errors(group) -> None:
@@ -420,7 +443,7 @@ def _errors(group) -> None:
     # one rank's arguments differ from a build the others repeat: every rank raises at its next
     # call in the group (the mask's use), and the mask at every use
     x = torch.randn(1, 2, fd.shard(torch.empty(1, 1, 40, 1), group).shape[2], BLOCK)
-    differ = rf"the arguments of rank\(s\) \[{P - 1}\] differ from rank 0's.*repeated a build"
+    differ = rf"the arguments of rank\(s\) \[{P - 1}\] differ from rank 0's.*repeated the arguments of a build"
     again = fd.create_block_mask(masks.causal, None, None, 41 if rank == P - 1 else 40, 41 if rank == P - 1 else 40,
                                  group, device="cpu", BLOCK_SIZE=BLOCK)
     for _ in range(2):

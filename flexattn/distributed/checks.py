@@ -5,9 +5,9 @@ description of its call (which operation, shapes, lengths, dtype, method, mask a
 whether it found a local error, in one all-gather; only if the digests differ, or any rank found
 an error, do the ranks gather the descriptions themselves (``all_gather_object``), so that every
 rank raises the same `DistributedMismatchError` naming what differs. Calls check once per
-description: a description seen before (on this rank) is not gathered again. A repeated build of
-a block mask whose only tensors are its Python numbers' takes part in its gather and reads it at
-the rank's next flexattn call in the group (`launch_table`, `flexattn.distributed.masks.verify`);
+description: a description seen before (on this rank) is not gathered again. A build of a block
+mask that repeats the arguments of one the ranks agreed on takes part in its gather and reads it
+at the rank's next flexattn call in the group (`launch_table`, `flexattn.distributed.masks.verify`);
 every rank decides the same from a gather (`_decide`), and where any rank reads later the ranks
 raise by themselves instead of gathering descriptions. Every gather of a group has the same size
 (`WIDTH` table entries per rank, zeros where unused), so that ranks in different flexattn
@@ -133,25 +133,16 @@ def agree_table(group: dist.ProcessGroup, what: str, fields: dict, local_error: 
 def _decide(group: dist.ProcessGroup, what: str, fields: dict | None, local_error: str, every: torch.Tensor,
             n: int) -> tuple[list[list[int]], bool]:
     """What every rank decides from the same gather ``every`` (read here: a host sync):
-    ``(tables of n entries, copy engines)``, or the same error on every rank. Where a rank launched its gather to read it later
-    (`launch_table`), the ranks raise by themselves instead of gathering descriptions, and also
-    where its agreed tables and copy engines are not this gather's."""
+    ``(tables of n entries, copy engines)``, or the same error on every rank. Where a rank launched
+    its gather to read it later (`launch_table`), the ranks raise by themselves instead of
+    gathering descriptions."""
     rows = every.view(group.size(), -1).tolist()
-    later = [i for i, r in enumerate(rows) if r[4]]
     if not all(r[0] for r in rows) or len({r[1] for r in rows}) > 1:
-        if later:
+        if any(r[4] for r in rows):
             raise Deferred(_summary(what, rows, local_error))
         _compare(group, what, fields, local_error)  # (raises on every rank, naming what differs)
     tables = [r[_HEADER:_HEADER + n] for r in rows]
-    engines = len({r[2] for r in rows}) == 1 and all(r[3] for r in rows)
-    agreed = _digest((tables, engines))
-    stale = [i for i in later if rows[i][5] != agreed]
-    if stale:
-        raise Deferred(
-            f"{what}: rank(s) {stale} repeated a build the ranks had agreed on, but the block ranges or the copy "
-            f"engines of this build are not that build's (a rank's FLEXATTN_RING_COPY changed, or the mask reads "
-            f"something its arguments do not show: capture its tensors)")
-    return tables, engines
+    return tables, len({r[2] for r in rows}) == 1 and all(r[3] for r in rows)
 
 
 class Pending:
@@ -161,37 +152,51 @@ class Pending:
         self.group, self.what, self.n = group, what, n
         self.done = None
         if every.is_cuda:  # (copied to pinned memory behind the gather: the read waits for no later work)
-            self.every = torch.empty(every.shape, dtype=every.dtype, pin_memory=True)
+            self.every, self.done = _pinned(group, every)
             self.every.copy_(every, non_blocking=True)
-            self.done = torch.cuda.Event()
             self.done.record()
         else:
             self.every = every
 
-    def check(self) -> None:
-        """Reads the gather (waiting for it and the work queued before it) and raises, on this
-        rank, what every rank decides from it (`_decide`)."""
+    def check(self) -> tuple[list[list[int]], bool]:
+        """Reads the gather (waiting for it and the work queued before it): what every rank
+        decides from it (`_decide`), or its error, raised on this rank."""
         if self.done is not None:
             self.done.synchronize()
-        _decide(self.group, self.what, None, "", self.every, self.n)
+        return _decide(self.group, self.what, None, "", self.every, self.n)
+
+
+# group -> (device, pinned buffer, event) of its gathers read later: a rank reads each such gather
+# before it launches the next one of the group (`flexattn.distributed.masks.verify`), so one buffer
+# serves them all
+_PINNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _pinned(group: dist.ProcessGroup, every: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+    found = _PINNED.get(group)
+    if found is None or found[0] != every.device or found[1].shape != every.shape:
+        found = _PINNED[group] = (every.device, torch.empty(every.shape, dtype=every.dtype, pin_memory=True),
+                                  torch.cuda.Event())
+    else:  # (a gather left unread where an earlier build's error was raised: its copy ends first)
+        found[2].synchronize()
+    return found[1:]
 
 
 def launch_table(group: dist.ProcessGroup, what: str, fields: dict, local_error: str, table: torch.Tensor | None,
-                 can: bool, agreed: tuple[list[list[int]], bool]) -> Pending:
-    """The gather of `agree_table`, launched and not read, for a rank that repeats a build the
-    ranks ``agreed`` on (its tables and copy engines): it takes part in the gather with no host
-    sync and reads it later (`Pending.check`). Every rank decides the same from the gather: a rank
-    that reads its gather at once and finds a mismatch, or tables not those agreed, raises by
-    itself (the repeating ranks are not there to gather descriptions)."""
-    every = _launch(group, what, fields, local_error, can, table, later=_digest(agreed))
+                 can: bool) -> Pending:
+    """The gather of `agree_table`, launched and not read, for a rank that repeats the arguments
+    of a build the ranks agreed on: it takes part in the gather with no host sync and reads it
+    later (`Pending.check`). Every rank decides the same from the gather: a rank that reads its
+    gather at once and finds a mismatch raises by itself (the ranks that read later are not there
+    to gather descriptions)."""
+    every = _launch(group, what, fields, local_error, can, table, later=True)
     return Pending(group, what, every, 0 if table is None else table.numel())
 
 
 def _launch(group: dist.ProcessGroup, what: str, fields: dict, local_error: str, can: bool = True,
-            table: torch.Tensor | None = None, later: int | None = None) -> torch.Tensor:
+            table: torch.Tensor | None = None, later: bool = False) -> torch.Tensor:
     """The all-gather of every rank's ``[no local error, digest of what and fields, digest of the
-    host name, can, reads later, digest of the agreed tables and copy engines where it does,
-    *table]``, the table padded with zeros to ``WIDTH`` entries per rank of the group (all zeros
+    host name, can, reads later, *table]``, the table padded with zeros to ``WIDTH`` entries per rank of the group (all zeros
     where None or ``local_error``), on the device the group's backend sends from; launched, not
     read."""
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend_of(group) else torch.device("cpu")
@@ -201,7 +206,7 @@ def _launch(group: dist.ProcessGroup, what: str, fields: dict, local_error: str,
 
     def make():  # (the header, then a table of zeros)
         return torch.tensor([0 if local_error else 1, _digest((what, sorted(fields.items()))), _HOST, int(bool(can)),
-                             int(later is not None), later or 0] + [0] * width, dtype=torch.int64, device=device)
+                             int(later)] + [0] * width, dtype=torch.int64, device=device)
 
     key = (what, tuple(fields.items()), bool(local_error), bool(can), later, width, device)
     try:  # (made once per description: a repeated build sends it from the device as it is)
@@ -225,13 +230,13 @@ def _summary(what: str, rows: list[list[int]], local_error: str = "") -> str:
     if differ:
         parts.append(f"the arguments of rank(s) {differ} differ from rank 0's")
     later = [i for i, r in enumerate(rows) if r[4]]
-    return (f"{what}: the ranks disagree ({'; '.join(parts)}); rank(s) {later} repeated a build the ranks had "
-            f"agreed on, so every rank raises at its next create_block_mask or flex_attention in the group")
+    return (f"{what}: the ranks disagree ({'; '.join(parts)}); rank(s) {later} repeated the arguments of a "
+            f"build the ranks had agreed on, so every rank raises at its next create_block_mask or flex_attention in the group")
 
 
-# (what, fields, no local error, can, agreed digest, width, device) -> the header and zeros a gather sends
+# (what, fields, no local error, can, reads later, width, device) -> the header and zeros a gather sends
 _HEADERS = LRU(256)
-_HEADER = 6
+_HEADER = 5
 _HOST = _digest(socket.gethostname())
 # (one output tensor: torch 2.13 names it all_gather_single, earlier releases all_gather_into_tensor)
 _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -112,31 +112,49 @@ class DistributedBlockMask:
     window's band of its neighbour's shard is read by the first rows alone).
     ``masks[j]``: the `flexattn.BlockMask` of those rows against KV shard j as this rank holds it
     (its own shard whole, another's window; None where empty), whose positions are
-    ``qpos_rows[j]`` and ``kvpos_held[j]``. Made by `create_block_mask`.
+    ``qpos_rows[j]`` and ``kvpos_held[j]``. Made by `create_block_mask`; a build that took the
+    pairs of an earlier one is checked (and, where its pairs differ, listed again) when any of
+    these is first read, as at its first use.
     """
 
     def __init__(self, group, layout: Layout, B: int, H: int, seq_lengths: tuple[int, int], block_size,
-                 mask: "flexattn.Mod", shards: "_Shards", pairs: "_Pairs", masks: list, name: str):
+                 mask: "flexattn.Mod | None", shards: "_Shards | None", name: str):
         self.group, self.layout, self.B, self.H = group, layout, B, H
-        self.world_size, self.rank = shards.P, shards.rank
+        self.world_size, self.rank = group.size(), group.rank()
         self.seq_lengths, self.BLOCK_SIZE, self.mask_mod = seq_lengths, block_size, mask
-        self.qpos, self.kvpos, self.masks = shards.qpos, shards.kvpos, masks
-        self.needs, self.windows, self.rows = pairs.needs, pairs.windows, pairs.rows
-        self.kvpos_held, self.qpos_rows = pairs.kvpos_held, pairs.qpos_rows
-        self._gathered = None
-        # (why its repeated build's gather failed, read later: `verify`)
-        self._failed = None
-        # (every rank a GPU of this host that can and may use the copy engines, `copies.usable`)
-        self.copy_engines = False
+        self.qpos, self.kvpos = (shards.qpos, shards.kvpos) if shards is not None else (None, None)
+        # ((pairs, masks, copy engines): `_listed`, and whether every rank of this host's GPUs can
+        # and may use the copy engines, `copies.usable`)
+        self._plan = (None, None, False)
+        self._ring = self._gathered = None
+        # (whether the gather of its build is not read yet: `verify`; why its build failed)
+        self._unread, self._failed = False, None
         # (the name the custom ops know it by: the group's and the mask's number on it, equal on
         # every rank, new for every mask)
         self.name = name
         _BY_NAME[self.name] = self
 
+    def _planned(self, pairs: "_Pairs", masks: list, copy_engines: bool) -> None:
+        self._plan = (pairs, masks, copy_engines)
+        self._ring = self._gathered = None
+
+    def _current(self) -> tuple:
+        if self._unread or self._failed is not None:
+            self.verify()
+        return self._plan
+
+    needs = property(lambda self: self._current()[0].needs)
+    windows = property(lambda self: self._current()[0].windows)
+    rows = property(lambda self: self._current()[0].rows)
+    kvpos_held = property(lambda self: self._current()[0].kvpos_held)
+    qpos_rows = property(lambda self: self._current()[0].qpos_rows)
+    masks = property(lambda self: self._current()[1])
+    copy_engines = property(lambda self: self._current()[2])
+
     def verify(self) -> None:
-        """Raises where the gather of a repeated build of this mask's group, not read yet, shows
-        that the ranks disagreed (`verify` of the module), or this mask's did; at every use,
-        before the call's own collectives."""
+        """Reads the gathers of this mask's group not read yet (`verify` of the module): raises
+        where the ranks disagreed, or where this mask's build failed; at every use, before the
+        call's own collectives."""
         verify(self.group)
         if self._failed is not None:
             raise checks.DistributedMismatchError(self._failed)
@@ -163,9 +181,11 @@ class DistributedBlockMask:
         P = self.world_size
         return 100.0 * (1 - sum(map(sum, self.needs)) / (P * P))
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # (no check: the pairs as they stand, "?" where not read yet)
+        pairs = self._plan[0]
+        needs = "?" if self._unread or pairs is None else pairs.needs
         return (f"DistributedBlockMask(rank {self.rank} of {self.world_size}, {self.layout!r}, "
-                f"seq_lengths={self.seq_lengths}, BLOCK_SIZE={self.BLOCK_SIZE}, needs={self.needs})")
+                f"seq_lengths={self.seq_lengths}, BLOCK_SIZE={self.BLOCK_SIZE}, needs={needs})")
 
 
 # group name -> counter of the masks made on it (a collective: equal on every rank of the group)
@@ -189,9 +209,8 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     (None, "head_tail" or a layout of `flexattn.distributed`). Any lengths work; each rank's
     tables come from flexattn's block-mask kernels (no torch.compile). A collective: every
     rank calls it with the same arguments (checked: a mismatch raises on every rank). A build
-    of a mask whose only tensors are its Python numbers', with arguments the ranks agreed on
-    before, reads that check at the rank's next call in the group: no host sync of its own
-    (`_repeat_key`).
+    that repeats the arguments of one the ranks agreed on takes that build's pairs and reads its
+    check at the rank's next call in the group: no host sync of its own (`_repeat_key`).
 
     Example (under torchrun)::
 
@@ -242,12 +261,14 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
                                 copy_engines, name)
             except Exception as e:  # noqa: BLE001 - (as above: the gather carries it)
                 error, failure = str(e) or type(e).__name__, e
-        pending = checks.launch_table(group, WHAT, fields, error, None if failure else table, can, agreed)
+        pending = checks.launch_table(group, WHAT, fields, error, None if failure else table, can)
         if failure is not None:  # (the others read it at their next call: every rank raises there)
             return _failed(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, name, key,
                            f"{WHAT}: this rank failed while building the mask: {type(failure).__name__}: {error}",
                            shards)
-        _UNREAD.setdefault(group, []).append((pending, weakref.ref(bm), key, None))
+        bm._unread = True
+        listing = (mod, shards, tiles)
+        _UNREAD.setdefault(group, []).append(_Unread(pending, weakref.ref(bm), key, None, agreed, listing))
         return bm
     try:
         tables, copy_engines = checks.agree_table(group, WHAT, fields, error, table, can=can)
@@ -263,8 +284,17 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
 
 def _assembled(group, layout: Layout, B, H, seq_lengths: tuple, BLOCK_SIZE, mod, shards: "_Shards", tiles, tables,
                copy_engines: bool, name: str) -> DistributedBlockMask:
-    """The mask of a build whose ranges are ``tables`` (every rank's): each pair's tables, of the
-    rows that read the shard against what travels of it, listed from the one classification."""
+    """The mask of a build whose ranges are ``tables`` (every rank's): `_listed`."""
+    listed = _listed(mod, shards, tiles, tables)
+    checks.ring_groups(group)  # (made here, where every rank of the group is)
+    bm = DistributedBlockMask(group, layout, B, H, seq_lengths, BLOCK_SIZE, mod, shards, name)
+    bm._planned(*listed, copy_engines)
+    return bm
+
+
+def _listed(mod, shards: "_Shards", tiles, tables) -> tuple["_Pairs", list]:
+    """``(pairs, masks)`` of ranges ``tables`` (every rank's): each pair's tables, of the rows that
+    read the shard against what travels of it, listed from the one classification."""
     pairs = _PAIRS.get_or_make((shards.key, tuple(map(tuple, tables))), lambda: _Pairs(shards, tables))
     masks = [None] * shards.P
     for j, lists, local in zip(pairs.read, tiles.tables_of(pairs.rects) if pairs.read else [],
@@ -272,60 +302,75 @@ def _assembled(group, layout: Layout, B, H, seq_lengths: tuple, BLOCK_SIZE, mod,
         rows, held = pairs.rows[j], pairs.held[j]
         masks[j] = flexattn.BlockMask((rows[1] - rows[0], held[1] - held[0]), *lists,
                                       BLOCK_SIZE=(shards.q_block, shards.kv_block), mask_mod=local, validate=False)
-    checks.ring_groups(group)  # (made here, where every rank of the group is)
-    bm = DistributedBlockMask(group, layout, B, H, seq_lengths, BLOCK_SIZE, mod, shards, pairs, masks, name)
-    bm.copy_engines = copy_engines
-    return bm
+    return pairs, masks
 
 
 def _failed(group, layout: Layout, B, H, seq_lengths: tuple, BLOCK_SIZE, name: str, key, message: str,
             shards: "_Shards | None") -> DistributedBlockMask:
     """A stand-in for a mask whose build failed where some rank reads its gather later: it raises
     ``message`` at this rank's next call in the group, where the other ranks raise too, and at
-    every use. It has the positions where the build got that far, and no tables (None)."""
-    bm = DistributedBlockMask.__new__(DistributedBlockMask)
-    bm.group, bm.layout, bm.B, bm.H = group, layout, B, H
-    bm.world_size, bm.rank = group.size(), group.rank()
-    bm.seq_lengths, bm.BLOCK_SIZE, bm.mask_mod = seq_lengths, BLOCK_SIZE, None
-    bm.masks = bm.needs = bm.windows = bm.rows = bm.kvpos_held = bm.qpos_rows = None
-    bm.qpos, bm.kvpos = (shards.qpos, shards.kvpos) if shards is not None else (None, None)
-    bm._gathered, bm._failed, bm.copy_engines, bm.name = None, message, False, name
-    _BY_NAME[name] = bm
-    _UNREAD.setdefault(group, []).append((None, weakref.ref(bm), key, message))
+    every use. It has the positions where the build got that far, and no pairs."""
+    bm = DistributedBlockMask(group, layout, B, H, seq_lengths, BLOCK_SIZE, None, shards, name)
+    bm._failed = message
+    _UNREAD.setdefault(group, []).append(_Unread(None, weakref.ref(bm), key, message, None, None))
     return bm
+
+
+class _Unread(NamedTuple):
+    """A build of this rank whose gather it has not read: `verify`."""
+    pending: "checks.Pending | None"
+    mask: "weakref.ref"
+    key: tuple | None  # (its agreement's)
+    message: str | None  # (why it failed, where it did)
+    took: tuple | None  # (the agreed (tables, copy engines) it took)
+    listing: tuple | None  # (its mod, shards and classification: to list its pairs again)
 
 
 WHAT = "flexattn.distributed.create_block_mask"
 
-# group -> the repeated builds whose gathers this rank has not read: [(checks.Pending or None, the
-# mask, its agreement's key, the message of a build that failed)]
+# group -> this rank's builds whose gathers it has not read, in order (`_Unread`)
 _UNREAD: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def verify(group) -> None:
-    """Reads the gathers of this rank's repeated builds in ``group`` (`_repeat_key`) that it has
-    not read yet, at its next call of `create_block_mask` or `flex_attention` in the group, before
-    that call's collectives. Where the ranks disagreed, or a rank failed while building, raises
-    (every rank at the same call), forgets those builds' agreements, and the masks of those
-    builds raise at every use."""
+    """Reads the gathers of this rank's builds in ``group`` that took the pairs of a build the ranks
+    agreed on (`_repeat_key`) and that it has not read yet, at its next call of `create_block_mask`
+    or `flex_attention` in the group, before that call's collectives. Where the gathered ranges
+    or copy engines are not those the build took (a mask's tensors changed), lists its pairs
+    again from them and agrees on those: every rank has the pairs a build that read its gather at
+    once has. Where the ranks disagreed, or a rank failed while building, raises (every rank at
+    the same call), forgets those builds' agreements, and the masks of those builds raise at
+    every use."""
     unread = _UNREAD.get(group)
     while unread:
-        pending, ref, key, message = unread[0]
+        entry = unread[0]
         try:
-            if message is not None:
-                raise checks.DistributedMismatchError(message)
-            pending.check()
+            if entry.message is not None:
+                raise checks.DistributedMismatchError(entry.message)
+            gathered = entry.pending.check()
         except checks.DistributedMismatchError as e:
             agreed = _agreed(group)
-            for _, later, stale, _ in unread:  # (every mask not verified: none of them is used)
-                bm = later()
+            for later in unread:  # (every mask not verified: none of them is used)
+                bm = later.mask()
                 if bm is not None:
-                    bm._failed = str(e)
-                if stale is not None:
-                    agreed.pop(stale)
+                    bm._failed, bm._unread = str(e), False
+                if later.key is not None:
+                    agreed.pop(later.key)
             unread.clear()
             raise
         unread.pop(0)
+        bm = entry.mask()
+        if gathered != entry.took:  # (the pairs of what every rank has now)
+            _agreed(group)[entry.key] = gathered
+            if bm is not None:
+                bm._unread = False
+                try:
+                    bm._planned(*_listed(*entry.listing, gathered[0]), gathered[1])
+                except Exception:  # (this rank alone: as a first build's failure while listing)
+                    bm._failed = f"{WHAT}: this rank failed while listing the pairs of the mask's gathered ranges"
+                    raise
+        elif bm is not None:
+            bm._unread = False
 
 
 def _classified(mod, B, H, Q_LEN: int, KV_LEN: int, BLOCK_SIZE, layout: Layout, P: int, r: int,
@@ -350,17 +395,16 @@ def _classified(mod, B, H, Q_LEN: int, KV_LEN: int, BLOCK_SIZE, layout: Layout, 
 
 def _repeat_key(mod: "flexattn.Mod", numbers: tuple, layout: Layout, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, P: int,
                 r: int, device: torch.device) -> tuple | None:
-    """The key of a build whose gather can be read later, or None. A mask whose only tensors are
-    the 0-d tensors of Python numbers (`flexattn.scalars.number_of`; causal masks, sliding windows)
-    is decided by its trace and those numbers' values: built again with the same arguments, every
-    rank gets the ranges the ranks agreed on before. Such a build launches its gather (the check
-    and the ranges, as every build does) and reads it at the rank's next `create_block_mask` or
-    `flex_attention` in the group, which raises where the ranks disagreed or the ranges changed
-    (`verify`): no host sync of its own. A mask that reads other tensors (document ids) reads its gather at every build: a
-    tensor's values can change with no trace on the host (a collective that writes into it leaves
-    its version counter as it was)."""
-    if mod.host_values or None in numbers:  # (``numbers``: `scalars.number_of` of each buffer)
-        return None
+    """The key of a build that can take the pairs of an earlier one and read its gather later, or
+    None: its mod's trace, the values of the Python numbers it reads (`flexattn.scalars.number_of`;
+    None for other tensors), and its arguments. Built again with the same key (a training loop's
+    mask with a new batch's document ids, or a causal mask), a build classifies its tiles, takes
+    the ranges the ranks agreed on for that key, lists its pairs' tables and launches its gather
+    (the check, and its own ranges) with no host sync. The rank's next `create_block_mask` or
+    `flex_attention` in the group reads it (`verify`): it raises where the ranks disagreed, and
+    lists the pairs again where the ranges are not those taken, as where a tensor's values
+    changed (a collective that writes into a tensor leaves its version counter as it was, so no
+    state on the host can tell)."""
     key = (mod.key(), numbers, layout.key(), B, H, Q_LEN, KV_LEN, BLOCK_SIZE, P, r, device)
     try:
         hash(key)
