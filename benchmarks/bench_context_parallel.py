@@ -127,6 +127,33 @@ def mask_ms(build, barrier: bool = True, repeats: int = 21, budget_s: float = 3.
     return statistics.median(times)
 
 
+def mask_step_ms(build, barrier: bool = True, repeats: int = 21) -> float:
+    """What ``build()`` (a block mask) adds to a step whose GPU is busy, as in a training loop: the
+    median wall ms of three 8192 x 8192 bf16 matmuls, the build and three more, less that of the
+    matmuls alone (steps with and without the build alternate). A build that waits for the GPU
+    (a host sync) adds the time the GPU then idles while the host finishes it; one that does not
+    adds its kernels' time, where its host time hides behind the matmuls."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def step(with_build: bool) -> float:
+        if barrier:
+            dist.barrier()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(3):
+            a @ a
+        if with_build:
+            build()
+        for _ in range(3):
+            a @ a
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+
+    step(True), step(False)
+    times = [[step(with_build) for with_build in (True, False)] for _ in range(repeats)]
+    return statistics.median(t for t, _ in times) - statistics.median(t for _, t in times)
+
+
 def _agreed(flag: bool, collective: bool) -> bool:
     """Rank 0's ``flag`` on every rank (``collective``: else this rank's own)."""
     if not collective:
@@ -174,7 +201,7 @@ def bench_flexattn(S: int, mask_name: str, method: str, iters: int) -> dict:
     row = {"impl": method, "ms": ms, "peak_gib": gib, "tflops_per_gpu": flops(S, kept) / dist.get_world_size() / ms / 1e9,
            "kv_gib": _kv_gib(k, v, method)}
     if method == "ring":  # (the same mask serves both methods)
-        row["mask_ms"] = mask_ms(build)
+        row["mask_ms"], row["mask_step_ms"] = mask_ms(build), mask_step_ms(build)
     return row
 
 
@@ -201,7 +228,7 @@ def bench_one_gpu(S: int, mask_name: str, iters: int) -> dict | None:
         run = fwd_bwd(lambda q, k, v: flexattn.flex_attention(q, k, v, block_mask=bm), q, k, v)
         ms, gib = timed(run, iters, base, barrier=False)
         result = {"impl": "one_gpu", "ms": ms, "peak_gib": gib, "tflops_per_gpu": flops(S, kept) / ms / 1e9,
-                  "mask_ms": mask_ms(build, barrier=False)}
+                  "mask_ms": mask_ms(build, barrier=False), "mask_step_ms": mask_step_ms(build, barrier=False)}
         del q, k, v, run
         torch.cuda.empty_cache()
     dist.barrier()
@@ -288,12 +315,13 @@ def line(rows: list[dict]) -> str:
     torch_txt = f"{theirs['ms']:8.1f} ms (ring x{theirs['ms'] / ring['ms']:.2f}) peak {theirs['peak_gib']:5.1f} GiB" \
         if "ms" in theirs else theirs.get("error", "-")
     masks_txt = " / ".join(f"{r['mask_ms']:.1f}" if "mask_ms" in r else "-" for r in (ring, one, theirs))
+    steps_txt = " / ".join(f"{r['mask_step_ms']:.2f}" if "mask_step_ms" in r else "-" for r in (ring, one))
     ag_txt = f"{ag['ms']:8.1f} ms peak {ag['peak_gib']:5.1f} GiB KV {ag['kv_gib']:.2f} GiB" if "ms" in ag else "-"
     return (f"P={ring['P']} S={ring['S']:>7} {ring['mask']:<15} ring {ring['ms']:8.1f} ms "
             f"{ring['tflops_per_gpu']:6.1f} TF/s/GPU peak {ring['peak_gib']:5.1f} GiB KV {ring['kv_gib']:.2f} GiB | "
             f"allgather {ag_txt} | "
             f"one GPU {one['ms'] if 'ms' in one else '-'} ms, efficiency {eff} | torch CP {torch_txt} | "
-            f"mask ms ring / one GPU / torch CP {masks_txt}")
+            f"mask ms ring / one GPU / torch CP {masks_txt} | in a busy step, ring / one GPU {steps_txt}")
 
 
 def main() -> None:

@@ -231,11 +231,13 @@ def context_parallel_table(record: dict) -> list[str]:
     cases = context_parallel_cases(record)
     # (the mask build times: a column where any row has them; older runs did not record them)
     with_masks = any("mask_ms" in row for impls in cases.values() for row in impls.values())
+    with_steps = any("mask_step_ms" in row for impls in cases.values() for row in impls.values())
     lines = section(f"Context parallelism: B={config.get('B', '?')} H={config.get('H', '?')} D={config.get('D', '?')}, "
                     f"{config.get('dtype', '')}, forward + backward, times per step",
                     ["P", "S", "mask", "ring ms", "all-gather ms", "torch CP ms", "one GPU ms", "ring TF/s per GPU",
                      "efficiency", "vs torch CP", "peak GiB ring / all-gather / torch CP"]
-                    + ["mask ms ring / one GPU / torch CP"] * with_masks + ["flexattn"])
+                    + ["mask ms ring / one GPU / torch CP"] * with_masks
+                    + ["mask ms added to a busy step, ring / one GPU"] * with_steps + ["flexattn"])
     for (P, S, mask), impls in cases.items():
         ring, ag, one, theirs = (impls.get(i) or {} for i in ("ring", "allgather", "one_gpu", "torch_cp"))
         torch_ms = fmt(theirs.get("ms"), ".1f") if "error" not in theirs else "refused"
@@ -243,6 +245,7 @@ def context_parallel_table(record: dict) -> list[str]:
         whole = "" if ring.get("peak") == PEAK_PER_CASE else "*"
         peaks = " / ".join(fmt(r.get("peak_gib"), ".1f", whole) for r in (ring, ag, theirs))
         mask_times = " / ".join(fmt(r.get("mask_ms"), ".1f") for r in (ring, one, theirs)) + " | " if with_masks else ""
+        mask_times += " / ".join(fmt(r.get("mask_step_ms"), ".2f") for r in (ring, one)) + " | " if with_steps else ""
         lines.append(f"| {P} | {S} | {mask} | {fmt(ring.get('ms'), '.1f')} | {fmt(ag.get('ms'), '.1f')} | {torch_ms} | "
                      f"{fmt(one.get('ms'), '.1f')} | {fmt(ring.get('tflops_per_gpu'))} | "
                      f"{fmt(efficiency(impls), '.2f')} | {fmt(ratio(theirs, ring, 'ms'), '.2f', 'x')} | {peaks} | "

@@ -124,11 +124,11 @@ def test_several_gpus_each_get_a_section_and_cpu_results_are_left_out(tmp_path):
 def context_parallel_rows(P: int, ring_ms: float) -> list[dict]:
     case = {"P": P, "S": 131072, "mask": "causal"}
     rows = [{**case, "impl": "ring", "ms": ring_ms, "peak_gib": 3.0, "tflops_per_gpu": 400.0, "kv_gib": 0.4,
-             "mask_ms": 2.0},
+             "mask_ms": 2.0, "mask_step_ms": 0.25},
             {**case, "impl": "allgather", "ms": ring_ms * 1.1, "peak_gib": 5.0, "tflops_per_gpu": 360.0,
              "kv_gib": 1.0},
             {**case, "impl": "one_gpu", "ms": 1.8 * P * ring_ms / 2, "peak_gib": 9.0, "tflops_per_gpu": 420.0,
-             "mask_ms": 3.0},
+             "mask_ms": 3.0, "mask_step_ms": 0.2},
             {**case, "impl": "torch_cp", "ms": ring_ms * 1.5, "peak_gib": 6.0, "tflops_per_gpu": 270.0,
              "mask_ms": 40.0}]
     refused = {"P": P, "S": 131265, "mask": "causal"}
@@ -150,13 +150,13 @@ def test_context_parallel_runs_on_2_and_4_gpus_make_one_table(tmp_path):
     # by P; efficiency = one GPU / (P x ring) = 0.90; torch CP 1.5x the ring's time
     assert table.index("| 2 | 131072 |") < table.index("| 4 | 131072 |")
     assert "| 2 | 131072 | causal | 100.0 | 110.0 | 150.0 | 180.0 | 400 | 0.90 | 1.50x | 3.0 / 5.0 / 6.0 | " \
-        "2.0 / 3.0 / 40.0 | 2222222 |" in table
+        "2.0 / 3.0 / 40.0 | 0.25 / 0.20 | 2222222 |" in table
     # (a row without a mask time, as older results files have: a dash; peaks of a run that counted
     # everything live in the process: marked)
-    assert "| 4 | 131265 | causal | 50.0 | — | refused | — | 400 | — | — | 3.0* / — / — | — / — / — | 4444444 |" \
-        in table
+    assert "| 4 | 131265 | causal | 50.0 | — | refused | — | 400 | — | — | 3.0* / — / — | — / — / — | — / — | " \
+        "4444444 |" in table
     assert "flexattn 2222222 / 4444444" in page  # (the heading names both runs)
-    assert "mask ms ring / one GPU / torch CP" in table
+    assert "mask ms ring / one GPU / torch CP" in table and "mask ms added to a busy step, ring / one GPU" in table
     assert "context parallelism (ring) scales with efficiency 0.90, 1.50x the speed of torch's context parallel" in page
 
 
@@ -223,7 +223,8 @@ def test_context_parallel_keeps_flexattn_rows_when_torch_never_returns(monkeypat
 
 
 def test_context_parallel_table_without_mask_times_has_no_such_column(tmp_path):
-    rows = [{k: v for k, v in row.items() if k != "mask_ms"} for row in context_parallel_rows(2, 100.0)]
+    rows = [{k: v for k, v in row.items() if k not in ("mask_ms", "mask_step_ms")}
+            for row in context_parallel_rows(2, 100.0)]
     results.save("context_parallel", {**env("NVIDIA H100 80GB HBM3"), "commit": "2222222"},
                  {"B": 1, "H": 16, "D": 128, "dtype": "bfloat16", "P": 2}, rows, tmp_path / "results", tag="2gpu")
     table = generate(tmp_path, "--no-plot").split("### Context parallelism")[1]
