@@ -51,7 +51,9 @@ METHOD = """\
   the wall time of a repeated block-mask build (`flexattn.distributed.create_block_mask` on every
   rank, flexattn's `create_block_mask` of the whole sequence on one GPU, torch's compiled CP mask;
   in runs at 70adb4a and later, the documents' ids in a new tensor at each build of the first two,
-  as a training loop's batches).
+  as a training loop's batches). Mask ms added to a busy step (runs at 5e86b2f and later): what
+  the same build adds to a step of six 8192 x 8192 bf16 matmuls around it, as in a training loop
+  whose host runs ahead of the GPU (a build that waits for the GPU adds the time it then idles).
   Peak GiB: what the case allocates on a GPU, its inputs included (the ring's copy-engine slots
   added); one marked * counts everything live in the process, earlier cases' leftovers included.
 - Per-call times are wall clock over a loop of calls (model code that builds its score_mod anew
