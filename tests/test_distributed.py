@@ -56,6 +56,12 @@ def _worker(rank: int, world_size: int, store_path: str) -> None:
         if rank in (1, 2):
             _body(pair)
         _body(dist.group.WORLD)
+        # a repeated build whose gather is not read when the group is destroyed (below) keeps
+        # nothing of the group alive
+        from flexattn.distributed import masks as dmasks
+        for _ in range(2):
+            fd.create_block_mask(masks.causal, None, None, 40, 40, device="cpu", BLOCK_SIZE=BLOCK)
+        assert dmasks._UNREAD[dist.group.WORLD]
         # the default group made again: the ring makes its groups again (those of the first are gone)
         made = list(checks._RING.values())
         assert made and all(ref() is not None for refs in made for ref in refs)
@@ -64,6 +70,7 @@ def _worker(rank: int, world_size: int, store_path: str) -> None:
         # agreements made in the default group go with it (the pair's stay while it lives)
         assert all(ref() is None for refs in made for ref in refs), made
         assert list(checks._AGREED.keys()) == ([pair] if rank in (1, 2) else [])
+        assert all(g is pair for g in (*dmasks._UNREAD.keys(), *dmasks._AGREED.keys()))
         dist.init_process_group("gloo", store=dist.FileStore(store_path + ".again", world_size), rank=rank,
                                 world_size=world_size)
         _check_case(dist.group.WORLD, 2, CASES[3][2])
@@ -358,6 +365,24 @@ def _repeated_builds(group) -> None:
     assert bm.qpos.numel() == fd.shard(torch.empty(1, 1, S, 1), group).shape[2]
     with pytest.raises(fd.DistributedMismatchError, match=failed):
         bm.sparsity()
+    with pytest.raises(fd.DistributedMismatchError, match=failed):  # (and at the next call, with the others)
+        fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
+    # listing a repeat's pairs again (its window widened) fails on the last rank alone: every rank
+    # raises at the mask's use in flex_attention, whose check carries the failure, at every use
+    for width in (9, 100):
+        same.fill_(width)
+        bm = fd.create_block_mask(window, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
+    x = fd.shard(q, group, seq_dim=2)
+    listed = dmasks._listed
+    if last:
+        dmasks._listed = failing
+    try:
+        for _ in range(2):
+            with pytest.raises(fd.DistributedMismatchError,
+                               match=rf"rank {dist.get_world_size(group) - 1}: .*failed while listing.*simulated"):
+                fd.flex_attention(x, x, x, block_mask=bm)
+    finally:
+        dmasks._listed = listed
     # the copy engines one rank may no longer use (its FLEXATTN_RING_COPY changed) while the others
     # repeat a build agreed with them: that rank reads its gather at once, the others at the mask's
     # first use, and every rank's mask sends by NCCL
@@ -446,9 +471,13 @@ def _errors(group) -> None:
     differ = rf"the arguments of rank\(s\) \[{P - 1}\] differ from rank 0's.*repeated the arguments of a build"
     again = fd.create_block_mask(masks.causal, None, None, 41 if rank == P - 1 else 40, 41 if rank == P - 1 else 40,
                                  group, device="cpu", BLOCK_SIZE=BLOCK)
+    if rank == 0:  # (a read of its pairs on one rank raises there, and again at the next call with the others)
+        with pytest.raises(fd.DistributedMismatchError, match=differ):
+            again.needs
     for _ in range(2):
         with pytest.raises(fd.DistributedMismatchError, match=differ):
             fd.flex_attention(x, x, x, block_mask=again)
+    assert "needs=failed" in repr(again)
     n = bm.qpos.numel()
     q = torch.randn(1, 2, n, BLOCK)
     # one rank's shard does not match the mask's layout: every rank raises

@@ -17,7 +17,7 @@ from flexattn.lru import LRU
 from flexattn.mods import template
 from flexattn.distributed import checks, copies
 from flexattn.distributed.allgather import AllGather
-from flexattn.distributed.masks import SCORE, DistributedBlockMask, by_name
+from flexattn.distributed.masks import SCORE, DistributedBlockMask, by_name, verify
 from flexattn.distributed.ring import Ring
 from flexattn.distributed.steps import Pair
 
@@ -182,8 +182,9 @@ def _local_error(q, k, v, bm: DistributedBlockMask, method: str, enable_gqa: boo
 
 def _check_call(q, k, v, bm: DistributedBlockMask, method: str, pair: Pair) -> None:
     """Every rank agrees on the call before the first transfer (once per configuration)."""
-    bm.verify()  # (a repeated build's gather, read here: before this call's own collectives)
-    error = _local_error(q, k, v, bm, method, pair.enable_gqa)
+    verify(bm.group)  # (the group's gathers not read yet: before this call's own collectives)
+    # (a mask whose build failed, or whose listing failed on this rank alone: the check tells every rank)
+    error = bm._failed or _local_error(q, k, v, bm, method, pair.enable_gqa)
     fields = {
         "mask": bm.name, "method": method, "dtype": str(q.dtype),
         "B, Hq, E": None if error else (*q.shape[:2], q.shape[-1]),

@@ -149,7 +149,8 @@ class Pending:
     """The gather of a build launched by a rank that reads it later (`launch_table`)."""
 
     def __init__(self, group: dist.ProcessGroup, what: str, every: torch.Tensor, n: int):
-        self.group, self.what, self.n = group, what, n
+        # (the group held weakly: an unread gather does not keep a destroyed group alive)
+        self.group, self.what, self.n = weakref.ref(group), what, n
         self.done = None
         if every.is_cuda:  # (copied to pinned memory behind the gather: the read waits for no later work)
             self.every, self.done = _pinned(group, every)
@@ -161,9 +162,13 @@ class Pending:
     def check(self) -> tuple[list[list[int]], bool]:
         """Reads the gather (waiting for it and the work queued before it): what every rank
         decides from it (`_decide`), or its error, raised on this rank."""
+        group = self.group()
+        if group is None:
+            raise DistributedMismatchError(f"{self.what}: the process group was destroyed before this rank read the "
+                                           f"gather of its last build")
         if self.done is not None:
             self.done.synchronize()
-        return _decide(self.group, self.what, None, "", self.every, self.n)
+        return _decide(group, self.what, None, "", self.every, self.n)
 
 
 # group -> (device, pinned buffer, event) of its gathers read later: a rank reads each such gather

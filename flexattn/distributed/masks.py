@@ -152,10 +152,11 @@ class DistributedBlockMask:
     copy_engines = property(lambda self: self._current()[2])
 
     def verify(self) -> None:
-        """Reads the gathers of this mask's group not read yet (`verify` of the module): raises
-        where the ranks disagreed, or where this mask's build failed; at every use, before the
-        call's own collectives."""
-        verify(self.group)
+        """Reads the gathers of this mask's group not read yet (`verify` of the module) and raises
+        where the ranks disagreed, or where this mask's build or listing failed: at every read of
+        its pairs. A read that is not a collective call leaves a disagreement it finds to be raised
+        again at the rank's next call in the group, where the other ranks raise it."""
+        verify(self.group, at_call=False)
         if self._failed is not None:
             raise checks.DistributedMismatchError(self._failed)
 
@@ -183,7 +184,7 @@ class DistributedBlockMask:
 
     def __repr__(self) -> str:  # (no check: the pairs as they stand, "?" where not read yet)
         pairs = self._plan[0]
-        needs = "?" if self._unread or pairs is None else pairs.needs
+        needs = "failed" if self._failed is not None else "?" if self._unread or pairs is None else pairs.needs
         return (f"DistributedBlockMask(rank {self.rank} of {self.world_size}, {self.layout!r}, "
                 f"seq_lengths={self.seq_lengths}, BLOCK_SIZE={self.BLOCK_SIZE}, needs={needs})")
 
@@ -332,15 +333,17 @@ WHAT = "flexattn.distributed.create_block_mask"
 _UNREAD: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def verify(group) -> None:
+def verify(group, at_call: bool = True) -> None:
     """Reads the gathers of this rank's builds in ``group`` that took the pairs of a build the ranks
-    agreed on (`_repeat_key`) and that it has not read yet, at its next call of `create_block_mask`
-    or `flex_attention` in the group, before that call's collectives. Where the gathered ranges
-    or copy engines are not those the build took (a mask's tensors changed), lists its pairs
-    again from them and agrees on those: every rank has the pairs a build that read its gather at
-    once has. Where the ranks disagreed, or a rank failed while building, raises (every rank at
-    the same call), forgets those builds' agreements, and the masks of those builds raise at
-    every use."""
+    agreed on (`_repeat_key`) and that it has not read yet, in order: at its next call of
+    `create_block_mask` or `flex_attention` in the group (``at_call``), before that call's
+    collectives, or at a read of a mask's pairs. Where the gathered ranges or copy engines are not
+    those the build took (a mask's tensors changed), lists its pairs again from them and agrees on
+    those: every rank has the pairs a build that read its gather at once has; where that listing
+    fails, the mask raises at every use, and its next use in `flex_attention` raises on every rank
+    (its check carries the failure). Where the ranks disagreed, or a rank failed while building,
+    raises: at a call, on every rank at the same call, forgetting those builds' agreements, the
+    masks of those builds raising at every use; at a read, on this rank, leaving them unread."""
     unread = _UNREAD.get(group)
     while unread:
         entry = unread[0]
@@ -349,6 +352,8 @@ def verify(group) -> None:
                 raise checks.DistributedMismatchError(entry.message)
             gathered = entry.pending.check()
         except checks.DistributedMismatchError as e:
+            if not at_call:  # (the other ranks raise at their next call: this rank raises there too)
+                raise
             agreed = _agreed(group)
             for later in unread:  # (every mask not verified: none of them is used)
                 bm = later.mask()
@@ -363,13 +368,12 @@ def verify(group) -> None:
         if gathered != entry.took:  # (the pairs of what every rank has now)
             _agreed(group)[entry.key] = gathered
             if bm is not None:
-                bm._unread = False
                 try:
                     bm._planned(*_listed(*entry.listing, gathered[0]), gathered[1])
-                except Exception:  # (this rank alone: as a first build's failure while listing)
-                    bm._failed = f"{WHAT}: this rank failed while listing the pairs of the mask's gathered ranges"
-                    raise
-        elif bm is not None:
+                except Exception as e:  # noqa: BLE001 - (this rank alone: its check at the mask's use tells the others)
+                    bm._failed = (f"{WHAT}: this rank failed while listing the pairs of the mask's gathered ranges: "
+                                  f"{type(e).__name__}: {e}")
+        if bm is not None:
             bm._unread = False
 
 
