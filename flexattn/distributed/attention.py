@@ -17,7 +17,7 @@ from flexattn.lru import LRU
 from flexattn.mods import template
 from flexattn.distributed import checks, copies
 from flexattn.distributed.allgather import AllGather
-from flexattn.distributed.masks import SCORE, DistributedBlockMask, by_name, verify
+from flexattn.distributed.masks import SCORE, DistributedBlockMask, by_handle, verify
 from flexattn.distributed.ring import Ring
 from flexattn.distributed.steps import Pair
 
@@ -55,9 +55,9 @@ def spec(score_key: str, method: str, enable_gqa: bool, options: tuple, want_max
 _SPECS = LRU(1024)  # spec string -> its fields (parsed once: literal_eval compiles the string)
 
 
-def _setup(spec_: str, mask_name: str, score_bufs, scale: float, stat_dtype):
+def _setup(spec_: str, mask: torch.Tensor, score_bufs, scale: float, stat_dtype):
     score_key, method, enable_gqa, options, want_max = _SPECS.get_or_make(spec_, lambda: ast.literal_eval(spec_))
-    bm = by_name(mask_name)
+    bm = by_handle(mask)
     score = template(score_key).rebind(score_bufs)
     return bm, method, Pair(score, scale, enable_gqa, dict(options), stat_dtype, want_max)
 
@@ -68,11 +68,11 @@ def _stat_dtype(q: torch.Tensor) -> torch.dtype:
 
 @torch.library.custom_op("flexattn_distributed::attention", mutates_args=())
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_bufs: list[torch.Tensor],
-              spec: str, mask_name: str, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              spec: str, mask: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's ``(out, lse, max_scores)`` (max_scores empty unless the spec asks for them); the
-    block mask is named by ``mask_name`` (`masks.by_name`)."""
+    block mask is the one whose handle ``mask`` is (`masks.by_handle`)."""
     acc = _stat_dtype(query)
-    bm, method, pair = _setup(spec, mask_name, score_bufs, scale, acc)
+    bm, method, pair = _setup(spec, mask, score_bufs, scale, acc)
     _check_call(query, key, value, bm, method, pair)
     if method == "ring":
         out, lse, mx = _ring(bm).forward(key, value, lambda j, kj, vj: pair.forward(
@@ -91,7 +91,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
 
 
 @attention.register_fake
-def _(query, key, value, score_bufs, spec, mask_name, scale):
+def _(query, key, value, score_bufs, spec, mask, scale):
     B, Hq, L, _ = query.shape
     want_max = ast.literal_eval(spec)[4]
     return (query.new_empty((B, Hq, L, value.shape[-1])),
@@ -102,12 +102,12 @@ def _(query, key, value, score_bufs, spec, mask_name, scale):
 @torch.library.custom_op("flexattn_distributed::attention_backward", mutates_args=())
 def attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
-                       score_bufs: list[torch.Tensor], spec: str, mask_name: str, scale: float,
+                       score_bufs: list[torch.Tensor], spec: str, mask: torch.Tensor, scale: float,
                        need: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Gradients of `attention`: ``(dq, dk, dv, [grad of each score-mod tensor])`` (empty where
     ``need`` is False); the captured tensors' gradients are summed over the ranks."""
     acc = _stat_dtype(query)
-    bm, method, pair = _setup(spec, mask_name, score_bufs, scale, acc)
+    bm, method, pair = _setup(spec, mask, score_bufs, scale, acc)
     need = tuple(need)
     if method == "ring":
         def step(j, kj, vj):
@@ -135,26 +135,29 @@ def attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 @attention_backward.register_fake
-def _(query, key, value, out, lse, grad_out, grad_lse, score_bufs, spec, mask_name, scale, need):
+def _(query, key, value, out, lse, grad_out, grad_lse, score_bufs, spec, mask, scale, need):
     return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
             [torch.empty_like(b) if n else b.new_empty(0) for b, n in zip(score_bufs, need)])
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, score_bufs, spec_, mask_name, scale = inputs
+    query, key, value, score_bufs, spec_, mask, scale = inputs
     out, lse, _ = output
-    ctx.save_for_backward(query, key, value, out, lse, *score_bufs)
-    ctx.args = (spec_, mask_name, scale)
-    ctx.block_mask = by_name(mask_name)  # (keeps it alive for the backward: the registry holds it weakly)
+    ctx.save_for_backward(query, key, value, out, lse, mask, *score_bufs)
+    ctx.spec, ctx.scale = spec_, scale
+    # (an eager call keeps the mask alive for its backward, as the registry holds it weakly; a
+    # compiled call's backward finds it by its handle while the caller keeps it)
+    if not torch.compiler.is_compiling():
+        ctx.block_mask = by_handle(mask)
     ctx.need = [t.requires_grad and t.dtype.is_floating_point for t in score_bufs]
 
 
 def _backward(ctx, grad_out, grad_lse, grad_max):  # (max_scores carry no gradient, as on one GPU)
-    query, key, value, out, lse, *score_bufs = ctx.saved_tensors
+    query, key, value, out, lse, mask, *score_bufs = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv, grads = torch.ops.flexattn_distributed.attention_backward(
-        query, key, value, out, lse, grad_out, grad_lse, score_bufs, *ctx.args, ctx.need)
+        query, key, value, out, lse, grad_out, grad_lse, score_bufs, ctx.spec, mask, ctx.scale, ctx.need)
     return dq, dk, dv, [g if n else None for g, n in zip(grads, ctx.need)], None, None, None
 
 
@@ -243,7 +246,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     options = opts.with_deterministic(opts.check(kernel_options))
     spec_ = spec(score_key, method, bool(enable_gqa), tuple(sorted(options.items())), want_max)
     out, lse, mx = torch.ops.flexattn_distributed.attention(query, key, value, list(score_bufs), spec_,
-                                                            block_mask.name, float(scale))
+                                                            block_mask.handle, float(scale))
     if return_aux is not None:
         # (max scores carry no gradient: detached, as on one GPU and in torch)
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=mx.detach() if want_max else None)

@@ -112,7 +112,9 @@ class DistributedBlockMask:
     window's band of its neighbour's shard is read by the first rows alone).
     ``masks[j]``: the `flexattn.BlockMask` of those rows against KV shard j as this rank holds it
     (its own shard whole, another's window; None where empty), whose positions are
-    ``qpos_rows[j]`` and ``kvpos_held[j]``. Made by `create_block_mask`; a build that took the
+    ``qpos_rows[j]`` and ``kvpos_held[j]``. ``handle``: a 0-d CPU int64 tensor that the custom
+    ops find the mask by (`by_handle`; under torch.compile an input of the graph, which a new mask
+    reuses). Made by `create_block_mask`; a build that took the
     pairs of an earlier one is checked (and, where its pairs differ, listed again) when any of
     these is first read, as at its first use.
     """
@@ -129,10 +131,14 @@ class DistributedBlockMask:
         self._ring = self._gathered = None
         # (whether the gather of its build is not read yet: `verify`; why its build failed)
         self._unread, self._failed = False, None
-        # (the name the custom ops know it by: the group's and the mask's number on it, equal on
-        # every rank, new for every mask)
+        # (its name, equal on every rank, new for every mask: the group's and the mask's number on
+        # it; the ranks' check of a call compares it)
         self.name = name
-        _BY_NAME[self.name] = self
+        # (a 0-d CPU tensor that the custom ops find it by: under torch.compile an input of the
+        # graph, so that a new mask runs the same graph)
+        serial = next(_SERIALS)
+        self.handle = torch.tensor(serial)
+        _BY_HANDLE[serial] = self
 
     def _planned(self, pairs: "_Pairs", masks: list, copy_engines: bool) -> None:
         self._plan = (pairs, masks, copy_engines)
@@ -191,15 +197,19 @@ class DistributedBlockMask:
 
 # group name -> counter of the masks made on it (a collective: equal on every rank of the group)
 _COUNTERS: dict[str, itertools.count] = {}
-_BY_NAME: "weakref.WeakValueDictionary[str, DistributedBlockMask]" = weakref.WeakValueDictionary()
+_SERIALS = itertools.count()
+_BY_HANDLE: "weakref.WeakValueDictionary[int, DistributedBlockMask]" = weakref.WeakValueDictionary()
 
 
-def by_name(name: str) -> DistributedBlockMask:
-    """The live DistributedBlockMask called ``name`` (see `DistributedBlockMask.name`)."""
+def by_handle(handle: torch.Tensor) -> DistributedBlockMask:
+    """The live DistributedBlockMask whose `DistributedBlockMask.handle` holds ``handle``'s value."""
+    serial = int(handle)
     try:
-        return _BY_NAME[name]
+        return _BY_HANDLE[serial]
     except KeyError:
-        raise KeyError(f"no flexattn.distributed block mask named {name[:80]!r} is alive in this process") from None
+        raise KeyError(f"no flexattn.distributed block mask {serial} is alive in this process (the backward of a "
+                       f"call under torch.compile finds its mask while the caller keeps it: keep the mask until "
+                       f"the backward)") from None
 
 
 def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
