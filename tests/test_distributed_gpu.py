@@ -1,5 +1,6 @@
 """flexattn.distributed on NCCL: every visible GPU (at least 2), against single-GPU flexattn, and
-torch's context parallel with flexattn's flex_attention inside against torch's own."""
+torch's context parallel with flexattn's flex_attention inside against torch's own; on one GPU, a
+new mask at every step under torch.compile."""
 
 from __future__ import annotations
 
@@ -100,3 +101,42 @@ def test_distributed_nccl(tmp_path, copy_engines):
     P = _world()
     mp.spawn(_worker, args=(P, str(tmp_path / "store"), _body, copy_engines), nprocs=P, join=True)
 
+
+
+def _compiled_new_masks(rank, P):
+    """A new mask at every step, causal and documents in turn, through torch.compile(fullgraph=True)
+    with Inductor: one graph, each step's output and gradients those of the eager call and of one
+    GPU's flexattn on the whole sequence."""
+    import torch._dynamo.utils as dynamo_utils
+
+    S = 4096 + 77
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 4, S, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+
+    def step(q, k, v, bm):
+        return fd.flex_attention(q, k, v, block_mask=bm)
+
+    compiled = torch.compile(step, fullgraph=True)
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    for i in range(10):  # (more than torch.compile's 8 recompilations)
+        lengths = [S // 3 + 11 * i, S // 3 - 11 * i]
+        ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths + [S - sum(lengths)])).cuda()
+        mask = masks.document(ids, causal=True) if i % 2 else masks.causal
+        bm = fd.create_block_mask(mask, None, None, S, S)
+        one = flexattn.create_block_mask(mask, None, None, S, S, device="cuda")
+        runs = []
+        for fn in (step, compiled, lambda q, k, v, _: flexattn.flex_attention(q, k, v, block_mask=one)):
+            x = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = fn(*x, bm)
+            runs.append([out, *torch.autograd.grad(out.float().square().sum(), x)])
+        for eager, ours, single in zip(*runs):
+            torch.testing.assert_close(ours, eager, rtol=0, atol=2e-2)
+            torch.testing.assert_close(ours, single, rtol=0, atol=2e-2)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs + 1
+
+
+def test_compiled_new_masks_on_one_gpu(tmp_path):
+    """One rank of NCCL: runs on any GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    mp.spawn(_worker, args=(1, str(tmp_path / "store"), _compiled_new_masks), nprocs=1, join=True)

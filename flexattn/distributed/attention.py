@@ -8,6 +8,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 from flexattn import capture
 from flexattn.auxiliary import AuxOutput, AuxRequest, check_request
@@ -147,7 +148,7 @@ def _setup_context(ctx, inputs, output):
     ctx.spec, ctx.scale = spec_, scale
     # (an eager call keeps the mask alive for its backward, as the registry holds it weakly; a
     # compiled call's backward finds it by its handle while the caller keeps it)
-    if not torch.compiler.is_compiling():
+    if not (torch.compiler.is_compiling() or is_fake(mask)):  # (a trace's handle has no value)
         ctx.block_mask = by_handle(mask)
     ctx.need = [t.requires_grad and t.dtype.is_floating_point for t in score_bufs]
 
