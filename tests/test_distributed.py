@@ -543,27 +543,34 @@ def _compiled(group) -> None:
         results.append([out, *torch.autograd.grad(out.square().sum(), ins)])
     for eager, compiled in zip(*results):
         torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
-    # a new mask at every step, two masks in turn (a training loop's batches): one graph for all of
-    # them, each step the output and gradients of its own mask
+    # a new mask at every step, two masks in turn (a training loop's batches), each dropped before
+    # its backward (the autograd graph keeps it): one graph for all of them, each step the output
+    # and gradients of its own mask
     import torch._dynamo.utils as dynamo_utils
+
+    from flexattn.distributed import masks as dmasks
 
     def step(q, k, v, bm):
         return fd.flex_attention(q, k, v, block_mask=bm)
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    live = set(dmasks._BY_HANDLE)
     for i in range(10):  # (more than torch.compile's 8 recompilations)
         mask = masks.causal if i % 2 else _within(9)
         results = []
         for fn in (step, compiled):
             ins = [t.clone().requires_grad_() for t in (q, k, v)]
-            bm = fd.create_block_mask(mask, None, None, S, S, group, load_balance="head_tail", device="cpu",
-                                      BLOCK_SIZE=BLOCK)
-            out = fn(*ins, bm)
+            out = fn(*ins, fd.create_block_mask(mask, None, None, S, S, group, load_balance="head_tail",
+                                                device="cpu", BLOCK_SIZE=BLOCK))
+            gc.collect()
             results.append([out, *torch.autograd.grad(out.square().sum(), ins)])
         for eager, ours in zip(*results):
             torch.testing.assert_close(ours, eager, rtol=0, atol=0)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs + 1
+    del out, results, ins  # (and freed with the autograd graphs that saved them)
+    gc.collect()
+    assert set(dmasks._BY_HANDLE) <= live
 
 
 def _soft_per_head(score, b, h, q_idx, kv_idx):

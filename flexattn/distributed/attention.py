@@ -8,7 +8,6 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import is_fake
 
 from flexattn import capture
 from flexattn.auxiliary import AuxOutput, AuxRequest, check_request
@@ -18,14 +17,14 @@ from flexattn.lru import LRU
 from flexattn.mods import template
 from flexattn.distributed import checks, copies
 from flexattn.distributed.allgather import AllGather
-from flexattn.distributed.masks import SCORE, DistributedBlockMask, by_handle, verify
+from flexattn.distributed.masks import SCORE, DistributedBlockMask, _Mask, by_handle, verify
 from flexattn.distributed.ring import Ring
 from flexattn.distributed.steps import Pair
 
 METHODS = ("ring", "allgather")
 
 
-def _ring(bm: DistributedBlockMask) -> Ring:
+def _ring(bm: _Mask) -> Ring:
     ring = getattr(bm, "_ring", None)
     if ring is None:
         ring = bm._ring = Ring(checks.ring_groups(bm.group), bm.needs, bm.windows,
@@ -33,7 +32,7 @@ def _ring(bm: DistributedBlockMask) -> Ring:
     return ring
 
 
-def _copies_of(bm: DistributedBlockMask):
+def _copies_of(bm: _Mask):
     """How the ring's K/V and dK/dV parts travel by the copy engines (`copies`): where every rank
     is a GPU of this host that can use them (agreed when the mask was made); None (NCCL's sends)
     elsewhere."""
@@ -67,7 +66,12 @@ def _stat_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-@torch.library.custom_op("flexattn_distributed::attention", mutates_args=())
+# (not for CUDA graphs: a call checks the ranks' agreement and plans its transfers on the host, and a
+# replay would run the captured mask's)
+_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+
+@torch.library.custom_op("flexattn_distributed::attention", mutates_args=(), tags=_TAGS)
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_bufs: list[torch.Tensor],
               spec: str, mask: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's ``(out, lse, max_scores)`` (max_scores empty unless the spec asks for them); the
@@ -100,7 +104,7 @@ def _(query, key, value, score_bufs, spec, mask, scale):
             query.new_empty((B, Hq, L) if want_max else (0,), dtype=_stat_dtype(query)))
 
 
-@torch.library.custom_op("flexattn_distributed::attention_backward", mutates_args=())
+@torch.library.custom_op("flexattn_distributed::attention_backward", mutates_args=(), tags=_TAGS)
 def attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
                        score_bufs: list[torch.Tensor], spec: str, mask: torch.Tensor, scale: float,
@@ -145,11 +149,7 @@ def _setup_context(ctx, inputs, output):
     query, key, value, score_bufs, spec_, mask, scale = inputs
     out, lse, _ = output
     ctx.save_for_backward(query, key, value, out, lse, mask, *score_bufs)
-    ctx.spec, ctx.scale = spec_, scale
-    # (an eager call keeps the mask alive for its backward, as the registry holds it weakly; a
-    # compiled call's backward finds it by its handle while the caller keeps it)
-    if not (torch.compiler.is_compiling() or is_fake(mask)):  # (a trace's handle has no value)
-        ctx.block_mask = by_handle(mask)
+    ctx.spec, ctx.scale = spec_, scale  # (the saved handle keeps the mask for the backward)
     ctx.need = [t.requires_grad and t.dtype.is_floating_point for t in score_bufs]
 
 
@@ -165,7 +165,7 @@ def _backward(ctx, grad_out, grad_lse, grad_max):  # (max_scores carry no gradie
 torch.library.register_autograd("flexattn_distributed::attention", _backward, setup_context=_setup_context)
 
 
-def _local_error(q, k, v, bm: DistributedBlockMask, method: str, enable_gqa: bool) -> str:
+def _local_error(q, k, v, bm: _Mask, method: str, enable_gqa: bool) -> str:
     """What is wrong with this rank's inputs by itself ("" if nothing)."""
     for name, t in (("query", q), ("key", k), ("value", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -184,7 +184,7 @@ def _local_error(q, k, v, bm: DistributedBlockMask, method: str, enable_gqa: boo
     return checks.backend_error(bm.group, q.device, method)
 
 
-def _check_call(q, k, v, bm: DistributedBlockMask, method: str, pair: Pair) -> None:
+def _check_call(q, k, v, bm: _Mask, method: str, pair: Pair) -> None:
     """Every rank agrees on the call before the first transfer (once per configuration)."""
     verify(bm.group)  # (the group's gathers not read yet: before this call's own collectives)
     # (a mask whose build failed, or whose listing failed on this rank alone: the check tells every rank)

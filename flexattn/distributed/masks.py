@@ -99,25 +99,8 @@ def _ranges(row: list[int]) -> tuple | None:
     return None if kv_hi == 0 else ((kv_lo, kv_hi), (q_lo, q_hi))
 
 
-class DistributedBlockMask:
-    """One rank's block tables: its query shard against each KV shard, in global positions.
-
-    ``needs[i][j]``: whether query shard i reads KV shard j (the same on every rank);
-    ``qpos`` / ``kvpos[j]``: the global positions of this rank's queries and of KV shard j.
-    ``windows[j] = (lo, hi)``: the local KV positions of shard j that ranks other than its owner
-    read (whole KV blocks, or the whole shard where they read most of it; the same on every
-    rank): only that part travels in the ring.
-    ``rows[j] = (lo, hi)``: the local query rows of this rank that read KV shard j (whole query
-    blocks; None where none does): a step computes, merges and sums only those rows (a sliding
-    window's band of its neighbour's shard is read by the first rows alone).
-    ``masks[j]``: the `flexattn.BlockMask` of those rows against KV shard j as this rank holds it
-    (its own shard whole, another's window; None where empty), whose positions are
-    ``qpos_rows[j]`` and ``kvpos_held[j]``. ``handle``: a 0-d CPU int64 tensor that the custom
-    ops find the mask by (`by_handle`; under torch.compile an input of the graph, which a new mask
-    reuses). Made by `create_block_mask`; a build that took the
-    pairs of an earlier one is checked (and, where its pairs differ, listed again) when any of
-    these is first read, as at its first use.
-    """
+class _Mask:
+    """A build's state (`DistributedBlockMask` holds it through its handle)."""
 
     def __init__(self, group, layout: Layout, B: int, H: int, seq_lengths: tuple[int, int], block_size,
                  mask: "flexattn.Mod | None", shards: "_Shards | None", name: str):
@@ -134,11 +117,9 @@ class DistributedBlockMask:
         # (its name, equal on every rank, new for every mask: the group's and the mask's number on
         # it; the ranks' check of a call compares it)
         self.name = name
-        # (a 0-d CPU tensor that the custom ops find it by: under torch.compile an input of the
-        # graph, so that a new mask runs the same graph)
-        serial = next(_SERIALS)
-        self.handle = torch.tensor(serial)
-        _BY_HANDLE[serial] = self
+        # (the value of its handle: `DistributedBlockMask`)
+        self.serial = next(_SERIALS)
+        _BY_HANDLE[self.serial] = self
 
     def _planned(self, pairs: "_Pairs", masks: list, copy_engines: bool) -> None:
         self._plan = (pairs, masks, copy_engines)
@@ -195,21 +176,70 @@ class DistributedBlockMask:
                 f"seq_lengths={self.seq_lengths}, BLOCK_SIZE={self.BLOCK_SIZE}, needs={needs})")
 
 
+class DistributedBlockMask:
+    """One rank's block tables: its query shard against each KV shard, in global positions.
+
+    ``needs[i][j]``: whether query shard i reads KV shard j (the same on every rank);
+    ``qpos`` / ``kvpos[j]``: the global positions of this rank's queries and of KV shard j.
+    ``windows[j] = (lo, hi)``: the local KV positions of shard j that ranks other than its owner
+    read (whole KV blocks, or the whole shard where they read most of it; the same on every
+    rank): only that part travels in the ring.
+    ``rows[j] = (lo, hi)``: the local query rows of this rank that read KV shard j (whole query
+    blocks; None where none does): a step computes, merges and sums only those rows (a sliding
+    window's band of its neighbour's shard is read by the first rows alone).
+    ``masks[j]``: the `flexattn.BlockMask` of those rows against KV shard j as this rank holds it
+    (its own shard whole, another's window; None where empty), whose positions are
+    ``qpos_rows[j]`` and ``kvpos_held[j]``. ``handle``: a 0-d CPU int64 tensor that the custom
+    ops find the mask by (`by_handle`; under torch.compile an input of the graph, which a new mask
+    reuses); it holds the build's state, so that an autograd graph that saved it (a compiled
+    call's too) keeps the mask for its backward. Made by `create_block_mask`; a build that took the
+    pairs of an earlier one is checked (and, where its pairs differ, listed again) when any of
+    these is first read, as at its first use.
+    """
+
+    __slots__ = ("handle", "group", "__weakref__")
+
+    def __init__(self, mask: _Mask):
+        handle = torch.tensor(mask.serial, dtype=torch.int64, device="cpu")
+        handle._flexattn_mask = mask  # (the state's only holder besides autograd's saved handles)
+        object.__setattr__(self, "handle", handle)
+        object.__setattr__(self, "group", mask.group)
+
+    def __getattr__(self, name: str):  # (everything else is the build's)
+        return getattr(self.handle._flexattn_mask, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self.handle._flexattn_mask, name, value)
+
+    def verify(self) -> None:
+        """`_Mask.verify`: raises where this mask's group or build disagreed."""
+        self.handle._flexattn_mask.verify()
+
+    def gathered(self):
+        """`_Mask.gathered`: the all-gather method's BlockMask and KV positions."""
+        return self.handle._flexattn_mask.gathered()
+
+    def sparsity(self) -> float:
+        """Percentage of (query shard, KV shard) pairs that no rank computes."""
+        return self.handle._flexattn_mask.sparsity()
+
+    def __repr__(self) -> str:
+        return repr(self.handle._flexattn_mask)
+
+
 # group name -> counter of the masks made on it (a collective: equal on every rank of the group)
 _COUNTERS: dict[str, itertools.count] = {}
 _SERIALS = itertools.count()
-_BY_HANDLE: "weakref.WeakValueDictionary[int, DistributedBlockMask]" = weakref.WeakValueDictionary()
+_BY_HANDLE: "weakref.WeakValueDictionary[int, _Mask]" = weakref.WeakValueDictionary()
 
 
-def by_handle(handle: torch.Tensor) -> DistributedBlockMask:
-    """The live DistributedBlockMask whose `DistributedBlockMask.handle` holds ``handle``'s value."""
+def by_handle(handle: torch.Tensor) -> _Mask:
+    """The live build whose `DistributedBlockMask.handle` holds ``handle``'s value."""
     serial = int(handle)
     try:
         return _BY_HANDLE[serial]
     except KeyError:
-        raise KeyError(f"no flexattn.distributed block mask {serial} is alive in this process (the backward of a "
-                       f"call under torch.compile finds its mask while the caller keeps it: keep the mask until "
-                       f"the backward)") from None
+        raise KeyError(f"no flexattn.distributed block mask {serial} is alive in this process") from None
 
 
 def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
@@ -274,31 +304,32 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
                 error, failure = str(e) or type(e).__name__, e
         pending = checks.launch_table(group, WHAT, fields, error, None if failure else table, can)
         if failure is not None:  # (the others read it at their next call: every rank raises there)
-            return _failed(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, name, key,
+            return DistributedBlockMask(_failed(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, name, key,
                            f"{WHAT}: this rank failed while building the mask: {type(failure).__name__}: {error}",
-                           shards)
+                           shards))
         bm._unread = True
         listing = (mod, shards, tiles)
         _UNREAD.setdefault(group, []).append(_Unread(pending, weakref.ref(bm), key, None, agreed, listing))
-        return bm
+        return DistributedBlockMask(bm)
     try:
         tables, copy_engines = checks.agree_table(group, WHAT, fields, error, table, can=can)
     except checks.Deferred as e:  # (a rank repeated this build: every rank raises at its next call)
-        return _failed(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, name, key, str(e), shards)
+        return DistributedBlockMask(_failed(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, name, key, str(e),
+                                            shards))
     except checks.DistributedMismatchError as e:
         raise e from failure
     if key is not None:
         _agreed(group)[key] = (tables, copy_engines)
-    return _assembled(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, shards, tiles, tables, copy_engines,
-                      name)
+    return DistributedBlockMask(_assembled(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, shards, tiles,
+                                           tables, copy_engines, name))
 
 
 def _assembled(group, layout: Layout, B, H, seq_lengths: tuple, BLOCK_SIZE, mod, shards: "_Shards", tiles, tables,
-               copy_engines: bool, name: str) -> DistributedBlockMask:
+               copy_engines: bool, name: str) -> _Mask:
     """The mask of a build whose ranges are ``tables`` (every rank's): `_listed`."""
     listed = _listed(mod, shards, tiles, tables)
     checks.ring_groups(group)  # (made here, where every rank of the group is)
-    bm = DistributedBlockMask(group, layout, B, H, seq_lengths, BLOCK_SIZE, mod, shards, name)
+    bm = _Mask(group, layout, B, H, seq_lengths, BLOCK_SIZE, mod, shards, name)
     bm._planned(*listed, copy_engines)
     return bm
 
@@ -317,11 +348,11 @@ def _listed(mod, shards: "_Shards", tiles, tables) -> tuple["_Pairs", list]:
 
 
 def _failed(group, layout: Layout, B, H, seq_lengths: tuple, BLOCK_SIZE, name: str, key, message: str,
-            shards: "_Shards | None") -> DistributedBlockMask:
+            shards: "_Shards | None") -> _Mask:
     """A stand-in for a mask whose build failed where some rank reads its gather later: it raises
     ``message`` at this rank's next call in the group, where the other ranks raise too, and at
     every use. It has the positions where the build got that far, and no pairs."""
-    bm = DistributedBlockMask(group, layout, B, H, seq_lengths, BLOCK_SIZE, None, shards, name)
+    bm = _Mask(group, layout, B, H, seq_lengths, BLOCK_SIZE, None, shards, name)
     bm._failed = message
     _UNREAD.setdefault(group, []).append(_Unread(None, weakref.ref(bm), key, message, None, None))
     return bm
