@@ -13,6 +13,7 @@ computed on one rank of the group only, a different one per case.
 
 from __future__ import annotations
 
+import copy
 import gc
 import itertools
 import math
@@ -571,6 +572,22 @@ def _compiled(group) -> None:
     del out, results, ins  # (and freed with the autograd graphs that saved them)
     gc.collect()
     assert set(dmasks._BY_HANDLE) <= live
+    # saved-tensor hooks that copy what autograd saves (offloading), the handle too: an eager call's
+    # context keeps the mask
+    x = q.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(torch.clone, lambda t: t):
+        out = step(x, x, x, fd.create_block_mask(masks.causal, None, None, S, S, group, load_balance="head_tail",
+                                                 device="cpu", BLOCK_SIZE=BLOCK))
+    gc.collect()
+    out.sum().backward()
+    assert x.grad is not None
+    # a mask is its build: a copy is the mask itself, and its handle and group stay; its methods
+    # inside a compiled function
+    assert copy.copy(bm) is bm and copy.deepcopy(bm) is bm
+    with pytest.raises(AttributeError, match="fixed when the mask is made"):
+        bm.group = None
+    scaled = torch.compile(lambda q: fd.flex_attention(q, q, q, block_mask=bm) * bm.sparsity(), backend="aot_eager")
+    torch.testing.assert_close(scaled(q), fd.flex_attention(q, q, q, block_mask=bm) * bm.sparsity(), rtol=0, atol=0)
 
 
 def _soft_per_head(score, b, h, q_idx, kv_idx):

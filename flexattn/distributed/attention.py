@@ -150,6 +150,8 @@ def _setup_context(ctx, inputs, output):
     out, lse, _ = output
     ctx.save_for_backward(query, key, value, out, lse, mask, *score_bufs)
     ctx.spec, ctx.scale = spec_, scale  # (the saved handle keeps the mask for the backward)
+    if not torch.compiler.is_compiling():  # (and an eager call's context, where a saved-tensor hook copies the handle)
+        ctx.block_mask = mask.__dict__.get("_flexattn_mask")
     ctx.need = [t.requires_grad and t.dtype.is_floating_point for t in score_bufs]
 
 

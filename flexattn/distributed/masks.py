@@ -205,11 +205,21 @@ class DistributedBlockMask:
         object.__setattr__(self, "handle", handle)
         object.__setattr__(self, "group", mask.group)
 
-    def __getattr__(self, name: str):  # (everything else is the build's)
+    def __getattr__(self, name: str):  # (everything else is the build's; a bare instance has nothing)
+        if name.startswith("__") or name in DistributedBlockMask.__slots__:
+            raise AttributeError(name)
         return getattr(self.handle._flexattn_mask, name)
 
     def __setattr__(self, name: str, value) -> None:
+        if name in DistributedBlockMask.__slots__:
+            raise AttributeError(f"DistributedBlockMask.{name} is fixed when the mask is made")
         setattr(self.handle._flexattn_mask, name, value)
+
+    def __copy__(self) -> "DistributedBlockMask":  # (a copy is the same mask: its build is shared)
+        return self
+
+    def __deepcopy__(self, memo) -> "DistributedBlockMask":
+        return self
 
     def verify(self) -> None:
         """`_Mask.verify`: raises where this mask's group or build disagreed."""
@@ -239,7 +249,9 @@ def by_handle(handle: torch.Tensor) -> _Mask:
     try:
         return _BY_HANDLE[serial]
     except KeyError:
-        raise KeyError(f"no flexattn.distributed block mask {serial} is alive in this process") from None
+        raise KeyError(f"no flexattn.distributed block mask {serial} is alive in this process (a saved-tensor hook "
+                       f"that copies what autograd saves, such as save_on_cpu, drops the mask a compiled call's "
+                       f"backward needs: keep the mask until the backward)") from None
 
 
 def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
