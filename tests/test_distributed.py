@@ -588,6 +588,15 @@ def _compiled(group) -> None:
         bm.group = None
     scaled = torch.compile(lambda q: fd.flex_attention(q, q, q, block_mask=bm) * bm.sparsity(), backend="aot_eager")
     torch.testing.assert_close(scaled(q), fd.flex_attention(q, q, q, block_mask=bm) * bm.sparsity(), rtol=0, atol=0)
+    # a mask built inside a compiled function (a graph break: the build runs eagerly), from a number
+    # the function is given
+    def built_inside(q, width):
+        return fd.flex_attention(q, q, q, block_mask=fd.create_block_mask(
+            _within(width), None, None, S, S, group, load_balance="head_tail", device="cpu", BLOCK_SIZE=BLOCK))
+
+    inside = torch.compile(built_inside, backend="aot_eager")
+    for width in (3, 9, 30):
+        torch.testing.assert_close(inside(q, width), built_inside(q, width), rtol=0, atol=0)
 
 
 def _soft_per_head(score, b, h, q_idx, kv_idx):

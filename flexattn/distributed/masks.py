@@ -254,6 +254,7 @@ def by_handle(handle: torch.Tensor) -> _Mask:
                        f"backward needs: keep the mask until the backward)") from None
 
 
+@torch.compiler.disable  # (collectives and host reads: inside a compiled function, a graph break)
 def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
                       group_or_mesh=None, load_balance=None, device=None,
                       BLOCK_SIZE: int | tuple[int, int] = 128) -> DistributedBlockMask:
