@@ -14,7 +14,8 @@ and keeps it on the mask with the tensors' in-place modification counters (`reme
 (`for_call`), and again after they are modified in place, so that the mask compares their values as
 they are now; under torch.compile the graph ranks them at each call (`in_graph`). A change that
 bypasses a tensor's version counter (a write through ``.data``, a torch.distributed collective
-that writes into it, another library's view of its memory) is not seen; while a CUDA graph is captured the kernels read the tensors themselves.
+that writes into it, another library's view of its memory) is not seen; while a CUDA graph is
+captured the kernels read the tensors themselves.
 """
 
 from __future__ import annotations

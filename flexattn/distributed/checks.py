@@ -149,9 +149,7 @@ class Pending:
     """The gather of a build launched by a rank that reads it later (`launch_table`)."""
 
     def __init__(self, group: dist.ProcessGroup, what: str, every: torch.Tensor, n: int):
-        # (the group held weakly: an unread gather does not keep a destroyed group alive)
-        self.group, self.what, self.n = weakref.ref(group), what, n
-        self.done = None
+        self.what, self.n, self.done = what, n, None
         if every.is_cuda:  # (copied to pinned memory behind the gather: the read waits for no later work)
             self.every, self.done = _pinned(group, every)
             self.every.copy_(every, non_blocking=True)
@@ -159,13 +157,9 @@ class Pending:
         else:
             self.every = every
 
-    def check(self) -> tuple[list[list[int]], bool]:
-        """Reads the gather (waiting for it and the work queued before it): what every rank
-        decides from it (`_decide`), or its error, raised on this rank."""
-        group = self.group()
-        if group is None:
-            raise DistributedMismatchError(f"{self.what}: the process group was destroyed before this rank read the "
-                                           f"gather of its last build")
+    def check(self, group: dist.ProcessGroup) -> tuple[list[list[int]], bool]:
+        """Reads the gather in ``group`` (waiting for it and the work queued before it): what every
+        rank decides from it (`_decide`), or its error, raised on this rank."""
         if self.done is not None:
             self.done.synchronize()
         return _decide(group, self.what, None, "", self.every, self.n)
@@ -201,9 +195,9 @@ def launch_table(group: dist.ProcessGroup, what: str, fields: dict, local_error:
 def _launch(group: dist.ProcessGroup, what: str, fields: dict, local_error: str, can: bool = True,
             table: torch.Tensor | None = None, later: bool = False) -> torch.Tensor:
     """The all-gather of every rank's ``[no local error, digest of what and fields, digest of the
-    host name, can, reads later, *table]``, the table padded with zeros to ``WIDTH`` entries per rank of the group (all zeros
-    where None or ``local_error``), on the device the group's backend sends from; launched, not
-    read."""
+    host name, can, reads later, *table]``, the table padded with zeros to ``WIDTH`` entries per
+    rank of the group (all zeros where None or ``local_error``), on the device the group's backend
+    sends from; launched, not read."""
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend_of(group) else torch.device("cpu")
     width = WIDTH * group.size()
     if table is not None and table.numel() > width:
@@ -236,7 +230,8 @@ def _summary(what: str, rows: list[list[int]], local_error: str = "") -> str:
         parts.append(f"the arguments of rank(s) {differ} differ from rank 0's")
     later = [i for i, r in enumerate(rows) if r[4]]
     return (f"{what}: the ranks disagree ({'; '.join(parts)}); rank(s) {later} repeated the arguments of a "
-            f"build the ranks had agreed on, so every rank raises at its next create_block_mask or flex_attention in the group")
+            f"build the ranks had agreed on, so every rank raises at its next create_block_mask or "
+            f"flex_attention in the group")
 
 
 # (what, fields, no local error, can, reads later, width, device) -> the header and zeros a gather sends

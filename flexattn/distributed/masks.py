@@ -221,18 +221,6 @@ class DistributedBlockMask:
     def __deepcopy__(self, memo) -> "DistributedBlockMask":
         return self
 
-    def verify(self) -> None:
-        """`_Mask.verify`: raises where this mask's group or build disagreed."""
-        self.handle._flexattn_mask.verify()
-
-    def gathered(self):
-        """`_Mask.gathered`: the all-gather method's BlockMask and KV positions."""
-        return self.handle._flexattn_mask.gathered()
-
-    def sparsity(self) -> float:
-        """Percentage of (query shard, KV shard) pairs that no rank computes."""
-        return self.handle._flexattn_mask.sparsity()
-
     def __repr__(self) -> str:
         return repr(self.handle._flexattn_mask)
 
@@ -404,7 +392,7 @@ def verify(group, at_call: bool = True) -> None:
         try:
             if entry.message is not None:
                 raise checks.DistributedMismatchError(entry.message)
-            gathered = entry.pending.check()
+            gathered = entry.pending.check(group)
         except checks.DistributedMismatchError as e:
             if not at_call:  # (the other ranks raise at their next call: this rank raises there too)
                 raise
