@@ -19,13 +19,17 @@ What the fingerprint covers (`fingerprint` walks all of it, iteratively, in one 
     compiled kernel is specialised on their strides), and by
     which earlier tensor of the walk they are (aliasing decides how many buffers the IR has);
   - functions (nested mods and helpers): recursively, the same way;
-  - ``functools.partial``: its function, arguments and keywords; bound methods: the function
-    and the object; `Mod` objects: their structural key and their captured tensors;
+  - ``functools.partial``: its function, arguments and keywords; bound methods, and a callable
+    object used as the mod: the function (``__call__``; an ``nn.Module``'s ``forward``), the
+    object, and what the function reads through its first parameter (``self.cap``: a class
+    attribute, or a method of the class with what it reads in turn); `Mod` objects: their
+    structural key and their captured tensors;
   - tuples, lists, dicts, sets and objects with a ``__dict__`` (``nn.Module`` included): their
     contents, recursively;
   - modules, classes and builtins: by identity; what the code reads through attributes of a
-    module or class in a global or closure cell (``cfg.POS``, ``Config.POS``) is walked as a
-    value of its own (not for the modules of `_FIXED_PACKAGES`: ``torch.where``, ``math.inf``).
+    module, class or function in a global, a closure cell or a parameter's default
+    (``cfg.POS``, ``Config.POS``, ``mod.factor``) is walked as a value of its own (not for the
+    modules of `_FIXED_PACKAGES`: ``torch.where``, ``math.inf``).
 * anything else (an object without ``__dict__`` of an unknown type), a walk longer than
   `WALK_LIMIT` values, or a captured tensor that the walk cannot reach (one the mod computes
   while it runs) makes the mod *uncacheable*: it is traced on every call, which is always right,
@@ -38,7 +42,6 @@ from __future__ import annotations
 
 import dis
 import functools
-import inspect
 import itertools
 import operator
 import types
@@ -62,6 +65,10 @@ _OPAQUE = object()  # marks a fingerprint that cannot be trusted
 
 _READS_GLOBAL = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 _READS_ATTR = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
+# (a superinstruction that loads two locals, Python 3.13 and later, names both: the attribute read
+# after it is the second's)
+_READS_LOCAL = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_LOAD_FAST", "LOAD_FAST_BORROW",
+                          "LOAD_FAST_BORROW_LOAD_FAST_BORROW"})
 # Packages whose attributes mods read but nobody assigns (``torch.where``, ``math.inf``): chains
 # from their modules are not followed, which keeps them off every call's path.
 _FIXED_PACKAGES = frozenset({"torch", "math", "operator"})
@@ -73,14 +80,22 @@ class _Code:
     ("POS",))``, ``(("cell", 0), ("POS",))``), and its dynamic slots (a copy of
     `flexattn.scalars`' record, refreshed when that changes)."""
 
-    __slots__ = ("names", "chains", "dynamic")
+    __slots__ = ("names", "chains", "self_chains", "dynamic")
 
     def __init__(self, fn: types.FunctionType):
         """``fn``: a function of the code (chains from a module of `_FIXED_PACKAGES` in its
-        globals or cells are left out)."""
+        globals or cells are left out). ``self_chains``: the attribute chains read from the
+        first parameter (``self.cap`` of a method or ``__call__``), resolved where the walk knows
+        the object; chains read from a parameter that has a default (``C.scale`` of
+        ``C=Config``) are among ``chains``."""
         code = fn.__code__
         found: dict[str, None] = {}
         chains: dict[tuple, None] = {}
+        n_args = code.co_argcount + code.co_kwonlyargcount
+        params = code.co_varnames[:n_args]
+        with_default = set(params[code.co_argcount - len(fn.__defaults__ or ()):code.co_argcount])
+        with_default.update(fn.__kwdefaults__ or ())
+        first = params[0] if code.co_argcount else None
         stack = [code]
         while stack:
             c = stack.pop()
@@ -97,11 +112,17 @@ class _Code:
                     root = ("global", i.argval)
                 elif i.opname == "LOAD_DEREF" and c is code and i.argval in code.co_freevars:
                     root = ("cell", code.co_freevars.index(i.argval))
+                elif i.opname in _READS_LOCAL and c is code:
+                    name = i.argval[-1] if isinstance(i.argval, tuple) else i.argval
+                    if name in with_default or name == first:
+                        root = ("arg", name)
             if attrs:
                 chains[(root, tuple(attrs))] = None
             stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+        self.self_chains = tuple(a for (r, a) in chains if r == ("arg", first) and first not in with_default)
         self.names = tuple(found)
-        self.chains = tuple(c for c in chains if not _fixed_module(_root(fn, c[0])))
+        self.chains = tuple(c for c in chains if (c[0][0] != "arg" or c[0][1] in with_default)
+                            and not _fixed_module(_root(fn, c[0])))
         self.dynamic = scalars.dynamic_slots(code)
 
 
@@ -124,6 +145,12 @@ def _root(fn: types.FunctionType, root: tuple) -> Any:
     where, at = root
     if where == "global":
         return fn.__globals__.get(at, _MISSING)
+    if where == "arg":  # (a parameter's default)
+        if at in (fn.__kwdefaults__ or ()):
+            return fn.__kwdefaults__[at]
+        code, defaults = fn.__code__, fn.__defaults__ or ()
+        i = code.co_varnames.index(at) - (code.co_argcount - len(defaults))
+        return defaults[i] if 0 <= i < len(defaults) else _MISSING
     try:
         return fn.__closure__[at].cell_contents
     except ValueError:  # an empty cell
@@ -137,19 +164,52 @@ def _attribute(fn: types.FunctionType, chain: tuple) -> Any:
     a number, a string or a tensor that the object does not hold itself (a class attribute read
     through an instance, which the walk of the object would not see)."""
     root, attrs = chain
-    v = _root(fn, root)
+    return _attribute_of(_root(fn, root), attrs)
+
+
+def _attribute_of(v: Any, attrs: tuple) -> Any:
+    """What reading the attributes ``attrs`` from ``v`` reads (see `_attribute`); a function's
+    own attributes (``fn.factor``) are followed, and a method read through an instance
+    (``self.helper``) is that method bound to the instance (`_Bound`)."""
     for a in attrs:
         if isinstance(v, (types.ModuleType, type)):
             v = getattr(v, a, _MISSING)
             continue
         own = getattr(v, "__dict__", None)
+        if type(v) is types.FunctionType and own and a in own:
+            v = own[a]
+            continue
         if own is None or a in own:
             break
-        shared = inspect.getattr_static(type(v), a, _MISSING)
+        shared = _on_class(type(v), a)
         if type(shared) in _ATOMS or isinstance(shared, torch.Tensor):
             v = shared
+        elif type(shared) is types.FunctionType:
+            v = _Bound(v, shared)
         break
     return v
+
+
+def _on_class(tp: type, name: str) -> Any:
+    """What the classes of ``tp``'s method resolution order hold under ``name`` (descriptors as
+    they are, nothing called), or _MISSING: a class attribute that an instance without its own
+    reads (`inspect.getattr_static` of the class, without its checks of the metaclass)."""
+    for klass in tp.__mro__:
+        found = klass.__dict__.get(name, _MISSING)
+        if found is not _MISSING:
+            return found
+    return _MISSING
+
+
+class _Bound:
+    """A function of a class with the instance it is read through (a bound method, ``__call__``
+    of a callable object, ``self.helper``): the walk covers the function and what it reads
+    through its first parameter (class attributes included)."""
+
+    __slots__ = ("obj", "func")
+
+    def __init__(self, obj: Any, func: types.FunctionType):
+        self.obj, self.func = obj, func
 
 
 _FLAT = object()  # marks a key made by `_flat_fingerprint`
@@ -248,6 +308,11 @@ def _walk(fn: Any) -> tuple[tuple | None, list[torch.Tensor]]:
     tensors: list[torch.Tensor] = []
     seen: dict[int, int] = {}  # id(container or tensor) -> its position (cycles and aliasing)
     stack = [fn]
+    # (a callable object: the function it runs too; a module's forward, whose own hooks are in its
+    # __dict__)
+    call = _on_class(type(fn), "forward" if isinstance(fn, torch.nn.Module) else "__call__")
+    if type(call) is types.FunctionType and not isinstance(fn, Mod):
+        stack[:0] = _bound(fn, call)
     steps = 0
     while stack:
         v = stack.pop()
@@ -271,7 +336,7 @@ def _walk(fn: Any) -> tuple[tuple | None, list[torch.Tensor]]:
         if isinstance(v, _BY_IDENTITY) or t in (types.BuiltinMethodType,):
             key.append(v)
             continue
-        vid = id(v)
+        vid = (id(v.obj), id(v.func)) if t is _Bound else id(v)
         if vid in seen:
             key.append(("ref", seen[vid]))
             continue
@@ -307,7 +372,12 @@ def _expand(v: Any, t: type, key: list, stack: list) -> bool:
         stack.extend((v.keywords, v.args, v.func))
     elif t is types.MethodType:
         key.append("method")
-        stack.extend((v.__self__, v.__func__))
+        stack.append(v.__self__)
+        stack.extend(_bound(v.__self__, v.__func__))
+    elif t is _Bound:
+        key.append("bound")
+        stack.append(v.obj)
+        stack.extend(_bound(v.obj, v.func))
     elif t in (tuple, list):
         key.append((t, len(v)))
         stack.extend(reversed(v))
@@ -328,6 +398,15 @@ def _expand(v: Any, t: type, key: list, stack: list) -> bool:
         key.append(("obj", t))
         stack.append(attrs)
     return True
+
+
+def _bound(obj: Any, func: Any) -> list:
+    """``func`` (a bound method's function) and what it reads through its first parameter on
+    ``obj``, for the walk's stack (values, not a new container: the walk keys containers by
+    id, which a freed temporary would pass on)."""
+    if type(func) is not types.FunctionType:
+        return [func]
+    return [*[_attribute_of(obj, attrs) for attrs in reversed(_code(func).self_chains)], func]
 
 
 _MISSING = type("_Missing", (), {"__repr__": lambda self: "<missing>"})()

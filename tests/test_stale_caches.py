@@ -156,3 +156,58 @@ def test_a_value_read_on_the_host_is_read_again(qkv):
         assert_matches_reference(qkv, score_mod=in_the_kernel)
         temp.fill_(3.0)
         assert_matches_reference(qkv, score_mod=in_the_kernel)
+
+
+class Capped:
+    cap = 1.0  # (a class attribute, read through self)
+
+    def mod(self, score, b, h, q_idx, kv_idx):
+        return score * self.cap
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return score * self.cap * FACTOR
+
+
+class CappedModule(torch.nn.Module):
+    cap = 1.0  # (a class attribute of a module used as the score_mod, read in its forward)
+
+    def forward(self, score, b, h, q_idx, kv_idx):
+        return score * self.cap * FACTOR
+
+
+FACTOR = 1.0
+
+
+def with_default(score, b, h, q_idx, kv_idx, C=Capped):
+    return score * C.cap
+
+
+def with_attribute(score, b, h, q_idx, kv_idx):
+    return score * with_attribute.factor
+
+
+with_attribute.factor = 1.0
+
+
+@pytest.mark.parametrize("how", ["bound method", "callable object", "module", "default argument",
+                                 "function attribute"])
+def test_values_read_through_attributes_of_objects_the_walk_keys_by_identity(qkv, how):
+    """What a mod reads through ``self`` (a class attribute of a bound method's or a callable
+    object's class), the globals of a callable object's ``__call__``, a class in a default
+    argument and a function's own attribute: changing one changes the next call."""
+    global FACTOR
+    obj = Capped()
+    mod = {"bound method": obj.mod, "callable object": obj, "module": CappedModule(), "default argument": with_default,
+           "function attribute": with_attribute}[how]
+    try:
+        assert_matches_reference(qkv, score_mod=mod)
+        if how == "function attribute":
+            with_attribute.factor = 3.0
+        else:
+            Capped.cap = CappedModule.cap = 3.0
+        assert_matches_reference(qkv, score_mod=mod)
+        if how in ("callable object", "module"):
+            FACTOR = 0.5
+            assert_matches_reference(qkv, score_mod=mod)
+    finally:
+        Capped.cap = CappedModule.cap = FACTOR = with_attribute.factor = 1.0
