@@ -490,6 +490,12 @@ def _errors(group) -> None:
     x = torch.randn(1, 2, n, e)
     with pytest.raises(fd.DistributedMismatchError, match="B, Hq, E"):
         fd.flex_attention(x, x, x, block_mask=bm)
+    # K/V of batch 1, broadcast over the batch, on one rank only (each rank alone would be right;
+    # the ring would receive a shard into a buffer shaped from the other rank's K)
+    x2 = torch.randn(2, 2, n, BLOCK)
+    kv = x2[:1] if rank == 0 else x2
+    with pytest.raises(fd.DistributedMismatchError, match="key/value B: rank 0 has"):
+        fd.flex_attention(x2, kv, kv, block_mask=bm)
     # a dtype only one rank has wrong, a head dim every rank has wrong: refused on every rank before
     # the first transfer (not in the kernel of the ring's first step, with transfers in flight)
     v64 = q.double() if rank == P - 1 else q
@@ -700,12 +706,49 @@ def _torch_context_parallel(group) -> None:
         torch.testing.assert_close(whole, ref.float(), rtol=0, atol=atol, msg=f"{label} in torch's context parallel")
 
 
+def _promises_and_strides(group) -> None:
+    """Kernel options that promise something of the whole mask hold for the one-process call but
+    not for each pair (a row of a pair may see no key; the all-gather's KV blocks lie in the shards'
+    order): both methods give the one-process output and gradients with them. Activations held as
+    [B, L, H, D]: the output and the gradients have the strides the custom ops' fake kernels give
+    them (a contiguous output, gradients like their inputs), which a compiled graph relies on."""
+    S = 121
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(1, 2, S, BLOCK, generator=g).requires_grad_() for _ in range(3))
+    want = flexattn.flex_attention(q, k, v, block_mask=flexattn.create_block_mask(
+        masks.causal, None, None, S, S, device="cpu", BLOCK_SIZE=BLOCK))
+    want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
+    bm = fd.create_block_mask(masks.causal, None, None, S, S, group, load_balance="head_tail", device="cpu",
+                              BLOCK_SIZE=BLOCK)
+
+    def sharded(t):
+        return fd.shard(t.detach(), group, seq_dim=2, load_balance="head_tail")
+
+    def whole(t):
+        return fd.unshard(t, group, seq_dim=2, load_balance="head_tail")
+
+    for method, option in (("ring", "ROWS_GUARANTEED_SAFE"), ("allgather", "BLOCKS_ARE_CONTIGUOUS")):
+        local = [sharded(t).requires_grad_() for t in (q, k, v)]
+        # (with the max scores asked for, a pair's few rows take the forward kernel, not the decoding one)
+        out, _ = fd.flex_attention(*local, block_mask=bm, method=method, kernel_options={option: True},
+                                   return_aux=AuxRequest(max_scores=True))
+        torch.testing.assert_close(whole(out), want, atol=1e-5, rtol=1e-5, msg=f"{method} with {option}")
+        for name, got, ref in zip("qkv", torch.autograd.grad(out.square().sum(), local), want_grads):
+            torch.testing.assert_close(whole(got), ref, atol=1e-4, rtol=1e-4, msg=f"{method} with {option}: d{name}")
+        held = [sharded(t).transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+        out = fd.flex_attention(*held, block_mask=bm, method=method)
+        assert out.is_contiguous(), (method, out.stride())
+        for x, grad in zip(held, torch.autograd.grad(out.square().sum(), held)):
+            assert grad.stride() == torch.empty_like(x).stride(), (method, grad.stride(), x.stride())
+
+
 def _body(group) -> None:
     P = dist.get_world_size(group)
     _layouts_and_masks(group)
     _repeated_builds(group)
     _errors(group)
     _aux(group)
+    _promises_and_strides(group)
     if P == 2:
         _compiled(group)
         _torch_context_parallel(group)

@@ -59,7 +59,20 @@ def _setup(spec_: str, mask: torch.Tensor, score_bufs, scale: float, stat_dtype)
     score_key, method, enable_gqa, options, want_max = _SPECS.get_or_make(spec_, lambda: ast.literal_eval(spec_))
     bm = by_handle(mask)
     score = template(score_key).rebind(score_bufs)
-    return bm, method, Pair(score, scale, enable_gqa, dict(options), stat_dtype, want_max)
+    return bm, method, Pair(score, scale, enable_gqa, _pair_options(options, method), stat_dtype, want_max)
+
+
+def _pair_options(options: tuple, method: str) -> dict:
+    """The call's kernel options as each pair runs them, less the promises about the whole mask
+    that a pair's tables need not keep: its KV blocks lie in the shards' order (the all-gather's
+    lists of a causal mask jump between shards), and in the ring a row may see no key of a shard.
+    (The forward's own check of each pair's lists still sets BLOCKS_ARE_CONTIGUOUS where it holds.)"""
+    o = dict(options)
+    if o.get("BLOCKS_ARE_CONTIGUOUS"):
+        del o["BLOCKS_ARE_CONTIGUOUS"]
+    if method == "ring" and o.get("ROWS_GUARANTEED_SAFE"):
+        del o["ROWS_GUARANTEED_SAFE"]
+    return o
 
 
 def _stat_dtype(q: torch.Tensor) -> torch.dtype:
@@ -92,7 +105,19 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
         mx = lse.new_empty(0)
     elif mx is None:
         mx = lse.new_full((B, Hq, L), -math.inf)
-    return out.to(query.dtype), lse, mx
+    return _strided_like(out, query, (B, Hq, L, value.shape[-1]), query.dtype), lse.contiguous(), mx.contiguous()
+
+
+def _strided_like(t: torch.Tensor, ref: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
+    """``t`` in ``dtype`` with the strides the fake kernels give it: ``ref``'s empty_like (with
+    ``shape``: contiguous), which Inductor checks (a size-1 dimension's stride does not count);
+    copied only where they differ (a first pair's output is in query's stride order, a sum of
+    parts is contiguous)."""
+    dtype = dtype or ref.dtype
+    want = (torch.empty(shape, device="meta") if shape is not None else torch.empty_like(ref, device="meta")).stride()
+    if t.dtype == dtype and all(a == b or n == 1 for a, b, n in zip(t.stride(), want, t.shape)):
+        return t
+    return torch.empty_strided(t.shape, want, dtype=dtype, device=t.device).copy_(t)
 
 
 @attention.register_fake
@@ -124,7 +149,7 @@ def attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     else:
         dq, dk, dv, per_step = AllGather(bm).backward(query, key, value, out, lse, grad_out, grad_lse, pair,
                                                       need, acc)
-    dq = torch.zeros_like(query) if dq is None else dq.to(query.dtype)
+    dq = torch.zeros_like(query) if dq is None else _strided_like(dq, query)
     grads = []
     for i, t in enumerate(score_bufs):
         if not need[i]:
@@ -135,8 +160,8 @@ def attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             if step_grads[i] is not None:
                 g += step_grads[i]
         dist.all_reduce(g, group=bm.group)
-        grads.append(g.to(t.dtype))
-    return dq, dk.to(key.dtype), dv.to(value.dtype), grads
+        grads.append(_strided_like(g, t))
+    return dq, _strided_like(dk, key), _strided_like(dv, value), grads
 
 
 @attention_backward.register_fake
@@ -195,6 +220,9 @@ def _check_call(q, k, v, bm: _Mask, method: str, pair: Pair) -> None:
         "mask": bm.name, "method": method, "dtype": str(q.dtype),
         "B, Hq, E": None if error else (*q.shape[:2], q.shape[-1]),
         "Hkv, Ev": None if error else (k.shape[1], v.shape[-1]),
+        # (a K/V batch of 1 broadcasts over B: on one rank only, the ring would receive its shard into
+        # buffers shaped from another rank's K)
+        "key/value B": None if error else (k.shape[0], v.shape[0]),
         # (the score_mod's tensors: their gradients are summed over the ranks)
         "score_mod tensors": tuple((tuple(t.shape), str(t.dtype), t.requires_grad) for t in pair.score.buffers),
         "score_mod": pair.score.key(), "scale": pair.scale, "enable_gqa": pair.enable_gqa,
