@@ -93,8 +93,11 @@ def forward(query: Tensor, key: Tensor, value: Tensor, sinks: Optional[Tensor], 
     ``seq_q``, ``seq_kv``: the block mask's (Q_LEN, KV_LEN), -1 without."""
     score, mask, block, enable_gqa, options, want_max = _parse(spec)
     t = _tables(block, tables, seq_q, seq_kv)
+    # (the dot precision too: float32 on the GPU is tf32 while torch.backends.cuda.matmul.allow_tf32
+    # says so, read when a plan is made)
     key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _aligned(query, key, value),
-            _metas(score_bufs) + _metas(mask_bufs), None if t is None else t.sig, _sink_meta(sinks))
+            _metas(score_bufs) + _metas(mask_bufs), None if t is None else t.sig, _sink_meta(sinks),
+            launch.dot_precision(query.device, query.dtype))
     plan = plans.forward_plan(key_, query, key, value, score, score_bufs, mask, mask_bufs, t, enable_gqa,
                               options, want_max, sinks)
     out, lse, mx = fwd.run(plan, query, key, value, score, score_bufs, mask, mask_bufs, t, scale, sinks=sinks)
@@ -165,7 +168,8 @@ def run_backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Te
     need_t = tuple(need)
     key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _meta(grad_out), _aligned(query, key, value, grad_out),
             None if grad_lse is None else grad_lse.stride(), out.stride(), lse.stride(), need_t,
-            _metas(score_bufs) + _metas(mask_bufs), None if t is None else t.sig, _sink_meta(sinks))
+            _metas(score_bufs) + _metas(mask_bufs), None if t is None else t.sig, _sink_meta(sinks),
+            launch.dot_precision(query.device, query.dtype))
 
     def launch_once(plan):
         return bwd.run(plan, query, key, value, out, lse, grad_out, grad_lse, score, score_bufs, mask, mask_bufs,
@@ -202,7 +206,8 @@ def decode(query: Tensor, key: Tensor, value: Tensor, sinks: Optional[Tensor], s
     score, mask, block, enable_gqa, options, _ = _parse(spec)
     t = _tables(block, tables, seq_q, seq_kv)
     key_ = ("op", spec, _meta(query), _meta(key), _meta(value), _metas(score_bufs) + _metas(mask_bufs),
-            None if t is None else t.sig, None if kv_lengths is None else _meta(kv_lengths), _sink_meta(sinks))
+            None if t is None else t.sig, None if kv_lengths is None else _meta(kv_lengths), _sink_meta(sinks),
+            launch.dot_precision(query.device, query.dtype))
     plan = plans.decode_plan(key_, query, key, value, score, score_bufs, mask, mask_bufs, t, enable_gqa, options,
                              kv_lengths, sinks)
     return dec.run(plan, query, key, value, score_bufs, mask_bufs, t, scale, kv_lengths, sinks=sinks)

@@ -325,3 +325,24 @@ def test_cuda_graph_varlen_packed_and_decoding():
 
     replays = list(replays_match_eager(step, (q, k, v, q1, sinks)))
     assert len(replays) == 3
+
+
+def test_tf32_flag_is_read_at_each_compiled_call():
+    """float32 under torch.compile: the custom ops' plans follow torch.backends.cuda.matmul.allow_tf32
+    as eager calls do (a plan made while it was on is not taken once it is off), forward and backward."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 300, 64, device=DEV, generator=g).requires_grad_() for _ in range(3))
+    compiled = torch.compile(flexattn.flex_attention, fullgraph=True)
+    want = attention_reference(q.double(), k.double(), v.double())
+    want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
+    errors = {}
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for tf32 in (True, False):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            out = compiled(q, k, v)
+            grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+            errors[tf32] = max((a.double() - b).abs().max().item() for a, b in zip((out, *grads), (want, *want_grads)))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert errors[False] < 1e-4 and errors[True] > 10 * errors[False], errors
