@@ -271,6 +271,15 @@ def test_getitem_matches_torch():
         ours[0].mask_mod(None, None, None, None)
 
 
+def test_adjust_refuses_lengths_it_was_not_built_for():
+    """Tiles past the lengths a mask was built for were never classified: growing it would skip
+    their keys silently."""
+    bm = create_block_mask(causal, 1, 1, 100, 100, "cpu", 32)
+    for q, kv in [(100, 200), (101, 100), (100, 101)]:
+        with pytest.raises(ValueError, match=r"adjust crops a block mask: \(%d, %d\) is larger" % (q, kv)):
+            bm._adjust(q, kv)
+
+
 def test_adjust_matches_torch_on_causal_and_crops_exactly():
     ours, theirs = both(causal, 1, 2, 512, 512, 64)
     for q, kv in [(512, 512), (300, 300), (64, 500), (1, 129)]:

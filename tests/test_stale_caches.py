@@ -211,3 +211,20 @@ def test_values_read_through_attributes_of_objects_the_walk_keys_by_identity(qkv
             assert_matches_reference(qkv, score_mod=mod)
     finally:
         Capped.cap = CappedModule.cap = FACTOR = with_attribute.factor = 1.0
+
+
+def test_a_mask_that_reads_a_value_on_the_host_is_traced_again_on_a_flexattn_block_mask(qkv):
+    """A mask_mod that reads a captured tensor's value in Python (``int(t)``) set on a flexattn
+    BlockMask sees the tensor's current value at each call, as on torch's BlockMask (the tables
+    list every tile as partial: the mask decides every element)."""
+    offset = torch.tensor(10)
+
+    def shifted_causal(b, h, q_idx, kv_idx):
+        return q_idx + int(offset) >= kv_idx
+
+    bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, None, None, S, S, "cpu", 32,
+                           separate_full_blocks=False)
+    bm.mask_mod = shifted_causal
+    for value in (10, 70, 0):
+        offset.fill_(value)
+        assert_matches_reference(qkv, block_mask=bm)

@@ -172,10 +172,13 @@ class BlockMask:
     def mod(self) -> Mod:
         """``mask_mod`` as a traced `Mod` (what the kernels run), traced once: a tensor it captures is
         read at each call, but a name it captures bound to another object later is not seen (the
-        block tables were made from the old one: make the BlockMask again)."""
-        if self._mod is None:
-            self._mod = as_mod(self.mask_mod)
-        return self._mod
+        block tables were made from the old one: make the BlockMask again). A mask_mod that reads a
+        captured tensor's value in Python (``int(t)``: `Mod.host_values`) is traced again at each
+        call, as flex_attention traces such a mod of torch's BlockMask."""
+        mod = self._mod
+        if mod is None or (mod.host_values and not isinstance(self._mask_mod, Mod)):
+            mod = self._mod = as_mod(self.mask_mod)
+        return mod
 
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -284,6 +287,10 @@ class BlockMask:
         """
         _check_positive("new_q_len", new_q_len)
         _check_positive("new_kv_len", new_kv_len)
+        if new_q_len > self.seq_lengths[0] or new_kv_len > self.seq_lengths[1]:
+            # (the tiles past the old lengths were never classified: they would be skipped silently)
+            raise ValueError(f"adjust crops a block mask: ({new_q_len}, {new_kv_len}) is larger than the "
+                             f"{self.seq_lengths} it was built for; build the block mask for these lengths")
         rows = -(-new_q_len // self.BLOCK_SIZE[0])
         cols = -(-new_kv_len // self.BLOCK_SIZE[1])
 
