@@ -167,11 +167,16 @@ class PagedKVCache:
             i = i.expand(B, *i.shape[1:])
             table = self.page_table[slots]                                       # [B, n_pages]
             phys = torch.gather(table[:, None, None, :].expand(*i.shape[:3], -1), 3, i.long())
-            # Unlisted entries (past kv_num_blocks) may name unowned pages: clamp them to page 0.
-            phys = phys.clamp_min(0).to(torch.int32)
+            # A listed logical block the slot does not own (page -1) is dropped, not sent to a
+            # page that exists (page 0 would be read twice, or another sequence's page read
+            # unmasked in a full block): the owned entries move to the front, in their order.
+            listed = torch.arange(i.shape[3], device=i.device) < n[..., None].long()
+            keep = listed & (phys >= 0)
+            order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)
+            phys = torch.gather(phys, 3, order).clamp_min(0).to(torch.int32)
             out = torch.zeros(*i.shape[:3], self.n_pages, dtype=torch.int32, device=i.device)
             out[..., : i.shape[3]] = phys
-            return n.contiguous(), out
+            return keep.sum(-1).to(torch.int32), out
 
         num, idx = convert(num, idx)
         full_num, full_idx = convert(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)

@@ -96,6 +96,26 @@ def test_paged_dense_walk_masks_unowned_pages():
     assert not math.isnan(out.sum().item())
 
 
+@pytest.mark.parametrize("full", [True, False], ids=["full blocks", "partial blocks"])
+def test_converted_mask_drops_blocks_the_slot_has_not_reserved(full):
+    """A logical mask over more positions than a slot has pages for (48 against 32 and 16): the
+    blocks without a page are dropped, not read from page 0 (slot 0 owns it: its tokens would count
+    twice) or, in a full block, unmasked from another sequence's page."""
+    H, E, MAXLEN = 2, 16, 48
+    g = torch.Generator().manual_seed(2)
+    cache = PagedKVCache(n_pages=6, page_size=PAGE, max_batch_size=2, num_heads=H, head_dim=E)
+    k, v = torch.randn(2, H, 32, E, generator=g), torch.randn(2, H, 32, E, generator=g)
+    fill(cache, [32, 16], k, v)
+    q = torch.randn(2, H, 1, E, generator=g)
+    every_other = None if full else (lambda b, h, q_idx, kv_idx: kv_idx % 2 == 0)
+    logical = flexattn.create_block_mask(every_other or flexattn.noop_mask, 2, 1, 1, MAXLEN, device="cpu",
+                                         BLOCK_SIZE=(16, PAGE))
+    out = decode_attention(q, cache.k_cache, cache.v_cache, block_mask=cache.convert_logical_block_mask(logical))
+    for b, n in enumerate([32, 16]):  # (each slot's own tokens only)
+        ref = attention_reference(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], mask_mod=every_other)
+        torch.testing.assert_close(out[b:b + 1].double(), ref, atol=1e-5, rtol=1e-5)
+
+
 def _causal_fill(b, h, q_idx, kv_idx):
     """Python mask_mod (module-level constants, no DSL): new tokens at lengths[b] - 2."""
     lens = torch.tensor([83, 47], dtype=torch.int32)

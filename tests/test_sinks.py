@@ -299,6 +299,19 @@ def test_gradcheck_of_sinks():
         (q, k, v, sinks), fast_mode=True, atol=1e-7, rtol=1e-6)
 
 
+def test_sink_gradient_without_keys():
+    """KV_LEN = 0: every row's LSE is its head's sink and its output 0, so d sinks[h] is the sum
+    of dLSE over the head's rows (Delta = -dLSE), not 0."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 3, 16, generator=g, dtype=F64).requires_grad_()
+    k = v = torch.randn(2, 4, 0, 16, generator=g, dtype=F64)
+    sinks = torch.randn(4, generator=g, dtype=F64).requires_grad_()
+    out, lse = flexattn.flex_attention(q, k, v, sinks=sinks, return_lse=True)
+    w = torch.randn(lse.shape, generator=g, dtype=F64)
+    (got,) = torch.autograd.grad(out.sum() + (lse * w).sum(), sinks)
+    torch.testing.assert_close(got, w.sum((0, 2)), rtol=1e-12, atol=1e-12)
+
+
 def test_sinks_alone_require_grad():
     """Only the sinks need a gradient: the call still records the backward."""
     q, k, v = qkv(1, 2, 2, 12, 12, 8, dtype=F64)

@@ -460,8 +460,13 @@ def run(plan: Plan | HopperPlan, query, key, value, out, lse, grad_out, grad_lse
     dk = launch.empty((B, Hkv, KV_LEN, E), plan.dk_dtype, device)
     dv = launch.empty((B, Hkv, KV_LEN, Ev), plan.dk_dtype, device)
     if query.numel() == 0 or key.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_(), _grad_values(plan, grad_bufs), \
-            None if sinks is None else torch.zeros_like(sinks)
+        d_sinks = None
+        if sinks is not None:  # (rows that see no key: LSE = sinks[h], Delta = rowsum(dO * O) - dLSE)
+            delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+            if grad_lse is not None:
+                delta = delta - grad_lse.to(lse.dtype)
+            d_sinks = sink_grad(sinks, lse, delta)
+        return dq.zero_(), dk.zero_(), dv.zero_(), _grad_values(plan, grad_bufs), d_sinks
     if plan.dense is not None:
         q_lists, kv_lists = plan.dense
     else:
