@@ -114,6 +114,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         >>> decode_attention(q, k, v).shape
         torch.Size([1, 4, 3, 32])
     """
+    if kv_lengths is not None and not isinstance(kv_lengths, torch.Tensor):
+        raise TypeError(f"kv_lengths must be an integer tensor [B] or None, got {_describe(kv_lengths)}")
     override = None
     if mask_mod is not None:
         if isinstance(mask_mod, Mod):

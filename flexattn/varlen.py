@@ -387,6 +387,9 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if return_aux is not None and not hasattr(return_aux, "lse"):
         raise TypeError(f"return_aux must be an AuxRequest (torch's or flexattn's) or None, got "
                         f"{type(return_aux).__name__}")
+    if return_aux is not None and getattr(return_aux, "max_scores", False):
+        raise ValueError("varlen_attention's return_aux computes lse only (as torch's varlen_attn); "
+                         "AuxRequest(max_scores=True) is not supported here")
     want_lse = return_aux is not None and bool(return_aux.lse)
     paged = block_table is not None
     need_grad = _needs_grad(query, key, value, score_mod) or (

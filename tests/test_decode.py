@@ -185,6 +185,8 @@ def test_validation_errors():
         decode_attention(q, k.repeat(2, 1, 1, 1)[:3], v.repeat(2, 1, 1, 1)[:3], enable_gqa=True)
     with pytest.raises(TypeError, match="kv_lengths"):
         decode_attention(q, k, v, enable_gqa=True, kv_lengths=torch.tensor([3.0, 4.0]))
+    with pytest.raises(TypeError, match=r"kv_lengths must be an integer tensor \[B\] or None, got list"):
+        decode_attention(q, k, v, enable_gqa=True, kv_lengths=[3, 4])
     with pytest.raises(ValueError, match="unknown key"):
         decode_attention(q, k, v, enable_gqa=True, kernel_options={"SPLITKV": 2})
     with pytest.raises(TypeError, match="float16, bfloat16 or float32"):

@@ -314,6 +314,7 @@ def i32(*values):
     (dict(window_size=(-2, 0)), r"window_size must be a \(left, right\) pair of ints >= -1"),
     (dict(key=torch.randn(8, 3, 16), value=torch.randn(8, 3, 16)), r"key/value must have H_q \(or pass enable_gqa"),
     (dict(block_table=i32(0, 1).view(2, 1)), r"key must be a \(total_pages, page_size, H_kv, D\) tensor"),
+    (dict(return_aux=AuxRequest(lse=True, max_scores=True)), r"return_aux computes lse only"),
 ])
 def test_bad_input_is_named(change, match):
     with pytest.raises(ValueError, match=match):
