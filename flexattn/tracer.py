@@ -395,6 +395,8 @@ def _magic_binary(op: str, reflected: bool):
     def method(self, other):
         with _located():
             b = _v(other)
+            if getattr(other, "_flexattn_weak", False):  # a dynamic Python float: a weak scalar
+                b = ir.cast(b, ir.promote(self.node, 0.0))
             node = ir.binary(op, b, self.node) if reflected else ir.binary(op, self.node, b)
         return Proxy(node, self.tracer)
     return method

@@ -228,3 +228,27 @@ def test_a_mask_that_reads_a_value_on_the_host_is_traced_again_on_a_flexattn_blo
     for value in (10, 70, 0):
         offset.fill_(value)
         assert_matches_reference(qkv, block_mask=bm)
+
+
+STEP = 0.5
+
+
+def floor_band(score, b, h, q_idx, kv_idx):
+    # (torch: an int32 tensor times a Python float is float32; floor(float32(50 * 0.58)) == 29)
+    return torch.where(torch.floor(kv_idx * STEP) == 29, score + 5, score)
+
+
+def test_a_changing_python_float_promotes_as_a_python_float():
+    """A Python float that changes between calls is passed as a 0-d tensor; in the mod's Python
+    operators it still promotes as a Python float (weakly: int32 times it is float32, as in torch),
+    also where the inputs, and so the score, are float64."""
+    global STEP
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 8, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 1, 60, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    try:
+        for STEP in (0.5, 0.58, 0.58):
+            got = flexattn.flex_attention(q, k, v, score_mod=floor_band)
+            torch.testing.assert_close(got, attention_reference(q, k, v, score_mod=floor_band), atol=1e-12, rtol=1e-12)
+    finally:
+        STEP = 0.5
