@@ -252,11 +252,12 @@ class Proxy:
     Per element, like a 0-d tensor under vmap: ``.shape == ()``, ``.dtype`` is the node's dtype.
     """
 
-    __slots__ = ("node", "tracer")
+    __slots__ = ("node", "tracer", "weak")
 
-    def __init__(self, node: ir.Node, tracer: "_Trace"):
+    def __init__(self, node: ir.Node, tracer: "_Trace", weak: bool = False):
         self.node = node
         self.tracer = tracer
+        self.weak = weak  # (computed from dynamic Python floats and numbers alone: `_is_weak`)
 
     # -- tensor-like attributes
     @property
@@ -394,10 +395,13 @@ _MAGIC = {
 def _magic_binary(op: str, reflected: bool):
     def method(self, other):
         with _located():
-            b = _v(other)
-            if getattr(other, "_flexattn_weak", False):  # a dynamic Python float: a weak scalar
-                b = ir.cast(b, ir.promote(self.node, 0.0))
-            node = ir.binary(op, b, self.node) if reflected else ir.binary(op, self.node, b)
+            if self.weak and (_is_weak(other) or number(other) is not None):  # (weak in turn: `_dispatch`)
+                b = _v(other) if not isinstance(other, Proxy) else other.node
+                node = ir.binary(op, b, self.node) if reflected else ir.binary(op, self.node, b)
+                return Proxy(node, self.tracer, weak=node.dtype.is_floating_point)
+            b = _weak(other, (self.node,)) if _is_weak(other) else _v(other)
+            a = _weak(self, (b,)) if self.weak and isinstance(b, ir.Node) else self.node
+            node = ir.binary(op, b, a) if reflected else ir.binary(op, a, b)
         return Proxy(node, self.tracer)
     return method
 
@@ -532,8 +536,42 @@ def _index_operand(trace: "_Trace", buffer: ir.Buffer, item):
 # Dispatch: a torch call on traced values goes to its handler in flexattn/torch_functions.py
 
 
+def _is_weak(x) -> bool:
+    """Whether ``x`` stands for a Python float that changed between calls (`flexattn.scalars`),
+    traced as a 0-d tensor, or was computed from such floats and Python numbers alone: it promotes
+    as the Python float would, weakly."""
+    if isinstance(x, Proxy):
+        return x.weak
+    return isinstance(x, torch.Tensor) and getattr(x, "_flexattn_weak", False)
+
+
+def _weak(x, others) -> ir.Node:
+    """The weak value ``x`` in the dtype a Python float takes beside ``others`` (nodes): float32
+    beside integers and bools, as in torch, the others' float dtype beside floats."""
+    return ir.cast(x.node if isinstance(x, Proxy) else _v(x), ir.promote(*others, 0.0))
+
+
 def _dispatch(func, args, kwargs):
     handler = HANDLERS.get(func)
+    flat = list(_flat(args, kwargs))
+    weak = [a for a in flat if _is_weak(a)]
+    if weak:
+        strong = [a.node for a in flat if isinstance(a, Proxy) and not a.weak]
+        if strong:  # (a dynamic float beside traced values: in their dtype, as a Python float)
+            tracer = next(a.tracer for a in flat if isinstance(a, Proxy) and not a.weak)
+
+            def lift(a):
+                return Proxy(_weak(a, strong), tracer) if _is_weak(a) else a
+
+            args = tuple(type(a)(map(lift, a)) if isinstance(a, (tuple, list)) else lift(a) for a in args)
+            kwargs = {k: lift(a) for k, a in kwargs.items()}
+        elif all(_is_weak(a) or number(a) is not None for a in flat if a is not None):
+            # (from dynamic floats and Python numbers alone, as `w * 100`: weak in turn)
+            trace = next((a.tracer for a in flat if isinstance(a, Proxy)), None) or _active()
+            with _located():
+                out = handler(_v, *args, **kwargs) if handler is not None else None
+            if isinstance(out, ir.Node):
+                return Proxy(out, trace, weak=out.dtype.is_floating_point)
     trace = next((a.tracer for a in _flat(args, kwargs) if isinstance(a, Proxy)), None) or _active()
     if handler is None:
         raise _fail(

@@ -233,22 +233,37 @@ def test_a_mask_that_reads_a_value_on_the_host_is_traced_again_on_a_flexattn_blo
 STEP = 0.5
 
 
-def floor_band(score, b, h, q_idx, kv_idx):
-    # (torch: an int32 tensor times a Python float is float32; floor(float32(50 * 0.58)) == 29)
+# (torch: an int32 tensor with a Python float is float32; floor(float32(50 * 0.58)) == 29, float64's 28.
+# Each reads STEP itself: a number read in a helper stays a constant of the kernel.)
+def int_times_float(score, b, h, q_idx, kv_idx):
     return torch.where(torch.floor(kv_idx * STEP) == 29, score + 5, score)
 
 
-def test_a_changing_python_float_promotes_as_a_python_float():
-    """A Python float that changes between calls is passed as a 0-d tensor; in the mod's Python
-    operators it still promotes as a Python float (weakly: int32 times it is float32, as in torch),
-    also where the inputs, and so the score, are float64."""
+def float_times_int(score, b, h, q_idx, kv_idx):
+    return torch.where(torch.floor(STEP * kv_idx) == 29, score + 5, score)
+
+
+def torch_mul(score, b, h, q_idx, kv_idx):
+    return torch.where(torch.floor(torch.mul(kv_idx, STEP)) == 29, score + 5, score)
+
+
+def clamp_at_a_float_computed_from_it(score, b, h, q_idx, kv_idx):
+    return torch.where(torch.floor(torch.clamp(kv_idx, max=STEP * 100) * 0.58) == 29, score + 5, score)
+
+
+@pytest.mark.parametrize("mod", [int_times_float, float_times_int, torch_mul, clamp_at_a_float_computed_from_it],
+                         ids=lambda f: f.__name__)
+def test_a_changing_python_float_promotes_as_a_python_float(mod):
+    """A Python float that changes between calls is passed as a 0-d tensor; it still promotes as a
+    Python float (weakly: with an int32 tensor it is float32, as in torch), in operators, torch
+    functions and numbers computed from it, also where the inputs, and so the score, are float64."""
     global STEP
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 1, 8, 16, generator=g, dtype=torch.float64)
     k, v = (torch.randn(1, 1, 60, 16, generator=g, dtype=torch.float64) for _ in range(2))
     try:
         for STEP in (0.5, 0.58, 0.58):
-            got = flexattn.flex_attention(q, k, v, score_mod=floor_band)
-            torch.testing.assert_close(got, attention_reference(q, k, v, score_mod=floor_band), atol=1e-12, rtol=1e-12)
+            got = flexattn.flex_attention(q, k, v, score_mod=mod)
+            torch.testing.assert_close(got, attention_reference(q, k, v, score_mod=mod), atol=1e-12, rtol=1e-12)
     finally:
         STEP = 0.5
