@@ -554,8 +554,8 @@ def _weak(x, others) -> ir.Node:
 def _dispatch(func, args, kwargs):
     handler = HANDLERS.get(func)
     flat = list(_flat(args, kwargs))
-    weak = [a for a in flat if _is_weak(a)]
-    if weak:
+    weak_result = False
+    if any(_is_weak(a) for a in flat):
         strong = [a.node for a in flat if isinstance(a, Proxy) and not a.weak]
         if strong:  # (a dynamic float beside traced values: in their dtype, as a Python float)
             tracer = next(a.tracer for a in flat if isinstance(a, Proxy) and not a.weak)
@@ -565,13 +565,8 @@ def _dispatch(func, args, kwargs):
 
             args = tuple(type(a)(map(lift, a)) if isinstance(a, (tuple, list)) else lift(a) for a in args)
             kwargs = {k: lift(a) for k, a in kwargs.items()}
-        elif all(_is_weak(a) or number(a) is not None for a in flat if a is not None):
-            # (from dynamic floats and Python numbers alone, as `w * 100`: weak in turn)
-            trace = next((a.tracer for a in flat if isinstance(a, Proxy)), None) or _active()
-            with _located():
-                out = handler(_v, *args, **kwargs) if handler is not None else None
-            if isinstance(out, ir.Node):
-                return Proxy(out, trace, weak=out.dtype.is_floating_point)
+        else:  # (from dynamic floats and Python numbers alone, as `w * 100`: weak in turn)
+            weak_result = all(_is_weak(a) or number(a) is not None for a in flat if a is not None)
     trace = next((a.tracer for a in _flat(args, kwargs) if isinstance(a, Proxy)), None) or _active()
     if handler is None:
         raise _fail(
@@ -581,6 +576,8 @@ def _dispatch(func, args, kwargs):
         )
     with _located():
         out = handler(_v, *args, **kwargs)
+    if weak_result and isinstance(out, ir.Node):
+        return Proxy(out, trace, weak=out.dtype.is_floating_point)
     return _wrap(out, trace)
 
 
