@@ -408,7 +408,9 @@ def _magic_binary(op: str, reflected: bool):
 
 def _magic_unary(op: str):
     def method(self):
-        return _apply(self.tracer, lambda: ir.unary(op, self.node))
+        out = _apply(self.tracer, lambda: ir.unary(op, self.node))
+        out.weak = self.weak and out.node.dtype.is_floating_point  # (-w of a dynamic float: weak too)
+        return out
     return method
 
 

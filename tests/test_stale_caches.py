@@ -251,7 +251,12 @@ def clamp_at_a_float_computed_from_it(score, b, h, q_idx, kv_idx):
     return torch.where(torch.floor(torch.clamp(kv_idx, max=STEP * 100) * 0.58) == 29, score + 5, score)
 
 
-@pytest.mark.parametrize("mod", [int_times_float, float_times_int, torch_mul, clamp_at_a_float_computed_from_it],
+def negated_twice(score, b, h, q_idx, kv_idx):
+    return torch.where(torch.floor(kv_idx * -(-(STEP * 1.0))) == 29, score + 5, score)
+
+
+@pytest.mark.parametrize("mod", [int_times_float, float_times_int, torch_mul, clamp_at_a_float_computed_from_it,
+                                 negated_twice],
                          ids=lambda f: f.__name__)
 def test_a_changing_python_float_promotes_as_a_python_float(mod):
     """A Python float that changes between calls is passed as a 0-d tensor; it still promotes as a
