@@ -395,14 +395,14 @@ _MAGIC = {
 def _magic_binary(op: str, reflected: bool):
     def method(self, other):
         with _located():
-            if self.weak and (_is_weak(other) or number(other) is not None):  # (weak in turn: `_dispatch`)
-                b = _v(other) if not isinstance(other, Proxy) else other.node
-                node = ir.binary(op, b, self.node) if reflected else ir.binary(op, self.node, b)
-                return Proxy(node, self.tracer, weak=node.dtype.is_floating_point)
-            b = _weak(other, (self.node,)) if _is_weak(other) else _v(other)
-            a = _weak(self, (b,)) if self.weak and isinstance(b, ir.Node) else self.node
+            mine, weak = self, False
+            if self.weak or _is_weak(other):
+                lift, weak = _weak_lift((self, other))
+                if lift is not None:
+                    mine, other = lift(self), lift(other)
+            a, b = _v(mine), _v(other)
             node = ir.binary(op, b, a) if reflected else ir.binary(op, a, b)
-        return Proxy(node, self.tracer)
+        return Proxy(node, self.tracer, weak=weak and node.dtype.is_floating_point)
     return method
 
 
@@ -547,28 +547,31 @@ def _is_weak(x) -> bool:
     return isinstance(x, torch.Tensor) and getattr(x, "_flexattn_weak", False)
 
 
-def _weak(x, others) -> ir.Node:
-    """The weak value ``x`` in the dtype a Python float takes beside ``others`` (nodes): float32
-    beside integers and bools, as in torch, the others' float dtype beside floats."""
-    return ir.cast(x.node if isinstance(x, Proxy) else _v(x), ir.promote(*others, 0.0))
+def _weak_lift(operands) -> tuple[Callable | None, bool]:
+    """For the operands of one operation, some weak (`_is_weak`): ``(lift, weak result)``. ``lift``
+    turns a weak operand into the traced value of the dtype a Python float takes beside the
+    strong traced operands (float32 beside integers and bools, as in torch; their float dtype
+    beside floats) and leaves the others; None where no operand is strong. The result is weak in
+    turn where the operands are weak values and Python numbers alone (``w * 100``)."""
+    strong = [a for a in operands if isinstance(a, Proxy) and not a.weak]
+    if not strong:
+        return None, all(_is_weak(a) or number(a) is not None for a in operands if a is not None)
+    dtype = ir.promote(*(a.node for a in strong), 0.0)
+
+    def lift(a):
+        return Proxy(ir.cast(_v(a), dtype), strong[0].tracer) if _is_weak(a) else a
+    return lift, False
 
 
 def _dispatch(func, args, kwargs):
     handler = HANDLERS.get(func)
-    flat = list(_flat(args, kwargs))
     weak_result = False
+    flat = list(_flat(args, kwargs))
     if any(_is_weak(a) for a in flat):
-        strong = [a.node for a in flat if isinstance(a, Proxy) and not a.weak]
-        if strong:  # (a dynamic float beside traced values: in their dtype, as a Python float)
-            tracer = next(a.tracer for a in flat if isinstance(a, Proxy) and not a.weak)
-
-            def lift(a):
-                return Proxy(_weak(a, strong), tracer) if _is_weak(a) else a
-
+        lift, weak_result = _weak_lift(flat)
+        if lift is not None:
             args = tuple(type(a)(map(lift, a)) if isinstance(a, (tuple, list)) else lift(a) for a in args)
             kwargs = {k: lift(a) for k, a in kwargs.items()}
-        else:  # (from dynamic floats and Python numbers alone, as `w * 100`: weak in turn)
-            weak_result = all(_is_weak(a) or number(a) is not None for a in flat if a is not None)
     trace = next((a.tracer for a in _flat(args, kwargs) if isinstance(a, Proxy)), None) or _active()
     if handler is None:
         raise _fail(
