@@ -516,8 +516,9 @@ def _fake_launcher_wrapper(raw, metas, encoded: list):
 def test_tensor_map_launch_keeps_a_map_per_address_and_refuses_what_it_cannot_launch():
     """The Hopper kernels' direct launch (`TensorMapLaunch`; the C launcher needs a GPU, its
     argument lists do not): a call's tensors land as addresses, its numbers in place, each
-    descriptor's map is encoded once per address; a misaligned tensor, a descriptor of other
-    strides, or a recorded layout it does not know launch nothing."""
+    descriptor's map is encoded once per address (a call passes the tensors, described only for a
+    new address); a misaligned tensor, a descriptor's tensor of other strides, or a recorded layout
+    it does not know launch nothing."""
     from types import SimpleNamespace
 
     from flexattn.kernels import triton_launcher
@@ -537,15 +538,22 @@ def test_tensor_map_launch_keeps_a_map_per_address_and_refuses_what_it_cannot_la
     wrapper(*fixed, *args, 128)  # Triton's launch, as recorded
     recorded = calls.pop()
     assert encoded == [q.data_ptr(), o.data_ptr()]
+    described = []
+
+    def describe(tensors):
+        described.append(tensors)
+        return tuple(desc(t) if i in (0, 4) else t for i, t in enumerate(tensors))
+
+    tensors = (q, lse, 64, 0.25, o)
     site = triton_launcher.TensorMapLaunch.plan(compiled, wrapper, lambda *a: calls.append(a), recorded, (*args, 128), 5,
-                                       None, (2, 1, 1), 7)
+                                       None, (2, 1, 1), 7, tensors, describe)
     assert site is not None
     # (nothing of the recorded call's tensors is kept: a plan lives as long as its cache entry)
     assert not any(isinstance(a, torch.Tensor) for a in site.template)
 
     q2, lse2 = torch.zeros(2, 2, 64, 16), torch.zeros(2, 2, 64)
     for step, (qq, ll, scale) in enumerate([(q, lse2, 0.5), (q2, lse, 0.125), (q2, lse2, 1.0)]):
-        assert site((desc(qq), ll, 64, scale, desc(o)), stream=99)
+        assert site((qq, ll, 64, scale, o), stream=99)
         got = calls.pop()
         assert got[:13] == (2, 1, 1, 99, *fixed[4:])
         tensor_map, *dims = got[13:22]
@@ -553,15 +561,20 @@ def test_tensor_map_launch_keeps_a_map_per_address_and_refuses_what_it_cannot_la
         assert got[22:25] == (ll.data_ptr(), 64, scale) and got[25].ptr == o.data_ptr() and got[-1] == 128
     # (the plan re-encoded the recorded two once; then only q2's address was new)
     assert encoded == [q.data_ptr(), o.data_ptr(), q.data_ptr(), o.data_ptr(), q2.data_ptr()]
+    assert len(described) == 1 and described[0][0] is q2
 
     misaligned = torch.zeros(2 * 2 * 64 + 1)[1:].view(2, 2, 64)
-    assert not site((desc(q), misaligned, 64, 0.5, desc(o)), stream=99)
-    assert not site((desc(q.transpose(2, 3).contiguous().transpose(2, 3)), lse, 64, 0.5, desc(o)), stream=99)
+    assert not site((q, misaligned, 64, 0.5, o), stream=99)
+    assert not site((q.transpose(2, 3).contiguous().transpose(2, 3), lse, 64, 0.5, o), stream=99)
     assert not calls
 
     # a launcher passing the kernel's arguments in one trailing tuple (newer Triton): not taken
     nested = (*recorded[:13], tuple(recorded[13:]))
-    assert triton_launcher.TensorMapLaunch.plan(compiled, wrapper, print, nested, (*args, 128), 5, None, (2, 1, 1), 7) is None
+    assert triton_launcher.TensorMapLaunch.plan(compiled, wrapper, print, nested, (*args, 128), 5, None, (2, 1, 1), 7,
+                                                tensors, describe) is None
+    # calls that pass descriptors themselves (no ``describe``): not taken
+    assert triton_launcher.TensorMapLaunch.plan(compiled, wrapper, print, recorded, (*args, 128), 5, None, (2, 1, 1), 7,
+                                                None, None) is None
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "heads inside", "Ev differs", "other dtype"])

@@ -48,13 +48,14 @@ def causal_documents(doc: torch.Tensor):
 
 def _compile_gluon(kernel, args: list, launch_: launch.Launch):
     """Compile a Gluon kernel for sm_90 with the argument types of ``args`` (the plan's launch
-    arguments, unused pointers standing in as empty tensors) and the launch's constexprs."""
+    arguments, with the descriptors its launch makes of them, unused pointers standing in as empty
+    tensors) and the launch's constexprs."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    args = [torch.empty(1) if a is arguments.UNUSED else a for a in args]
+    args = [torch.empty(1) if a is arguments.UNUSED else a for a in launch_.describe(tuple(args))]
     constexprs = {n: c for n, c in launch_.constexprs.items() if n not in ("num_warps", "maxnreg", "enable_fp_fusion")}
     names = kernel.arg_names
     assert len(names) == len(args) + len(constexprs), "the launch's arguments do not match the kernel's parameters"
@@ -557,20 +558,27 @@ def test_later_descriptors_are_the_first_ones_with_the_call_tensors(backward):
     def fields(d):
         return {k: v for k, v in vars(d).items() if k != "base"}
 
-    def call(tensors):
-        return descriptors(*tensors)
+    def call(tensors):  # (a launch's arguments: the tensors in the descriptors' places, others between)
+        args = [object()] * (max(descriptors.positions) + 1)
+        for i, t in zip(descriptors.positions, tensors):
+            args[i] = t
+        described = descriptors.describe(tuple(args))
+        assert all(d is a for i, (d, a) in enumerate(zip(described, args)) if i not in descriptors.positions)
+        return [described[i] for i in descriptors.positions]
 
     def fresh():  # (strided views, as a call may pass: the query's layout is [B, S, H, D])
         q = torch.randn(2, 300, 3, 128, dtype=torch.bfloat16).transpose(1, 2)
         kv = [torch.randn(2, 3, 300, 128, dtype=torch.bfloat16) for _ in range(2)]
-        more = [torch.randn_like(q), torch.randn(2, 3, 300, 128)] if backward else []
+        # (the forward's output; the backward's dO, its float32 dQ accumulator, dK and dV)
+        more = ([torch.randn_like(q), torch.randn(2, 3, 300, 128), torch.randn_like(kv[0]), torch.randn_like(kv[0])]
+                if backward else [torch.randn_like(q)])
         return [q, *kv, *more]
 
     descriptors = hopper.Descriptors(torch.bfloat16, 128, backward=backward)
     first_tensors, later_tensors = fresh(), fresh()
     first = call(first_tensors)
     later = call(later_tensors)
-    assert len(later) == len(first) == (5 if backward else 3)
+    assert len(later) == len(first) == (7 if backward else 4)
     for d, f, t, t0, block, layout in zip(later, first, later_tensors, first_tensors, descriptors.blocks,
                                           descriptors.layouts):
         assert type(d) is TensorDescriptor and d is not f
@@ -600,8 +608,8 @@ def test_descriptors_without_an_instance_dict_are_built_every_call():
 
     descriptors = hopper.Descriptors(torch.bfloat16, 128)
     descriptors.make = Slotted
-    calls = [[torch.randn(1, 2, 256, 128, dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
-    for tensors in calls:
-        made = descriptors(*tensors)
+    calls = [tuple(torch.randn(1, 2, 256, 128, dtype=torch.bfloat16) for _ in range(4)) for _ in range(2)]
+    for tensors in calls:  # (Q, K, V and the output, the forward's first four arguments)
+        made = descriptors.describe(tensors)
         assert all(type(d) is Slotted and d.base is t for d, t in zip(made, tensors))
     assert descriptors.first == ()

@@ -137,17 +137,41 @@ def test_the_forward_host_arguments_follow_the_declaration():
     assert forward_args(signatures.FORWARD) == runtime_params(signatures.FORWARD, "cuda")
 
 
-@pytest.mark.parametrize("with_out", [True, False])
-def test_the_hopper_forward_host_arguments_follow_the_declaration(with_out):
-    """The Hopper kernel takes Q, K, V (and the output, with O_TMA) as descriptors in their places."""
-    class Descriptors:  # each tensor stands for its own descriptor
-        def __call__(self, *tensors):
-            return tensors
-
-    descriptors = Descriptors()
-    descriptors.with_out = with_out
+def test_the_hopper_forward_host_arguments_follow_the_declaration():
+    """The Hopper kernel takes the forward's arguments in the same order: its launch turns the
+    tensors at Q, K, V (and the output, with O_TMA) into descriptors."""
     sig = signatures.FORWARD_HOPPER
-    assert forward_args(sig, descriptors) == runtime_params(sig, "gluon")
+    assert forward_args(sig) == runtime_params(sig, "gluon")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("kind", ["forward", "backward", "backward, float32 dK and dV", "dQ pass"])
+def test_the_descriptors_land_at_their_names(kind, dtype):
+    """`hopper.Descriptors.describe` replaces the tensors at the descriptor parameters of each
+    Gluon kernel, and nothing else."""
+    if dtype == torch.float8_e4m3fn and kind != "forward":
+        pytest.skip("float8 runs the forward only")
+    sig, names, descriptors = {
+        "forward": (signatures.FORWARD_HOPPER, ["Q", "K", "V"] + (["Out"] if dtype == torch.bfloat16 else []),
+                    hopper.Descriptors(dtype, 128)),
+        "backward": (signatures.BACKWARD_HOPPER, ["Q", "K", "V", "DO", "DQ_DESC", "DK", "DV"],
+                     hopper.Descriptors(dtype, 128, backward=True)),
+        "backward, float32 dK and dV": (signatures.BACKWARD_HOPPER, ["Q", "K", "V", "DO", "DQ_DESC"],
+                                        hopper.Descriptors(dtype, 128, backward=True, outputs=False)),
+        "dQ pass": (signatures.BACKWARD_DQ_HOPPER, ["Q", "K", "V", "DO", "DQ"],
+                    hopper.Descriptors(dtype, 128, dq_pass=True)),
+    }[kind]
+    params = sig.group("tensors")
+    tensors = [torch.randn(1, 2, 256, 128).to(dtype) for _ in params]
+    if "DQ_DESC" in params:  # (the float32 dQ accumulator)
+        tensors[params.index("DQ_DESC")] = torch.randn(1, 2, 256, 128)
+    if dtype == torch.float8_e4m3fn:  # (float8 V is stored KV-innermost)
+        tensors[params.index("V")] = torch.randn(1, 2, 128, 256).to(dtype).transpose(2, 3)
+    described = descriptors.describe(tuple(tensors))
+    assert [p for p, d, t in zip(params, described, tensors) if d is not t] == names
+    for p, d, t in zip(params, described, tensors):
+        if p in names:  # (float8 V: its [B, H, Ev, L] view)
+            assert d.base.data_ptr() == t.data_ptr() and (d.base is t or (p == "V" and dtype != torch.bfloat16))
 
 
 # -- host arguments of plans made from real tensors: each argument's value is the one its name says
@@ -445,7 +469,8 @@ def test_the_hopper_backward_arguments_land_at_their_names(kv_batched, block_mas
     launches = {"preprocess": Recorder(), "main": Recorder()}
     _, dk, dv, _, _ = bwd.run(dataclasses.replace(plan, **launches), query, key, value, out, lse, grad_out, None, SCORE,
                            (BIAS,), MASK, (BIAS,), tables, 0.25)
-    pre, args = launches["preprocess"].args, launches["main"].args
+    # (the launch makes the descriptors of the tensors a call passes in their places)
+    pre, args = launches["preprocess"].args, list(plan.main.describe(tuple(launches["main"].args)))
     delta, dq_acc = pre[3], pre[4]
     assert dq_acc.dtype == torch.float32 and dq_acc.shape == query.shape
     sig = signatures.BACKWARD_HOPPER
@@ -504,7 +529,7 @@ def test_the_gluon_dq_pass_arguments_land_at_their_names(block_mask):
     assert dq.dtype == torch.bfloat16 and dq.shape == query.shape and dq.stride() == query.stride()
     m, n = hopper.DQ_BLOCK_M, hopper.DQ_BLOCK_N
     lists = tables.kv.args() if block_mask else dq_plan.dense.args()
-    assert_lands(sig, mod_hooks("gluon"), dq_launch.args, {
+    assert_lands(sig, mod_hooks("gluon"), list(dq_plan.main.describe(tuple(dq_launch.args))), {
         "Q": Descriptor(query, [1, 1, m, E]), "K": Descriptor(key, [1, 1, n, E]), "V": Descriptor(value, [1, 1, n, E]),
         "DO": Descriptor(grad_out, [1, 1, m, E]), "DQ": Descriptor(dq, [1, 1, m // 2, E]), "LSE": lse, "DELTA": delta,
         "OUT": out, "DLSE": dlse,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import triton
@@ -239,16 +240,18 @@ def hopper_dq_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | No
     # (a query head's K and V, shared by the heads of a GQA group)
     group = hopper.head_group(device, KV_LEN * 2 * E * key.element_size() // (Hq // Hkv), B * Hq,
                               grid[0] * grid[1], tables is not None, explicit.get("HEAD_GROUP"))
-    main = launch.Launch(kernel, _programs(grid, constexprs["PERSISTENT"], device), constexprs, device)
-    return HopperDqPlan(main,
-                        hopper.Descriptors(dtype, E, dq_pass=True), lists, (Hq, Q_LEN, KV_LEN, B, group))
+    descriptors = hopper.Descriptors(dtype, E, dq_pass=True)
+    main = launch.Launch(kernel, _programs(grid, constexprs["PERSISTENT"], device), constexprs, device,
+                         describe=descriptors.describe)
+    return HopperDqPlan(main, descriptors, lists, (Hq, Q_LEN, KV_LEN, B, group))
 
 
 def hopper_dq_args(plan: HopperDqPlan, query, key, value, out, grad_out, dq, lse, delta, dlse, lists: Direction,
                    score: Mod, score_bufs, mask: Mod, mask_bufs, scale: float) -> tuple:
     """The Gluon dQ pass's arguments, group by group in the order `signatures.BACKWARD_DQ_HOPPER`
-    declares (``delta``: written by the pass, from ``out``, ``grad_out`` and ``dlse``)."""
-    return (*plan.descriptors(query, key, value, grad_out, dq), lse, delta, out, dlse, *lists.args(),
+    declares (``delta``: written by the pass, from ``out``, ``grad_out`` and ``dlse``; the launch
+    makes the descriptors of Q, K, V, dO and dQ: `hopper.Descriptors.describe`)."""
+    return (query, key, value, grad_out, dq, lse, delta, out, dlse, *lists.args(),
             *launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs),
             *lse.stride(), *out.stride(), *dlse.stride(), *lists.strides(), *plan.sizes, scale)
 
@@ -424,7 +427,8 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     fast_math = opts.fast_math(explicit, device, dtype)
     kernel = hopper_module(score, mask, fast_math).flex_attention_backward
     grid = (triton.cdiv(KV_LEN, block_n), B * Hkv)
-    main = launch.Launch(kernel, _programs(grid, constexprs["PERSISTENT"], device), constexprs, device)
+    main = launch.Launch(kernel, _programs(grid, constexprs["PERSISTENT"], device), constexprs, device,
+                         describe=descriptors.describe)
     if isinstance(dq_pass, HopperDqPlan):
         pre = None
     else:
@@ -564,28 +568,41 @@ def hopper_args(plan: HopperPlan, query, key, value, grad_out, lse, delta, dq_ac
                 lists: Direction, score: Mod, score_bufs, mask: Mod, mask_bufs, scale: float) -> tuple:
     """The Gluon backward's arguments, group by group in the order `signatures.BACKWARD_HOPPER`
     declares (Q, K, V, dO, the dQ accumulator and, where `hopper.Descriptors.with_out`, dK and dV
-    through TMA descriptors; ``dq_counts``: `dq_counts`' tensor)."""
-    if plan.descriptors.with_out:
-        *inputs, dk_arg, dv_arg = plan.descriptors(query, key, value, grad_out, dq_acc, dk, dv)
-    else:
-        inputs, dk_arg, dv_arg = plan.descriptors(query, key, value, grad_out, dq_acc), dk, dv
-    return (*inputs, dq_counts, lse, delta, dk_arg, dv_arg, *lists.args(),
+    through TMA descriptors, which the launch makes of them: `hopper.Descriptors.describe`;
+    ``dq_counts``: `dq_counts`' tensor)."""
+    return (query, key, value, grad_out, dq_acc, dq_counts, lse, delta, dk, dv, *lists.args(),
             *launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs),
             *lse.stride(), *dk.stride()[:3], *dv.stride()[:3], *lists.strides(), *plan.sizes, scale)
 
 
-_NO_COUNTS: dict[torch.device, torch.Tensor] = {}
+# Tensors a kernel takes and never reads (one per device and kind), kept: allocated once, outside
+# any CUDA graph capture (a graph's memory is freed with the graph).
+_UNREAD: dict[tuple, torch.Tensor] = {}
+
+
+def _unread(kind: tuple, device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    t = _UNREAD.get((kind, device))
+    if t is None:
+        t = make()
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _UNREAD[(kind, device)] = t
+    return t
 
 
 def dq_counts(plan: HopperPlan, device: torch.device) -> torch.Tensor:
     """The ordered adds' counts (`HopperPlan.ordered`): one int32 per dQ tile (64 rows of a query
     head), zeroed; otherwise one int32 the kernel does not read."""
     if not plan.ordered:
-        if device not in _NO_COUNTS:
-            _NO_COUNTS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-        return _NO_COUNTS[device]
+        return _unread(("counts",), device, lambda: torch.zeros(1, dtype=torch.int32, device=device))
     Hq, _, _, _, B, _ = plan.sizes
     return torch.zeros(B * Hq * plan.dq_tiles, dtype=torch.int32, device=device)
+
+
+def dq_stand_in(head_dim: int, device: torch.device) -> torch.Tensor:
+    """The dQ accumulator of a Hopper backward that computes no dQ (a dQ pass does): one tile, for
+    its descriptor; the kernel neither reads nor writes it."""
+    return _unread(("dq", head_dim), device, lambda: torch.empty((1, 1, hopper.BWD_BLOCK_M, head_dim),
+                                                                 dtype=torch.float32, device=device))
 
 
 def _run_hopper(plan: HopperPlan, query, key, value, out, lse, grad_out, grad_lse, score: Mod, score_bufs,
@@ -601,8 +618,8 @@ def _run_hopper(plan: HopperPlan, query, key, value, out, lse, grad_out, grad_ls
         # preprocess zeroes it)
         dq_acc = launch.empty(query.shape, torch.float32, device, plan.dq_order)
         plan.preprocess(*preprocess_args(out, grad_out, dlse, delta, dq_acc, Hq, Q_LEN))
-    else:  # (the main kernel adds nothing into it: one tile for its descriptor)
-        dq_acc = torch.empty((1, 1, hopper.BWD_BLOCK_M, E), dtype=torch.float32, device=device)
+    else:
+        dq_acc = dq_stand_in(E, device)
         if isinstance(split, HopperDqPlan):  # (it writes Delta, which the main kernel reads)
             dq = launch.empty(query.shape, query.dtype, device, plan.dq_order)
             kv_lists = split.dense if split.dense is not None else tables.kv

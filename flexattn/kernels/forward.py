@@ -153,12 +153,13 @@ def make_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     )
 
 
-def _launches(kernel, grid: tuple, constexprs: dict, device: torch.device) -> tuple[launch.Launch, launch.Launch]:
+def _launches(kernel, grid: tuple, constexprs: dict, device: torch.device,
+              describe=None) -> tuple[launch.Launch, launch.Launch]:
     """(the plan's launch, its twin for scales <= 0: see Plan.any_scale)."""
-    main = launch.Launch(kernel, grid, constexprs, device)
+    main = launch.Launch(kernel, grid, constexprs, device, describe=describe)
     if not constexprs["SCORES_IN_BASE2"]:
         return main, main
-    return main, launch.Launch(kernel, grid, dict(constexprs, SCORES_IN_BASE2=False), device)
+    return main, launch.Launch(kernel, grid, dict(constexprs, SCORES_IN_BASE2=False), device, describe=describe)
 
 
 def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None, explicit: dict,
@@ -206,7 +207,7 @@ def hopper_plan(query, key, value, score: Mod, mask: Mod, tables: Tables | None,
     strides = (oz, oh, om, *layout.output_strides((B, Hq, Q_LEN), None)[:2])
     kernel = hopper_module(score, mask, opts.fast_math(explicit, device, dtype)).flex_attention_forward
     grid = (triton.cdiv(Q_LEN, block_m), B * Hq)
-    main, any_scale = _launches(kernel, grid, constexprs, device)
+    main, any_scale = _launches(kernel, grid, constexprs, device, descriptors.describe)
     # a query head's K and V (shared by the heads of a GQA group, which are neighbours)
     group = hopper.head_group(device, KV_LEN * (E + Ev) * key.element_size() // (Hq // Hkv), B * Hq,
                               grid[0] * grid[1], tables is not None,
@@ -244,7 +245,8 @@ def launch_args(plan: Plan, query, key, value, out, lse, mx, score: Mod, score_b
                 tables: Tables | None, scale: float, descale: tuple | None = None, sinks=None) -> tuple:
     """The kernel's arguments, group by group in the order `signatures.FORWARD` (or
     `FORWARD_HOPPER`) declares: tensors, descale, sinks, tables, mods, strides, table strides,
-    sizes, scalars (the Hopper kernel reads Q, K, V and writes the output through descriptors)."""
+    sizes, scalars (the Hopper kernel reads Q, K, V and writes the output through descriptors,
+    which its launch makes of the tensors in their places: `hopper.Descriptors.describe`)."""
     if tables is None:
         rows = plan.dense_rows
     else:
@@ -252,11 +254,5 @@ def launch_args(plan: Plan, query, key, value, out, lse, mx, score: Mod, score_b
     mods = (*launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs))
     tail = (*plan.strides, *rows.strides(), *plan.sizes, scale)
     mx = UNUSED if mx is None else mx
-    if plan.descriptors is None:
-        qkv = (query, key, value)
-    elif plan.descriptors.with_out:
-        *qkv, out = plan.descriptors(query, key, value, out)
-    else:
-        qkv = plan.descriptors(query, key, value)
-    return (*qkv, out, lse, mx, *(descale or _NO_DESCALE), UNUSED if sinks is None else sinks, *rows.args(), *mods,
+    return (query, key, value, out, lse, mx, *(descale or _NO_DESCALE), UNUSED if sinks is None else sinks, *rows.args(), *mods,
             *tail)

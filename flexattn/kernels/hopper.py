@@ -17,6 +17,7 @@ import functools
 
 import torch
 
+from flexattn.codegen import signatures
 from flexattn.kernels import launch
 
 # Query rows per program, by head dim: 64 per consumer warp group. Head dim 64 takes three
@@ -253,20 +254,26 @@ def backward_reason(query, key, value, grad_out, tables, options: dict) -> str |
 
 
 class Descriptors:
-    """Builds the TMA descriptors of one call's Q, K, V (block shapes and layouts fixed per plan),
-    the backward's dO and dQ accumulator, and where `with_out` the kernel's 16-bit outputs (the
+    """The TMA descriptors of one call's Q, K, V (block shapes and layouts fixed per plan), the
+    backward's dO and dQ accumulator, and where `with_out` the kernel's 16-bit outputs (the
     forward's output, the backward's dK and dV; ``outputs`` False: they are not 16-bit), which each
     consumer stages in its own shared memory (forward: its rows of the Q tile; backward: dV in its
     rows of the V tile, dK in its dQ buffer) for the TMA unit to store. float8 V is read through its
     [B, H, Ev, L] view (stored KV-innermost) in [Ev, BLOCK_N] tiles.
 
-    The first call builds each through Triton's constructor, which validates it (alignment, strides,
-    block shape against the layout). A later call of the same plan has the same dtypes, shapes,
-    strides and 16-byte alignment (the plan key holds them), so its descriptors are copies of the
-    first ones with this call's tensors in place: 1.1 against 2.6 µs each on the H200's host
-    (python -m benchmarks host). A descriptor class without an instance dict keeps the constructor."""
+    A call's argument tuple holds the tensors themselves at `positions` (their places in the
+    kernel's parameter list, `signatures`); the plan's `launch.Launch` turns them into descriptors
+    with `describe` only where a launch goes through Triton. Its direct launch
+    (`triton_launcher.TensorMapLaunch`) reads the tensors' addresses alone, so a repeated call
+    builds no descriptor object (2-3 µs each on an H200's host).
 
-    __slots__ = ("make", "blocks", "layouts", "v_k_major", "with_out", "first")
+    The first `describe` builds each through Triton's constructor, which validates it (alignment,
+    strides, block shape against the layout). A later one of the same plan has the same dtypes,
+    shapes, strides and 16-byte alignment (the plan key holds them), so its descriptors are copies
+    of the first ones with this call's tensors in place. A descriptor class without an instance dict
+    keeps the constructor."""
+
+    __slots__ = ("make", "blocks", "layouts", "v_k_major", "with_out", "first", "positions")
 
     def __init__(self, dtype: torch.dtype, head_dim: int, backward: bool = False, outputs: bool = True,
                  dq_pass: bool = False):
@@ -282,20 +289,27 @@ class Descriptors:
         if dq_pass:  # Q, K, V, dO and dQ (a consumer's rows, staged in its rows of the Q tile)
             q, kv = [1, 1, DQ_BLOCK_M, head_dim], [1, 1, DQ_BLOCK_N, head_dim]
             blocks = ((q, gdt), (kv, gdt), (kv, gdt), (q, gdt), ([1, 1, DQ_BLOCK_M // 2, head_dim], gdt))
+            names = ("Q", "K", "V", "DO", "DQ"), signatures.BACKWARD_DQ_HOPPER
         elif backward:  # Q, K, V, dO, the float32 dQ accumulator (a consumer's half of the head dim), dK
             # and dV (a consumer's rows)
             q, kv = [1, 1, BWD_BLOCK_M, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
             blocks = ((q, gdt), (kv, gdt), (kv, gdt), (q, gdt), ([1, 1, BWD_BLOCK_M, head_dim // 2], gl.float32))
+            names = ("Q", "K", "V", "DO", "DQ_DESC"), signatures.BACKWARD_HOPPER
             if self.with_out:
                 blocks += (([1, 1, BWD_BLOCK_N // 2, head_dim], gdt), ) * 2
+                names = names[0] + ("DK", "DV"), names[1]
         else:
             block_n = BLOCK_N[head_dim]
             # (a TMA box's sides are powers of two: the 192-row Q tile loads as 64-row boxes)
             q_rows = BLOCK_M[head_dim] if BLOCK_M[head_dim] & (BLOCK_M[head_dim] - 1) == 0 else 64
             blocks = (([1, 1, q_rows, head_dim], gdt), ([1, 1, block_n, head_dim], gdt),
                       ([1, 1, head_dim, block_n] if self.v_k_major else [1, 1, block_n, head_dim], gdt))
+            names = ("Q", "K", "V"), signatures.FORWARD_HOPPER
             if self.with_out:  # (a consumer's rows)
                 blocks += (([1, 1, 64, head_dim], gdt), )
+                names = names[0] + ("Out", ), names[1]
+        # (the tensors group leads each kernel's parameters)
+        self.positions = tuple(names[1].group("tensors").index(n) for n in names[0])
         self.blocks = tuple(b for b, _ in blocks)
         layouts = [gl.NVMMASharedLayout.get_default_for(b, t) for b, t in blocks]
         if backward:  # K's column halves (dQ = dS K per consumer) must each be whole swizzle rows:
@@ -311,12 +325,18 @@ class Descriptors:
                 layouts[3] = layouts[0]
         self.layouts = tuple(layouts)
 
-    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *more: torch.Tensor) -> tuple:
-        """Descriptors of query, key, value and ``more``: the forward's output (`with_out`); the
-        backward's grad_out, dQ accumulator, and dK and dV (`with_out`)."""
+    def describe(self, args: tuple) -> tuple:
+        """``args`` (a launch's whole argument tuple) with the tensors at `positions` replaced by
+        their descriptors."""
+        tensors = [args[i] for i in self.positions]
         if self.v_k_major:
-            value = value.transpose(2, 3)
-        tensors = (query, key, value, *more)
+            tensors[2] = tensors[2].transpose(2, 3)
+        out = list(args)
+        for i, d in zip(self.positions, self._made(tensors)):
+            out[i] = d
+        return tuple(out)
+
+    def _made(self, tensors: list) -> tuple:
         first = self.first
         if not first:  # the plan's first call (None), or descriptors that cannot be copied (())
             made = tuple(self.make(t, list(t.shape), list(t.stride()), b, lay)

@@ -198,15 +198,22 @@ class Launch:
     arguments the static launcher's argument list is built once, with the fixed pointers and
     numbers in place, and a call writes its own values into a copy. If the launcher's calling
     convention is not the one expected (another Triton version), every launch takes Triton's path.
+
+    ``describe`` (a kernel with TMA descriptor parameters, `hopper.Descriptors.describe`): a call
+    passes the tensors in the descriptors' places, and a launch through Triton gets ``describe(args)``;
+    `triton_launcher.TensorMapLaunch` takes the tensors as they come.
     """
 
     __slots__ = ("kernel", "grid", "constexprs", "device", "calls", "compiled", "launcher", "tail", "pointers",
-                 "grid3", "static", "tensormaps", "fixed", "slots", "lock")
+                 "grid3", "static", "tensormaps", "fixed", "slots", "lock", "describe")
 
-    def __init__(self, kernel, grid: tuple, constexprs: dict, device: torch.device, fixed: tuple | None = None):
+    def __init__(self, kernel, grid: tuple, constexprs: dict, device: torch.device, fixed: tuple | None = None,
+                 describe: Callable[[tuple], tuple] | None = None):
         # FMA contraction, with which every kernel was tested and measured: Triton's default up to
         # 3.9, which warns that 3.10 turns the default off
-        self.kernel, self.grid, self.device = kernel, tuple(grid), device
+        if describe is not None and fixed is not None:
+            raise ValueError("a launch whose calls pass tensors for TMA descriptors takes no fixed arguments")
+        self.kernel, self.grid, self.device, self.describe = kernel, tuple(grid), device, describe
         self.constexprs = {"enable_fp_fusion": True, **constexprs}
         self.grid3 = self.grid + (1,) * (3 - len(self.grid))
         self.calls = 0
@@ -242,7 +249,8 @@ class Launch:
                     stream = torch._C._cuda_getCurrentRawStream(self.device.index)
                 if tensormaps(args, stream):
                     return
-            args = self._fill(self._full(args))
+            tensors = self._fill(self._full(args))
+            args = self._described(tensors)
             for i in self.pointers:
                 if args[i].data_ptr() & 15:
                     break
@@ -253,13 +261,14 @@ class Launch:
                                      (*args, *self.tail))
                 return
         else:
-            args = self._fill(self._full(args))
+            tensors = self._fill(self._full(args))
+            args = self._described(tensors)
         # Triton's interpreter is not thread-safe: one interpreted launch at a time. On the GPU
         # the first calls compile and record the launcher once, also when threads make them at once.
         with INTERPRETER_LOCK if self.device.type == "cpu" else self.lock:
             self.calls += 1
             if self.calls == 2 and self.device.type == "cuda" and triton_launcher.AVAILABLE:
-                self._capture(args)
+                self._capture(args, tensors)
             elif self.calls == 1:
                 self._first(args)
             else:
@@ -299,13 +308,18 @@ class Launch:
             full[i] = a
         return tuple(full)
 
-    def _capture(self, args) -> None:
-        """Plan the direct launch from one more launch through Triton (`triton_launcher.capture`)."""
+    def _capture(self, args, tensors) -> None:
+        """Plan the direct launch from one more launch through Triton (`triton_launcher.capture`);
+        ``tensors``: ``args`` before `describe`."""
         direct = triton_launcher.capture(self.kernel, self.grid, self.constexprs, args, self.slots,
                                          _placeholder(self.device),
-                                         torch._C._cuda_getCurrentRawStream(self.device.index))
+                                         torch._C._cuda_getCurrentRawStream(self.device.index),
+                                         tensors, self.describe)
         if direct is not None:
             self.compiled, self.launcher, self.tail, self.pointers, self.static, self.tensormaps = direct
+
+    def _described(self, args) -> tuple:
+        return args if self.describe is None else self.describe(args)
 
     def _fill(self, args) -> tuple:
         """``args`` with `UNUSED` replaced by a placeholder tensor (Triton types pointers by tensor)."""

@@ -35,13 +35,15 @@ AVAILABLE = _knobs is not None  # a direct launch can pass Triton's launch hooks
 
 
 def capture(kernel, grid: tuple, constexprs: dict, args: tuple, slots, placeholder: torch.Tensor,
-            stream: int) -> tuple | None:
+            stream: int, tensors: tuple | None = None, describe: Callable | None = None) -> tuple | None:
     """Launch ``kernel[grid](*args, **constexprs)`` once more on ``stream``, recording how Triton
     calls the compiled kernel's launcher: ``(compiled, launcher, tail, pointers, static,
     tensormaps)`` for the direct launch (``tail``: the launcher's arguments after the kernel's;
     ``pointers``: the positions of tensors; ``static``: `static_plan`; ``tensormaps``: a
     `TensorMapLaunch`), or None where the recorded call does not have the layout expected.
-    ``slots``: the positions of the arguments a call supplies (None: all of them)."""
+    ``slots``: the positions of the arguments a call supplies (None: all of them). ``tensors``:
+    the call's arguments with tensors where ``args`` has TMA descriptors, made by ``describe``
+    (`launch.Launch`)."""
     compiled = kernel.warmup(*args, grid=grid, **constexprs)
     compiled._init_handles()
     attr = "_run" if "_run" in vars(compiled) else "run"
@@ -89,7 +91,7 @@ def capture(kernel, grid: tuple, constexprs: dict, args: tuple, slots, placehold
     tensormaps = None
     if static is None and len(seen_raw) == 1 and no_launch_hooks():
         tensormaps = TensorMapLaunch.plan(compiled, launcher.launch, raw, seen_raw[0], (*args, *tail), n, slots,
-                                          grid3, stream)
+                                          grid3, stream, tensors, describe)
     return compiled, launcher, tail, pointers, static, tensormaps
 
 
@@ -168,32 +170,39 @@ class TensorMapLaunch:
     descriptor's maps by address (a loop's tensors come back to the same few addresses from the
     caching allocator), encodes one for a new address with Triton's own function, and writes a
     call's values into a copy of the C function's arguments recorded from Triton's launch
-    (pointers as integers, which it takes without a driver query).
+    (pointers as integers, which it takes without a driver query). A call passes tensors in the
+    descriptors' places (`launch.Launch`'s ``describe``): no descriptor object is built unless a
+    new address needs its map.
 
     `plan` builds one where the recorded arguments have the layout it knows (the launch's fixed
     arguments, then the kernel's arguments with each descriptor expanded in place to its map, shape
     and strides) and re-encoding the recorded descriptors gives their recorded shapes and strides;
     else None, and the launch keeps Triton's launcher."""
 
-    __slots__ = ("raw", "template", "pointers", "values", "descriptors", "make")
+    __slots__ = ("raw", "template", "pointers", "values", "descriptors", "make", "describe")
 
     MAPS_PER_DESCRIPTOR = 64  # addresses kept per descriptor before its maps are dropped
 
-    def __init__(self, raw, template, pointers, values, descriptors, make):
-        self.raw, self.template, self.make = raw, template, make
+    def __init__(self, raw, template, pointers, values, descriptors, make, describe):
+        self.raw, self.template, self.make, self.describe = raw, template, make, describe
         self.pointers = pointers        # ((call argument, template position), ...): tensors
         self.values = values            # the same for numbers
-        # (call argument, template position of its map, shape, strides, Triton's metadata, {address: map})
+        # (call argument, template position of its map, the tensor's shape and strides, Triton's
+        # metadata, {address: map})
         self.descriptors = descriptors
 
     @classmethod
     def plan(cls, compiled, wrapper, raw, recorded: tuple, args: tuple, n: int, slots, grid3: tuple,
-             stream: int) -> "TensorMapLaunch | None":
+             stream: int, tensors: tuple | None, describe: Callable | None) -> "TensorMapLaunch | None":
         """From the C function's arguments ``recorded`` in Triton's launch of ``compiled`` on
         ``grid3`` and ``stream`` with ``args`` (with its constexprs; the first ``n`` are the
         kernel's arguments): the direct launch, or None. ``wrapper``: the launcher's
         descriptor-expanding wrapper, whose metadata and encoder this reuses; ``slots``: the
-        positions of the arguments a call supplies (None: all ``n``)."""
+        positions of the arguments a call supplies (None: all ``n``); ``tensors``: ``args`` with
+        the tensors that ``describe`` turned into its descriptors (None where a call passes the
+        descriptors themselves: then no direct launch)."""
+        if tensors is None or describe is None or slots is not None:
+            return None
         meta = compiled.metadata
         if any(getattr(meta, size, 0) for size in ("global_scratch_size", "profile_scratch_size")):
             return None  # (scratch Triton's launcher allocates per call)
@@ -232,14 +241,16 @@ class TensorMapLaunch:
         for j, i in enumerate(per_call):
             k = base + where[i]
             if i in descriptor_of:
-                d, m = args[i], metas[descriptor_of[i]]
+                d, t, m = args[i], tensors[i], metas[descriptor_of[i]]
+                if not isinstance(t, torch.Tensor) or t.data_ptr() != d.base.data_ptr():
+                    return None
                 try:
                     tensor_map, *rest = make(d, m)
                 except TypeError:  # (another encoder signature)
                     return None
                 if type(tensor_map) is not type(recorded[k]) or rest != [*d.shape, *d.strides]:
                     return None
-                descriptors.append((j, k, list(d.shape), list(d.strides), m, {d.base.data_ptr(): tensor_map}))
+                descriptors.append((j, k, tuple(t.shape), t.stride(), m, {t.data_ptr(): tensor_map}))
             elif isinstance(args[i], torch.Tensor):
                 pointers.append((j, k))
                 template[k] = 0  # (a call writes its own; the recorded tensor must not be kept alive)
@@ -247,29 +258,33 @@ class TensorMapLaunch:
                 values.append((j, k))
             else:
                 return None
-        return cls(raw, template, tuple(pointers), tuple(values), tuple(descriptors), make)
+        return cls(raw, template, tuple(pointers), tuple(values), tuple(descriptors), make, describe)
 
     def __call__(self, args, stream: int) -> bool:
-        """Launch with a call's ``args`` on ``stream``; False (nothing launched) where a tensor is
-        not 16-byte aligned or a descriptor's shape or strides are not the plan's."""
+        """Launch with a call's ``args`` (tensors in the descriptors' places) on ``stream``; False
+        (nothing launched) where a tensor is not 16-byte aligned or a descriptor's tensor has
+        other shape or strides than the plan's."""
         flat = self.template.copy()
         flat[3] = stream
         if not _put_addresses(flat, args, self.pointers):
             return False
         for j, k in self.values:
             flat[k] = args[j]
+        described = None
         for j, k, shape, strides, meta, maps in self.descriptors:
-            d = args[j]
-            if d.shape != shape or d.strides != strides:
+            t = args[j]
+            if t.shape != shape or t.stride() != strides:
                 return False
-            ptr = d.base.data_ptr()
+            ptr = t.data_ptr()
             tensor_map = maps.get(ptr)
             if tensor_map is None:
                 if ptr & 15:
                     return False
                 if len(maps) >= self.MAPS_PER_DESCRIPTOR:
                     maps.clear()
-                tensor_map = maps[ptr] = self.make(d, meta)[0]
+                if described is None:
+                    described = self.describe(args)
+                tensor_map = maps[ptr] = self.make(described[j], meta)[0]
             flat[k] = tensor_map
         self.raw(*flat)
         return True
