@@ -288,8 +288,13 @@ def _load(ops, n: ir.Node, s, refs: SummaryRefs):
     dtype = n.dtype
     is_float = dtype.is_floating_point
     zero = ops.fconst(0.0, dtype) if is_float else ops.i64(0)
-    glo = ops.gather(refs.mins, refs.top)
-    ghi = ops.gather(refs.maxs, refs.top)
+
+    def value(table, at):  # (floats in the back end's form of ``dtype``: see `_arith`)
+        v = ops.gather(table, at)
+        return ops.to(v, dtype) if is_float else v
+
+    glo = value(refs.mins, refs.top)
+    ghi = value(refs.maxs, refs.top)
     if refs.ndim == 0:
         lo, hi = glo, ghi
     elif refs.ndim == 1:
@@ -304,8 +309,8 @@ def _load(ops, n: ir.Node, s, refs: SummaryRefs):
         k = _bitlen(ops, g2 - g1)
         off = ops.gather(refs.offsets, k)
         a, b = off + (g1 >> k), off + (g2 >> k)
-        mn = ops.minimum(ops.gather(refs.mins, a), ops.gather(refs.mins, b))
-        mx = ops.maximum(ops.gather(refs.maxs, a), ops.gather(refs.maxs, b))
+        mn = ops.minimum(value(refs.mins, a), value(refs.mins, b))
+        mx = ops.maximum(value(refs.maxs, a), value(refs.maxs, b))
         inside = pos | neg
         lo = ops.where(inside, mn, ops.minimum(glo, zero))
         hi = ops.where(inside, mx, ops.maximum(ghi, zero))
@@ -346,6 +351,9 @@ def _arith(ops, op, n, a, b):
         lo = ops.minimum(ops.minimum(p[0], p[1]), ops.minimum(p[2], p[3]))
         hi = ops.maximum(ops.maximum(p[0], p[1]), ops.maximum(p[2], p[3]))
     if dtype.is_floating_point:
+        # Rounded to ``dtype`` (a no-op for torch tensors of that dtype; the staged back end
+        # computes half/bfloat16 in float32, as the kernels do, and rounds here, once).
+        lo, hi = ops.to(lo, dtype), ops.to(hi, dtype)
         # Finite operands never give NaN here; inf - inf or 0 * inf could.
         ok = _finite(alo, ahi) & _finite(blo, bhi)
         nan = ops.fconst(float("nan"), dtype)
@@ -430,6 +438,9 @@ def _unary(ops, op, n, x):
     if op == "neg":
         return _fit(ops, -hi, -lo, dtype, _within(x, ADD_SAFE))
     if op == "invert":
+        info = torch.iinfo(dtype)
+        if info.min == 0:  # unsigned: ~x is max - x (not -1 - x, which is below the type's range)
+            return (info.max - hi, info.max - lo) if info.max <= I64_MAX else _top(ops, dtype)
         return ~hi, ~lo
     if op == "abs":
         alo, ahi = _abs(ops, lo, hi, ops.i64(0))

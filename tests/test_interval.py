@@ -188,6 +188,42 @@ def test_int32_overflow_is_not_trusted():
     assert not bool(exact_tile(root, 0, 0, 0, 3, 0, 0).all())
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bitwise_not_of_unsigned_is_max_minus_x(backend):
+    # ~x on uint8 is 255 - x (not -1 - x): ~u8[kv] > 100 keeps every key where u8 is 0. Bounds
+    # of [-1, -1] called every tile empty, and attention then skipped every key.
+    from flexattn.block_mask import create_block_mask
+    u8 = torch.zeros(64, dtype=torch.uint8)
+    u8[32:48] = 200  # ~200 == 55: masked
+    t = torch.tensor
+    root = ir.binary("gt", ir.unary("invert", ir.load(ir.Buffer(0, "u8", torch.uint8, 1), [KV])), 100)
+    assert _one(root, (0, 0, 0, 15, 0, 15), [u8]) == FULL
+    assert _one(root, (0, 0, 0, 15, 32, 47), [u8]) == EMPTY
+    bm = create_block_mask(lambda b, h, q, kv: (~u8[kv]) > 100, 1, 1, 32, 64, device="cpu", BLOCK_SIZE=16,
+                           backend=backend)
+    assert bm.full_kv_num_blocks.tolist() == [[[3, 3]]] and bm.kv_num_blocks.tolist() == [[[0, 0]]]
+    st = interval.tile_states(root, {"b": (t(0), t(0)), "h": (t(0), t(0)), "q_idx": (t(0), t(0)),
+                                     "kv_idx": (t(0), t(63))}, [u8])
+    assert st.item() == UNKNOWN
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bfloat16_bounds_match_the_kernels_values(backend):
+    # The staged analysis (backend="triton", here in Triton's interpreter, which stores bfloat16
+    # as its bit pattern) took the min of bit patterns and added them as integers: tiles with
+    # masked elements came out full and tiles with visible ones empty.
+    from flexattn.block_mask import create_block_mask, create_mask
+    table = (torch.randn(64, generator=torch.Generator().manual_seed(3)) * 300).bfloat16()
+    mods = [lambda b, h, q, kv: table[kv] > -100.0,
+            lambda b, h, q, kv: (table[kv] - table[q]) < 50.0,
+            lambda b, h, q, kv: (kv + 240).to(torch.bfloat16) >= 260.0]  # 259 rounds to 260
+    for mod in mods:
+        bm = create_block_mask(mod, 1, 1, 32, 64, device="cpu", BLOCK_SIZE=16, backend=backend)
+        dense = create_mask(mod, 1, 1, 32, 64, device="cpu").view(2, 16, 4, 16)
+        want = torch.where(dense.all(3).all(1), FULL, torch.where(dense.any(3).any(1), 1, EMPTY))
+        assert torch.equal(bm.tile_states()[0, 0].long(), want.long())
+
+
 def test_negative_and_out_of_range_gathers():
     # Negative indices wrap; out-of-range reads give 0 (as the kernels do).
     t = torch.arange(10, 20)

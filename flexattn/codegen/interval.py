@@ -75,6 +75,9 @@ def _text(x) -> str:
     raise TypeError(f"cannot stage {type(x).__name__}")
 
 
+_LOW = (torch.float16, torch.bfloat16)
+
+
 class TritonOps:
     """Interval ops that append Triton source lines (see `emit_interval`)."""
 
@@ -91,10 +94,18 @@ class TritonOps:
     def i64(self, value: int):
         return self.emit(f"tl.full([], {int(value)}, tl.int64)")
 
+    # Half and bfloat16 values are held in float32, rounded to their dtype by `to` (as the
+    # kernels compute them: emit's _LOW): Triton's interpreter has no bfloat16 arithmetic or
+    # conversions (it would add and convert the bit patterns as integers).
     def fconst(self, value: float, dtype: torch.dtype):
-        return self.emit(f"tl.full([], {emit.pyval(float(value))}, {emit.TL_DTYPE[dtype]})")
+        held = torch.float32 if dtype in _LOW else dtype
+        return self.emit(f"tl.full([], {emit.pyval(float(value))}, {emit.TL_DTYPE[held]})")
 
     def to(self, x, dtype: torch.dtype):
+        if dtype == torch.bfloat16:
+            return self.emit(f"_fa_to_bf16({_text(x)}.to(tl.float32)).to(tl.float32)")
+        if dtype == torch.float16:
+            return self.emit(f"{_text(x)}.to(tl.float32).to(tl.float16).to(tl.float32)")
         return self.emit(f"{_text(x)}.to({emit.TL_DTYPE[dtype]})")
 
     def where(self, c, a, b):
