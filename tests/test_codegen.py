@@ -306,6 +306,17 @@ def test_special_float_constants():
     assert torch.isinf(out).sum().item() == B * H * sum(max(KV - q - 1, 0) for q in range(Q))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_relu_keeps_nan(dtype):
+    # torch.relu(nan) is nan; a NaN dropped to 0 changes a mask such as relu(x) != 0.
+    s = T.random_score(B, H, Q, KV)
+    s[0, 0, 0, :3] = torch.tensor([float("nan"), -1.0, 2.0])
+    node = ir.cast(ir.unary("relu", ir.cast(score, dtype)), torch.float32)
+    out, _ = run_kernel(node, score_t=s)
+    assert_bit_exact(out, eager(node, score_t=s))
+    assert math.isnan(out[0, 0, 0, 0].item()) and out[0, 0, 0, 1:3].tolist() == [0.0, 2.0]
+
+
 def test_int64_constants():
     big = 2**40 + 3
     x = ir.binary("add", ir.cast(q_idx, torch.int64), big)

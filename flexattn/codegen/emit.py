@@ -190,7 +190,8 @@ _UNARY = {
     "not": lambda n, a: f"({a} == 0)",
     "invert": lambda n, a: f"(~{a})",
     "sign": lambda n, a: f"_fa_sign({a})",
-    "relu": lambda n, a: f"tl.maximum({a}, {_fconst(0, n)})",
+    # (floats: NaN stays NaN, as in torch.relu; tl.maximum drops it by default)
+    "relu": lambda n, a: _minmax("maximum")(n, a, _fconst(0, n)),
     "floor": lambda n, a: f"tl.floor({a})",
     "ceil": lambda n, a: f"tl.ceil({a})",
     "round": lambda n, a: f"_fa_round({a})",
