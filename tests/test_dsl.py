@@ -91,6 +91,13 @@ def test_literals(text, value, dtype):
     assert n is const(value, dtype)
 
 
+@pytest.mark.parametrize("text", ["010", "q_idx < 0010", "007 + q_idx > 0"])
+def test_leading_zeros_are_refused_as_in_python(text):
+    with pytest.raises(DSLError, match="leading zeros"):
+        parse(text)
+    assert parse("00 + q_idx > 0") is parse("0 + q_idx > 0")
+
+
 def test_nan_literal():
     n = parse("nan")
     assert n.op == "const" and math.isnan(n.arg) and n.dtype == torch.float32

@@ -309,6 +309,10 @@ class _ToIR(Transformer_NonRecursive):
     # -- literals and names
     def int_literal(self, meta, tok):
         digits = str(tok).lstrip("0") or "0"
+        if len(tok) > 1 and str(tok)[0] == "0" and digits != "0":
+            # Python refuses 010 (not octal 8, not decimal 10): so does the DSL.
+            raise _Error(f"integer literal {_clip(tok)} has leading zeros", tok,
+                         "write it without them (for hexadecimal use 0x...)")
         if len(digits) > 19 or int(digits) > 2**63:  # 2**63: the magnitude of int64's minimum
             raise _Error(f"integer literal {_clip(tok)} does not fit in int64 (at most {INT64_MAX})", tok)
         return int(digits)
