@@ -492,8 +492,7 @@ def _trace_and_keep(fn: Any, kind: str, score_dtype: torch.dtype, device: torch.
         # ``range(n)``, ``float(t)``) fails on them, and then its slots stay constants.
         stand_ins = {slot: torch.empty((), dtype=t.dtype, device="meta") for slot, t in dynamic.items()}
         for t in stand_ins.values():
-            if t.dtype.is_floating_point:
-                t._flexattn_weak = True  # (promotes as the Python float it stands for)
+            t._flexattn_weak = True  # (promotes as the Python number it stands for)
         try:
             mod = trace(scalars.substitute(fn, stand_ins), kind, score_dtype=score_dtype, device=device)
         except Exception:

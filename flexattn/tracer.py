@@ -257,7 +257,7 @@ class Proxy:
     def __init__(self, node: ir.Node, tracer: "_Trace", weak: bool = False):
         self.node = node
         self.tracer = tracer
-        self.weak = weak  # (computed from dynamic Python floats and numbers alone: `_is_weak`)
+        self.weak = weak  # (computed from dynamic Python numbers and plain Python numbers alone: `_is_weak`)
 
     # -- tensor-like attributes
     @property
@@ -402,14 +402,14 @@ def _magic_binary(op: str, reflected: bool):
                     mine, other = lift(self), lift(other)
             a, b = _v(mine), _v(other)
             node = ir.binary(op, b, a) if reflected else ir.binary(op, a, b)
-        return Proxy(node, self.tracer, weak=weak and node.dtype.is_floating_point)
+        return Proxy(node, self.tracer, weak=weak)
     return method
 
 
 def _magic_unary(op: str):
     def method(self):
         out = _apply(self.tracer, lambda: ir.unary(op, self.node))
-        out.weak = self.weak and out.node.dtype.is_floating_point  # (-w of a dynamic float: weak too)
+        out.weak = self.weak  # (-w of a dynamic number: weak too)
         return out
     return method
 
@@ -539,9 +539,9 @@ def _index_operand(trace: "_Trace", buffer: ir.Buffer, item):
 
 
 def _is_weak(x) -> bool:
-    """Whether ``x`` stands for a Python float that changed between calls (`flexattn.scalars`),
-    traced as a 0-d tensor, or was computed from such floats and Python numbers alone: it promotes
-    as the Python float would, weakly."""
+    """Whether ``x`` stands for a Python number that changed between calls (`flexattn.scalars`),
+    traced as a 0-d tensor, or was computed from such numbers and Python numbers alone: it promotes
+    as the Python number would, weakly."""
     if isinstance(x, Proxy):
         return x.weak
     return isinstance(x, torch.Tensor) and getattr(x, "_flexattn_weak", False)
@@ -549,17 +549,22 @@ def _is_weak(x) -> bool:
 
 def _weak_lift(operands) -> tuple[Callable | None, bool]:
     """For the operands of one operation, some weak (`_is_weak`): ``(lift, weak result)``. ``lift``
-    turns a weak operand into the traced value of the dtype a Python float takes beside the
-    strong traced operands (float32 beside integers and bools, as in torch; their float dtype
-    beside floats) and leaves the others; None where no operand is strong. The result is weak in
+    turns a weak operand into the traced value of the dtype a Python number of its kind takes
+    beside the strong traced operands (a float: float32 beside integers and bools, as in torch,
+    their float dtype beside floats; an int: the strong integer dtype, uint8 beside uint8, int64
+    beside bools) and leaves the others; None where no operand is strong. The result is weak in
     turn where the operands are weak values and Python numbers alone (``w * 100``)."""
     strong = [a for a in operands if isinstance(a, Proxy) and not a.weak]
     if not strong:
         return None, all(_is_weak(a) or number(a) is not None for a in operands if a is not None)
-    dtype = ir.promote(*(a.node for a in strong), 0.0)
+    nodes = [a.node for a in strong]
 
     def lift(a):
-        return Proxy(ir.cast(_v(a), dtype), strong[0].tracer) if _is_weak(a) else a
+        if not _is_weak(a):
+            return a
+        v = _v(a)
+        kind = 0.0 if v.dtype.is_floating_point else False if v.dtype == torch.bool else 0
+        return Proxy(ir.cast(v, ir.promote(*nodes, kind)), strong[0].tracer)
     return lift, False
 
 
@@ -582,7 +587,7 @@ def _dispatch(func, args, kwargs):
     with _located():
         out = handler(_v, *args, **kwargs)
     if weak_result and isinstance(out, ir.Node):
-        return Proxy(out, trace, weak=out.dtype.is_floating_point)
+        return Proxy(out, trace, weak=True)
     return _wrap(out, trace)
 
 

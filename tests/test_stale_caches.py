@@ -272,3 +272,36 @@ def test_a_changing_python_float_promotes_as_a_python_float(mod):
             torch.testing.assert_close(got, attention_reference(q, k, v, score_mod=mod), atol=1e-12, rtol=1e-12)
     finally:
         STEP = 0.5
+
+
+SHIFT = 100
+TAG = (torch.arange(64) * 7 % 256).to(torch.uint8)
+
+
+# (torch: a uint8 tensor with a Python int is uint8 and wraps at 256)
+def uint8_plus_int(score, b, h, q_idx, kv_idx):
+    return score + (TAG[kv_idx] + SHIFT).float() * 0.01
+
+
+def int_plus_uint8(score, b, h, q_idx, kv_idx):
+    return score + (SHIFT + TAG[kv_idx]).float() * 0.01
+
+
+def torch_add_uint8(score, b, h, q_idx, kv_idx):
+    return score + torch.add(TAG[kv_idx], SHIFT * 2).float() * 0.01
+
+
+@pytest.mark.parametrize("mod", [uint8_plus_int, int_plus_uint8, torch_add_uint8],
+                         ids=lambda f: f.__name__)
+def test_a_changing_python_int_promotes_as_a_python_int(mod):
+    """A Python int that changes between calls is passed as a 0-d int32 tensor; it still promotes
+    as a Python int (weakly: with a uint8 tensor it is uint8 and wraps, as in torch)."""
+    global SHIFT
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 64, 16, generator=g) for _ in range(3))
+    try:
+        for SHIFT in (100, 120, 140):
+            got = flexattn.flex_attention(q, k, v, score_mod=mod)
+            torch.testing.assert_close(got.double(), attention_reference(q, k, v, score_mod=mod), atol=1e-5, rtol=1e-5)
+    finally:
+        SHIFT = 100
