@@ -103,12 +103,13 @@ def block_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
             raise ValueError(f"attention_mask must be a 2-D [batch_size={batch_size}, kv_length] padding mask, got "
                              f"{tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask!r}")
         padding = attention_mask.to(device=device, dtype=torch.bool)
-        if bool(padding.all()):
+        start = int(kv_off)
+        needed = start + kv_length
+        if padding.shape[1] < needed:  # positions past the mask's end are padding
+            padding = torch.nn.functional.pad(padding, (0, needed - padding.shape[1]), value=False)
+        if bool(padding[:, start:needed].all()):
             padding = None  # no padding: keep the mask free of the gather (and its tiles decidable)
         else:
-            needed = int(kv_off) + kv_length
-            if padding.shape[1] < needed:  # positions past the mask's end are padding
-                padding = torch.nn.functional.pad(padding, (0, needed - padding.shape[1]), value=False)
             padding = padding.expand(batch_size, -1)
 
     if padding is None:
