@@ -442,8 +442,7 @@ def _attend_compiled(query, key, value, score_mod, block_mask, scale, enable_gqa
     if mask_override is None:  # (a block mask's mask, as eagerly: decoding's and varlen's masks are not ranked)
         mask_key, mask_bufs = ranks.in_graph(mask_key, mask_bufs)
     block, tables, seq = _compiled_tables(block_mask)
-    if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else _check_scale(scale)
     plans.check_sinks(sinks, query)
     if sinks is not None:
         sinks = sinks.contiguous()

@@ -18,7 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from flexattn import ir, tracer
-from flexattn.mods import MASK, SCORE, Mod
+from flexattn.mods import MASK, SCORE, Mod, template
 
 
 class _Recorder(TorchFunctionMode):
@@ -47,6 +47,11 @@ class _Recorder(TorchFunctionMode):
     def encode(self, a):
         """("p", i): a probe or a recorded result; ("t", i): a captured tensor; ("c", v): a
         constant; ("seq", (...)): a tuple or list."""
+        if type(a) is float:
+            # A float that changed between compiled calls is a symbol (SymFloat) by then, which
+            # `_template`'s constant arguments cannot hold: the round trip through its hex text
+            # makes it a constant again, guarded on (as ints are), so a new value recompiles.
+            a = float.fromhex(a.hex())
         if isinstance(a, torch.Tensor):
             i = self._ref(a)
             if i is not None:
@@ -72,10 +77,12 @@ class _Recorder(TorchFunctionMode):
         return out
 
 
-def record(fn, kind: str) -> tuple[tuple, list[torch.Tensor], tuple]:
-    """Call ``fn`` on probes: ``(ops, captured tensors, result reference)``."""
+def record(fn, kind: str, score_dtype: torch.dtype = torch.float32) -> tuple[tuple, list[torch.Tensor], tuple]:
+    """Call ``fn`` on probes: ``(ops, captured tensors, result reference)``. The score probe has
+    the score dtype the tracer gives the score (float64 for float64 inputs), so that what the mod
+    reads of it (``score.dtype``) is what it reads eagerly."""
     names = ir.SCORE_INPUTS if kind == SCORE else ir.INDEX_INPUTS
-    probes = [torch.empty((), dtype=torch.float32 if n == "score" else torch.int32) for n in names]
+    probes = [torch.empty((), dtype=score_dtype if n == "score" else torch.int32) for n in names]
     rec = _Recorder(probes)
     with rec:
         result = fn(*probes)
@@ -116,11 +123,26 @@ def _template(kind: str, score_dtype: torch.dtype, ops: tuple, result: tuple, me
     return mod.key(), tuple(by_id[id(b)] for b in mod.buffers)
 
 
+@torch.compiler.assume_constant_result
+def _retyped(key: str, score_dtype: torch.dtype) -> tuple:
+    """``(key, buffer slots)`` of the score mod ``key`` traced again with ``score_dtype`` (at
+    compile time); slot i is the position, among the mod's buffers, of the copy's buffer i."""
+    mod = template(key)
+    typed = tracer.trace(mod, SCORE, score_dtype=score_dtype)
+    by_id = {id(t): i for i, t in enumerate(mod.buffers)}
+    return typed.key(), tuple(by_id[id(b)] for b in typed.buffers)
+
+
 def capture(fn, kind: str, score_dtype: torch.dtype) -> tuple[str, list[torch.Tensor]]:
     """``(structural key, captured tensors)`` of a mod while Dynamo compiles (see module doc)."""
     if isinstance(fn, Mod):
+        if kind == SCORE and (fn.score_dtype not in (None, score_dtype) or fn.ir.dtype != score_dtype):
+            # as eagerly (`flexattn.call.resolve_score_mod`): a score mod of another score dtype (a
+            # DSL mod's float32 one with float64 inputs) runs as its re-typed copy
+            key, slots = _retyped(fn.key(), score_dtype)
+            return key, [fn.buffers[i] for i in slots]
         return fn.key(), list(fn.buffers)
-    ops, tensors, result = record(fn, kind)
+    ops, tensors, result = record(fn, kind, score_dtype)
     metas = tuple((t.dtype, tuple(t.shape)) for t in tensors)
     key, slots = _template(kind, score_dtype, ops, result, metas)
     return key, [tensors[i] for i in slots]

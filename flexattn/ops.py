@@ -121,7 +121,8 @@ def _(query, key, value, sinks, score_bufs, mask_bufs, tables, seq_q, seq_kv, sp
 
 def _setup_context(ctx, inputs, output):
     query, key, value, sinks, score_bufs, mask_bufs, tables, seq_q, seq_kv, spec_, scale = inputs
-    out, lse, _ = output
+    out, lse, mx = output
+    ctx.mark_non_differentiable(mx)  # (as eagerly and in torch: max_scores has no gradient)
     ctx.save_for_backward(query, key, value, out, lse, sinks, *score_bufs, *mask_bufs, *tables)
     ctx.sizes = (len(score_bufs), len(mask_bufs))
     ctx.seq = (seq_q, seq_kv)
@@ -178,8 +179,9 @@ def run_backward(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Te
     plan = plans.backward_plan(key_, query, key, value, out, grad_out, score, mask, t, options, need_t, score_bufs,
                                grad_lse is not None, launch_once)
     dq, dk, dv, grads, dsinks = launch_once(plan)
-    # A custom op returns a tensor for each entry: an empty one where no gradient is wanted.
-    buffer_grads = [b.new_empty(0) if g is None else g
+    # A custom op returns a tensor for each entry: an empty one where no gradient is wanted; the
+    # others contiguous, as the fake kernel says (zeros_like keeps a transposed tensor's strides).
+    buffer_grads = [b.new_empty(0) if g is None else g.contiguous()
                     for b, g in zip(score_bufs, bwd.buffer_grads(grads, score_bufs, need))]
     return dq, dk, dv, lse.new_empty(0) if dsinks is None else dsinks, buffer_grads
 
@@ -191,7 +193,7 @@ def _(query, key, value, out, lse, grad_out, grad_lse, sinks, score_bufs, mask_b
     dk = key.new_empty(key.shape)
     dv = value.new_empty(value.shape)
     dsinks = lse.new_empty(0) if sinks is None else torch.empty_like(sinks)
-    return dq, dk, dv, dsinks, [torch.empty_like(b) if n else b.new_empty(0) for b, n in zip(score_bufs, need)]
+    return dq, dk, dv, dsinks, [b.new_empty(b.shape if n else (0,)) for b, n in zip(score_bufs, need)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -375,6 +375,96 @@ def test_compiled_model_with_a_block_mask_made_outside():
         torch.testing.assert_close(out, model(q, k, v, block_mask=mask), atol=1e-6, rtol=1e-6)
 
 
+def test_compiled_mod_over_a_python_float_that_changes():
+    """A float the mod reads that changes between compiled calls is made a symbol by Dynamo at the
+    second value; the recording turns it back into a constant (guarded on), so each value runs
+    fullgraph and gives its own result (it was an Unsupported error at the second value)."""
+    torch._dynamo.reset()
+    q, k, v = qkv()
+
+    def make(t):
+        return lambda s, b, h, qi, ki: s * t + 0.01 * (qi - ki)
+
+    compiled = torch.compile(lambda q, k, v, mod: flexattn.flex_attention(q, k, v, score_mod=mod), fullgraph=True)
+    for t in (2.0, 3.0, 0.5):
+        mod = make(t)
+        torch.testing.assert_close(compiled(q, k, v, mod).double(), attention_reference(q, k, v, score_mod=mod),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_float64_mod_reads_the_score_dtype():
+    """The score a compiled Python mod is recorded with has the score's dtype (float64 for float64
+    inputs), as eagerly: ``score.dtype`` in the mod is not float32 (which rounded its constants)."""
+    torch._dynamo.reset()
+    q, k, v = qkv(dtype=torch.float64)
+
+    def mod(s, b, h, qi, ki):
+        return s * torch.full((), 1 / 3, dtype=s.dtype) + (qi - ki).to(s.dtype) * 0.1
+
+    compiled = torch.compile(lambda q, k, v: flexattn.flex_attention(q, k, v, score_mod=mod), fullgraph=True)
+    want = attention_reference(q, k, v, score_mod=mod)
+    torch.testing.assert_close(flexattn.flex_attention(q, k, v, score_mod=mod), want, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(compiled(q, k, v), want, atol=1e-12, rtol=1e-12)
+
+
+def test_compiled_dsl_mod_with_float64_inputs_is_retyped():
+    """A DSL score mod (float32 score) with float64 inputs runs as its float64 copy under
+    torch.compile, as eagerly (it ran in float32: errors of 1e-7), captured tensors included."""
+    torch._dynamo.reset()
+    q, k, v = qkv(dtype=torch.float64)
+    slope = torch.tensor([0.3, -0.2], dtype=torch.float64)
+    mod = flexattn.score_mod("score / 3.0 - slope[h] * abs(q_idx - kv_idx)", slope=slope)
+    compiled = torch.compile(lambda q, k, v: flexattn.flex_attention(q, k, v, score_mod=mod), fullgraph=True)
+    want = attention_reference(q, k, v, score_mod=lambda s, b, h, qi, ki: s / 3.0 - slope[h] * (qi - ki).abs())
+    torch.testing.assert_close(flexattn.flex_attention(q, k, v, score_mod=mod), want, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(compiled(q, k, v), want, atol=1e-12, rtol=1e-12)
+
+
+def test_compiled_call_checks_the_scale():
+    """scale=True is refused under torch.compile as eagerly (it ran as scale 1.0)."""
+    torch._dynamo.reset()
+    q, k, v = qkv()
+    compiled = torch.compile(lambda q, k, v: flexattn.flex_attention(q, k, v, scale=True), fullgraph=True)
+    with pytest.raises(Exception, match="scale must be a float or None, got True"):
+        compiled(q, k, v)
+
+
+def test_compiled_max_scores_are_not_differentiable():
+    """max_scores has no gradient under torch.compile either (as eagerly and in torch): it does not
+    require grad, rather than giving a loss built on it a silent zero gradient."""
+    torch._dynamo.reset()
+    q, k, v = (t.requires_grad_() for t in qkv())
+
+    def run(q, k, v):
+        out, aux = flexattn.flex_attention(q, k, v, return_aux=flexattn.AuxRequest(lse=True, max_scores=True))
+        return out, aux.lse, aux.max_scores
+
+    for fn in (run, torch.compile(run, fullgraph=True)):
+        out, lse, mx = fn(q, k, v)
+        assert out.requires_grad and lse.requires_grad and not mx.requires_grad
+
+
+def test_backward_op_fake_strides_of_a_transposed_captured_tensor():
+    """The backward op's gradient of a captured tensor has the layout its fake kernel says
+    (contiguous), also for a transposed tensor (Inductor asserts the fake strides)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flexattn import capture, ops
+
+    q, k, v = (t.requires_grad_() for t in qkv())
+    bias = torch.randn(37, 2).t()  # [H, KV], strides (1, 2)
+    key, bufs = capture.capture(lambda s, b, h, qi, ki: s + bias[h, ki], "score", torch.float32)
+    spec = ops.spec(key, call.noop_mask_mod().key(), (), False, (), False)
+    out, lse, _ = torch.ops.flexattn.forward(q, k, v, None, bufs, [], [], -1, -1, spec, 0.25)
+    args = (q, k, v, out, lse, torch.randn_like(out))
+    real = torch.ops.flexattn.backward(*args, None, None, bufs, [], [], -1, -1, spec, 0.25, [True])
+    with FakeTensorMode() as mode:
+        fake = torch.ops.flexattn.backward(*(mode.from_tensor(t) for t in args), None, None,
+                                           [mode.from_tensor(b) for b in bufs], [], [], -1, -1, spec, 0.25, [True])
+    for r, f in zip([*real[:4], *real[4]], [*fake[:4], *fake[4]]):
+        assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # Block masks of new lengths
 
