@@ -15,7 +15,8 @@ once). The rules follow torch's autograd formulas, including its subgradient con
 
     relu'(0) = 0, abs'(0) = 0, max/min ties split the gradient in half, where() routes the
     gradient to the chosen branch only, floor/ceil/round/trunc/sign and float // have derivative
-    0, integer and bool values carry no gradient.
+    0, integer and bool values carry no gradient, detach (Tensor.detach) passes none. (A floating
+    `ir.clamp` is built so that x keeps the whole gradient at a bound, as torch.clamp.)
 
 Example::
 
@@ -116,6 +117,7 @@ def _zero_rule(g, n, s):
 
 UNARY_RULES: dict[str, Callable[[Node, Node, Node], Node | None]] = {
     "neg": lambda g, n, x: _neg(g),
+    "detach": lambda g, n, x: None,  # a stop-gradient (Tensor.detach)
     "abs": lambda g, n, x: _mul(g, ir.unary("sign", x)),
     "sign": lambda g, n, x: _zero(x),
     "relu": lambda g, n, x: ir.where(ir.binary("gt", n, 0), g, 0),  # threshold_backward at 0
@@ -231,7 +233,7 @@ def _needs_grad(order: list[Node]) -> set[int]:
             continue
         if _differentiable_leaf(n):
             needs.add(id(n))
-        elif n.op != "load" and any(id(s) in needs for s in n.src):
+        elif n.op not in ("load", "detach") and any(id(s) in needs for s in n.src):
             needs.add(id(n))
     return needs
 

@@ -422,6 +422,8 @@ def _unary(ops, op, n, x):
     lo, hi = x
     if op == "not":
         return 1 - hi, 1 - lo
+    if op == "detach":
+        return lo, hi
     if dtype.is_floating_point:
         if op == "neg":
             lo, hi = -hi, -lo

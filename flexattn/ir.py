@@ -276,6 +276,8 @@ UNARY_OPS: dict[str, tuple[Callable, str]] = {
     "gelu": (torch.nn.functional.gelu, "float"),
     "gelu_tanh": (_gelu_tanh, "float"),
     "softplus": (torch.nn.functional.softplus, "float"),
+    # x itself, through which no gradient flows (Tensor.detach: a stop-gradient in a score mod)
+    "detach": (torch.Tensor.detach, "same"),
 }
 
 
@@ -426,6 +428,8 @@ def unary(op: str, x: Operand) -> Node:
         x, dtype = as_node(x, xd), xd
     elif op == "neg" and xd == torch.bool:
         raise IRError("negation of a bool is not supported (use ~ or `not`)")
+    elif op == "detach" and not xd.is_floating_point:
+        return as_node(x, xd)  # (integers and bools carry no gradient)
     elif op in ("abs", "relu") and xd == torch.bool:
         raise IRError(f"{op}() of a bool is not supported (torch has no bool {op}); cast to int first")
     elif rule == "float":
@@ -489,12 +493,24 @@ def load(buffer: Buffer, indices: Iterable[Operand]) -> Node:
     return Node("load", buffer.dtype, tuple(idx), buffer)
 
 
-def clamp(x: Operand, lo: Operand | None = None, hi: Operand | None = None) -> Node:
+def clamp(x: Operand, lo: Operand | None = None, hi: Operand | None = None, *,
+          grad_at_bounds: bool = True) -> Node:
+    """torch.clamp: ``minimum(maximum(x, lo), hi)``. A floating clamp also keeps torch's gradients
+    at a tie, which maximum/minimum (the tie's gradient split in half) would not: x gets the whole
+    gradient where lo <= x <= hi (``grad_at_bounds=False``: lo < x < hi, as hardtanh and relu6),
+    a bound where x is beyond it. Hence ``where(x >= lo, x, maximum(x, lo))``: the same value, NaN
+    included (``where(x <= lo, lo, maximum(x, lo))`` for hardtanh)."""
     out = x
-    if lo is not None:
-        out = binary("maximum", out, lo)
-    if hi is not None:
-        out = binary("minimum", out, hi)
+    for bound, op, keep, past in ((lo, "maximum", "ge", "le"), (hi, "minimum", "le", "ge")):
+        if bound is None:
+            continue
+        extreme = binary(op, out, bound)
+        if not isinstance(extreme, Node) or not extreme.dtype.is_floating_point:
+            out = extreme
+        elif grad_at_bounds:
+            out = where(binary(keep, out, bound), out, extreme)
+        else:
+            out = where(binary(past, out, bound), bound, extreme)
     if not isinstance(out, Node):
         out = const(out)
     return out

@@ -175,12 +175,12 @@ def _leaky_relu(v, input, negative_slope=0.01, inplace=False):
 
 @handles("F.hardtanh")
 def _hardtanh(v, input, min_val=-1.0, max_val=1.0, inplace=False):
-    return ir.clamp(v(input), min_val, max_val)
+    return ir.clamp(v(input), min_val, max_val, grad_at_bounds=False)
 
 
 @handles("F.relu6")
 def _relu6(v, input, inplace=False):
-    return ir.clamp(v(input), 0, 6)
+    return ir.clamp(v(input), 0, 6, grad_at_bounds=False)
 
 
 @handles("torch.square", "Tensor.square")
@@ -421,10 +421,16 @@ for _method, _dtype in {"float": torch.float32, "double": torch.float64, "half":
 del _method, _dtype
 
 
-@handles("Tensor.clone", "Tensor.detach", "Tensor.contiguous", "torch.clone", "torch.detach",
+@handles("Tensor.clone", "Tensor.contiguous", "torch.clone",
           "torch.positive", "Tensor.positive", "Tensor.__pos__", "Tensor.requires_grad_")
 def _identity(v, self, *args, **kwargs):
     return as_node(v(self))
+
+
+@handles("Tensor.detach", "torch.detach")
+def _detach(v, self):
+    # The same value, but the backward sends no gradient through it (to the score or a table)
+    return ir.unary("detach", v(self))
 
 
 def _scalar_size(size, what: str):

@@ -251,6 +251,41 @@ def test_table_by_head_query_key():
     compare_f64(q, k, v, score_mod=mod, tables=(bias,))
 
 
+@pytest.mark.parametrize("op", ["clamp", "clamp_min", "clamp_max", "clip", "tensor_bound", "relu6", "hardtanh"])
+def test_clamp_at_its_bounds_has_torch_gradients(op):
+    """Learnable values exactly at a clamp's bounds (a zero-initialised table under clamp(min=0)):
+    torch.clamp passes the whole gradient to x at a bound, hardtanh / relu6 none; a tensor bound
+    gets it only where x is beyond it. Not maximum/minimum's tie, which splits it in half."""
+    q, k, v = make_qkv(1, 2, 2, 19, 23, 16, 16)
+    t = torch.tensor([0.0, 6.0], dtype=F64, requires_grad=True)
+    lo = torch.tensor([0.0, 7.0], dtype=F64, requires_grad=True)
+    f = {"clamp": lambda x: x.clamp(0.0, 6.0), "clamp_min": lambda x: torch.clamp_min(x, 0.0),
+         "clamp_max": lambda x: torch.clamp(x, max=6.0), "clip": lambda x: torch.clip(x, 0.0, 6.0),
+         "relu6": torch.nn.functional.relu6, "hardtanh": lambda x: torch.nn.functional.hardtanh(x, 0.0, 6.0)}.get(op)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        if op == "tensor_bound":
+            return score + torch.clamp(t[h], min=lo[h]) * 0.5
+        return score + f(t[h]) * (kv_idx - q_idx) * 0.1
+
+    compare_f64(q, k, v, score_mod=mod, tables=(t, lo) if op == "tensor_bound" else (t,))
+
+
+def test_detach_stops_the_gradient():
+    """``.detach()`` / ``torch.detach`` in a score mod is a stop-gradient, as in torch: no gradient
+    through the detached score (a straight-through term, a detached gate) nor into a detached table."""
+    q, k, v = make_qkv(1, 2, 2, 19, 23, 16, 16)
+    frozen = torch.randn(2, dtype=F64, requires_grad=True)
+    learnt = torch.randn(2, dtype=F64, requires_grad=True)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        gate = torch.sigmoid(score).detach()
+        return score * gate + frozen[h].detach() * score + torch.detach(score * learnt[h]) * 0.5 + learnt[h]
+
+    dq, dk, dv, d_frozen, d_learnt = compare_f64(q, k, v, score_mod=mod, tables=(frozen, learnt))
+    assert (d_frozen == 0).all() and (d_learnt != 0).all()
+
+
 def test_table_through_nested_gather_and_read_twice():
     # doc ids (int, no gradient) route into a float table that is read twice in one mod; a 0-d
     # gate and an out-of-range index (reads 0, sends nothing back) complete the picture.

@@ -186,6 +186,7 @@ _BINARY = {
 
 _UNARY = {
     "neg": lambda n, a: f"(-{a})",
+    "detach": lambda n, a: a,
     "abs": lambda n, a: f"tl.abs({a})",
     "not": lambda n, a: f"({a} == 0)",
     "invert": lambda n, a: f"(~{a})",
