@@ -90,12 +90,16 @@ def test_mask_picture(capsys, tmp_path):
     assert rc == 2 and "a mask mod has no 'score'" in err
 
 
-def test_console_script_runs():
-    # `python -m flexattn.cli` is what the `flexattn` console script calls (flexattn.cli:main).
-    proc = subprocess.run([sys.executable, "-m", "flexattn.cli", "show", "q_idx >= kv_idx", "--kind", "mask"],
+@pytest.mark.parametrize("module", ["flexattn.cli", "flexattn"])
+def test_console_script_runs(module):
+    # `python -m flexattn.cli` is what the `flexattn` console script calls (flexattn.cli:main);
+    # `python -m flexattn` is the same command.
+    proc = subprocess.run([sys.executable, "-m", module, "show", "q_idx >= kv_idx", "--kind", "mask"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "def mask_mod(b, h, q_idx, kv_idx):" in proc.stdout
+    if module == "flexattn":
+        return
     proc = subprocess.run([sys.executable, "-m", "flexattn.cli", "show", "q_idx >=", "--kind", "mask"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unexpected end of text at line 1, column 9" in proc.stderr
