@@ -505,6 +505,19 @@ def _errors(group) -> None:
         fd.flex_attention(q, q[..., :8].contiguous(), q, block_mask=bm)
     with pytest.raises(ValueError, match="method must be one of"):
         fd.flex_attention(q, q, q, block_mask=bm, method="tree")
+    # what one GPU's call checks of the pairs' tables, which only the ranks that compute a pair
+    # would check, mid-ring: a mask whose B does not fit the query's, kernel tiles that do not divide
+    # its blocks (only the last rank's queries read anything, and no pair has 128 rows for the
+    # block-sparse kernel that checks BLOCK_M); every rank raises before the first transfer
+    last_only = fd.create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx >= 30) & (kv_idx < 10), 2, None, 40, 40,
+                                     group, device="cpu", BLOCK_SIZE=BLOCK)
+    x3 = torch.randn(3, 2, n, BLOCK)
+    for method in ("ring", "allgather"):
+        with pytest.raises(fd.DistributedMismatchError, match=f"rank {P - 1}: block_mask has B=2"):
+            fd.flex_attention(x3, x3, x3, block_mask=last_only, method=method)
+        for option in ("BLOCK_M", "BLOCK_N"):
+            with pytest.raises(fd.DistributedMismatchError, match=f"rank 0: kernel_options\\['{option}'\\]=32"):
+                fd.flex_attention(x2, x2, x2, block_mask=last_only, method=method, kernel_options={option: 32})
     # the copy engines only where every rank can use them (one rank's FLEXATTN_RING_COPY=0 keeps
     # every rank on NCCL: a rank pushing into slots while another sends through NCCL would hang)
     from flexattn.distributed import checks

@@ -13,6 +13,7 @@ from flexattn import capture
 from flexattn.auxiliary import AuxOutput, AuxRequest, check_request
 from flexattn.call import identity_score_mod, resolve_score_mod
 from flexattn.kernels import options as opts, plans
+from flexattn.kernels.tables import block_size_pair
 from flexattn.lru import LRU
 from flexattn.mods import template
 from flexattn.distributed import checks, copies
@@ -192,7 +193,7 @@ def _backward(ctx, grad_out, grad_lse, grad_max):  # (max_scores carry no gradie
 torch.library.register_autograd("flexattn_distributed::attention", _backward, setup_context=_setup_context)
 
 
-def _local_error(q, k, v, bm: _Mask, method: str, enable_gqa: bool) -> str:
+def _local_error(q, k, v, bm: _Mask, method: str, enable_gqa: bool, options: dict | None = None) -> str:
     """What is wrong with this rank's inputs by itself ("" if nothing)."""
     for name, t in (("query", q), ("key", k), ("value", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -201,6 +202,17 @@ def _local_error(q, k, v, bm: _Mask, method: str, enable_gqa: bool) -> str:
         plans.check_inputs(q, k, v, enable_gqa)
     except (TypeError, ValueError) as err:
         return str(err)
+    # (the pairs' tables have the mask's B and H: one GPU's check of them would raise on the ranks
+    # that compute a pair only, mid-ring, while the others go on or wait)
+    if bm.B not in (None, 1, q.shape[0]) or bm.H not in (None, 1, q.shape[1]):
+        return (f"block_mask has B={bm.B}, H={bm.H}; it must have B of None, 1 or query's {q.shape[0]} and "
+                f"H of None, 1 or query's {q.shape[1]}")
+    # (the forward's tiles must divide the pairs' blocks: checked by a pair's kernel only where the
+    # rank computes one, and by the block-sparse kernel only, which a pair of few rows does not take)
+    for option, block in zip(("BLOCK_M", "BLOCK_N"), block_size_pair(bm.BLOCK_SIZE)):
+        tile = (options or {}).get(option)
+        if tile is not None and block % tile:
+            return f"kernel_options[{option!r}]={tile} must divide the block mask's block size {block}"
     want_q, want_kv = bm.qpos.numel(), bm.kvpos[bm.rank].numel()
     if q.shape[2] != want_q or k.shape[2] != want_kv or v.shape[2] != want_kv:
         return (f"the block mask's layout {bm.layout!r} gives this rank {want_q} queries and {want_kv} keys, "
@@ -215,7 +227,7 @@ def _check_call(q, k, v, bm: _Mask, method: str, pair: Pair) -> None:
     """Every rank agrees on the call before the first transfer (once per configuration)."""
     verify(bm.group)  # (the group's gathers not read yet: before this call's own collectives)
     # (a mask whose build failed, or whose listing failed on this rank alone: the check tells every rank)
-    error = bm._failed or _local_error(q, k, v, bm, method, pair.enable_gqa)
+    error = bm._failed or _local_error(q, k, v, bm, method, pair.enable_gqa, pair.options)
     fields = {
         "mask": bm.name, "method": method, "dtype": str(q.dtype),
         "B, Hq, E": None if error else (*q.shape[:2], q.shape[-1]),
