@@ -192,11 +192,16 @@ def _kernel_choice(query, key, value, score_bufs, sinks, options: dict, want_max
     (``decoding`` None: choose; True: `decode_attention` asked for it)."""
     need_grad = _needs_grad(query, key, value, score_bufs, sinks)
     backend = options.get("BACKEND", "AUTO")
+    asked = decoding  # (True: the caller is decode_attention, which takes no BACKEND)
     if decoding is None:
         decoding = backend == "TRITON_DECODE" or (
             backend == "AUTO" and not options.get("FORCE_USE_FLEX_ATTENTION", False) and not need_grad
             and not want_max and query.shape[2] < dec.Q_THRESHOLD and query.dtype in dec.SUPPORTED_DTYPES)
     if decoding and (need_grad or want_max):
+        if asked:
+            raise ValueError("decode_attention computes no gradients: an input, the sinks or a tensor the "
+                             "score_mod captures requires grad; call it under torch.no_grad() (or detach "
+                             "them), or use flex_attention, which has a backward")
         raise ValueError("the decoding kernel (kernel_options BACKEND='TRITON_DECODE') computes no gradients "
                          "and no max_scores; use BACKEND='AUTO'")
     return need_grad, decoding
@@ -294,11 +299,13 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
             value = layout.k_major(value)  # float8 P V takes V K-major
         metas = (query.shape, query.stride(), dtype, device, key.shape, key.stride(), key.dtype, key.device,
                  value.shape, value.stride(), value.dtype, value.device)
+        # (16-byte alignment: the Hopper kernels read Q, K, V through TMA descriptors, which need it)
+        aligned = (query.data_ptr() | key.data_ptr() | value.data_ptr()) & 15 == 0
         sink_meta = None
         if sinks is not None:
             sinks = sinks.contiguous()  # (the kernels read sinks[h] at h)
             sink_meta = _meta(sinks)
-    except AttributeError:
+    except (AttributeError, RuntimeError):  # (not tensors; sparse tensors have no data pointer)
         plans.check_inputs(query, key, value, enable_gqa)
         plans.check_sinks(sinks, query)
         raise
@@ -316,8 +323,6 @@ def attend(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     # The plan key and the call key hold the captured tensors' metas: the compiled kernel is
     # specialised on their shapes and strides.
     mask_metas = tuple([_meta(t) for t in mask_bufs]) if mask_bufs else ()
-    # (16-byte alignment: the Hopper kernels read Q, K, V through TMA descriptors, which need it)
-    aligned = (query.data_ptr() | key.data_ptr() | value.data_ptr()) & 15 == 0
     rest = (aligned, mask.key(), mask_metas, None if tables is None else tables.sig, enable_gqa,
             tuple(options.items()) if options else (), want_max,
             None if kv_lengths is None else _meta(kv_lengths),
@@ -354,6 +359,8 @@ def _plan_call(query, key, value, score_mod, mask, mask_bufs, tables, enable_gqa
     score mod, choose the kernel, validate, plan; ``(score, score_bufs, need_grad, (decoding,
     plan, plan key, default scale), descale)``. Remembers the outcome under ``call_key``."""
     device, dtype = query.device, query.dtype
+    # (before `_kernel_choice` reads the shapes: a nested tensor's jagged length compares with nothing)
+    plans.check_inputs(query, key, value, enable_gqa)
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     score, score_bufs = resolve_score_mod(score_mod, stat_dtype, device, None if walked[0] is None else walked)
     need_grad, decoding = _kernel_choice(query, key, value, score_bufs, sinks, options, want_max, decoding)

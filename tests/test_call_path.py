@@ -702,3 +702,53 @@ def test_a_masks_launch_tables_and_the_ops_spec_agree(separate_full):
     block, tensors, seq = call._compiled_tables(bm)
     assert ops.block_of(t) == block
     assert ops._tables(block, tensors, *seq).sig == t.sig
+
+
+def test_decode_attention_with_gradients_says_what_to_do():
+    # decode_attention takes no BACKEND: the error used to tell the caller to pass BACKEND='AUTO'
+    q = torch.randn(1, 2, 3, 16, requires_grad=True)
+    k = torch.randn(1, 2, 30, 16)
+    with pytest.raises(ValueError, match="decode_attention computes no gradients.*torch.no_grad"):
+        flexattn.decode.decode_attention(q, k, k)
+    with pytest.raises(ValueError, match="BACKEND='TRITON_DECODE'"):
+        flexattn.flex_attention(q, k, k, kernel_options={"BACKEND": "TRITON_DECODE"})
+
+
+def test_nested_and_sparse_inputs_are_named():
+    # (a jagged tensor's length reached the kernel choice before validation: "ge: relation is
+    # indeterminate"; a sparse tensor's data pointer: "Cannot access data pointer")
+    nested = torch.nested.nested_tensor([torch.randn(2, 5, 16), torch.randn(2, 7, 16)], layout=torch.jagged)
+    with pytest.raises(ValueError, match="query is a nested"):
+        flexattn.flex_attention(nested, nested, nested)
+    sparse = torch.randn(1, 2, 5, 16).to_sparse()
+    with pytest.raises(ValueError, match="query must be a dense"):
+        flexattn.flex_attention(sparse, sparse, sparse)
+    dense = torch.randn(1, 2, 5, 16)
+    with pytest.raises(ValueError, match="value must be a dense"):
+        flexattn.flex_attention(dense, dense, sparse)
+
+
+def test_backend_with_force_use_flex_attention_as_torch():
+    # torch 2.13 refuses BACKEND with FORCE_USE_FLEX_ATTENTION=True (AUTO included) and takes it
+    # with False; flexattn refused BACKEND='TRITON' with False and took AUTO with True
+    from flexattn.kernels import options
+    assert options.check({"BACKEND": "TRITON", "FORCE_USE_FLEX_ATTENTION": False}) == \
+        {"BACKEND": "TRITON", "FORCE_USE_FLEX_ATTENTION": False}
+    for backend in ("AUTO", "TRITON", "TRITON_DECODE", "FLASH"):
+        with pytest.raises(ValueError, match="BACKEND cannot be combined"):
+            options.check({"BACKEND": backend, "FORCE_USE_FLEX_ATTENTION": True})
+    q = torch.randn(1, 2, 3, 16)
+    out = flexattn.flex_attention(q, q, q, kernel_options={"BACKEND": "TRITON_DECODE",
+                                                           "FORCE_USE_FLEX_ATTENTION": False})
+    torch.testing.assert_close(out, attention_reference(q, q, q).to(out.dtype), atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_options_memo_does_not_accept_equal_values_of_other_types():
+    # the memo was keyed by the items alone: after {"PRESCALE_QK": True} was checked, {"PRESCALE_QK": 1}
+    # (refused on its own) hit its entry and passed; likewise 64.0 after 64
+    from flexattn.kernels import options
+    for good, bad in (({"PRESCALE_QK": True}, {"PRESCALE_QK": 1}), ({"BLOCK_M": 64}, {"BLOCK_M": 64.0}),
+                      ({"SPLIT_KV": 1}, {"SPLIT_KV": True})):
+        assert options.check(good) == good
+        with pytest.raises(TypeError, match="must be"):
+            options.check(bad)

@@ -137,7 +137,8 @@ def check(kernel_options: dict | None) -> dict[str, Any]:
     if not isinstance(kernel_options, dict):
         raise TypeError(f"kernel_options must be a dict or None, got {type(kernel_options).__name__}")
     try:
-        memo_key = tuple(kernel_options.items())
+        # (with the values' types: 1 == True and 64 == 64.0 hash alike, and the checks tell them apart)
+        memo_key = tuple([(k, v, type(v)) for k, v in kernel_options.items()])
         hit = _CHECKED.get(memo_key)
     except TypeError:  # an unhashable value: validate (and fail) below
         memo_key, hit = None, None
@@ -159,8 +160,10 @@ def check(kernel_options: dict | None) -> dict[str, Any]:
         if name in out and out[name] != value:
             raise ValueError(f"kernel_options sets {name!r} twice with different values (through {key!r})")
         out[name] = value
-    if out.get("BACKEND") not in (None, "AUTO") and "FORCE_USE_FLEX_ATTENTION" in out:
-        raise ValueError("kernel_options: BACKEND cannot be combined with FORCE_USE_FLEX_ATTENTION")
+    # (torch's rule: BACKEND, AUTO included, supersedes FORCE_USE_FLEX_ATTENTION=True; False is no request)
+    if "BACKEND" in out and out.get("FORCE_USE_FLEX_ATTENTION", False):
+        raise ValueError("kernel_options: BACKEND cannot be combined with FORCE_USE_FLEX_ATTENTION=True; "
+                         "drop FORCE_USE_FLEX_ATTENTION (BACKEND='TRITON' keeps the block-sparse kernel)")
     if memo_key is not None:
         _CHECKED[memo_key] = out
     return out

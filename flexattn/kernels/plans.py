@@ -38,6 +38,9 @@ def check_inputs(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
             raise ValueError(f"{name} is a nested (jagged) tensor; flexattn takes dense [B, H, L, E] tensors. "
                              f"Pack the sequences into one and use a document mask instead "
                              f"(flexattn.masks.document, or a mask_mod comparing document ids)")
+        if t.layout != torch.strided:
+            raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}; "
+                             f"convert it with .to_dense()")
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions [B, H, L, E], got shape {tuple(t.shape)}")
         if t.dtype not in _DTYPES:
