@@ -16,7 +16,9 @@ were written for logical positions and converted here:
 `assign`, the converted BlockMask and the converted mods only read device tensors that
 `reserve`/`erase` update in place, so a decode step that uses them can be captured in a CUDA graph.
 The converted mods read ``physical_to_logical`` in-kernel: a KV position on a page that the
-sequence does not own is masked out. Likewise `assign` drops a write to a position its slot does
+sequence does not own is masked out (a converted score_mod gives it -inf, as torch's), and so is
+one at or past the logical mask's KV length or ``kv_len[b]`` (torch's argument): the rest of a
+partly filled last page. Likewise `assign` drops a write to a position its slot does
 not own (it lands on a scratch page past the cache) instead of checking on the host.
 """
 
@@ -27,6 +29,27 @@ import torch
 from flexattn import ir
 from flexattn.block_mask import as_mod, noop_mask
 from flexattn.mods import MASK, SCORE, Mod
+
+
+def _partial_where(num, idx, full_num, full_idx, block: int | None) -> tuple:
+    """The (partial, full) block lists with the full entries of KV block ``block`` (None: every
+    full entry) moved to the partial list, after its own entries; each list stays packed."""
+    shape = torch.broadcast_shapes(num.shape, full_num.shape)
+    num, full_num = num.expand(shape), full_num.expand(shape)
+    idx, full_idx = idx.expand(*shape, -1).long(), full_idx.expand(*shape, -1).long()
+    listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
+    full_listed = torch.arange(full_idx.shape[-1], device=idx.device) < full_num[..., None]
+    move = full_listed if block is None else full_listed & (full_idx == block)
+
+    width = max(idx.shape[-1], full_idx.shape[-1])  # (a row lists each KV block once)
+
+    def packed(entries, keep):  # (the kept entries first, in order; stable sort of a 0/1 key)
+        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)
+        return keep.sum(-1).to(torch.int32), torch.gather(entries, -1, order)[..., :width].to(torch.int32)
+
+    num, idx = packed(torch.cat([idx, full_idx], -1), torch.cat([listed, move], -1))
+    full_num, full_idx = packed(full_idx, full_listed & ~move)
+    return num, idx, full_num, full_idx
 
 
 class PagedKVCache:
@@ -145,12 +168,16 @@ class PagedKVCache:
 
     # -- logical -> physical attention inputs
 
-    def convert_logical_block_mask(self, block_mask, batch_idx: torch.Tensor | None = None):
+    def convert_logical_block_mask(self, block_mask, batch_idx: torch.Tensor | None = None,
+                                   kv_len: torch.Tensor | None = None):
         """The BlockMask over physical pages that ``block_mask`` (over logical positions) means.
 
         The KV block size must equal ``page_size``. Query batch b uses slot ``batch_idx[b]``
-        (default: b). The result's mask_mod is ``block_mask``'s own (Python or `Mod`) converted
-        with `get_mask_mod`, so the partial tiles stay masked.
+        (default: b, as torch's: a ``block_mask`` of batch 1 then reads slot 0's pages, for
+        every query batch it is broadcast over). The result's mask_mod is ``block_mask``'s own (Python or `Mod`) converted with `get_mask_mod`, so the
+        partial tiles stay masked. Logical positions at or past the
+        logical mask's KV length (the rest of a partly filled last page) and, with ``kv_len``
+        [B] (torch's argument), at or past ``kv_len[b]`` are masked out.
         """
         size = block_mask.BLOCK_SIZE
         q_bs, kv_bs = (size, size) if isinstance(size, int) else tuple(size)
@@ -178,19 +205,32 @@ class PagedKVCache:
             out[..., : i.shape[3]] = phys
             return keep.sum(-1).to(torch.int32), out
 
+        full_num, full_idx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
+        seq = getattr(block_mask, "seq_lengths", None)
+        if full_num is not None:
+            # A full block skips the mask_mod, where the bounds below are checked: with kv_len every
+            # full block becomes partial, else the one that crosses the logical KV length (torch's
+            # create_block_mask calls the block past the length full where the mask keeps it).
+            crossing = None if seq is None or seq[1] % kv_bs == 0 else seq[1] // kv_bs
+            if kv_len is not None or crossing is not None:
+                num, idx, full_num, full_idx = _partial_where(
+                    num, idx, full_num, full_idx, None if kv_len is not None else crossing)
         num, idx = convert(num, idx)
-        full_num, full_idx = convert(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+        full_num, full_idx = convert(full_num, full_idx)
         own = getattr(block_mask, "mod", None)  # flexattn's BlockMask keeps its mask_mod traced
         if not isinstance(own, Mod):
             own = as_mod(getattr(block_mask, "mask_mod", None) or noop_mask, MASK, "block_mask.mask_mod")
-        mask_mod = self.get_mask_mod(own, batch_idx)
-        seq = getattr(block_mask, "seq_lengths", None)
+        if seq is not None:  # (the logical KV length bounds the logical positions, as kv_len does)
+            bound = torch.full((B,), int(seq[1]), dtype=torch.int64, device=self.page_table.device)
+            kv_len = bound if kv_len is None else torch.minimum(kv_len.to(bound.device, torch.int64), bound)
+        mask_mod = self.get_mask_mod(own, batch_idx, kv_len=kv_len)
         seq = (seq[0], self.n_pages * self.page_size) if seq is not None else None
         return type(block_mask).from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=(q_bs, kv_bs),
                                                mask_mod=mask_mod, seq_lengths=seq)
 
-    def _logical_kv(self, n_buffers: int, batch_idx: torch.Tensor | None):
-        """IR for (logical kv_idx, owned?) of the physical kv_idx, plus the tensors it reads."""
+    def _logical_kv(self, n_buffers: int, batch_idx: torch.Tensor | None, kv_len: torch.Tensor | None = None):
+        """IR for (logical kv_idx, owned?) of the physical kv_idx, plus the tensors it reads;
+        with ``kv_len`` [B], owned also needs logical kv_idx < kv_len[b]."""
         slots = self._slots if batch_idx is None else batch_idx
         p2l = ir.Buffer(n_buffers, "physical_to_logical", torch.int32, 2)
         slot = ir.Buffer(n_buffers + 1, "slots", slots.dtype, 1)
@@ -199,28 +239,43 @@ class PagedKVCache:
         logical_page = ir.load(p2l, [ir.load(slot, [ir.input_("b")]), page])
         logical = ir.binary("add", ir.binary("mul", logical_page, self.page_size),
                             ir.binary("mod", kv, self.page_size))
-        return logical, ir.binary("ge", logical_page, 0), [self.physical_to_logical, slots]
+        owned = ir.binary("ge", logical_page, 0)
+        tensors = [self.physical_to_logical, slots]
+        if kv_len is not None:
+            if not isinstance(kv_len, torch.Tensor) or kv_len.dim() != 1 or kv_len.dtype.is_floating_point \
+                    or kv_len.dtype == torch.bool:
+                raise ValueError(f"kv_len must be a 1-d integer tensor [B], got {kv_len!r}")
+            length = ir.Buffer(n_buffers + 2, "kv_len", kv_len.dtype, 1)
+            owned = ir.binary("and_", owned, ir.binary("lt", logical, ir.load(length, [ir.input_("b")])))
+            tensors.append(kv_len)
+        return logical, owned, tensors
 
-    def get_mask_mod(self, mask_mod, batch_idx: torch.Tensor | None = None) -> Mod:
+    def get_mask_mod(self, mask_mod, batch_idx: torch.Tensor | None = None, *,
+                     kv_len: torch.Tensor | None = None) -> Mod:
         """``mask_mod`` (a `Mod`, a Python mask_mod or None) over physical positions: also False
-        on pages the sequence does not own."""
+        on pages the sequence does not own and, with ``kv_len`` [B] (torch's upper bound), at
+        logical positions ``>= kv_len[b]``."""
         if mask_mod is not None:
             mask_mod = as_mod(mask_mod, MASK, "mask_mod")
             if mask_mod.ir.op == "const" and mask_mod.ir.arg is True:
                 mask_mod = None  # noop_mask: ownership alone
         base = mask_mod.buffers if mask_mod is not None else ()
-        logical, owned, extra = self._logical_kv(len(base), batch_idx)
+        logical, owned, extra = self._logical_kv(len(base), batch_idx, kv_len)
         if mask_mod is None:
             return Mod(MASK, owned, extra, name="paged_owned")
         body = ir.substitute(mask_mod.ir, lambda n: logical if n.op == "input" and n.arg == "kv_idx" else None)
         return Mod(MASK, ir.binary("and_", owned, body), list(base) + extra, name=f"paged_{mask_mod.name}")
 
-    def get_score_mod(self, score_mod, batch_idx: torch.Tensor | None = None) -> Mod | None:
-        """``score_mod`` (a `Mod`, a Python score_mod or None) called with logical kv_idx
-        (positions of unowned pages are masked anyway)."""
+    def get_score_mod(self, score_mod, batch_idx: torch.Tensor | None = None, *,
+                      kv_len: torch.Tensor | None = None) -> Mod | None:
+        """``score_mod`` (a `Mod`, a Python score_mod or None) called with logical kv_idx; as
+        torch's, the score is -inf on pages the sequence does not own (and, with ``kv_len`` [B],
+        at logical positions ``>= kv_len[b]``), so that it masks them without a mask_mod (a dense
+        walk over the whole cache)."""
         if score_mod is None:
             return None
         score_mod = as_mod(score_mod, SCORE, "score_mod")
-        logical, _, extra = self._logical_kv(len(score_mod.buffers), batch_idx)
+        logical, owned, extra = self._logical_kv(len(score_mod.buffers), batch_idx, kv_len)
         body = ir.substitute(score_mod.ir, lambda n: logical if n.op == "input" and n.arg == "kv_idx" else None)
+        body = ir.where(owned, body, float("-inf"))
         return Mod(SCORE, body, list(score_mod.buffers) + extra, name=f"paged_{score_mod.name}")

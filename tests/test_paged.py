@@ -163,3 +163,95 @@ def test_assign_drops_writes_to_unreserved_positions():
     assert (cache.physical_positions(torch.tensor([0]), pos)[0, 1:] == -1).all()
     with pytest.raises(RuntimeError, match="reserve"):
         cache.assign(torch.tensor([0]), pos, k1, v1, check=True)
+
+
+@pytest.mark.parametrize("maker", ["flexattn", "torch"])
+def test_converted_mask_ends_at_the_logical_kv_length(maker):
+    """A logical mask over 20 positions with pages of 16: the last page's positions 20..31 (stale
+    data of an earlier sequence) are not attended through the converted mask, also where the
+    logical mask calls the block that crosses the length full (torch's create_block_mask)."""
+    H, E, L = 2, 16, 20
+    g = torch.Generator().manual_seed(7)
+    cache = PagedKVCache(n_pages=4, page_size=PAGE, max_batch_size=1, num_heads=H, head_dim=E)
+    cache.k_cache.copy_(torch.randn(cache.k_cache.shape, generator=g) * 3)
+    cache.v_cache.copy_(torch.randn(cache.v_cache.shape, generator=g) * 3)
+    cache.reserve(0, L)
+    k, v = torch.randn(1, H, L, E, generator=g), torch.randn(1, H, L, E, generator=g)
+    q = torch.randn(1, H, 1, E, generator=g)
+    cache.assign(torch.tensor([0]), torch.arange(L)[None], k, v)
+    if maker == "torch":  # (both KV blocks full, the one of positions 16..31 too)
+        from torch.nn.attention.flex_attention import BlockMask
+        none, both = torch.zeros(1, 1, 1, dtype=torch.int32), torch.tensor([[[2]]], dtype=torch.int32)
+        blocks = torch.tensor([[[[0, 1]]]], dtype=torch.int32)
+        logical = BlockMask.from_kv_blocks(none, blocks, both, blocks, BLOCK_SIZE=(16, PAGE),
+                                           mask_mod=flexattn.noop_mask, seq_lengths=(1, L))
+    else:
+        logical = flexattn.create_block_mask(flexattn.noop_mask, 1, 1, 1, L, device="cpu", BLOCK_SIZE=(16, PAGE))
+    physical = cache.convert_logical_block_mask(logical)
+    ref = attention_reference(q, k, v)
+    for attend in (flexattn.flex_attention, decode_attention):
+        out = attend(q, cache.k_cache, cache.v_cache, block_mask=physical)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_converted_batch_one_mask_reads_each_slot_pages():
+    """A logical mask of batch 1 (one mask for every sequence) converted with batch_idx: query
+    batch b reads slot batch_idx[b]'s pages (without it, as torch's, every batch reads slot 0's)."""
+    B, H, E, L = 2, 2, 16, 32
+    g = torch.Generator().manual_seed(8)
+    cache = PagedKVCache(n_pages=6, page_size=PAGE, max_batch_size=B, num_heads=H, head_dim=E)
+    k, v = torch.randn(B, H, L, E, generator=g), torch.randn(B, H, L, E, generator=g)
+    q = torch.randn(B, H, 1, E, generator=g)
+    fill(cache, [L, L], k, v)
+    logical = flexattn.create_block_mask(flexattn.noop_mask, 1, 1, 1, L, device="cpu", BLOCK_SIZE=(16, PAGE))
+    physical = cache.convert_logical_block_mask(logical, batch_idx=torch.arange(B))
+    ref = attention_reference(q, k, v)
+    for attend in (flexattn.flex_attention, decode_attention):
+        out = attend(q, cache.k_cache, cache.v_cache, block_mask=physical)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["full blocks", "partial blocks"])
+def test_convert_takes_torch_kv_len(full):
+    """torch's ``kv_len`` [B] argument: logical positions at or past kv_len[b] are masked, in
+    full blocks too; batch_idx picks the slots."""
+    B, H, E, MAX = 3, 2, 16, 48
+    lengths, slots = [40, 21, 7], [2, 0, 3]
+    g = torch.Generator().manual_seed(9)
+    cache = PagedKVCache(n_pages=10, page_size=PAGE, max_batch_size=4, num_heads=H, head_dim=E)
+    cache.k_cache.copy_(torch.randn(cache.k_cache.shape, generator=g) * 3)
+    cache.v_cache.copy_(torch.randn(cache.v_cache.shape, generator=g) * 3)
+    for b in range(B):
+        cache.reserve(slots[b], lengths[b])
+    k, v = torch.randn(B, H, MAX, E, generator=g), torch.randn(B, H, MAX, E, generator=g)
+    q = torch.randn(B, H, 2, E, generator=g)
+    cache.assign(torch.tensor(slots), torch.arange(MAX)[None].expand(B, -1), k, v)
+    lens = torch.tensor(lengths)
+    mask = flexattn.noop_mask if full else (lambda b, h, q_idx, kv_idx: kv_idx % 3 != 1)
+    logical = flexattn.create_block_mask(mask, B, 1, 2, MAX, device="cpu", BLOCK_SIZE=(16, PAGE))
+    physical = cache.convert_logical_block_mask(logical, torch.tensor(slots), kv_len=lens)
+    ref = attention_reference(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: mask(b, h, q_idx, kv_idx)
+                              & (kv_idx < lens[b]))
+    for attend in (flexattn.flex_attention, decode_attention):
+        out = attend(q, cache.k_cache, cache.v_cache, block_mask=physical)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_converted_score_mod_alone_masks_unowned_pages():
+    """As torch's get_score_mod: without a mask (a dense walk over the whole cache) the converted
+    score_mod gives -inf on pages the slot does not own (another sequence's, free ones); a slot
+    that owns nothing gets zeros."""
+    B, H, E = 3, 2, 16
+    lengths = [32, 16, 0]
+    g = torch.Generator().manual_seed(10)
+    cache = PagedKVCache(n_pages=6, page_size=PAGE, max_batch_size=B, num_heads=H, head_dim=E)
+    k, v = torch.randn(B, H, 32, E, generator=g), torch.randn(B, H, 32, E, generator=g)
+    q = torch.randn(B, H, 1, E, generator=g)
+    fill(cache, lengths, k, v)
+    score = lambda s, b, h, q_idx, kv_idx: s - 0.1 * kv_idx  # noqa: E731
+    for attend in (flexattn.flex_attention, decode_attention):
+        out = attend(q, cache.k_cache, cache.v_cache, score_mod=cache.get_score_mod(score))
+        for b, n in enumerate(lengths):
+            ref = attention_reference(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], score_mod=score) if n \
+                else torch.zeros(1, H, 1, E, dtype=torch.float64)
+            torch.testing.assert_close(out[b:b + 1].double(), ref, atol=1e-5, rtol=1e-5)
