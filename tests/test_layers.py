@@ -26,7 +26,7 @@ LAYERS = [
                       "flexattn.viz", "flexattn.ops", "flexattn.call", "flexattn.auxiliary",
                       "flexattn.attention", "flexattn.decode", "flexattn.paged", "flexattn.varlen"]),
     (5, "package", ["flexattn", "flexattn.distributed", "flexattn.distributed.*", "flexattn.integrations",
-                    "flexattn.integrations.*", "flexattn.cli", "flexattn.demo"]),
+                    "flexattn.integrations.*", "flexattn.cli", "flexattn.__main__", "flexattn.demo"]),
 ]
 
 
