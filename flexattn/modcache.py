@@ -26,10 +26,13 @@ What the fingerprint covers (`fingerprint` walks all of it, iteratively, in one 
     structural key and their captured tensors;
   - tuples, lists, dicts, sets and objects with a ``__dict__`` (``nn.Module`` included): their
     contents, recursively;
-  - modules, classes and builtins: by identity; what the code reads through attributes of a
-    module, class or function in a global, a closure cell or a parameter's default
-    (``cfg.POS``, ``Config.POS``, ``mod.factor``) is walked as a value of its own (not for the
-    modules of `_FIXED_PACKAGES`: ``torch.where``, ``math.inf``).
+  - modules, classes and builtins: by identity; what the code (and the functions nested in it)
+    reads through attributes of a global, a closure cell or a parameter's default
+    (``cfg.POS``, ``Config.POS``, ``mod.factor``, ``obj.cfg.scale`` where ``scale`` lives on
+    the class, ``obj.table[0]`` of a class's list, a property's getter) is walked as a value of
+    its own (`_attribute_of`; not for the modules of `_FIXED_PACKAGES`: ``torch.where``,
+    ``math.inf``);
+  - dict keys that are not numbers, strings or the like (``(0, 1)``): walked, never by ``id``.
 * anything else (an object without ``__dict__`` of an unknown type), a walk longer than
   `WALK_LIMIT` values, or a captured tensor that the walk cannot reach (one the mod computes
   while it runs) makes the mod *uncacheable*: it is traced on every call, which is always right,
@@ -110,8 +113,13 @@ class _Code:
                 if i.opname in _READS_GLOBAL:
                     found[i.argval] = None
                     root = ("global", i.argval)
-                elif i.opname == "LOAD_DEREF" and c is code and i.argval in code.co_freevars:
-                    root = ("cell", code.co_freevars.index(i.argval))
+                elif i.opname == "LOAD_DEREF":
+                    # (the function's closure cells, also as nested functions read them, and its
+                    # parameters that nested functions capture, which it then reads as cells too)
+                    if i.argval in code.co_freevars:
+                        root = ("cell", code.co_freevars.index(i.argval))
+                    elif i.argval in with_default or i.argval == first:
+                        root = ("arg", i.argval)
                 elif i.opname in _READS_LOCAL and c is code:
                     name = i.argval[-1] if isinstance(i.argval, tuple) else i.argval
                     if name in with_default or name == first:
@@ -168,26 +176,72 @@ def _attribute(fn: types.FunctionType, chain: tuple) -> Any:
 
 
 def _attribute_of(v: Any, attrs: tuple) -> Any:
-    """What reading the attributes ``attrs`` from ``v`` reads (see `_attribute`); a function's
-    own attributes (``fn.factor``) are followed, and a method read through an instance
-    (``self.helper``) is that method bound to the instance (`_Bound`)."""
+    """What reading the attributes ``attrs`` from ``v`` reads (see `_attribute`): followed through
+    modules and classes (an object's or a class's module of `_FIXED_PACKAGES` is keyed by
+    identity, not followed), a function's own attributes
+    (``fn.factor``), an object's own attributes and an ``nn.Module``'s parameters, buffers and
+    submodules (``self.cfg.scale``), and what an object reads from its class where it does not
+    hold the attribute itself: a value (``self.table``, a number, a tuple, a list, a class), a
+    method read through the instance (``self.helper``: that method bound to the instance,
+    `_Bound`) or a property (its getter bound to the instance). Where it cannot follow further it
+    stops at the object (which the walk then sees into)."""
     for a in attrs:
         if isinstance(v, (types.ModuleType, type)):
             v = getattr(v, a, _MISSING)
             continue
         own = getattr(v, "__dict__", None)
-        if type(v) is types.FunctionType and own and a in own:
+        if not isinstance(own, dict):
+            break
+        if a in own:
+            if _fixed_module(own[a]):  # (``self.F.relu``: torch's, keyed by identity)
+                break
             v = own[a]
             continue
-        if own is None or a in own:
+        if isinstance(v, torch.nn.Module):
+            held = _module_member(own, a)
+            if held is not _MISSING:
+                v = held
+                continue
+        if type(v) is types.FunctionType:
             break
+        if a == "__class__":  # (``self.__class__.scale``)
+            v = type(v)
+            continue
         shared = _on_class(type(v), a)
-        if type(shared) in _ATOMS or isinstance(shared, torch.Tensor):
-            v = shared
-        elif type(shared) is types.FunctionType:
+        if shared is _MISSING:
+            break
+        t = type(shared)
+        if t is types.FunctionType:
             v = _Bound(v, shared)
+        elif t is property:
+            if type(shared.fget) is types.FunctionType:
+                v = _Bound(v, shared.fget)
+            break
+        elif t is staticmethod:
+            v = shared.__func__
+        elif t is classmethod:
+            v = _Bound(type(v), shared.__func__)
+        elif isinstance(shared, (types.ModuleType, type)):
+            if _fixed_module(shared):
+                break
+            v = shared
+            continue
+        elif t in _ATOMS or isinstance(shared, torch.Tensor) or t in (tuple, list, dict, set, frozenset) \
+                or isinstance(getattr(shared, "__dict__", None), dict):
+            v = shared  # (the class's value itself: the walk sees into it)
+            continue
         break
     return v
+
+
+def _module_member(own: dict, a: str) -> Any:
+    """An ``nn.Module``'s parameter, buffer or submodule ``a`` (what its ``__getattr__`` reads), or
+    _MISSING."""
+    for where in ("_parameters", "_buffers", "_modules"):
+        d = own.get(where)
+        if d is not None and a in d:
+            return d[a]
+    return _MISSING
 
 
 def _on_class(tp: type, name: str) -> Any:
@@ -382,8 +436,14 @@ def _expand(v: Any, t: type, key: list, stack: list) -> bool:
         key.append((t, len(v)))
         stack.extend(reversed(v))
     elif isinstance(v, dict):
-        key.append((dict, tuple(k if type(k) in _ATOMS else id(k) for k in v)))
+        keys = tuple(v)
+        odd = [k for k in keys if type(k) not in _ATOMS]
+        if odd:  # (keys that are not plain values, a tuple ``(0, 1)``, an object: walked, not keyed by id,
+            # which a later key takes over once this one is freed)
+            keys = tuple(k if type(k) in _ATOMS else _WALKED_KEY for k in keys)
+        key.append((dict, keys))
         stack.extend(reversed(list(v.values())))
+        stack.extend(reversed(odd))
     elif t in (set, frozenset):
         try:
             key.append((t, frozenset(v)))
@@ -410,6 +470,7 @@ def _bound(obj: Any, func: Any) -> list:
 
 
 _MISSING = type("_Missing", (), {"__repr__": lambda self: "<missing>"})()
+_WALKED_KEY = ("walked key",)  # a dict key's place in its dict's part of a key, the key itself walked
 _MISSING_EACH = itertools.repeat(_MISSING)  # dict.get's default for every name
 
 

@@ -305,3 +305,101 @@ def test_a_changing_python_int_promotes_as_a_python_int(mod):
             torch.testing.assert_close(got.double(), attention_reference(q, k, v, score_mod=mod), atol=1e-5, rtol=1e-5)
     finally:
         SHIFT = 100
+
+
+GAIN = 1.0
+
+
+class Knobs:
+    gains = [1.0]  # (a class attribute that is a list, read through an instance)
+    pair = (1.0, 1.0)  # (a class attribute rebound to another tuple)
+    scale = 1.0
+
+    class Inner:  # (a class read through an instance)
+        scale = 1.0
+
+    @property
+    def gain(self):  # (a property that reads a global)
+        return GAIN
+
+
+class Holder:
+    def __init__(self):
+        self.knobs = Knobs()  # (an object held by an object: its class attributes)
+
+
+class Sub(torch.nn.Module):
+    scale = 1.0
+
+
+class WithSub(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sub = Sub()  # (a submodule: in _modules, not the instance's own attributes)
+
+    def forward(self, score, b, h, q_idx, kv_idx):
+        return score * self.sub.scale
+
+
+class CapturesSelf:
+    scale = 1.0
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        by = lambda s: s * self.scale  # noqa: E731 - (self read as a cell, also by this function)
+        return by(score)
+
+
+def _nested_reader(knobs):
+    def mod(score, b, h, q_idx, kv_idx):
+        return (lambda s: s * knobs.scale)(score)  # (the closure cell read in a nested function)
+    return mod
+
+
+@pytest.mark.parametrize("how", ["class list", "class tuple", "property", "class in a class", "__class__",
+                                 "held object", "submodule", "self in a nested function",
+                                 "cell in a nested function"])
+def test_values_read_through_instances_and_nested_functions(qkv, how):
+    """What a mod reads through an instance from its class (a list, a tuple, a property's
+    global, a class's attribute), through an object or submodule an object holds, and through
+    ``self`` or a closure cell in a nested function: changing it changes the next call (each kept
+    the kernel of the old value)."""
+    global GAIN
+    knobs, holder = Knobs(), Holder()
+    mods = {
+        "class list": lambda score, b, h, q_idx, kv_idx: score * knobs.gains[0],
+        "class tuple": lambda score, b, h, q_idx, kv_idx: score * knobs.pair[1],
+        "property": lambda score, b, h, q_idx, kv_idx: score * knobs.gain,
+        "class in a class": lambda score, b, h, q_idx, kv_idx: score * knobs.Inner.scale,
+        "__class__": lambda score, b, h, q_idx, kv_idx: score * knobs.__class__.scale,
+        "held object": lambda score, b, h, q_idx, kv_idx: score * holder.knobs.scale,
+        "submodule": WithSub(), "self in a nested function": CapturesSelf(),
+        "cell in a nested function": _nested_reader(knobs)}
+    mod = mods[how]
+    try:
+        assert_matches_reference(qkv, score_mod=mod)
+        Knobs.gains[0] = 3.0
+        Knobs.pair = (1.0, 3.0)
+        GAIN = Knobs.scale = Knobs.Inner.scale = Sub.scale = CapturesSelf.scale = 3.0
+        assert_matches_reference(qkv, score_mod=mod)
+    finally:
+        Knobs.gains[0], Knobs.pair = 1.0, (1.0, 1.0)
+        GAIN = Knobs.scale = Knobs.Inner.scale = Sub.scale = CapturesSelf.scale = 1.0
+
+
+def test_a_dict_whose_keys_took_over_freed_keys_addresses(qkv):
+    """A dict keyed by tuples, made again with other keys at the freed keys' addresses (and the
+    same values in the same order): the fingerprint keyed dict keys by ``id``, and the second call
+    ran the first dict's kernel (its d[(0, 1)])."""
+    def reader(d):
+        return lambda score, b, h, q_idx, kv_idx: score * d[(0, 1)]
+
+    k1, k2 = tuple([0, 1]), tuple([1, 0])
+    d = {k1: 1.0, k2: 3.0}
+    addresses = [id(k) for k in d]
+    assert_matches_reference(qkv, score_mod=reader(d))
+    del d, k1, k2
+    kx, ky = tuple([0, 1]), tuple([1, 0])  # (made in the other order: the freed addresses, swapped)
+    d = {ky: 1.0, kx: 3.0}
+    if [id(k) for k in d] != addresses:
+        pytest.skip("the allocator gave the new keys other addresses")
+    assert_matches_reference(qkv, score_mod=reader(d))
