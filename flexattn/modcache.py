@@ -33,7 +33,8 @@ What the fingerprint covers (`fingerprint` walks all of it, iteratively, in one 
     its own (`_attribute_of`; not for the modules of `_FIXED_PACKAGES`: ``torch.where``,
     ``math.inf``);
   - dict keys that are not numbers, strings or the like (``(0, 1)``): walked, never by ``id``.
-* anything else (an object without ``__dict__`` of an unknown type), a walk longer than
+* code that reads attributes through ``getattr``, ``type`` or ``vars`` (no attribute chain
+  says what it reads), anything else (an object without ``__dict__`` of an unknown type), a walk longer than
   `WALK_LIMIT` values, or a captured tensor that the walk cannot reach (one the mod computes
   while it runs) makes the mod *uncacheable*: it is traced on every call, which is always right,
   only slower.
@@ -83,7 +84,7 @@ class _Code:
     ("POS",))``, ``(("cell", 0), ("POS",))``), and its dynamic slots (a copy of
     `flexattn.scalars`' record, refreshed when that changes)."""
 
-    __slots__ = ("names", "chains", "self_chains", "dynamic")
+    __slots__ = ("names", "chains", "self_chains", "dynamic", "reflective")
 
     def __init__(self, fn: types.FunctionType):
         """``fn``: a function of the code (chains from a module of `_FIXED_PACKAGES` in its
@@ -129,10 +130,16 @@ class _Code:
             stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
         self.self_chains = tuple(a for (r, a) in chains if r == ("arg", first) and first not in with_default)
         self.names = tuple(found)
+        # (``getattr(cfg, name)``, ``type(self).scale``: attributes read through a call, which no
+        # chain records: such a mod is traced at every call)
+        self.reflective = any(n in found for n in _REFLECTIVE)
         self.chains = tuple(c for c in chains if (c[0][0] != "arg" or c[0][1] in with_default)
                             and not _fixed_module(_root(fn, c[0])))
         self.dynamic = scalars.dynamic_slots(code)
 
+
+# Builtins that read attributes by a name or an object computed at run time.
+_REFLECTIVE = ("getattr", "type", "vars")
 
 # Code object -> _Code (one lookup per fingerprint). Bound: a tuple of names each.
 _CODES = LRU(4096)
@@ -352,7 +359,7 @@ def _walk_function(fn: types.FunctionType, info: _Code, dynamic: dict) -> tuple[
     except RuntimeError:  # a tensor without strides (sparse): the full walk keys it apart
         key = None
     if key is not None:
-        return key, tensors
+        return (None if info.reflective else key), tensors
     return _walk(scalars.substitute(fn, dynamic) if dynamic else fn)
 
 
@@ -412,6 +419,8 @@ def _expand(v: Any, t: type, key: list, stack: list) -> bool:
         key.append(("fn", code, len(cells)))
         g = v.__globals__
         info = _code(v)
+        if info.reflective:
+            return False
         stack.extend(_attribute(v, c) for c in reversed(info.chains))
         stack.extend(g.get(n, _MISSING) for n in reversed(info.names))
         stack.append(v.__kwdefaults__)

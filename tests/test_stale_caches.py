@@ -403,3 +403,40 @@ def test_a_dict_whose_keys_took_over_freed_keys_addresses(qkv):
     if [id(k) for k in d] != addresses:
         pytest.skip("the allocator gave the new keys other addresses")
     assert_matches_reference(qkv, score_mod=reader(d))
+
+
+class _Reflected:
+    scale = 1.0
+
+
+_REFLECTED = _Reflected()
+
+
+def through_getattr(score, b, h, q_idx, kv_idx):
+    return score * getattr(_Reflected, "scale")
+
+
+def through_type(score, b, h, q_idx, kv_idx):
+    return score * type(_REFLECTED).scale
+
+
+def through_a_helper(score, b, h, q_idx, kv_idx):
+    return score * _scale_of(_REFLECTED)
+
+
+def _scale_of(obj):
+    return type(obj).scale
+
+
+@pytest.mark.parametrize("mod", [through_getattr, through_type, through_a_helper], ids=lambda f: f.__name__)
+def test_attributes_read_through_getattr_or_type_are_read_at_every_call(mod):
+    """``getattr(cfg, name)`` and ``type(self).scale`` read an attribute that no attribute chain
+    names: the mod is traced at every call, so a changed class value is seen."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=g) for _ in range(3))
+    try:
+        for _Reflected.scale in (1.0, 3.0, 0.5):
+            got = flexattn.flex_attention(q, k, v, score_mod=mod)
+            torch.testing.assert_close(got.double(), attention_reference(q, k, v, score_mod=mod), atol=1e-5, rtol=1e-5)
+    finally:
+        _Reflected.scale = 1.0
