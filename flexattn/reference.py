@@ -53,6 +53,8 @@ def _vmap_bhqkv(fn: Callable, with_score: bool) -> Callable:
 def apply_score_mod(score_mod: Callable | Mod, scores: torch.Tensor) -> torch.Tensor:
     """``score_mod`` at every element of ``scores`` [B, H, Q, KV]; result in scores' dtype."""
     B, H, Q_LEN, KV_LEN = scores.shape
+    if scores.numel() == 0:  # nothing to modify (vmap cannot map an empty dimension)
+        return scores
     b, h, q_idx, kv_idx = index_grid(B, H, Q_LEN, KV_LEN, scores.device)
     if isinstance(score_mod, Mod):
         out = score_mod(scores, b, h, q_idx, kv_idx)
@@ -63,6 +65,8 @@ def apply_score_mod(score_mod: Callable | Mod, scores: torch.Tensor) -> torch.Te
 
 def evaluate_mask(mask_mod: Callable | Mod, B: int, H: int, Q_LEN: int, KV_LEN: int, device) -> torch.Tensor:
     """``mask_mod`` at every (b, h, q_idx, kv_idx): a bool [B, H, Q_LEN, KV_LEN] tensor."""
+    if 0 in (B, H, Q_LEN, KV_LEN):  # no element to evaluate (vmap cannot map an empty dimension)
+        return torch.zeros(B, H, Q_LEN, KV_LEN, dtype=torch.bool, device=device)
     b, h, q_idx, kv_idx = index_grid(B, H, Q_LEN, KV_LEN, device)
     if isinstance(mask_mod, Mod):
         out = mask_mod(b, h, q_idx, kv_idx)
@@ -148,7 +152,8 @@ def attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
     # Softmax measured from the row max (the sink's included); a row of -inf measures from 0 so
     # that it gives 0, not NaN.
-    row_max = scores.amax(dim=-1, keepdim=True)
+    # (KV_LEN = 0: every row sees no key, and amax refuses an empty dimension)
+    row_max = scores.amax(dim=-1, keepdim=True) if KV_LEN else scores.new_full((*scores.shape[:-1], 1), -math.inf)
     if sinks is not None:
         sink = sinks.to(work).view(1, Hq, 1, 1)
         row_max = torch.maximum(row_max, sink)

@@ -156,6 +156,26 @@ def test_empty_inputs():
     assert (out == 0).all() and (lse == -math.inf).all()
 
 
+@pytest.mark.parametrize("mods", ["none", "score_mod", "mask_mod", "both"])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_reference_empty_key_sequence(mods, with_sinks):
+    """The oracle handles KV_LEN = 0 as the kernels do: output 0, LSE -inf (sinks[h] with sinks)."""
+    from flexattn import masks, scores
+
+    q, k, v = make_qkv(1, 2, 2, 5, 0, 16, 8, torch.float32)
+    kw = {"score_mod": scores.alibi(2) if mods in ("score_mod", "both") else None,
+          "mask_mod": masks.causal if mods in ("mask_mod", "both") else None,
+          "sinks": torch.tensor([0.5, -1.0]) if with_sinks else None}
+    ref, ref_lse = attention_reference(q, k, v, return_lse=True, **kw)
+    # (create_block_mask refuses KV_LEN = 0; without keys there is nothing for a mask to drop)
+    out, lse = flex_attention(q, k, v, score_mod=kw["score_mod"], return_lse=True,
+                              sinks=kw["sinks"], kernel_options=FORCE)
+    assert ref.shape == out.shape == (1, 2, 5, 8) and (ref == 0).all() and (out == 0).all()
+    torch.testing.assert_close(lse.double(), ref_lse)
+    expected = kw["sinks"].double().view(1, 2, 1).expand(1, 2, 5) if with_sinks else torch.full((1, 2, 5), -math.inf)
+    torch.testing.assert_close(ref_lse, expected.double())
+
+
 def test_matches_torch_eager_flex_attention():
     """A second, independent oracle: torch's own eager flex_attention."""
     from torch.nn.attention.flex_attention import flex_attention as torch_flex
