@@ -34,9 +34,9 @@ What the fingerprint covers (`fingerprint` walks all of it, iteratively, in one 
     ``math.inf``);
   - dict keys that are not numbers, strings or the like (``(0, 1)``): walked, never by ``id``.
 * code that reads attributes through ``getattr``, ``type`` or ``vars`` (no attribute chain
-  says what it reads), anything else (an object without ``__dict__`` of an unknown type), a walk longer than
-  `WALK_LIMIT` values, or a captured tensor that the walk cannot reach (one the mod computes
-  while it runs) makes the mod *uncacheable*: it is traced on every call, which is always right,
+  says what it reads), anything else (an object without ``__dict__`` of an unknown type), a
+  walk longer than `WALK_LIMIT` values, or a captured tensor that the walk cannot reach (one the
+  mod computes while it runs) makes the mod *uncacheable*: it is traced on every call, which is always right,
   only slower.
 
 A DSL mod or any other `Mod` needs no tracing: it is its own template.

@@ -31,25 +31,30 @@ from flexattn.block_mask import as_mod, noop_mask
 from flexattn.mods import MASK, SCORE, Mod
 
 
+def _listed(num: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Which entries of each row of ``idx`` its count ``num`` lists."""
+    return torch.arange(idx.shape[-1], device=idx.device) < num[..., None].long()
+
+
+def _packed(entries: torch.Tensor, keep: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count, list) of the ``keep`` entries of each row, first and in their order (a stable sort
+    of a 0/1 key), ``width`` entries a row; past the count, entries are left as they fall."""
+    order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)
+    return keep.sum(-1).to(torch.int32), torch.gather(entries, -1, order)[..., :width]
+
+
 def _partial_where(num, idx, full_num, full_idx, block: int | None) -> tuple:
     """The (partial, full) block lists with the full entries of KV block ``block`` (None: every
     full entry) moved to the partial list, after its own entries; each list stays packed."""
     shape = torch.broadcast_shapes(num.shape, full_num.shape)
     num, full_num = num.expand(shape), full_num.expand(shape)
     idx, full_idx = idx.expand(*shape, -1).long(), full_idx.expand(*shape, -1).long()
-    listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
-    full_listed = torch.arange(full_idx.shape[-1], device=idx.device) < full_num[..., None]
+    full_listed = _listed(full_num, full_idx)
     move = full_listed if block is None else full_listed & (full_idx == block)
-
     width = max(idx.shape[-1], full_idx.shape[-1])  # (a row lists each KV block once)
-
-    def packed(entries, keep):  # (the kept entries first, in order; stable sort of a 0/1 key)
-        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)
-        return keep.sum(-1).to(torch.int32), torch.gather(entries, -1, order)[..., :width].to(torch.int32)
-
-    num, idx = packed(torch.cat([idx, full_idx], -1), torch.cat([listed, move], -1))
-    full_num, full_idx = packed(full_idx, full_listed & ~move)
-    return num, idx, full_num, full_idx
+    num, idx = _packed(torch.cat([idx, full_idx], -1), torch.cat([_listed(num, idx), move], -1), width)
+    full_num, full_idx = _packed(full_idx, full_listed & ~move, width)
+    return num, idx.to(torch.int32), full_num, full_idx.to(torch.int32)
 
 
 class PagedKVCache:
@@ -174,10 +179,11 @@ class PagedKVCache:
 
         The KV block size must equal ``page_size``. Query batch b uses slot ``batch_idx[b]``
         (default: b, as torch's: a ``block_mask`` of batch 1 then reads slot 0's pages, for
-        every query batch it is broadcast over). The result's mask_mod is ``block_mask``'s own (Python or `Mod`) converted with `get_mask_mod`, so the
-        partial tiles stay masked. Logical positions at or past the
-        logical mask's KV length (the rest of a partly filled last page) and, with ``kv_len``
-        [B] (torch's argument), at or past ``kv_len[b]`` are masked out.
+        every query batch it is broadcast over). The result's mask_mod is ``block_mask``'s own
+        (Python or `Mod`) converted with `get_mask_mod`, so the partial tiles stay masked.
+        Logical positions at or past the logical mask's KV length (the rest of a partly filled
+        last page) and, with ``kv_len`` [B] (torch's argument), at or past ``kv_len[b]`` are
+        masked out.
         """
         size = block_mask.BLOCK_SIZE
         q_bs, kv_bs = (size, size) if isinstance(size, int) else tuple(size)
@@ -197,13 +203,10 @@ class PagedKVCache:
             # A listed logical block the slot does not own (page -1) is dropped, not sent to a
             # page that exists (page 0 would be read twice, or another sequence's page read
             # unmasked in a full block): the owned entries move to the front, in their order.
-            listed = torch.arange(i.shape[3], device=i.device) < n[..., None].long()
-            keep = listed & (phys >= 0)
-            order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)
-            phys = torch.gather(phys, 3, order).clamp_min(0).to(torch.int32)
+            count, phys = _packed(phys, _listed(n, i) & (phys >= 0), i.shape[3])
             out = torch.zeros(*i.shape[:3], self.n_pages, dtype=torch.int32, device=i.device)
-            out[..., : i.shape[3]] = phys
-            return keep.sum(-1).to(torch.int32), out
+            out[..., : i.shape[3]] = phys.clamp_min(0)
+            return count, out
 
         full_num, full_idx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
         seq = getattr(block_mask, "seq_lengths", None)

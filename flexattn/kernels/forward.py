@@ -254,5 +254,5 @@ def launch_args(plan: Plan, query, key, value, out, lse, mx, score: Mod, score_b
     mods = (*launch.buffer_args(score, score_bufs), *launch.buffer_args(mask, mask_bufs))
     tail = (*plan.strides, *rows.strides(), *plan.sizes, scale)
     mx = UNUSED if mx is None else mx
-    return (query, key, value, out, lse, mx, *(descale or _NO_DESCALE), UNUSED if sinks is None else sinks, *rows.args(), *mods,
-            *tail)
+    return (query, key, value, out, lse, mx, *(descale or _NO_DESCALE), UNUSED if sinks is None else sinks,
+            *rows.args(), *mods, *tail)

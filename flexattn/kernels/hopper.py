@@ -289,27 +289,27 @@ class Descriptors:
         if dq_pass:  # Q, K, V, dO and dQ (a consumer's rows, staged in its rows of the Q tile)
             q, kv = [1, 1, DQ_BLOCK_M, head_dim], [1, 1, DQ_BLOCK_N, head_dim]
             blocks = ((q, gdt), (kv, gdt), (kv, gdt), (q, gdt), ([1, 1, DQ_BLOCK_M // 2, head_dim], gdt))
-            names = ("Q", "K", "V", "DO", "DQ"), signatures.BACKWARD_DQ_HOPPER
+            sig, names = signatures.BACKWARD_DQ_HOPPER, ("Q", "K", "V", "DO", "DQ")
         elif backward:  # Q, K, V, dO, the float32 dQ accumulator (a consumer's half of the head dim), dK
             # and dV (a consumer's rows)
             q, kv = [1, 1, BWD_BLOCK_M, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
             blocks = ((q, gdt), (kv, gdt), (kv, gdt), (q, gdt), ([1, 1, BWD_BLOCK_M, head_dim // 2], gl.float32))
-            names = ("Q", "K", "V", "DO", "DQ_DESC"), signatures.BACKWARD_HOPPER
+            sig, names = signatures.BACKWARD_HOPPER, ("Q", "K", "V", "DO", "DQ_DESC")
             if self.with_out:
                 blocks += (([1, 1, BWD_BLOCK_N // 2, head_dim], gdt), ) * 2
-                names = names[0] + ("DK", "DV"), names[1]
+                names += ("DK", "DV")
         else:
             block_n = BLOCK_N[head_dim]
             # (a TMA box's sides are powers of two: the 192-row Q tile loads as 64-row boxes)
             q_rows = BLOCK_M[head_dim] if BLOCK_M[head_dim] & (BLOCK_M[head_dim] - 1) == 0 else 64
             blocks = (([1, 1, q_rows, head_dim], gdt), ([1, 1, block_n, head_dim], gdt),
                       ([1, 1, head_dim, block_n] if self.v_k_major else [1, 1, block_n, head_dim], gdt))
-            names = ("Q", "K", "V"), signatures.FORWARD_HOPPER
+            sig, names = signatures.FORWARD_HOPPER, ("Q", "K", "V")
             if self.with_out:  # (a consumer's rows)
                 blocks += (([1, 1, 64, head_dim], gdt), )
-                names = names[0] + ("Out", ), names[1]
+                names += ("Out", )
         # (the tensors group leads each kernel's parameters)
-        self.positions = tuple(names[1].group("tensors").index(n) for n in names[0])
+        self.positions = tuple(sig.group("tensors").index(n) for n in names)
         self.blocks = tuple(b for b, _ in blocks)
         layouts = [gl.NVMMASharedLayout.get_default_for(b, t) for b, t in blocks]
         if backward:  # K's column halves (dQ = dS K per consumer) must each be whole swizzle rows:

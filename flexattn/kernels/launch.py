@@ -209,11 +209,11 @@ class Launch:
 
     def __init__(self, kernel, grid: tuple, constexprs: dict, device: torch.device, fixed: tuple | None = None,
                  describe: Callable[[tuple], tuple] | None = None):
-        # FMA contraction, with which every kernel was tested and measured: Triton's default up to
-        # 3.9, which warns that 3.10 turns the default off
         if describe is not None and fixed is not None:
             raise ValueError("a launch whose calls pass tensors for TMA descriptors takes no fixed arguments")
         self.kernel, self.grid, self.device, self.describe = kernel, tuple(grid), device, describe
+        # FMA contraction, with which every kernel was tested and measured: Triton's default up to
+        # 3.9, which warns that 3.10 turns the default off
         self.constexprs = {"enable_fp_fusion": True, **constexprs}
         self.grid3 = self.grid + (1,) * (3 - len(self.grid))
         self.calls = 0
