@@ -13,9 +13,10 @@ With attention sinks (``sinks`` [Hq]) each row's denominator has one more term, 
     out[b, h, i]       = sum_j exp(s_ij - lse[b, h, i]) v_j,   lse[b, h, i] = log(exp(sinks[h]) + sum_j exp(s_ij))
 
 Run it in float64 (the default) for an oracle, or in the inputs' dtype to measure what eager
-computation in that dtype costs (float16/bfloat16 matmuls, float32 softmax, as torch's eager
-flex_attention does). It reads block masks with its own few lines of torch rather than
-`flexattn.block_mask`'s helpers, so that an oracle bug and a library bug cannot coincide.
+computation in that dtype costs (as torch's eager flex_attention: Q K^T and the softmax in float32
+for float16/bfloat16 inputs, the probabilities rounded to the inputs' dtype for P V). It reads
+block masks with its own few lines of torch rather than `flexattn.block_mask`'s helpers, so that
+an oracle bug and a library bug cannot coincide.
 """
 
 from __future__ import annotations
@@ -138,7 +139,9 @@ def attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     k, v = k.expand(B, Hq, KV_LEN, E), v.expand(B, Hq, KV_LEN, Ev)
     scale = 1.0 / math.sqrt(E) if scale is None else scale
 
-    scores = (q @ k.transpose(-2, -1)).to(work) * scale
+    # Q K^T in the softmax precision, as torch's eager flex_attention (float32 for float16/bfloat16
+    # inputs): rounding the scores to the inputs' dtype would cost far more than that dtype does
+    scores = (q.to(work) @ k.to(work).transpose(-2, -1)) * scale
     if score_mod is not None:
         scores = apply_score_mod(score_mod, scores)
     if block_mask is not None:

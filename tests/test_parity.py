@@ -80,3 +80,20 @@ def test_submodules_are_attributes_without_importing_them():
         "AuxRequest(lse=True, max_scores=False) AuxOutput(lse=None, max_scores=None)"]
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         flexattn.nope  # noqa: B018
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reference_in_the_inputs_dtype_is_torchs_eager(dtype):
+    """``attention_reference(dtype=None)`` costs what torch's eager flex_attention costs in that
+    dtype (Q K^T and softmax in float32): the error budget the kernel tests allow is a multiple of it."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = ((torch.randn(1, 2, 64, 64, generator=g) * s).to(dtype) for s in (3.0, 3.0, 1.0))
+    score_mod = flexattn.scores.softcap(20.0)
+    bm = torch_flex.create_block_mask(masks.causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "not compiled" notice
+        theirs, their_lse = torch_flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, return_lse=True)
+    ours, our_lse = attention_reference(q, k, v, score_mod=score_mod, block_mask=bm, return_lse=True, dtype=None)
+    assert ours.dtype == dtype and our_lse.dtype == torch.float32
+    torch.testing.assert_close(ours, theirs)  # the dtype's default tolerances
+    torch.testing.assert_close(our_lse, their_lse, atol=1e-4, rtol=1e-5)
