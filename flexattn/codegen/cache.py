@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import math
 import os
 import sys
 import tempfile
@@ -171,7 +172,7 @@ def max_bytes() -> int:
         mb = float(raw)
     except ValueError:
         mb = -1.0
-    if not mb > 0:
+    if not 0 < mb < math.inf:  # (nan and inf too: int() of inf overflows at the first write)
         raise ValueError(f"FLEXATTN_CACHE_MAX_MB must be a positive number of megabytes, got {raw!r}")
     return int(mb * (1 << 20))
 
