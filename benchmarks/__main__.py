@@ -56,6 +56,7 @@ def parser() -> argparse.ArgumentParser:
 
 def suite_argv(name: str, args: argparse.Namespace, extra: list[str]) -> list[str]:
     argv = ["--device", args.device, "--results", str(args.results)] + (["--no-save"] if args.no_save else [])
+    argv += ["--tag", args.tag] if args.tag else []  # (else a tagged run overwrites the suite's untagged file)
     if args.device != "cpu":
         argv += PRESETS[args.preset].get(name, [])
     return argv + extra

@@ -264,6 +264,15 @@ def test_presets_apply_on_the_gpu_only():
     assert "--shape" not in cli.suite_argv("attention", args, [])
 
 
+def test_the_runner_passes_a_tag_on_to_the_suites():
+    """``python -m benchmarks attention --tag 2k`` saves attention-2k-<gpu>.json, beside the
+    suite's untagged run, instead of overwriting it."""
+    args = cli.parser().parse_args(["attention", "--device", "cuda", "--tag", "2k"])
+    argv = cli.suite_argv("attention", args, [])
+    assert argv[argv.index("--tag") + 1] == "2k"
+    assert "--tag" not in cli.suite_argv("attention", cli.parser().parse_args(["attention", "--device", "cuda"]), [])
+
+
 def test_attention_suite_on_the_cpu_writes_its_results(tmp_path, capsys):
     assert cli.main(["attention", "--device", "cpu", "--results", str(tmp_path), "--",
                      "--shape", "1x1x40x16", "--cases", "causal"]) == 0
