@@ -32,13 +32,18 @@ def slug(name: str) -> str:
     return "-".join(words)
 
 
-def git_commit() -> str | None:
-    """The checkout's commit (with ``-dirty`` when files differ from it), None outside a git checkout."""
-    root = Path(__file__).resolve().parent.parent
+# What the benchmark tooling writes itself: a change there is no change to the code measured
+WRITTEN = ("benchmarks/results", "docs/performance.md", "docs/img")
+
+
+def git_commit(root: Path = RESULTS_DIR.parent.parent) -> str | None:
+    """The checkout's commit (with ``-dirty`` when files other than `WRITTEN` differ from it: an
+    earlier suite's results file is no change to the code), None outside a git checkout."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
                                 text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                *(f":(exclude){path}" for path in WRITTEN)], cwd=root,
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None

@@ -74,6 +74,29 @@ def test_results_round_trip_and_bad_files_are_named(tmp_path):
         results.load(tmp_path)
 
 
+def test_the_commit_is_dirty_for_code_changes_not_for_results_the_suites_wrote(tmp_path):
+    """`python -m benchmarks` runs the suites one after another, each writing its (tracked) results
+    file: the next suite's commit is not ``-dirty`` for that, only for a change to the code."""
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "attention-h200.json").write_text("{}")
+    (tmp_path / "code.py").write_text("x = 1")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "c")
+    clean = results.git_commit(tmp_path)
+    assert clean and not clean.endswith("-dirty")
+    (tmp_path / "benchmarks" / "results" / "attention-h200.json").write_text('{"rows": []}')
+    assert results.git_commit(tmp_path) == clean
+    (tmp_path / "code.py").write_text("x = 2")
+    assert results.git_commit(tmp_path) == clean + "-dirty"
+
+
 def test_without_results_the_page_says_how_to_make_them(tmp_path):
     page = generate(tmp_path)
     assert "No benchmark results are recorded yet" in page and report.COMMAND in page
