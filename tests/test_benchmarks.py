@@ -441,3 +441,47 @@ def test_a_tagged_run_that_adds_cases_to_a_shape_names_its_run_below_the_table(t
     assert "| documents (int64 ids) | 1.00 |" in table and "| 4.00x |" in table
     assert table.index("documents (int64 ids): 2030-01-05 · NVIDIA H200") > table.index("| documents (int64 ids) |")
     assert "flexattn def456" not in table[:table.index("| no mask |")]
+
+
+def test_the_context_parallel_profile_times_its_step(monkeypatch, tmp_path):
+    """`profile_context_parallel.profile_case` times the forward and the step with
+    `bench_context_parallel.timed` (whose peak is over a base of live bytes) before profiling it."""
+    import types
+
+    from benchmarks import bench_context_parallel as cp
+    from benchmarks import profile_context_parallel as prof
+
+    clock = {"gpu": 0.0, "done": True}
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: _FakeEvent(clock, enable_timing))
+    for name in ("synchronize", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 0)
+    monkeypatch.setattr(cp.dist, "barrier", lambda: None)
+    monkeypatch.setattr(prof.dist, "get_rank", lambda: 0)
+    x = torch.ones(1, 1, 4, 8)
+    bm = types.SimpleNamespace(qpos=torch.arange(4), kvpos=[torch.arange(4)], rank=0)
+
+    def attention(q, k, v, block_mask, method):
+        clock["gpu"] += 2.0  # (2 ms a call)
+        return q * k * v
+
+    monkeypatch.setattr(prof, "fd", types.SimpleNamespace(create_block_mask=lambda *a, **k: bm,
+                                                         flex_attention=attention))
+    monkeypatch.setattr(prof, "inputs", lambda L, Lkv: tuple(x.clone().requires_grad_() for _ in range(3)))
+
+    class Profile:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return []
+
+    monkeypatch.setattr(prof, "profile", Profile)
+    block = prof.profile_case(4, "causal", "ring", tmp_path)
+    assert block.startswith("== rank 0 causal ring: forward 2.00 ms, forward + backward 2.00 ms")
