@@ -9,8 +9,9 @@ the Gluon Hopper kernel, BACKEND='FLASH'; the block-sparse Triton template, BACK
 
 Each input is quantised per tensor (max |x| -> 448) and every competitor gets the same values:
 float8 with its descale factors for flexattn's float8 run, the dequantised values in bfloat16 for
-the others. The error column is the max |out - float64 attention of the dequantised inputs| over
-batch 0, heads 0-1 (a float64 reference of the whole batch would not fit in memory).
+the others. TF/s counts 4·B·H·S·S·D times the fraction of tiles the block mask visits, as the
+training suite does. The error column is the max |out - float64 attention of the dequantised
+inputs| over batch 0, heads 0-1 (a float64 reference of the whole batch would not fit in memory).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ if __package__ in (None, ""):  # run as `python benchmarks/bench_fp8.py`: import
 
 import flexattn
 from benchmarks import results
-from benchmarks.bench_attention import shape
+from benchmarks.bench_attention import shape, visited_fraction
 from benchmarks.timing import timer
 
 SUITE = "fp8"
@@ -106,10 +107,11 @@ def run(args) -> tuple[dict, list[dict]]:
         bm = flexattn.create_block_mask(causal, 1, 1, S, S, device=args.device) if is_causal else None
         tbm = torch_block_mask(causal, 1, 1, S, S, device=args.device) if is_causal else None
         ref = reference(q, k, v, is_causal)
-        flops = 4 * B * H * S * S * D * (0.5 if is_causal else 1.0)
+        tiles = visited_fraction(bm)
+        flops = 4 * B * H * S * S * D * tiles
         impls = competitors(q8, k8, v8, (dq, dk, dv), q, k, v, bm, tbm, is_causal, compiled_flex)
         for impl, fn in impls.items():
-            row = {"shape": f"{B}x{H}x{S}x{D}", "case": case, "impl": impl}
+            row = {"shape": f"{B}x{H}x{S}x{D}", "case": case, "impl": impl, "tiles": tiles}
             try:
                 with torch.no_grad():
                     row["max_err_f64"] = (fn()[:1, :2].double() - ref).abs().max().item()
