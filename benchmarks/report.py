@@ -29,15 +29,18 @@ METHOD = """\
 ## Method
 
 - Every suite runs flexattn and its competitors in one process on the same seeded random inputs
-  (`benchmarks/bench_*.py`), and records each competitor's largest difference from flexattn's
-  output (and gradients) in the results JSON.
+  (`benchmarks/bench_*.py`). The training, packed-sequence and decoding suites record each
+  competitor's largest difference from flexattn's output (and gradients) in the results JSON; the
+  float8 suite records each run's largest error against a float64 attention of the same inputs;
+  the context-parallel suite compares no outputs.
 - Kernel times are medians of CUDA-event timings after warm-up (`benchmarks/timing.py`); the
-  training suite times the competitors in turns over several rounds, each round starting with the
-  next competitor, and keeps each one's median. A call's span starts when the host queues it, so
+  training and packed-sequence suites time the competitors in turns over several rounds, each
+  round starting with the next competitor, and keep each one's median. A call's span starts when the host queues it, so
   for short calls it holds the host's time up to each launch; the training suite also times the
   GPU's work alone (the calls queued behind a sleep kernel: GPU only, vs torch).
 - FLOPs: the forward counts 4·B·H·S²·D times the fraction of tiles the block mask visits (a causal
-  mask is credited about half the work of no mask); the backward counts 2.5 times the forward.
+  mask is credited about half the work of no mask), packed sequences the causal work of each
+  sequence, 4·H·D·L(L+1)/2; the backward counts 2.5 times the forward.
 - Ratios are the competitor's time over flexattn's: above 1, flexattn is faster. cuDNN SDPA runs
   only where it can express the case (no mask, causal). determ. bwd: how much longer flexattn's
   backward takes in deterministic mode (`kernel_options={"DETERMINISTIC": True}`) than by default
