@@ -16,6 +16,7 @@ any extra.
 from __future__ import annotations
 
 import os
+import types
 
 import torch
 
@@ -55,14 +56,27 @@ def tile_grid(block_mask, batch: int = 0, head: int = 0) -> torch.Tensor:
 def token_grid(block_mask, batch: int = 0, head: int = 0) -> torch.Tensor:
     """uint8 [Q_LEN, KV_LEN] grey levels of every pair of (batch, head): 0 kept, 255 masked out.
 
-    Evaluates the mask_mod on the tiles the block mask visits (a dense Q_LEN x KV_LEN tensor:
-    meant for small lengths).
+    Evaluates the mask_mod on the tiles the block mask visits (a dense Q_LEN x KV_LEN tensor of
+    this one (batch, head): meant for small lengths).
     """
     Q_LEN, KV_LEN = block_mask.seq_lengths
     B, H = block_mask.kv_num_blocks.shape[:2]
     b, h = min(batch, B - 1), min(head, H - 1)
     _select(block_mask.kv_num_blocks.unsqueeze(-1), batch, head)  # range check
-    keep = dense_block_mask(block_mask, B, H, Q_LEN, KV_LEN)[b, h]
+    mask_mod = block_mask.mask_mod
+
+    def at_b_h(b_, h_, q_idx, kv_idx):  # (0, 0) of the one-head tables is (b, h) of the mask
+        return mask_mod(b_ + b, h_ + h, q_idx, kv_idx)
+
+    def one(t):
+        return None if t is None else t[b:b + 1, h:h + 1]
+
+    # The tables of (b, h) alone: the dense mask of every batch and head would cost B x H times more.
+    head_mask = types.SimpleNamespace(
+        BLOCK_SIZE=block_mask.BLOCK_SIZE, kv_num_blocks=one(block_mask.kv_num_blocks),
+        kv_indices=one(block_mask.kv_indices), full_kv_num_blocks=one(getattr(block_mask, "full_kv_num_blocks", None)),
+        full_kv_indices=one(getattr(block_mask, "full_kv_indices", None)))
+    keep = dense_block_mask(head_mask, 1, 1, Q_LEN, KV_LEN, mask_mod=at_b_h)[0, 0]
     return _TOKEN_GREY[keep.long().cpu()]
 
 

@@ -62,3 +62,24 @@ def test_drawing_leaves_matplotlibs_backend_alone(tmp_path):
     bm = flexattn.create_block_mask(masks.causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
     bm.to_png(str(tmp_path / "m.png"))
     assert ("matplotlib" in sys.modules) == had
+
+
+def test_token_picture_evaluates_only_the_head_drawn(monkeypatch):
+    from flexattn import reference
+
+    shapes = []
+    evaluate = reference.evaluate_mask
+
+    def spy(mask_mod, B, H, Q_LEN, KV_LEN, device):
+        shapes.append((B, H, Q_LEN, KV_LEN))
+        return evaluate(mask_mod, B, H, Q_LEN, KV_LEN, device)
+
+    def mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (kv_idx >= 2 * b + h)
+
+    bm = flexattn.create_block_mask(mod, 3, 4, 37, 45, device="cpu", BLOCK_SIZE=16)
+    monkeypatch.setattr(reference, "evaluate_mask", spy)
+    grey, level = viz.picture(bm, batch=2, head=3)
+    q, kv = torch.arange(37).view(-1, 1), torch.arange(45).view(1, -1)
+    assert level == "token" and torch.equal(grey, torch.where((q >= kv) & (kv >= 7), 0, 255).to(torch.uint8))
+    assert shapes == [(1, 1, 37, 45)]  # one head, not a dense [B, H, Q_LEN, KV_LEN] mask
