@@ -20,7 +20,7 @@ import types
 
 import torch
 
-from flexattn.kernels.tables import tile_states, validate_mask
+from flexattn.kernels.tables import block_size_pair, tile_states, validate_mask
 from flexattn.reference import dense_block_mask
 
 #: Largest Q_LEN * KV_LEN drawn token by token with ``level="auto"``.
@@ -50,7 +50,11 @@ def tile_grid(block_mask, batch: int = 0, head: int = 0) -> torch.Tensor:
     validate_mask(block_mask)
     states = tile_states(block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
                          block_mask.full_kv_indices)
-    return _TILE_GREY[_select(states, batch, head).long().cpu()]
+    # The tiles of seq_lengths only: kv_indices may have more columns than KV_LEN has tiles.
+    q_block, kv_block = block_size_pair(block_mask.BLOCK_SIZE)
+    Q_LEN, KV_LEN = block_mask.seq_lengths
+    n_q, n_kv = -(-Q_LEN // q_block), -(-KV_LEN // kv_block)
+    return _TILE_GREY[_select(states, batch, head)[:n_q, :n_kv].long().cpu()]
 
 
 def token_grid(block_mask, batch: int = 0, head: int = 0) -> torch.Tensor:

@@ -83,3 +83,12 @@ def test_token_picture_evaluates_only_the_head_drawn(monkeypatch):
     q, kv = torch.arange(37).view(-1, 1), torch.arange(45).view(1, -1)
     assert level == "token" and torch.equal(grey, torch.where((q >= kv) & (kv >= 7), 0, 255).to(torch.uint8))
     assert shapes == [(1, 1, 37, 45)]  # one head, not a dense [B, H, Q_LEN, KV_LEN] mask
+
+
+def test_tile_picture_has_the_tiles_of_the_lengths():
+    from flexattn.block_mask import BlockMask
+
+    nb = torch.tensor([[[3]]], dtype=torch.int32)
+    idx = torch.tensor([[[[0, 1, 2, 0]]]], dtype=torch.int32)  # one column more than KV_LEN 40 has tiles
+    bm = BlockMask.from_kv_blocks(nb, idx, BLOCK_SIZE=16, seq_lengths=(16, 40))
+    assert torch.equal(viz.picture(bm, level="tile")[0], torch.tensor([[150, 150, 150]], dtype=torch.uint8))
