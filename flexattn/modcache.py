@@ -330,7 +330,7 @@ def _dynamic_values(fn: types.FunctionType, slots: tuple, device: torch.device,
     out = {}
     for slot in slots:
         v = scalars.slot_value(fn, slot, _MISSING)
-        if type(v) in (bool, int, float):
+        if type(v) in (bool, int, float) and scalars.passable(v):
             out[slot] = scalars.value_tensor(v, device, float_dtype)
     return out
 

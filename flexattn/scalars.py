@@ -9,7 +9,8 @@ as a captured tensor (a buffer load with no index). The kernel, its plan and its
 longer depend on the value, so a loop over positions compiles one more kernel and no other.
 
     value -> tensor: bool -> bool; int -> int32 (int64 beyond int32's range); float -> the
-    score dtype (float32, or float64 for float64 inputs)
+    score dtype (float32, or float64 for float64 inputs); an int beyond int64's range has no
+    tensor: that call reads it as a constant, as the first one did (`passable`)
 
 A slot whose value the mod uses as a Python number (``range(n)``, ``if flag:``, ``math.exp(t)``)
 cannot be a tensor: tracing with it fails, and the slot stays a constant of that code (*pinned*).
@@ -34,6 +35,7 @@ Slot = tuple
 
 _NUMBERS = (bool, int, float)
 _INT32 = (-(1 << 31), (1 << 31) - 1)
+_INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 class _Record:
@@ -116,6 +118,12 @@ def pin(code: types.CodeType) -> None:
         if record is not None:
             record.pinned.update(record.dynamic)
             record.dynamic = ()
+
+
+def passable(v) -> bool:
+    """Whether the number ``v`` has a 0-d tensor (`value_tensor`): every bool and float, an int
+    within int64's range."""
+    return type(v) is not int or _INT64[0] <= v <= _INT64[1]
 
 
 def value_tensor(v, device: torch.device, float_dtype: torch.dtype) -> torch.Tensor:

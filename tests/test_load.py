@@ -103,6 +103,16 @@ def test_a_number_used_as_a_python_value_stays_a_constant():
     assert scalars.dynamic_slots(lam) == ()
 
 
+def test_an_int_beyond_int64_in_a_dynamic_slot_is_read_as_a_constant():
+    """An int that no 0-d tensor holds (past int64) in a slot made dynamic: that call reads it as a
+    Python number (here Python folds ``p * 0``), as the first call did, instead of failing to
+    make its tensor."""
+    q, k, v = qkv(4, 12)
+    for p in (1, 2, 2**63, -(2**63) - 1, 2**70, 3):
+        out = flexattn.flex_attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + p * 0 + kv_idx * 0.01)
+        assert_right(out, q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + p * 0 + kv_idx * 0.01)
+
+
 class Limits:
     POSITION = 0
 
