@@ -560,6 +560,8 @@ class Evaluator:
             except KeyError:
                 raise IRError(f"no value given for input {n.arg!r}") from None
         src = [self.memo[id(s)] for s in n.src]
+        if self.keep_score_dtype and op in ("where", *BINARY_OPS):
+            src = self._widened(n, src)
         if op == "cast":
             return src[0].to(n.dtype)
         if op == "where":
@@ -586,8 +588,23 @@ class Evaluator:
                 return _int_pow(src[0], src[1])
             if op in ("floordiv", "mod") and is_int(n.dtype):
                 return _int_div_or_mod(op, src[0], src[1]).to(n.dtype)
-            return BINARY_OPS[op][0](src[0], src[1]).to(n.dtype)
+            out = BINARY_OPS[op][0](src[0], src[1])
+            return out if out.dtype.is_floating_point and n.dtype.is_floating_point and \
+                out.dtype.itemsize > n.dtype.itemsize else out.to(n.dtype)
         raise IRError(f"cannot evaluate op {op!r}")
+
+    def _widened(self, n: Node, src: list) -> list:
+        """``src`` of a float op that meets a score wider than the traced one: every operand at
+        the wider dtype, constants made again from their Python value (weak scalars, as torch
+        computes ``score * 0.1`` with a float64 score), as a mod re-typed to that score's dtype."""
+        wide = [t.dtype for s, t in zip(n.src, src) if s.dtype.is_floating_point and t.dtype != s.dtype
+                and t.dtype.is_floating_point and t.dtype.itemsize > s.dtype.itemsize]
+        if not wide:
+            return src
+        dtype = wide[0]
+        return [t if not s.dtype.is_floating_point else
+                torch.tensor(s.arg, dtype=dtype, device=t.device) if s.op == "const" else t.to(dtype)
+                for s, t in zip(n.src, src)]
 
 
 def _int_div_or_mod(op: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

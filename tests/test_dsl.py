@@ -444,6 +444,20 @@ def test_round_trip_odd_trees():
     assert checked > 200
 
 
+def test_mod_called_on_a_float64_score_computes_as_the_python_mod_does():
+    """A float32 mod called on float64 scores (the float64 oracle, torch's flex_attention) keeps the
+    score's precision through its ops, with literals as weak Python floats, as the Python mod and
+    flexattn's re-typed kernels do; the parts without the score stay float32, as in torch."""
+    score = torch.linspace(-3, 3, 7, dtype=torch.float64).view(1, 1, 7, 1)
+    q_idx, kv_idx = torch.arange(7, dtype=torch.int32).view(1, 1, 7, 1), torch.zeros(1, 1, 1, 1, dtype=torch.int32)
+    for text, fn in (("score + 1e-12", lambda s, q: s + 1e-12),
+                     ("tanh(score / 30) * 30", lambda s, q: torch.tanh(s / 30) * 30),
+                     ("score * 0.1 + q_idx * 0.1", lambda s, q: s * 0.1 + q * 0.1),
+                     ("where(q_idx > 2, score, 0.3) - score", lambda s, q: torch.where(q > 2, s, 0.3) - s)):
+        out = score_mod(text)(score, 0, 0, q_idx, kv_idx)
+        assert out.dtype == torch.float64 and torch.equal(out, fn(score, q_idx)), text
+
+
 def test_round_trip_of_dsl_mods():
     texts = ["let d = q_idx - kv_idx\n0 <= d < 64 or kv_idx < 4",
              "score - slope[h] * float32(abs(q_idx - kv_idx))",
