@@ -308,7 +308,7 @@ def _flat_fingerprint(fn: types.FunctionType, names: tuple[str, ...], chains: tu
         t = type(v)
         kind = _FLAT_KINDS.get(t)
         if kind is _ATOM:
-            key.append((t, v) if t is not float or v else (t, str(v)))  # (0.0 and -0.0 apart)
+            key.append((t, v) if t is not float or v and v == v else (t, str(v)))  # (0.0 and -0.0 apart; NaN equal to NaN)
         elif kind is _TENSOR:
             for i, x in enumerate(tensors):
                 if x is v:
@@ -382,7 +382,7 @@ def _walk(fn: Any) -> tuple[tuple | None, list[torch.Tensor]]:
             return None, tensors
         t = type(v)
         if t in _ATOMS:
-            key.append((t, v) if t is not float or v else (t, str(v)))
+            key.append((t, v) if t is not float or v and v == v else (t, str(v)))
             continue
         if isinstance(v, torch.Tensor):
             prev = seen.get(id(v))

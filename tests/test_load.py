@@ -113,6 +113,19 @@ def test_an_int_beyond_int64_in_a_dynamic_slot_is_read_as_a_constant():
         assert_right(out, q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + p * 0 + kv_idx * 0.01)
 
 
+def test_a_captured_nan_is_traced_once(monkeypatch):
+    """NaN != NaN, and each closure's NaN is another object: the fingerprint keys NaN by text, so
+    a mod made again each call with a NaN in it is a known call, not a trace per call."""
+    traced = record_calls(monkeypatch, call, "_trace_score")
+    q, k, v = qkv(4, 12)
+    for _ in range(3):
+        fill = float("nan")
+        out = flexattn.flex_attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx:
+                                      torch.where(kv_idx > 100, fill, s))
+        assert_right(out, q, k, v)
+    assert len(traced) == 1
+
+
 class Limits:
     POSITION = 0
 
