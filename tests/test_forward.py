@@ -77,14 +77,7 @@ def check(q, k, v, score_mod=None, block_mask=None, ref_score_mod=None, ref_mask
     common = dict(block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True)
     ref, ref_lse = attention_reference(q, k, v, score_mod=ref_score_mod or score_mod, mask_mod=ref_mask_mod,
                                        **common)
-    if kernel_options.get("PRESCALE_QK"):  # its documented cost: Q * scale rounded to Q's dtype
-        qs = q.float() * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
-        if q.dtype == torch.bfloat16 and q.device.type == "cpu":  # Triton's interpreter truncates
-            qs = (qs.view(torch.int32) & -65536).view(torch.float32)  # float32 -> bfloat16 casts
-        eager, eager_lse = attention_reference(qs.to(q.dtype), k, v, score_mod=score_mod, dtype=q.dtype,
-                                               **{**common, "scale": 1.0})
-    else:
-        eager, eager_lse = attention_reference(q, k, v, score_mod=score_mod, dtype=q.dtype, **common)
+    eager, eager_lse = testing.eager_reference(q, k, v, kernel_options, score_mod=score_mod, **common)
     assert out.shape == (q.shape[0], q.shape[1], q.shape[2], v.shape[3]) and out.dtype == q.dtype
     assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
     # exp2-based softmax has an absolute error of a few ulp of the largest score (times |v|).

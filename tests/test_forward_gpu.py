@@ -76,7 +76,7 @@ def run_and_check(B, Hq, Hkv, S_Q, S_KV, D, dtype, score_mod=None, mask_mod=None
                               kernel_options={**FORCE, **(options or {})})
     common = dict(score_mod=score_mod, block_mask=bm, enable_gqa=gqa, return_lse=True)
     ref, ref_lse = attention_reference(q, k, v, dtype=torch.float32, **common)
-    eager, eager_lse = attention_reference(q, k, v, dtype=dtype, **common)
+    eager, eager_lse = testing.eager_reference(q, k, v, options, **common)
     testing.assert_close_to_reference(out, eager, ref, factor=2.0, name="out")
     # The float32 reference is itself accurate to ~1e-6 at these magnitudes.
     testing.assert_close_to_reference(lse, eager_lse.float(), ref_lse, factor=2.0, atol=1e-4, name="lse")

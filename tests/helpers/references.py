@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
 from flexattn import ir
+from flexattn.reference import attention_reference
 from flexattn.ir import Node
 from helpers.grids import eval_grid
 
@@ -61,6 +63,19 @@ def reference_fp64(node: Node, buffers: Sequence[torch.Tensor], B: int, H: int, 
     """``node`` evaluated in float64 on the grid (see `to_float64`), broadcast to [B, H, Q, KV]."""
     s64 = score.double() if score is not None else None
     return eval_grid(to_float64(node), buffers_float64(buffers), B, H, Q_LEN, KV_LEN, s64)
+
+
+def eager_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_options: dict | None = None,
+                    scale: float | None = None, **kw):
+    """``attention_reference`` in the inputs' dtype: what eager computation in that dtype costs, the
+    budget a kernel's error is a multiple of. With ``PRESCALE_QK`` the kernel works on Q * scale
+    rounded to Q's dtype (its documented cost), so the eager twin does too."""
+    if not (kernel_options or {}).get("PRESCALE_QK"):
+        return attention_reference(q, k, v, scale=scale, dtype=q.dtype, **kw)
+    qs = q.float() * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu":  # Triton's interpreter truncates
+        qs = (qs.view(torch.int32) & -65536).view(torch.float32)  # float32 -> bfloat16 casts
+    return attention_reference(qs.to(q.dtype), k, v, scale=1.0, dtype=q.dtype, **kw)
 
 
 def quantise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
