@@ -158,6 +158,36 @@ def test_close_candidates_are_timed_again_in_the_opposite_order(fresh, monkeypat
     assert order == ["a", "b", "c", "b", "a"]
 
 
+def test_close_candidates_rank_by_the_longer_of_gpu_and_host_time(fresh, monkeypatch):
+    """A short call is as fast as the host issues it: of two forms level on the GPU, the one with
+    less host work per call wins; a form more than CLOSE slower on the GPU is not chosen for its
+    host time, nor is one whose host work is shorter than its GPU time preferred for it."""
+    gpu = {"one pass": 0.196, "dq pass": 0.197, "slow": 0.300, "quick host": 0.198}
+    host = {"one pass": 0.288, "dq pass": 0.259, "slow": 0.010, "quick host": 0.020}
+    ran = []
+
+    def run(plan):
+        ran.append(plan["name"])
+
+    def fake_bench(fn, device):
+        fn()
+        return gpu[ran[-1]]
+
+    def fake_host_ms(fn, device):
+        fn()
+        return host[ran[-1]]
+
+    monkeypatch.setattr(tuning, "bench", fake_bench)
+    monkeypatch.setattr(tuning, "host_ms", fake_host_ms)
+    cpu = torch.device("cpu")
+    names = ["one pass", "dq pass", "slow"]
+    assert tuning.choose("test|host", [{"name": n} for n in names], dict, run, cpu)[1] == {"name": "dq pass"}
+    assert "slow" not in ran[3:]  # (never timed again, nor its host)
+    # a candidate whose host keeps ahead of its GPU ranks by its GPU time
+    names = ["one pass", "dq pass", "quick host"]
+    assert tuning.choose("test|host 2", [{"name": n} for n in names], dict, run, cpu)[1] == {"name": "quick host"}
+
+
 @pytest.mark.parametrize("options", [{"AUTOTUNE": True, "BLOCK_M": 64}, {"AUTOTUNE": True, "num_warps": 4},
                                      {"AUTOTUNE": False}, {}])
 def test_explicit_options_or_switch_skip_tuning(fresh, clock, options):
