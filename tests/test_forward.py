@@ -346,6 +346,15 @@ def test_fully_masked_rows_give_zero_and_minus_inf(dtype):
     assert (lse[~dead] > -math.inf).all()
 
 
+def test_a_nan_row_does_not_hide_the_others():
+    """A score_mod that is NaN on one row makes eager's output NaN there too; every other row must
+    still be compared, so a row the kernel leaves unwritten (poisoned NaN) fails."""
+    nan_row = from_ir("score", ir.where(ir.binary("eq", ir.input_("q_idx"), 5), math.nan, ir.input_("score")), [])
+    q, k, v = make_qkv(1, 2, 2, 45, 37, 16, 16, torch.float32)
+    out, lse = check(q, k, v, score_mod=nan_row)
+    assert out[:, :, 5].isnan().all() and lse[:, :, 5].isnan().all()
+
+
 def test_rows_guaranteed_safe_matches_default_on_safe_masks():
     causal = from_ir("mask", ir.binary("ge", ir.input_("q_idx"), ir.input_("kv_idx")), [])
     bm = make_block_mask(causal, None, None, 64, 64, 32)

@@ -97,7 +97,8 @@ def assert_close_to_reference(out: torch.Tensor, eager: torch.Tensor, ref: torch
     ``eager`` is the same computation in ``out``'s dtype by a trusted implementation (torch), so
     its error is what that dtype costs; the kernel may be a small multiple worse. ``atol`` (default
     4 ulp of ``out``'s dtype at the largest reference magnitude) covers elements where eager happens
-    to be exact. NaN/inf must match ``eager`` or ``ref`` exactly where either has one. ``elementwise`` compares
+    to be exact. NaN/inf must match ``eager`` or ``ref`` exactly where either has one, and may appear
+    nowhere else (a NaN row in eager does not excuse NaN in other rows). ``elementwise`` compares
     every element; otherwise the max errors are compared (the usual attention-test criterion).
     >>> r = torch.tensor([1.0], dtype=torch.float64)
     >>> assert_close_to_reference(torch.tensor([1.0]), torch.tensor([1.0]), r)
@@ -121,6 +122,12 @@ def assert_close_to_reference(out: torch.Tensor, eager: torch.Tensor, ref: torch
         raise AssertionError(f"{name} {o[tuple(i)].item()} != eager {e[tuple(i)].item()} "
                              f"(reference {ref[tuple(i)].item()}) at {i}")
     fin = ~special
+    # Where both are finite the kernel must be too: a NaN there (an unwritten, poisoned element)
+    # would otherwise drop out of the comparisons below, as NaN > x is False.
+    if (fin & ~torch.isfinite(o)).any():
+        i = (fin & ~torch.isfinite(o)).nonzero()[0].tolist()
+        raise AssertionError(f"{name} {o[tuple(i)].item()} where eager {e[tuple(i)].item()} and the reference "
+                             f"{ref[tuple(i)].item()} are finite, at {i}")
     if not fin.any():
         return
     if atol is None:
