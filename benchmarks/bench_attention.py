@@ -179,7 +179,7 @@ def competitors(q, k, v, score_mod, mask_mod, sdpa_causal, S, block, torch_impls
         impls["flexattn deterministic"] = lambda: flexattn.flex_attention(
             q, k, v, score_mod=score_mod, block_mask=bm,
             kernel_options={**(kernel_options or {}), "DETERMINISTIC": True})
-    if deterministic and q.is_cuda:  # (the Hopper backward's dQ by the Triton dQ pass, where it runs)
+    if deterministic and q.is_cuda:  # (the Hopper backward's dQ by a dQ pass: the Gluon one where it runs)
         impls["flexattn dq pass"] = lambda: flexattn.flex_attention(
             q, k, v, score_mod=score_mod, block_mask=bm, kernel_options={**(kernel_options or {}), "DQ_PASS": True})
     if torch_impls is None:
