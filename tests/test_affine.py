@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flexattn import ir, tracer
+from flexattn import call, ir, tracer
 from flexattn.attention import flex_attention
 from flexattn.auxiliary import AuxRequest
 from flexattn.codegen import affine, emit
@@ -184,9 +184,17 @@ def test_random_affine_mods_split_into_coefficients_that_reproduce_them(tree):
 # -- the forward's SCORE_AFFINE path on the interpreter -----------------------------------------
 
 
+def _fresh() -> None:
+    """Forget known calls and plans: a known call reuses its plan without planning again, so
+    `_took_affine_path` would see no plan (and a patched `launch.affine_scores` would not run)."""
+    call.forget()
+    plans.FORWARD.plans.clear()
+
+
 def _took_affine_path() -> bool:
-    return any(getattr(p, "kernel", None) is not None and p.kernel.constexprs.get("SCORE_AFFINE")
-               for p in plans.FORWARD.plans.values())
+    kernels = [p.kernel for p in plans.FORWARD.plans.values() if getattr(p, "kernel", None) is not None]
+    assert kernels, "no forward plan was made since _fresh()"
+    return any(k.constexprs.get("SCORE_AFFINE") for k in kernels)
 
 
 def causal(b, h, q_idx, kv_idx):
@@ -198,7 +206,7 @@ def causal(b, h, q_idx, kv_idx):
                          ids=["alibi", "tempered_bias", "integer_distance"])
 def test_forward_takes_the_affine_form(fn, scale, dtype):
     """Lengths that are not multiples of the tiles, GQA, a causal block mask, LSE and row max."""
-    plans.FORWARD.plans.clear()
+    _fresh()
     q, k, v = make_qkv(2, H, 2, 77, 131, 32, 32, dtype, seed=5)
     bm = make_block_mask(causal, None, None, 77, 131, 32)
     check(q, k, v, score_mod=fn, block_mask=bm, enable_gqa=True, scale=scale)
@@ -228,8 +236,8 @@ def test_direct_and_affine_forms_agree(monkeypatch):
     errors = []
     for on in (True, False):
         if not on:
-            monkeypatch.setattr(launch, "affine_scores", lambda score, dtype: False)
-        plans.FORWARD.plans.clear()
+            monkeypatch.setattr(launch, "affine_scores", lambda score, dtype, length: False)
+        _fresh()
         out, lse = flex_attention(q, k, v, score_mod=tempered_bias, return_lse=True, kernel_options=opts)
         assert _took_affine_path() == on
         errors.append(((out.double() - ref).abs().max().item(), (lse.double() - ref_lse).abs().max().item()))
@@ -243,7 +251,7 @@ def test_float8_inputs_take_the_affine_form():
     q, k, v = (t * s for t, s in zip(make_qkv(2, H, 2, 77, 131, 32, 32, torch.float32, seed=2), (1.0, 1.0, 3.0)))
     (q8, dq), (k8, dk), (v8, dv) = (testing.quantise_fp8(t) for t in (q, k, v))
     bm = make_block_mask(causal, None, None, 77, 131, 32)
-    plans.FORWARD.plans.clear()
+    _fresh()
     out = flex_attention(q8, k8, v8, score_mod=alibi, block_mask=bm, enable_gqa=True, descale_q=dq,
                          descale_k=dk, descale_v=dv, kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
     assert _took_affine_path()
@@ -260,14 +268,14 @@ def test_lengths_where_an_integer_could_wrap_keep_the_direct_path():
 
     for length, affine_path in ((100, True), (131, False)):
         q, k, v = make_qkv(1, 2, 2, length, length, 16, 16, torch.bfloat16, seed=length)
-        plans.FORWARD.plans.clear()
+        _fresh()
         check(q, k, v, score_mod=scaled)
         assert _took_affine_path() == affine_path
 
 
 def test_prescaled_q_takes_the_affine_form():
     q, k, v = make_qkv(2, H, H, 70, 90, 32, 32, torch.bfloat16, seed=6)
-    plans.FORWARD.plans.clear()
+    _fresh()
     check(q, k, v, score_mod=tempered_bias, kernel_options={"PRESCALE_QK": True}, factor=3.0)
     assert _took_affine_path()
 
@@ -284,7 +292,7 @@ def test_a_minus_inf_constant_term_masks_the_head_and_fully_masked_rows_stay_emp
 
     q, k, v = make_qkv(1, H, H, 60, 60, 16, 16, torch.float16, seed=8)
     bm = make_block_mask(late, None, None, 60, 60, 32)
-    plans.FORWARD.plans.clear()
+    _fresh()
     out, lse = check(q, k, v, score_mod=switch, block_mask=bm)
     assert _took_affine_path()
     assert (out[:, 1] == 0).all() and (lse[:, 1] == -math.inf).all()
@@ -295,6 +303,6 @@ def test_a_minus_inf_constant_term_masks_the_head_and_fully_masked_rows_stay_emp
 def test_float32_inputs_keep_the_direct_path():
     """Float32 inputs evaluate the mod per score (the split's rounding would show at their precision)."""
     q, k, v = make_qkv(1, H, H, 40, 40, 16, 16, torch.float32)
-    plans.FORWARD.plans.clear()
+    _fresh()
     check(q, k, v, score_mod=alibi)
     assert not _took_affine_path()
