@@ -67,7 +67,9 @@ def test_deep_mod_compiles_and_matches_float64_forward_and_backward(fn):
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = attention_reference(q64, k64, v64, score_mod=mod)
     ref.backward(torch.ones_like(ref))
-    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    # (the kernel sums 1,000 float32 terms into scores of up to about 200, the reference in float64:
+    # a float32 rounding per term, 5e-5 measured at the largest)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
     for got, want, name in [(q.grad, q64.grad, "dq"), (k.grad, k64.grad, "dk"), (v.grad, v64.grad, "dv")]:
         torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4, msg=name)
     # the eager evaluator (what calling the Mod does) gives the same values as the traced function

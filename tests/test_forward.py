@@ -74,7 +74,8 @@ def check(q, k, v, score_mod=None, block_mask=None, ref_score_mod=None, ref_mask
                               kernel_options=kernel_options, **kwargs)
     enable_gqa = kwargs.get("enable_gqa", False)
     scale = kwargs.get("scale")
-    common = dict(block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True)
+    common = dict(block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True,
+                  sinks=kwargs.get("sinks"))
     ref, ref_lse = attention_reference(q, k, v, score_mod=ref_score_mod or score_mod, mask_mod=ref_mask_mod,
                                        **common)
     eager, eager_lse = testing.eager_reference(q, k, v, kernel_options, score_mod=score_mod, **common)
