@@ -17,6 +17,13 @@ divisors are non-zero constants, shifts are small, float math stays in its domai
 
 The strategies assume index grids of at most ``MAX_BH`` batches/heads and ``MAX_LEN`` positions,
 and score tensors bounded by ``SCORE_BOUND`` (use `random_score`).
+
+Left alone, about two thirds of random masks are constant (all true or all false) and half the score
+mods never read the score, so an attention test would mostly check a zero output or a softmax that
+ignores q and k. Each tree is therefore evaluated on a small probe grid (the ``PROBE`` corner of
+every grid at least that large): a constant mask is combined with a simple index comparison that
+splits the probe, and a score mod whose value does not depend on the score gets the score added;
+only ``trivial`` of them (20% by default) are kept as they are, so the edge cases still come up.
 """
 
 from __future__ import annotations
@@ -28,12 +35,14 @@ import torch
 
 from flexattn import ir
 from flexattn.ir import Node
-from helpers.grids import MAX_BH, MAX_LEN, SCORE_BOUND
+from helpers.grids import MAX_BH, MAX_LEN, SCORE_BOUND, eval_grid, random_score
 
 _FLOAT_CAP = 3.0e4  # float values stay below this (float16 overflows at 65504)
 _INT_CAP = {torch.int32: 2**30, torch.int64: 2**60}  # no overflow for 32/64-bit ints
 _INT_BUFFER_DTYPES = (torch.int32, torch.int64, torch.int8, torch.uint8)
 _FLOAT_BUFFER_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# The probe grid (B, H, Q_LEN, KV_LEN): a mask that is mixed here is mixed on every grid that holds it.
+PROBE = (1, 1, 16, 16)
 
 
 @dataclass
@@ -61,7 +70,7 @@ class _Gen:
     """One draw of a random tree: holds the captured buffers created so far."""
 
     def __init__(self, draw, max_buffers: int, score_dtype, in_range_gathers: bool, exact_only: bool,
-                 has_score: bool):
+                 has_score: bool, trivial: float = 1.0):
         import hypothesis.strategies as st
 
         self.st = st
@@ -71,6 +80,7 @@ class _Gen:
         self.in_range = in_range_gathers
         self.exact_only = exact_only
         self.has_score = has_score  # float leaves may read the score (score mods only)
+        self.trivial = trivial  # the chance that a constant mask / score-blind score mod is kept
         self.max_depth = 0
         self.buffers: list[tuple[ir.Buffer, torch.Tensor, float, float]] = []
 
@@ -80,6 +90,11 @@ class _Gen:
 
     def chance(self, p: float) -> bool:
         return self.draw(self.st.integers(0, 99)) < p * 100
+
+    def rarely(self, p: float) -> bool:
+        # chance() for small p. Hypothesis draws the simplest choices far more often than uniformly
+        # (pick(range(100)) < 10 came out for about half the masks), so the rare outcome is the far end.
+        return self.pick(range(100)) >= 100 - p * 100
 
     def stop(self, depth: int) -> bool:
         # The top two levels are always ops (hypothesis otherwise favours tiny trees).
@@ -425,6 +440,47 @@ class _Gen:
             return _Val(ir.cast(self.int_val(depth - 1).node, torch.bool), 0, 1, True)
         return _Val(ir.cast(self.float_val(depth - 1, exact=True).node, torch.bool), 0, 1, True)
 
+    # -- interesting roots: masks that split the probe grid, score mods that read the score
+    def probe(self, node: Node, score: torch.Tensor | None = None) -> torch.Tensor:
+        return eval_grid(node, self.tensors(), *PROBE, score=score)
+
+    def mixed_mask(self, v: _Val) -> _Val:
+        """``v``, or ``v & cmp`` / ``v | cmp`` (a comparison that splits the probe) when ``v`` is
+        constant on the probe grid, but for a ``trivial`` share of those."""
+        out = self.probe(v.node, random_score(*PROBE, dtype=self.score_dtype, seed=1) if self.has_score else None)
+        if not out.all() and out.any() or self.rarely(self.trivial):
+            return v
+        cmp = self.splitting_cmp()
+        return _Val(ir.binary("and_" if out.all() else "or_", v.node, cmp), 0, 1, v.exact)
+
+    def splitting_cmp(self) -> Node:
+        """A causal, window, stripe or band comparison of q_idx and kv_idx; mixed on the probe grid."""
+        q, kv = ir.input_("q_idx"), ir.input_("kv_idx")
+        n = PROBE[2]
+        choice = self.pick(["causal", "window", "stripe", "band"])
+        if choice == "causal":  # q_idx + c >= kv_idx
+            c = self.draw(self.st.integers(-n // 2, n // 2))
+            return ir.binary(self.pick(["ge", "gt", "le", "lt"]), ir.binary("add", q, c), kv)
+        if choice == "window":  # kv_idx < c  or  q_idx >= c
+            c = self.draw(self.st.integers(1, n - 1))
+            return ir.binary("lt", kv, c) if self.chance(0.5) else ir.binary("ge", q, c)
+        if choice == "stripe":  # (q_idx + kv_idx) % m == r
+            m = self.draw(self.st.integers(2, 5))
+            r = self.draw(self.st.integers(0, m - 1))
+            return ir.binary("eq", ir.binary("mod", ir.binary("add", q, kv), m), r)
+        w = self.draw(self.st.integers(0, n // 2 - 1))  # |q_idx - kv_idx| <= w
+        return ir.binary("le", ir.unary("abs", ir.binary("sub", q, kv)), w)
+
+    def score_reading(self, v: _Val) -> _Val:
+        """``v``, or ``v + score`` when ``v`` does not depend on the score on the probe grid, but
+        for a ``trivial`` share of those."""
+        scores = [random_score(*PROBE, dtype=self.score_dtype, seed=s) for s in (1, 2)]
+        a, b = (self.probe(v.node, s) for s in scores)
+        if not torch.equal(a, b) or v.mag + SCORE_BOUND > _FLOAT_CAP or self.rarely(self.trivial):
+            return v
+        node = ir.binary("add", v.node, ir.input_("score", self.score_dtype))
+        return _Val(node, v.lo - SCORE_BOUND, v.hi + SCORE_BOUND, v.exact)
+
     def tensors(self) -> list[torch.Tensor]:
         return [t for _, t, _, _ in self.buffers]
 
@@ -451,44 +507,50 @@ def _random_buffer(dtype: torch.dtype, shape: list[int], seed: int) -> tuple[tor
 
 
 def _strategy(root_kind: str, max_depth: int, max_buffers: int, score_dtype, in_range_gathers: bool,
-              exact_only: bool):
+              exact_only: bool, trivial: float = 1.0):
     import hypothesis.strategies as st
 
     @st.composite
     def build(draw):
-        gen = _Gen(draw, max_buffers, score_dtype, in_range_gathers, exact_only, root_kind == "score")
+        gen = _Gen(draw, max_buffers, score_dtype, in_range_gathers, exact_only, root_kind == "score", trivial)
         gen.max_depth = max_depth
         if root_kind == "mask":
-            v = gen.bool_val(max_depth)
+            v = gen.mixed_mask(gen.bool_val(max_depth))
         elif root_kind == "int":
             v = gen.int_val(max_depth)
         else:
-            v = gen.float_val(max_depth)
-            if root_kind == "score" and gen.chance(0.2):  # the masking idiom: where(cond, x, -inf)
-                v = _Val(ir.where(gen.bool_val(1).node, v.node, -math.inf), v.lo, v.hi, v.exact)
+            v = gen.score_reading(gen.float_val(max_depth))
+            if gen.chance(0.2):  # the masking idiom: where(cond, x, -inf)
+                cond = gen.mixed_mask(gen.bool_val(1))
+                v = _Val(ir.where(cond.node, v.node, -math.inf), v.lo, v.hi, v.exact)
         return v.node, gen.tensors()
 
     return build()
 
 
-def mask_irs(max_depth: int = 3, max_buffers: int = 3, in_range_gathers: bool = False):
+def mask_irs(max_depth: int = 3, max_buffers: int = 3, in_range_gathers: bool = False, trivial: float = 0.2):
     """Strategy: (bool IR root over b, h, q_idx, kv_idx, captured tensors) pairs.
+
+    Masks are mixed on the ``PROBE`` grid but for a ``trivial`` share of all-true / all-false ones
+    (``trivial=1.0``: the raw generator).
 
     >>> node, buffers = mask_irs().example(); node.dtype
     torch.bool
     """
-    return _strategy("mask", max_depth, max_buffers, torch.float32, in_range_gathers, False)
+    return _strategy("mask", max_depth, max_buffers, torch.float32, in_range_gathers, False, trivial)
 
 
 def score_irs(max_depth: int = 3, max_buffers: int = 3, score_dtype: torch.dtype = torch.float32,
-              in_range_gathers: bool = False, exact_only: bool = False):
+              in_range_gathers: bool = False, exact_only: bool = False, trivial: float = 0.2):
     """Strategy: (float IR root over score, b, h, q_idx, kv_idx, captured tensors) pairs.
 
     ``exact_only`` leaves out approximate math (exp, tanh, ...), so every back end must agree
     bit for bit. ``in_range_gathers`` wraps every index into the buffer (``i % size``), for code
-    that runs the mod eagerly with torch indexing (which raises on out-of-range indices).
+    that runs the mod eagerly with torch indexing (which raises on out-of-range indices). Score mods
+    depend on the score on the ``PROBE`` grid but for a ``trivial`` share, and a ``where(cond, x,
+    -inf)`` root has a mixed ``cond`` but for a ``trivial`` share.
     """
-    return _strategy("score", max_depth, max_buffers, score_dtype, in_range_gathers, exact_only)
+    return _strategy("score", max_depth, max_buffers, score_dtype, in_range_gathers, exact_only, trivial)
 
 
 def int_irs(max_depth: int = 3, max_buffers: int = 3, in_range_gathers: bool = False):
