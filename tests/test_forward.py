@@ -200,7 +200,7 @@ def test_matches_torch_eager_flex_attention():
 # Random mods (the IR generator) with random block masks
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=22, deadline=None)
 @given(
     score=testing.score_irs(max_depth=3, max_buffers=2),
     mask=testing.mask_irs(max_depth=3, max_buffers=2),

@@ -30,7 +30,7 @@ from flexattn.mods import Mod
 from flexattn.reference import attention_reference
 
 F64 = torch.float64
-FUZZ_EXAMPLES = int(os.environ.get("FLEXATTN_FUZZ_EXAMPLES", "8"))
+FUZZ_EXAMPLES = int(os.environ.get("FLEXATTN_FUZZ_EXAMPLES", "4"))
 FUZZ_LOG = os.environ.get("FLEXATTN_FUZZ_LOG")  # a long run appends one line per passed example
 TOL = 1e-8  # float64 kernels against float64 eager: rounding only
 
