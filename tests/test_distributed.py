@@ -5,9 +5,9 @@ One spawn of 3 processes serves both world sizes (spawning and the Triton interp
 the cases run on the group of ranks 1 and 2 (P = 2, group ranks differ from global ranks), then
 on all three (P = 3). Between them they cover odd lengths, GQA, every load balance, causal /
 sliding window / documents / a score_mod with a captured bias that requires grad, both methods,
-return_aux (lse and max scores), torch.compile, the errors raised on every rank before a
-collective, torch's own context parallel with flexattn's flex_attention inside, and a ring call
-after the default group is made again. Each case's single-process and reference results are
+return_aux (lse and max scores), torch.compile, deterministic mode, the errors raised on every rank
+before a collective, torch's own context parallel with flexattn's flex_attention inside, and a ring
+call after the default group is made again. Each case's single-process and reference results are
 computed on one rank of the group only, a different one per case.
 """
 
@@ -755,6 +755,47 @@ def _promises_and_strides(group) -> None:
             assert grad.stride() == torch.empty_like(x).stride(), (method, grad.stride(), x.stride())
 
 
+def _deterministic(group) -> None:
+    """Deterministic mode reaches every pair's backward: torch's flag at the call, or
+    DETERMINISTIC=True, makes each step's plan sum the captured bias's gradient exactly
+    (`exact_grads`), and an explicit False or neither does not (the all-gather: the flag, or not);
+    the gradients are the same either way."""
+    from flexattn.kernels import backward as bwd
+
+    S = 37
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (fd.shard(torch.randn(1, 2, S, BLOCK, generator=g), group, load_balance="head_tail") for _ in range(3))
+    bias = torch.randn(2, S, generator=g)
+    bm = fd.create_block_mask(masks.causal, None, None, S, S, group, load_balance="head_tail", device="cpu",
+                              BLOCK_SIZE=BLOCK)
+    run, exact, det = bwd.run, [], {"DETERMINISTIC": True}
+
+    def recording(plan, *args, **kwargs):
+        exact.append(plan.exact_grads)
+        return run(plan, *args, **kwargs)
+
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), \
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    bwd.run = recording
+    first = {}
+    try:
+        for method, flag, options, want in (("ring", False, None, False), ("ring", True, None, True),
+                                            ("ring", False, det, True), ("ring", True, {"DETERMINISTIC": False}, False),
+                                            ("allgather", False, None, False), ("allgather", True, None, True)):
+            torch.use_deterministic_algorithms(flag)
+            ins = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+            out = fd.flex_attention(*ins[:3], score_mod=_bias_score(ins[3]), block_mask=bm, kernel_options=options,
+                                    method=method)
+            exact.clear()
+            grads = torch.autograd.grad(out.square().sum(), ins)
+            assert exact and all(e is want for e in exact), (method, flag, options, exact)
+            for a, b in zip(grads, first.setdefault(method, grads)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{method}: deterministic gradients")
+    finally:
+        bwd.run = run
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
 def _body(group) -> None:
     P = dist.get_world_size(group)
     _layouts_and_masks(group)
@@ -763,6 +804,7 @@ def _body(group) -> None:
     _aux(group)
     _promises_and_strides(group)
     if P == 2:
+        _deterministic(group)
         _compiled(group)
         _torch_context_parallel(group)
     for index, case in enumerate(CASES[P]):
