@@ -212,10 +212,15 @@ def block_mask_table(record: dict) -> list[str]:
 
 
 def context_parallel_cases(record: dict) -> dict:
-    """(P, S, mask) -> impl -> row, by P and S, then in the order the runs made them."""
+    """(P, S, mask) -> impl -> row, by P and S, then in the order the runs made them; a case that
+    two results files measured keeps the first file's rows (a row's times are compared with
+    the other impls' of the same run only)."""
     cases: dict = {}
+    owner: dict = {}  # (P, S, mask) -> the file its rows come from
     for row in sorted(record["rows"], key=lambda r: (r["P"], r["S"])):
-        cases.setdefault((row["P"], row["S"], row["mask"]), {})[row["impl"]] = row
+        key = (row["P"], row["S"], row["mask"])
+        if owner.setdefault(key, row.get("file")) == row.get("file"):
+            cases.setdefault(key, {})[row["impl"]] = row
     return cases
 
 
@@ -384,7 +389,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     by_gpu: dict = {}
     loaded = results.load(args.results) if args.results.is_dir() else []
-    for record in sorted(loaded, key=lambda r: bool(r.get("tag"))):  # (stable: per GPU and suite as loaded)
+    for file, record in enumerate(sorted(loaded, key=lambda r: bool(r.get("tag")))):  # (stable: as loaded)
         if record.get("device") == "cpu":
             print(f"report: {record['suite']} results from the CPU left out (the interpreter is no measurement)")
             continue
@@ -394,7 +399,8 @@ def main(argv=None) -> int:
         earlier = suites.get(record["suite"])
         if record["suite"] in BY_GPU_COUNT:  # (one table of several runs: each row names its run's commit)
             rows = [{**r, "commit": r.get("commit") or record.get("commit") or "?",  # (a row may name its own)
-                     "peak": r.get("peak") or record.get("config", {}).get("peak")} for r in record["rows"]]
+                     "peak": r.get("peak") or record.get("config", {}).get("peak"), "file": file}
+                    for r in record["rows"]]
             record = {**record, "rows": rows, "commit": " / ".join(dict.fromkeys(r["commit"] for r in rows))}
             if earlier is not None:
                 record = {**earlier, "rows": earlier["rows"] + record["rows"],

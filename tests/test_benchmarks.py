@@ -183,6 +183,22 @@ def test_context_parallel_runs_on_2_and_4_gpus_make_one_table(tmp_path):
     assert "context parallelism (ring) scales with efficiency 0.90, 1.50x the speed of torch's context parallel" in page
 
 
+def test_context_parallel_case_of_two_runs_keeps_one_runs_rows(tmp_path):
+    """Two results files that measured the same case: its row is the first file's, the ring against
+    that run's torch CP, not one file's ring against the other's."""
+    folder = tmp_path / "results"
+    config = {"B": 1, "H": 16, "D": 128, "dtype": "bfloat16", "P": 2}
+    first = [r for r in context_parallel_rows(2, 100.0) if r["S"] == 131072]
+    later = [r for r in context_parallel_rows(2, 200.0) if r["S"] == 131072 and r["impl"] != "torch_cp"]
+    for rows, commit, tag in ((first, "aaaaaaa", "2gpu-a"), (later, "bbbbbbb", "2gpu-b")):
+        results.save("context_parallel", {**env("NVIDIA H100 80GB HBM3"), "commit": commit}, config, rows, folder,
+                     tag=tag)
+    table = generate(tmp_path, "--no-plot").split("### Context parallelism")[1]
+    rows = [line for line in table.splitlines() if line.startswith("| 2 | 131072 |")]
+    assert len(rows) == 1 and "| 100.0 | 110.0 | 150.0 | 180.0 |" in rows[0] and "| 1.50x |" in rows[0], rows
+    assert rows[0].endswith("| aaaaaaa |")
+
+
 def test_context_parallel_mask_timing_keeps_to_its_budget(monkeypatch):
     """A block mask's build time is the median of 21 builds, or of three once they pass the
     budget (torch's compiled CP mask takes seconds at S=512k); the printed line of a run without
