@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import argparse
 import json
 import sys
@@ -501,3 +502,21 @@ def test_the_context_parallel_profile_times_its_step(monkeypatch, tmp_path):
     monkeypatch.setattr(prof, "profile", Profile)
     block = prof.profile_case(4, "causal", "ring", tmp_path)
     assert block.startswith("== rank 0 causal ring: forward 2.00 ms, forward + backward 2.00 ms")
+
+
+def test_the_host_suite_checks_outputs_against_float64():
+    """The per-call suite's check fails an output that drops the mask, which its old tolerance
+    (2e-2 between flexattn and torch in bfloat16) let through at the decoding step's shape."""
+    from benchmarks.bench_host import check_output
+    from flexattn.reference import attention_reference
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, n, 64, generator=g).bfloat16() for n in (1, 4096, 4096))
+    up_to = lambda s, b, h, qi, ki: torch.where(ki <= 3995, s, -math.inf)  # noqa: E731
+    reference = attention_reference(q, k, v, score_mod=up_to)
+    rounded = reference.bfloat16()  # (an output that is the reference rounded to bfloat16)
+    check_output("decoding", rounded, rounded, reference)
+    unmasked = attention_reference(q, k, v).bfloat16()
+    assert (unmasked.float() - rounded.float()).abs().max() < 2e-2  # (the old check's tolerance)
+    with pytest.raises(AssertionError, match="decoding: flexattn's largest error against float64"):
+        check_output("decoding", unmasked, rounded, reference)
