@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import math
 import argparse
 import json
+import math
 import sys
 
 import pytest
