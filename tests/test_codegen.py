@@ -306,6 +306,30 @@ def test_special_float_constants():
     assert torch.isinf(out).sum().item() == B * H * sum(max(KV - q - 1, 0) for q in range(Q))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pow_special_values_follow_torch(dtype):
+    # The interpreter's pow is composed from exp2/log2: x ** 0 and 1 ** y must still be 1 when
+    # exp2(y * log2|x|) is NaN (0 ** 0, inf ** 0, 1 ** inf), and a base of -0.0 or -inf keeps
+    # torch's (IEEE's) sign and magnitude. (A traced exponent: a constant one is unrolled.)
+    inf, nan = math.inf, math.nan
+    pairs = [(0.0, 0.0), (-0.0, 0.0), (inf, 0.0), (-inf, 0.0), (nan, 0.0), (1.0, inf), (1.0, -inf),
+             (1.0, nan), (-1.0, inf), (-1.0, -inf), (-0.0, -1.0), (-0.0, 3.0), (-0.0, -2.0), (-0.0, 0.5),
+             (-inf, 2.5), (-inf, -2.5), (-inf, 3.0), (-inf, -3.0), (-2.0, 3.0), (-2.0, 0.5), (0.5, inf),
+             (2.0, -inf), (-0.5, inf), (0.0, -1.0), (nan, 1.0), (2.0, nan), (-8.0, 1.0 / 3)]
+    base = torch.tensor([[a for a, _ in pairs]], dtype=dtype)
+    expo = torch.tensor([[e for _, e in pairs]], dtype=dtype)
+    # (indexed by both positions: a value along one axis only is broadcast by adding +0.0)
+    node = ir.binary("pow", ir.load(ir.Buffer(0, "base", dtype, 2), [q_idx, kv_idx]),
+                     ir.load(ir.Buffer(1, "expo", dtype, 2), [q_idx, kv_idx]))
+    grid = (1, 1, 1, len(pairs))
+    out, _ = run_kernel(ir.cast(node, torch.float32), [base, expo], grid=grid)
+    want = torch.pow(base, expo).float()[0]
+    same = (out[0, 0, 0] == want) | (out[0, 0, 0].isnan() & want.isnan())
+    same &= (torch.signbit(out[0, 0, 0]) == torch.signbit(want)) | want.isnan()
+    bad = [(pairs[i], out[0, 0, 0, i].item(), want[i].item()) for i in (~same).nonzero().flatten().tolist()]
+    assert not bad, bad
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_relu_keeps_nan(dtype):
     # torch.relu(nan) is nan; a NaN dropped to 0 changes a mask such as relu(x) != 0.

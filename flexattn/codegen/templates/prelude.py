@@ -209,13 +209,20 @@ def _fa_log1p(x):
 
 @triton.jit
 def _fa_pow(a, b):
+    # IEEE pow, as torch: the magnitude exp2(b * log2|a|), then the sign and the special cases.
+    # Values from a alone and from b alone combine through tl.where (a scalar | a tile: see _fa_and).
     mag = tl.exp2(b * tl.log2(tl.abs(a)))
-    b_int = tl.floor(b) == b
+    b_inf = tl.abs(b) == float("inf")
+    b_int = (tl.floor(b) == b) & (tl.abs(b) != float("inf"))
     b_odd = b_int & (_fa_mod_float(b, 2.0 + 0.0 * b) == 1.0)
-    neg = tl.where(b_odd, -mag, mag)
-    out = tl.where(a < 0, tl.where(b_int, neg, float("nan")), mag)
-    one = 1.0 + 0.0 * mag
-    return tl.where(b == 0, one, tl.where(a == 1, one, out))  # (a scalar | a tile: see _fa_and)
+    a_neg = (a < 0) | ((a == 0) & (1.0 / a < 0))  # signbit(a): -0.0 ** -1 is -inf
+    mag = tl.where(b_inf, tl.where(tl.abs(a) == 1.0, 1.0, mag), mag)  # (-1) ** inf: inf * 0 is nan
+    out = tl.where(b_odd, tl.where(a_neg, mag * -1.0, mag), mag)  # (-mag is 0 - mag: +0.0)
+    # a finite negative base to a finite non-integer power has no real value
+    no_real = (a < 0) & (a != -float("inf"))
+    out = tl.where(b_int | b_inf, out, tl.where(no_real, float("nan"), out))
+    one = tl.where(mag == mag, 1.0, 1.0)  # (not from mag: 0 ** 0, inf ** 0 and 1 ** nan are 1)
+    return tl.where(b == 0, one, tl.where(a == 1, one, out))
 
 
 @triton.jit
