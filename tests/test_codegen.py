@@ -330,6 +330,14 @@ def test_pow_special_values_follow_torch(dtype):
     assert not bad, bad
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_log1p_special_values(dtype):
+    x = torch.tensor([math.inf, -1.0, -2.0, math.nan, 0.0, -0.0, 1e-30, 3.0, 1e30], dtype=dtype)
+    node = ir.unary("log1p", ir.load(ir.Buffer(0, "x", dtype, 1), [kv_idx]))
+    out, _ = run_kernel(ir.cast(node, torch.float32), [x], grid=(1, 1, 1, len(x)))
+    torch.testing.assert_close(out[0, 0, 0], torch.log1p(x).float(), equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_relu_keeps_nan(dtype):
     # torch.relu(nan) is nan; a NaN dropped to 0 changes a mask such as relu(x) != 0.

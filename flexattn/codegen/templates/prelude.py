@@ -200,11 +200,12 @@ def _fa_expm1(x):
 
 @triton.jit
 def _fa_log1p(x):
-    # log1p(x) = log(u) * x / (u - 1) with u = 1 + x (Goldberg's trick), exact where u == 1.
+    # log1p(x) = log(u) * x / (u - 1) with u = 1 + x (Goldberg's trick), exact where u == 1;
+    # log1p(inf) is inf (x / (u - 1) would be inf / inf).
     u = 1.0 + x
     d = u - 1.0
-    safe_d = tl.where(d == 0, 1.0, d)
-    return tl.where(d == 0, x, tl.log(u) * (x / safe_d))
+    safe_d = tl.where((d == 0) | (d == float("inf")), 1.0, d)
+    return tl.where((d == 0) | (d == float("inf")), x, tl.log(u) * (x / safe_d))
 
 
 @triton.jit
