@@ -495,8 +495,8 @@ def _gather(trace: "_Trace", tensor: torch.Tensor, index, buffer: ir.Buffer | No
 def _index_operand(trace: "_Trace", buffer: ir.Buffer, item):
     what = None
     if isinstance(item, Proxy):
-        if item.node.dtype == torch.bool:
-            what = "a bool traced value"
+        if item.node.dtype in (torch.bool, torch.uint8):  # (torch indexes with a uint8 tensor as a bool mask)
+            what = f"a {ir.dtype_name(item.node.dtype)} traced value"
         elif item.node.dtype.is_floating_point:
             raise _fail(
                 f"indexes captured tensor '{buffer.name}' with the {ir.dtype_name(item.node.dtype)} value "
@@ -513,7 +513,7 @@ def _index_operand(trace: "_Trace", buffer: ir.Buffer, item):
             return n
         what = f"a float ({n!r})"
     elif isinstance(item, torch.Tensor):
-        if item.dim() == 0 and ir.is_int(item.dtype):
+        if item.dim() == 0 and ir.is_int(item.dtype) and item.dtype != torch.uint8:
             return ir.load(trace.capture(item), ())
         what = f"a tensor of dtype {item.dtype} and shape {tuple(item.shape)}"
     elif isinstance(item, slice):
@@ -527,7 +527,9 @@ def _index_operand(trace: "_Trace", buffer: ir.Buffer, item):
     else:
         what = f"a {type(item).__name__}"
     hint = (" A bool index is a mask that selects elements; per element use torch.where(cond, a, b)."
-            if "bool" in what else "")
+            if "bool" in what else
+            " torch reads a uint8 tensor index as a bool mask; to gather, convert it with .long() or .int()."
+            if "uint8" in what else "")
     raise _fail(
         f"indexes captured tensor '{buffer.name}' with {what}; a mod reads single elements, so every "
         f"index must be an integer (a traced index like q_idx, a Python int, or a 0-d integer tensor).{hint}"
@@ -619,7 +621,8 @@ def _liftable(func, args, kwargs) -> bool:
         return False
     if NAMES[func] == "torch.Tensor.__getitem__":
         items = args[1] if len(args) > 1 and isinstance(args[1], tuple) else args[1:]
-        return any(isinstance(i, torch.Tensor) and i.dim() == 0 and ir.is_int(i.dtype) for i in items)
+        return any(isinstance(i, torch.Tensor) and i.dim() == 0 and ir.is_int(i.dtype) and i.dtype != torch.uint8
+                   for i in items)  # (a uint8 index is a mask to torch: torch runs it)
     tensors = [a for a in _flat(args, kwargs) if isinstance(a, torch.Tensor)]
     return bool(tensors) and all(t.dim() == 0 for t in tensors)
 

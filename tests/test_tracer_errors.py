@@ -17,6 +17,8 @@ import flexattn
 from flexattn.tracer import TraceError, trace
 from helpers.tracing import BIAS1, BIAS3, causal
 
+U8_0 = torch.tensor(1, dtype=torch.uint8)  # a captured 0-d uint8 tensor
+
 
 def location(fn, offset: int) -> str:
     """'file:line' of the line ``offset`` lines below ``fn``'s def line."""
@@ -95,6 +97,9 @@ def test_unsupported_torch_function_names_itself_and_lists_supported():
     (lambda s, b, h, q, kv: s + BIAS1[q * 0.5], r"indexes captured tensor 'BIAS1' with the float32 value `\(float32\(q_idx\) \* 0.5\)`; indices must be integers"),
     (lambda s, b, h, q, kv: s + BIAS1[q > kv], r"indexes captured tensor 'BIAS1' with a bool traced value.*torch.where"),
     (lambda s, b, h, q, kv: s + BIAS1[True], r"with a Python bool"),
+    # torch indexes with a uint8 tensor as with a bool mask, not as a gather
+    (lambda s, b, h, q, kv: s + BIAS1[(q - kv).to(torch.uint8)], r"'BIAS1' with a uint8 traced value.*uint8 tensor index as a bool mask.*\.long\(\)"),
+    (lambda s, b, h, q, kv: s + BIAS3[b, h, U8_0], r"'BIAS3' with a tensor of dtype torch.uint8.*as a bool mask"),
     (lambda s, b, h, q, kv: s + BIAS1[1:q], r"'BIAS1' with a slice"),
     (lambda s, b, h, q, kv: s + BIAS3[b, :, q], r"'BIAS3' with a slice"),
     (lambda s, b, h, q, kv: s + BIAS3[b, ..., q], r"'BIAS3' with `...`"),
