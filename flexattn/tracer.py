@@ -674,7 +674,8 @@ def inline(mod: Mod, args) -> Proxy:
     """Call a traced `Mod` on traced values: its IR with its inputs replaced by ``args``.
 
     Its captured tensors join the current trace's buffers (deduplicated by identity). Inputs are
-    converted to the Mod's input dtypes, as the eager ``Mod.__call__`` does.
+    converted to the Mod's input dtypes, as the eager ``Mod.__call__`` does, except a floating
+    score: it passes at the caller's precision (a float64 score stays float64), as there.
     """
     trace = next(a.tracer for a in args if isinstance(a, Proxy))
     names = ir.SCORE_INPUTS if mod.kind == SCORE else ir.INDEX_INPUTS
@@ -686,7 +687,9 @@ def inline(mod: Mod, args) -> Proxy:
         for n in ir.toposort(mod.ir):
             src = tuple(memo[id(s)] for s in n.src)
             if n.op == "input":
-                new = ir.cast(inputs[n.arg], n.dtype)
+                given = inputs[n.arg]
+                keep = n.arg == "score" and given.dtype.is_floating_point
+                new = given if keep else ir.cast(given, n.dtype)
             elif n.op == "load":
                 buf = trace.capture(mod.buffers[n.arg.index], hint=n.arg.name)
                 new = ir.load(buf, src)

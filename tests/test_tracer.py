@@ -489,6 +489,17 @@ def test_inline_converts_arguments_to_the_mods_input_dtypes():
     assert str(mod.ir) == "(int32((int64(q_idx) + SHIFT0)) >= kv_idx)"
 
 
+def test_inline_keeps_a_float64_score_at_float64():
+    # As the eager Mod.__call__ and torch's flex_attention with the same outer mod: a float32-traced
+    # Mod called on a float64 score computes at float64 (casting the score to float32 was 2e-7 off).
+    inner = trace(lambda s, b, h, q_idx, kv_idx: s * 3 + 1)
+    mod = trace(lambda s, b, h, q_idx, kv_idx: inner(s, b, h, q_idx, kv_idx) - 1, score_dtype=torch.float64)
+    assert str(mod.ir) == "(((score * 3.0) + 1.0) - 1.0)"
+    score = torch.tensor([1 + 2**-40, math.pi], dtype=torch.float64)
+    idx = torch.zeros(2, dtype=torch.int32)
+    assert torch.equal(mod(score, idx, idx, idx, idx), score * 3 + 1 - 1)
+
+
 def test_is_traced():
     assert not is_traced((1, torch.zeros(()), "x"))
     seen = []
