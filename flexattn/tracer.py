@@ -694,7 +694,7 @@ def inline(mod: Mod, args) -> Proxy:
                 buf = trace.capture(mod.buffers[n.arg.index], hint=n.arg.name)
                 new = ir.load(buf, src)
             elif n.src and any(a is not b for a, b in zip(src, n.src)):
-                new = ir.rebuild(n, src)
+                new = _rebuild(n, src)
             else:
                 new = n
             memo[id(n)] = new
@@ -702,6 +702,24 @@ def inline(mod: Mod, args) -> Proxy:
         if mod.kind == SCORE and isinstance(args[0], Proxy) and args[0].dtype.is_floating_point:
             root = ir.cast(root, args[0].dtype)
     return Proxy(root, trace)
+
+
+def _rebuild(n: ir.Node, src: tuple) -> ir.Node:
+    """`ir.rebuild` of a mod whose score changed dtype: a floating constant that had the dtype of
+    its floating sibling (a Python number, typed by it: ``score * 0.1``) follows the sibling to its
+    new dtype, made again from its Python value, as torch computes ``score * 0.1`` at float64 for a
+    float64 score (the eager `ir.Evaluator` does the same); ``float(q_idx) * 0.3`` stays float32."""
+    if n.op in ir.BINARY_OPS or n.op == "where":
+        src = list(src)
+        k = len(src) - 2  # (where: cond, a, b)
+        for i in (k, k + 1):
+            j = 2 * k + 1 - i
+            c, old, new = n.src[i], n.src[j], src[j]
+            if (c.op == "const" and c.dtype.is_floating_point and old.dtype == c.dtype
+                    and new.dtype.is_floating_point and new.dtype != old.dtype):
+                src[i] = ir.const(c.arg, new.dtype)
+        src = tuple(src)
+    return ir.rebuild(n, src)
 
 
 def trace(fn, kind: str | None = None, *, score_dtype: torch.dtype = torch.float32,
@@ -771,7 +789,14 @@ def _retype(mod: Mod, kind, score_dtype, name) -> Mod:
     current = mod.score_dtype
     if mod.kind == SCORE and (current not in (None, score_dtype) or mod.ir.dtype != score_dtype):
         new_score = ir.input_("score", score_dtype)
-        root = ir.substitute(mod.ir, lambda n: new_score if n.op == "input" and n.arg == "score" else None)
+        memo: dict[int, ir.Node] = {}
+        for n in ir.toposort(mod.ir):
+            src = tuple(memo[id(s)] for s in n.src)
+            if n.op == "input" and n.arg == "score":
+                memo[id(n)] = new_score
+            else:
+                memo[id(n)] = _rebuild(n, src) if any(a is not b for a, b in zip(src, n.src)) else n
+        root = memo[id(mod.ir)]
         return Mod(mod.kind, ir.cast(root, score_dtype), mod.buffers, name=name or mod.name,
                    source=mod.source, fn=mod.fn)
     if name is not None and name != mod.name:

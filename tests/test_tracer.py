@@ -500,6 +500,18 @@ def test_inline_keeps_a_float64_score_at_float64():
     assert torch.equal(mod(score, idx, idx, idx, idx), score * 3 + 1 - 1)
 
 
+def test_retyped_mod_takes_python_constants_at_the_new_score_dtype():
+    # torch computes score * 0.1 at float64 for a float64 score, with 0.1 itself (not float32's
+    # 0.10000000149...); float(q_idx) * 0.3 stays float32 in torch, so its 0.3 does too.
+    def fn(s, b, h, q_idx, kv_idx):
+        return torch.where(q_idx >= kv_idx, s * 0.1, s - 0.7) + (q_idx - kv_idx) * 0.3
+    wide = trace(trace(fn), score_dtype=torch.float64)
+    assert str(wide.ir) == str(trace(fn, score_dtype=torch.float64).ir)
+    assert "0.10000000149011612" not in str(wide.ir) and "0.699999988079071" not in str(wide.ir)
+    outer = trace(lambda s, b, h, q_idx, kv_idx: trace(fn)(s, b, h, q_idx, kv_idx), score_dtype=torch.float64)
+    assert outer.ir is wide.ir  # (inlined into a float64 mod: the same)
+
+
 def test_is_traced():
     assert not is_traced((1, torch.zeros(()), "x"))
     seen = []
