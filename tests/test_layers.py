@@ -42,14 +42,26 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def imports(path: Path, known: dict) -> set[str]:
-    """The package modules ``path`` imports, at any depth of the file (function-local ones too)."""
+def absolute(node: ast.ImportFrom, name: str, path: Path) -> str | None:
+    """The dotted module a ``from ... import`` names, relative ones (``from .ir import``,
+    ``from . import ir``) resolved against ``name``, the importing module."""
+    if not node.level:
+        return node.module
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    base = package[:len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports(path: Path, known: dict, name: str) -> set[str]:
+    """The package modules ``path`` (module ``name``) imports, at any depth of the file
+    (function-local ones too), relative imports included."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "flexattn":
+        module = absolute(node, name, path) if isinstance(node, ast.ImportFrom) else None
+        if module and module.split(".")[0] == "flexattn":
             for alias in node.names:
-                sub = f"{node.module}.{alias.name}"
-                found.add(sub if sub in known else node.module)
+                sub = f"{module}.{alias.name}"
+                found.add(sub if sub in known else module)
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.split(".")[0] == "flexattn"}
     return found
@@ -64,7 +76,7 @@ def layer_of(name: str) -> tuple[int, str]:
 
 def graph() -> dict[str, set[str]]:
     known = modules()
-    return {name: imports(path, known) - {name} for name, path in known.items()}
+    return {name: imports(path, known, name) - {name} for name, path in known.items()}
 
 
 def test_every_module_has_a_layer():
@@ -81,6 +93,20 @@ def test_no_module_imports_from_a_higher_layer_or_a_sibling():
             if dep_group != group and dep_rank >= rank:
                 wrong.append(f"{name} ({group}) imports {dep} ({dep_group})")
     assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_relative_imports_are_resolved():
+    """``from .x import y`` counts like ``from flexattn.<package>.x import y``: the layer rules
+    cannot be stepped around by spelling an import relatively."""
+    module, package = PACKAGE / "kernels" / "launch.py", PACKAGE / "kernels" / "__init__.py"
+    cases = [("from .plans import Plan", module, "flexattn.kernels.plans"),
+             ("from . import plans", module, "flexattn.kernels"),
+             ("from ..attention import flex_attention", module, "flexattn.attention"),
+             ("from .plans import Plan", package, "flexattn.kernels.plans"),
+             ("from flexattn.ir import Node", module, "flexattn.ir")]
+    for source, path, expected in cases:
+        name = "flexattn.kernels" if path.name == "__init__.py" else "flexattn.kernels.launch"
+        assert absolute(ast.parse(source).body[0], name, path) == expected, source
 
 
 def test_no_import_circle():
