@@ -249,3 +249,19 @@ def test_errors():
         fa_hf.block_mask(2, 5, 5, q_offset=1.5)
     with pytest.raises(TypeError, match=r"name must be a non-empty str, got ''"):
         fa_hf.register("")
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 4, 13, 13), (2, 1, 13, 13)], ids=["per head", "per batch"])
+def test_per_batch_bool_mask_and_position_bias(bias_shape):
+    """A bool 4-D mask that differs between batch rows and is longer than KV (its extra columns are
+    not read), and a position bias over heads or over batch rows: each row and head reads its own."""
+    q, k, v = _qkv(seed=7)
+    g = torch.Generator().manual_seed(1)
+    keep = torch.rand(2, 1, 13, 17, generator=g) > 0.4
+    keep[..., 0] = True  # every row keeps a key
+    bias = torch.randn(bias_shape, generator=g, dtype=torch.float64)
+    got, _ = fa_hf.attention_forward(None, q, k, v, keep, scaling=0.4, position_bias=bias)
+    full = bias.expand(2, 4, 13, 13)
+    want = attention_reference(q, k, v, score_mod=lambda s, b, h, qi, ki: s + full[b, h, qi, ki],
+                               mask_mod=lambda b, h, qi, ki: keep[b, 0, qi, ki], scale=0.4, enable_gqa=True)
+    torch.testing.assert_close(got, want.transpose(1, 2), atol=1e-10, rtol=1e-10)
