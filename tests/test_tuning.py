@@ -285,6 +285,31 @@ def test_grids_of_other_sizes_are_tuned_apart(fresh, clock):
     assert [k_.split("|")[8] for k_ in keys] == ["BH<=2", "BH<=4", "BH<=8"], keys
 
 
+def test_inputs_of_another_dtype_head_dim_group_or_mod_are_tuned_apart(fresh, clock):
+    """Each feature of the tuning key tells problems apart: the dtype, the head dims, the GQA
+    group and whether there is a score mod each make a key of their own (a winner of float32 is
+    not taken for float16); the first problem again reuses its winner."""
+    g = torch.Generator().manual_seed(0)
+
+    def inputs(dtype=torch.float32, E=32, Ev=32, Hkv=2):
+        return (torch.randn(1, 2, 150, E, generator=g, dtype=dtype), torch.randn(1, Hkv, 150, E, generator=g, dtype=dtype),
+                torch.randn(1, Hkv, 150, Ev, generator=g, dtype=dtype))
+
+    cases = [(inputs(), bias), (inputs(torch.float16), bias), (inputs(E=16, Ev=16), bias), (inputs(Ev=16), bias),
+             (inputs(Hkv=1), bias), (inputs(), None), (inputs(), bias)]
+    timed = []
+    for (q, k, v), mod in cases:
+        out = flexattn.flex_attention(q, k, v, score_mod=mod, enable_gqa=True, kernel_options={"AUTOTUNE": True})
+        want = attention_reference(q, k, v, score_mod=mod, enable_gqa=True)
+        tol = 2e-3 if q.dtype == torch.float16 else 1e-5
+        torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+        timed.append(len(clock))
+    grew = [b > a for a, b in zip([0, *timed], timed)]
+    assert grew == [True] * 6 + [False], timed
+    keys = json.loads((fresh / tuning._FILE).read_text())
+    assert len(keys) == 6, list(keys)
+
+
 def test_the_backward_is_tuned_once_and_another_process_reuses_the_winner(fresh, clock, capsys):
     q, k, v = (t.requires_grad_() for t in _inputs())
     do = torch.randn_like(q)
