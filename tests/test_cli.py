@@ -224,3 +224,24 @@ def test_show_python_mod_from_a_file(capsys, tmp_path):
     assert rc == 2 and f"{f} defines no 'nope'; callables there: window" in err
     rc, _, err = run(capsys, "show", f"{tmp_path}/missing.py:window")
     assert rc == 2 and "no such file" in err
+
+
+def test_show_prints_the_source_of_the_target_asked_for(capsys):
+    """--target picks the emitted source: a mask over one axis differs between the GPU and the
+    interpreter (which broadcasts it to the tile), and each is what emit_mod gives for that target."""
+    from flexattn.codegen.emit import emit_mod
+
+    sources = {}
+    for target in ("cuda", "interpret"):
+        rc, out, _ = run(capsys, "show", "q_idx >= 3", "--target", target)
+        assert rc == 0
+        sources[target] = emit_mod(parse("q_idx >= 3"), "mask", target=target).source
+        assert out.endswith(f"Triton ({target}):\n\n{sources[target]}\n")
+    assert sources["cuda"] != sources["interpret"]
+
+
+def test_show_binds_tensors_of_the_dtype_and_rank_given(capsys):
+    rc, out, _ = run(capsys, "show", "t[q_idx, kv_idx] > 0", "--tensor", "t=int64[4,3]", "--kind", "mask")
+    assert rc == 0 and "B0: t  int64, 2-d" in out and "IR:     (t[q_idx][kv_idx] > 0)" in out
+    rc, out, _ = run(capsys, "show", "score * t[h]", "--tensor", "t=float16[2]")
+    assert rc == 0 and "B0: t  float16, 1-d" in out
