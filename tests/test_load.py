@@ -81,14 +81,21 @@ def test_module_global_int_and_default_are_dynamic(monkeypatch):
     assert len(compiled) <= 2
 
 
-def test_python_float_temperature_changed_every_step(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_python_float_temperature_changed_every_step(monkeypatch, dtype):
+    """The call key holds the 0-d tensor a changing float is passed as in the call's own float
+    dtype (float64 for float64 inputs): from the third step on each step is a known call (keyed
+    with a float32 tensor, a float64 call never hit its known call and planned every step)."""
     compiled = record_calls(monkeypatch, launch, "load_kernel_module")
-    q, k, v = qkv(8, 20)
+    planned = record_calls(monkeypatch, call, "_plan_call")
+    q, k, v = qkv(8, 20, dtype=dtype)
     for step in range(12):
         temperature = 0.5 + 0.37 * step
-        out = flexattn.flex_attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s / temperature)
+        out = flexattn.flex_attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s / temperature,
+                                      kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
         assert_right(out, q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s / temperature)
     assert len(compiled) <= 2
+    assert len(planned) <= 3  # at most the constant, the first dynamic and its known call: not one per step
 
 
 def test_a_number_used_as_a_python_value_stays_a_constant():
