@@ -465,6 +465,53 @@ def test_backward_op_fake_strides_of_a_transposed_captured_tensor():
         assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
 
 
+def _real_and_fake(op, *args):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = op(*args)
+    with FakeTensorMode() as mode:
+        fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    return real, fake
+
+
+def _same_layouts(real, fake, what):
+    for i, (r, f) in enumerate(zip(real, fake, strict=True)):
+        assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype), f"{what}: output {i}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", ["contiguous", "heads inside"])
+def test_fake_kernels_give_the_real_outputs_layouts(dtype, layout):
+    """Each op's fake kernel says the shapes, strides and dtypes its real outputs have (Inductor
+    plans buffers and asserts strides from them): Q, K, V as model code passes them ([B, S, H, E]
+    transposed), Ev != E, the float64 statistics, max_scores present or empty."""
+    from flexattn import capture, ops
+
+    g = torch.Generator().manual_seed(0)
+
+    def make(L, E):
+        if layout == "contiguous":
+            return torch.randn(1, 2, L, E, generator=g, dtype=dtype)
+        return torch.randn(1, L, 2, E, generator=g, dtype=dtype).transpose(1, 2)
+
+    k, v = make(45, 16), make(45, 8)
+    key, bufs = capture.capture(lambda s, b, h, qi, ki: s + 0.1 * h, "score", dtype)
+    specs = {want_max: ops.spec(key, call.noop_mask_mod().key(), (), False, (), want_max) for want_max in (False, True)}
+    q = make(37, 16)
+    for want_max, spec in specs.items():
+        real, fake = _real_and_fake(torch.ops.flexattn.forward, q, k, v, None, bufs, [], [], -1, -1, spec, 0.25)
+        _same_layouts(real, fake, f"forward, want_max={want_max}")
+    out, lse, _ = real
+    grad_out = make(37, 8)
+    real, fake = _real_and_fake(torch.ops.flexattn.backward, q, k, v, out, lse, grad_out, None, None, bufs, [], [],
+                                -1, -1, specs[True], 0.25, [])
+    _same_layouts(real[:4], fake[:4], "backward")
+    if dtype != torch.float64:  # (the decoding kernel takes no float64)
+        real, fake = _real_and_fake(torch.ops.flexattn.decode, make(3, 16), k, v, None, bufs, [], [], -1, -1, None,
+                                    specs[False], 0.25)
+        _same_layouts(real, fake, "decode")
+
+
 # ---------------------------------------------------------------------------------------------
 # Block masks of new lengths
 
