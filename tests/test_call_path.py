@@ -255,6 +255,19 @@ def test_a_known_call_that_comes_to_need_gradients(traces):
     assert len(traces) == 1  # one fingerprint; the gradient need picks the plan
 
 
+@pytest.mark.parametrize("which", ["key", "value"])
+def test_a_known_call_is_checked_again_when_an_input_changes_dtype(which):
+    """The call key holds every input's dtype: after a valid call, the same shapes with K or V
+    of another dtype miss it and are refused (a hit skips validation and runs the known plan)."""
+    q, k, v = qkv()
+    mod = lambda s, b, h, qi, ki: s * 0.5  # noqa: E731
+    check(q, k, v, mod)
+    inputs = {"key": k, "value": v}
+    inputs[which] = inputs[which].to(torch.bfloat16)
+    with pytest.raises(TypeError, match=f"{which} must have query's dtype torch.float32, got torch.bfloat16"):
+        flexattn.flex_attention(q, inputs["key"], inputs["value"], score_mod=mod, kernel_options=FORCE)
+
+
 def test_a_mod_that_makes_its_own_tensors_is_traced_every_call(traces):
     q, k, v = qkv()
     for _ in range(2):
