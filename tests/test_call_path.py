@@ -268,6 +268,25 @@ def test_a_known_call_is_checked_again_when_an_input_changes_dtype(which):
         flexattn.flex_attention(q, inputs["key"], inputs["value"], score_mod=mod, kernel_options=FORCE)
 
 
+def test_a_backward_that_comes_to_need_a_captured_tensors_gradient():
+    """The same call twice with gradients, the captured table requiring grad only the second time:
+    the backward plan is keyed by which gradients it computes, so the second one gives the
+    table's gradient (a reused plan of the first left it None)."""
+    q, k, v = (t.requires_grad_() for t in qkv(seed=3))
+    bias = torch.randn(2, 37)
+    weights = torch.linspace(-1, 1, 37 * 16).view(1, 1, 37, 16)
+    for bias_grad in (False, True):
+        bias.requires_grad_(bias_grad)
+        out = flexattn.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[h, ki], kernel_options=FORCE)
+        (out * weights).sum().backward()
+    bias64 = bias.detach().double().requires_grad_()
+    ref = attention_reference(q.detach().double(), k.detach().double(), v.detach().double(),
+                              score_mod=lambda s, b, h, qi, ki: s + bias64[h, ki])
+    (ref * weights.double()).sum().backward()
+    assert bias.grad is not None
+    torch.testing.assert_close(bias.grad.double(), bias64.grad, atol=2e-5, rtol=2e-5)
+
+
 def test_a_mod_that_makes_its_own_tensors_is_traced_every_call(traces):
     q, k, v = qkv()
     for _ in range(2):
