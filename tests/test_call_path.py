@@ -287,6 +287,26 @@ def test_a_backward_that_comes_to_need_a_captured_tensors_gradient():
     torch.testing.assert_close(bias.grad.double(), bias64.grad, atol=2e-5, rtol=2e-5)
 
 
+def test_a_backward_that_comes_to_read_the_lse_gradient():
+    """The same call twice, its LSE in the loss only the second time: the backward plan is keyed
+    by whether an LSE gradient comes, so the second backward adds its part (a reused plan of the
+    first dropped it), then the first kind again."""
+    q, k, v = qkv(seed=4)
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    mod = lambda s, b, h, qi, ki: s * 0.7  # noqa: E731
+    for use_lse in (False, True, False):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = flexattn.flex_attention(*inputs, score_mod=mod, return_lse=True, kernel_options=FORCE)
+        want, want_lse = attention_reference(*ref_in, score_mod=mod, return_lse=True)
+        loss, want_loss = out.sum(), want.sum()
+        if use_lse:
+            loss, want_loss = loss + (lse * lse).sum(), want_loss + (want_lse * want_lse).sum()
+        loss.backward()
+        want_grads = torch.autograd.grad(want_loss, ref_in)
+        for t, w in zip(inputs, want_grads):
+            torch.testing.assert_close(t.grad.double(), w, atol=2e-5, rtol=2e-5, msg=f"use_lse={use_lse}")
+
+
 def test_a_mod_that_makes_its_own_tensors_is_traced_every_call(traces):
     q, k, v = qkv()
     for _ in range(2):
