@@ -307,6 +307,23 @@ def test_a_backward_that_comes_to_read_the_lse_gradient():
             torch.testing.assert_close(t.grad.double(), w, atol=2e-5, rtol=2e-5, msg=f"use_lse={use_lse}")
 
 
+def test_block_masks_of_one_mask_mod_with_other_tables_are_keys_of_their_own():
+    """One mask mod, block masks of other block sizes or without separate full blocks: each call
+    runs a plan for its own tables (the call key holds their layout), and each is right."""
+    q, k, v = qkv(L=70, seed=5)
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 40)
+
+    made = [(block, full) for block in (16, 32, 16) for full in (True, False)]
+    for block, full in made:
+        bm = flexattn.create_block_mask(window, None, None, 70, 70, device="cpu", BLOCK_SIZE=block,
+                                        separate_full_blocks=full)
+        out = flexattn.flex_attention(q, k, v, block_mask=bm, kernel_options=FORCE)
+        ref = attention_reference(q.double(), k.double(), v.double(), mask_mod=window)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5, msg=f"BLOCK_SIZE={block}, full={full}")
+
+
 def test_a_mod_that_makes_its_own_tensors_is_traced_every_call(traces):
     q, k, v = qkv()
     for _ in range(2):
