@@ -440,3 +440,14 @@ def test_attributes_read_through_getattr_or_type_are_read_at_every_call(mod):
             torch.testing.assert_close(got.double(), attention_reference(q, k, v, score_mod=mod), atol=1e-5, rtol=1e-5)
     finally:
         _Reflected.scale = 1.0
+
+
+def test_dicts_with_the_same_values_under_other_keys(qkv):
+    """Two dicts holding the same values in the same order under swapped keys: the mod reads
+    another number from each (the fingerprint keys a dict's keys, not only its values)."""
+    def reader(cfg):
+        return lambda score, b, h, q_idx, kv_idx: score * cfg["scale"] + cfg["shift"] * (q_idx - kv_idx) * 0.01
+
+    assert_matches_reference(qkv, score_mod=reader({"scale": 2.0, "shift": 0.5}))
+    assert_matches_reference(qkv, score_mod=reader({"shift": 2.0, "scale": 0.5}))
+
