@@ -451,3 +451,13 @@ def test_dicts_with_the_same_values_under_other_keys(qkv):
     assert_matches_reference(qkv, score_mod=reader({"scale": 2.0, "shift": 0.5}))
     assert_matches_reference(qkv, score_mod=reader({"shift": 2.0, "scale": 0.5}))
 
+
+def test_keyword_only_defaults_the_mod_reads(qkv):
+    """A keyword-only default of the mod (``*, scale=...``) made anew for each value is read anew."""
+    def make(value):
+        def mod(score, b, h, q_idx, kv_idx, *, scale=value):
+            return score * scale
+        return mod
+
+    for value in (2.0, 0.25, 2.0):
+        assert_matches_reference(qkv, score_mod=make(value))
