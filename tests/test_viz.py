@@ -92,3 +92,24 @@ def test_tile_picture_has_the_tiles_of_the_lengths():
     idx = torch.tensor([[[[0, 1, 2, 0]]]], dtype=torch.int32)  # one column more than KV_LEN 40 has tiles
     bm = BlockMask.from_kv_blocks(nb, idx, BLOCK_SIZE=16, seq_lengths=(16, 40))
     assert torch.equal(viz.picture(bm, level="tile")[0], torch.tensor([[150, 150, 150]], dtype=torch.uint8))
+
+
+def test_tile_picture_of_each_batch_and_head():
+    """The tile picture of (batch, head) is that of a mask built for that batch row and head alone."""
+    prefix = torch.tensor([70, 200])
+
+    def mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) | (kv_idx < prefix[b] - 60 * h)
+
+    bm = flexattn.create_block_mask(mod, 2, 2, 300, 300, device="cpu", BLOCK_SIZE=64)
+    grids = set()
+    for b in range(2):
+        for h in range(2):
+            def alone(b_, h_, q_idx, kv_idx, p=int(prefix[b]) - 60 * h):
+                return (q_idx >= kv_idx) | (kv_idx < p)
+
+            one = flexattn.create_block_mask(alone, 1, 1, 300, 300, device="cpu", BLOCK_SIZE=64)
+            grid = viz.tile_grid(bm, batch=b, head=h)
+            assert torch.equal(grid, viz.tile_grid(one)), (b, h)
+            grids.add(tuple(grid.flatten().tolist()))
+    assert len(grids) == 4  # (each batch row and head draws a picture of its own)
