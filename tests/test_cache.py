@@ -30,6 +30,22 @@ def test_key_depends_on_text_and_mode(tmp_path, monkeypatch):
     assert cache.write_source(SOURCE + "\n# other\n", "probe", interpret=True) != a
 
 
+@pytest.mark.parametrize("version", ["flexattn", "triton", "torch"])
+def test_key_depends_on_the_versions_that_build_the_module(tmp_path, monkeypatch, version):
+    """A module generated under another flexattn, Triton or torch is another entry: the same text
+    is not reused across an upgrade (the templates' meaning and the compilers change with them)."""
+    monkeypatch.setenv("FLEXATTN_CACHE_DIR", str(tmp_path))
+    before = cache.source_key(SOURCE, True)
+    a = cache.write_source(SOURCE, "probe", interpret=True)
+    if version == "flexattn":
+        monkeypatch.setattr(cache, "__version__", cache.__version__ + ".other")
+    else:
+        module = {"triton": cache.triton, "torch": cache.torch}[version]
+        monkeypatch.setattr(module, "__version__", module.__version__ + ".other")
+    assert cache.source_key(SOURCE, True) != before
+    assert cache.write_source(SOURCE, "probe", interpret=True) != a
+
+
 def test_loaded_module_runs_in_the_interpreter(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEXATTN_CACHE_DIR", str(tmp_path))
     module = cache.load_source(SOURCE + "# run\n", "probe", interpret=True)
