@@ -111,6 +111,19 @@ def test_block_mask_kv_offset_and_short_padding_mask():
     assert torch.equal(_dense(bm, B, Q, KV), want)
 
 
+@pytest.mark.parametrize("padding", ["none", "all ones"])
+def test_block_mask_kv_offset_without_padding(padding):
+    """A KV offset with no padding to gather (no padding mask, or one of all ones): the mask
+    function still sees absolute KV positions (a sliding window reads them)."""
+    B, Q, KV, off = 2, 16, 24, 8
+    am = None if padding == "none" else torch.ones(B, off + KV, dtype=torch.bool)
+    fn = mu.sliding_window_causal_mask_function(5)
+    want = mu.sdpa_mask(B, Q, KV, q_offset=off + 8, kv_offset=off, mask_function=fn, attention_mask=am,
+                        allow_is_causal_skip=False, use_vmap=True)
+    bm = fa_hf.block_mask(B, Q, KV, q_offset=off + 8, kv_offset=off, mask_function=fn, attention_mask=am)
+    assert torch.equal(_dense(bm, B, Q, KV), want.expand(B, 1, Q, KV))
+
+
 def test_decoding_steps_share_one_traced_mask():
     """Offsets and lengths are captured tensors: every decoding step has the same mod key (one kernel)."""
     _, am = left_padded_batch((9, 14, 5))
