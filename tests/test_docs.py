@@ -48,3 +48,33 @@ def test_code_blocks_run(path, tmp_path, monkeypatch):
             assert result.failed == 0, f"doctest block at {where} failed (output above)"
         else:
             exec(compile(code, where, "exec"), namespace)  # noqa: S102 - our own documentation
+
+
+def _modules_with_examples() -> list[str]:
+    """Every module of the package whose source shows a ``>>>`` example (templates are not modules)."""
+    package = ROOT / "flexattn"
+    names = []
+    for path in sorted(package.rglob("*.py")):
+        if ">>> " in path.read_text():
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+@pytest.mark.parametrize("name", _modules_with_examples())
+def test_docstring_examples_run(name):
+    """The ``>>>`` examples of every docstring run and print what they show, with the package's
+    public names in scope (as a reader has them after ``import flexattn``)."""
+    import importlib
+
+    import torch
+
+    import flexattn
+    import flexattn.block_mask
+    from flexattn import masks, scores
+
+    module = importlib.import_module(name)
+    names = {"torch": torch, "flexattn": flexattn, "masks": masks, "scores": scores,
+             **{n: getattr(flexattn.block_mask, n) for n in flexattn.block_mask.__all__}}
+    result = doctest.testmod(module, extraglobs=names, optionflags=doctest.NORMALIZE_WHITESPACE, report=True)
+    assert result.failed == 0, f"{name}: {result.failed} of {result.attempted} examples failed (output above)"
