@@ -178,6 +178,21 @@ def test_torch_function_masks(fn):
     check(fn)
 
 
+# torch's other names for the same functions (each is its own entry of the handler table)
+TORCH_ALIASES = [
+    lambda s, b, h, q, kv: torch.subtract(s, q) + s.subtract(kv, alpha=2) + torch.multiply(s, 3) + s.multiply(q),
+    lambda s, b, h, q, kv: torch.sgn(s) + s.sgn() * 2 + torch.where(torch.isposinf(s / (q - kv)), 1.0, 0.0)
+    + torch.where(s.isposinf(), 5.0, 0.0),
+    lambda b, h, q, kv: torch.greater(q, kv) ^ torch.greater_equal(kv, 3) ^ torch.less_equal(q, 5) ^ torch.not_equal(b, h),
+    lambda b, h, q, kv: q.greater(4) ^ q.greater_equal(kv + 1) ^ q.less_equal(kv - 2) ^ kv.not_equal(2),
+]
+
+
+@pytest.mark.parametrize("fn", TORCH_ALIASES, ids=range(len(TORCH_ALIASES)))
+def test_torch_function_aliases(fn):
+    check(fn)
+
+
 TENSOR_METHODS = [
     lambda s, b, h, q, kv: s.abs() + s.clamp(min=-1.0, max=1.0) + s.clamp(max=0.5) + s.clip(-2, 2),
     lambda s, b, h, q, kv: s.exp().clamp(max=100.0) + s.tanh() + s.sigmoid() + s.neg(),
