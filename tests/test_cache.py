@@ -164,3 +164,29 @@ def test_entry_whose_import_fails_is_removed(tmp_path, monkeypatch):
     with pytest.raises(ZeroDivisionError):
         cache.load_source("x = 1 // 0\n", "probe", interpret=True)
     assert not list((tmp_path / "kernels").glob("probe_*"))
+
+
+def test_bytecode_in_pycache_is_never_run_nor_written(tmp_path, monkeypatch):
+    """The entry's hash covers the .py file only: Python's loader would run a __pycache__ file in
+    its place (an unchecked hash-based .pyc is used whatever the source says), and write .pyc files
+    that no size cap counts."""
+    import importlib.util
+    import marshal
+    import os
+    from pathlib import Path
+
+    _fresh(tmp_path, monkeypatch)
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    source = SOURCE + "# pyc\n"
+    assert _twice(cache.load_source(source, "probe", interpret=True)) == 7.0
+    assert not (tmp_path / "kernels" / "__pycache__").exists()
+    path = cache.write_source(source, "probe", interpret=True)
+    pyc = Path(importlib.util.cache_from_source(str(path)))
+    pyc.parent.mkdir(exist_ok=True)
+    planted = compile("import os\nos.environ['FLEXATTN_TEST_PLANTED'] = '1'\n", str(path), "exec")
+    pyc.write_bytes(importlib.util.MAGIC_NUMBER + (0b01).to_bytes(4, "little") + bytes(8) + marshal.dumps(planted))
+    monkeypatch.delenv("FLEXATTN_TEST_PLANTED", raising=False)
+    monkeypatch.setattr(cache, "_LOADED", {})
+    module = cache.load_source(source, "probe", interpret=True)
+    assert "FLEXATTN_TEST_PLANTED" not in os.environ
+    assert _twice(module) == 7.0

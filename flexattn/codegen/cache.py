@@ -13,7 +13,8 @@ compares the whole entry with the text flexattn would write. A truncated, corrup
 is discarded and written again, with one warning per entry. Writes go to a temporary file first and
 are published with ``os.replace`` (atomic on POSIX), so concurrent processes either see no file or a
 complete one. Source is compiled before it is written, and an entry whose import fails is removed:
-nothing un-importable stays in the cache.
+nothing un-importable stays in the cache. A module is compiled from the text just checked, never
+from bytecode in ``__pycache__`` (which the hash does not cover, and which no size cap would see).
 
 Size: the entries' total size is kept under ``$FLEXATTN_CACHE_MAX_MB`` (default `DEFAULT_MAX_MB`).
 Using an entry marks it (its modification time); a write that takes the directory past the cap
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.machinery
 import importlib.util
 import math
 import os
@@ -237,7 +239,7 @@ def load_source(source: str, stem: str, interpret: bool) -> ModuleType:
         for attempt in range(3):
             path = write_source(source, stem, interpret)
             try:
-                mod = _import(path, interpret)
+                mod = _import(path, interpret, entry_text(source))
                 break
             except FileNotFoundError:  # evicted by another process between the write and the read
                 if attempt == 2:
@@ -246,15 +248,31 @@ def load_source(source: str, stem: str, interpret: bool) -> ModuleType:
         return mod
 
 
-def _import(path: Path, interpret: bool) -> ModuleType:
+class _CheckedLoader(importlib.machinery.SourceFileLoader):
+    """Imports ``path`` from ``text`` (its checked entry): Python's own loader would run a
+    ``__pycache__`` file instead when one is there, which could hold anything, and write one."""
+
+    def __init__(self, fullname: str, path: str, text: str):
+        super().__init__(fullname, path)
+        self.text = text
+
+    def get_source(self, fullname: str) -> str:
+        return self.text
+
+    def get_code(self, fullname: str):
+        return compile(self.text, self.path, "exec", dont_inherit=True)
+
+
+def _import(path: Path, interpret: bool, text: str) -> ModuleType:
     name = f"flexattn_generated.{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
+    loader = _CheckedLoader(name, str(path), text)
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    assert spec is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     try:
         with _interpret_mode(interpret):
-            spec.loader.exec_module(mod)
+            loader.exec_module(mod)
     except BaseException as e:
         sys.modules.pop(name, None)
         if isinstance(e, Exception) and not isinstance(e, FileNotFoundError):
