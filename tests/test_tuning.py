@@ -445,3 +445,30 @@ def test_untuned_forward_takes_the_tuners_winners_at_head_dim_64(monkeypatch):
         assert len(hopper_plans) == 1 and not template_plans
         plan(sparse, options)
         assert len(hopper_plans) == 1 and template_plans[0][6]["num_warps"] == 4  # (the options it was given)
+
+
+@pytest.mark.parametrize("stored", [
+    {"BLOCK_M": 32, "ROWS_GUARANTEED_SAFE": True},  # a candidate plus an option that changes results
+    {"BLOCK_M": 8},                                 # no candidate (a tile the GPU does not compile)
+    {"BLOCK_M": "32"},
+    [32],
+])
+def test_a_stored_winner_that_is_no_candidate_is_tuned_again(fresh, monkeypatch, stored):
+    """tuning-v2.json is data anyone with the cache directory can edit: a winner read from it is
+    used only where it equals a candidate, and then as that candidate (nothing else from the file
+    reaches the kernels' options)."""
+    candidates = [{"BLOCK_M": 32}, {"BLOCK_M": 64}]
+    (fresh / tuning._FILE).write_text(json.dumps({"test|stored": stored, "test|good": {"BLOCK_M": 64}}))
+    made = []
+
+    def make(config):
+        made.append(config)
+        return dict(config)
+
+    monkeypatch.setattr(tuning, "bench", lambda fn, device: (fn(), made[-1]["BLOCK_M"] / 32)[1])
+    cpu = torch.device("cpu")
+    plan, config = tuning.choose("test|stored", candidates, make, lambda plan: None, cpu)
+    assert plan == config == {"BLOCK_M": 32} and made == candidates  # timed, not taken from the file
+    made.clear()
+    plan, config = tuning.choose("test|good", candidates, make, lambda plan: None, cpu)
+    assert config is candidates[1] and made == [candidates[1]]  # a stored candidate: nothing timed

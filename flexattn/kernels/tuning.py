@@ -183,7 +183,11 @@ def choose(key: str, candidates: list[dict[str, Any]], make: Callable[[dict], An
     ms per call of the benchmark's loop: the one pass makes one launch more, dQ's conversion from
     its float32 accumulator). A candidate more than `CLOSE` slower on the GPU is never chosen for its
     host time: where the host runs ahead (a model's other layers), the GPU time is the cost."""
-    winner = _stored().get(key)
+    # Only a stored winner that is one of ``candidates`` counts, and the candidate is what is used: the
+    # file is data anyone with the cache directory can edit, and its other keys would reach the
+    # kernels' options unchecked (ROWS_GUARANTEED_SAFE, a tile no GPU compiles).
+    stored = _stored().get(key)
+    winner = next((c for c in candidates if c == stored), None)
     if winner is not None:
         try:
             return make(winner), winner
