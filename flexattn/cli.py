@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import re
 import subprocess
@@ -42,6 +43,10 @@ def _number(text: str) -> bool | int | float:
         return float(text)  # "inf", "nan", "1e-3" included
 
 
+#: Most elements of a ``--tensor`` (a zero-filled tensor, 128 MiB at 8 bytes each).
+MAX_TENSOR_ELEMENTS = 1 << 24
+
+
 def _bindings(args) -> dict:
     out: dict = {}
     for item in args.set or []:
@@ -58,6 +63,9 @@ def _bindings(args) -> dict:
             raise ValueError(f"--tensor expects NAME=DTYPE[SIZES] with DTYPE one of "
                              f"{', '.join(ir.DTYPES)} (e.g. bias=float32[16] or table=int32[4,8]), got {item!r}")
         sizes = [int(s) for s in m.group(3).split(",") if s.strip()]
+        if max([math.prod(sizes), *sizes]) > MAX_TENSOR_ELEMENTS:  # a few characters could ask for terabytes
+            raise ValueError(f"--tensor {item!r} is too large; flexattn binds tensors of at most "
+                             f"{MAX_TENSOR_ELEMENTS} elements (the code depends only on the dtype and the rank)")
         out[m.group(1)] = torch.zeros(sizes, dtype=ir.DTYPES[m.group(2)])
     return out
 

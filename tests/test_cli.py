@@ -245,3 +245,12 @@ def test_show_binds_tensors_of_the_dtype_and_rank_given(capsys):
     assert rc == 0 and "B0: t  int64, 2-d" in out and "IR:     (t[q_idx][kv_idx] > 0)" in out
     rc, out, _ = run(capsys, "show", "score * t[h]", "--tensor", "t=float16[2]")
     assert rc == 0 and "B0: t  float16, 1-d" in out
+
+
+@pytest.mark.parametrize("sizes", ["1000000,1000000", "0,99999999999999999999", "4611686018427387904,4"])
+def test_tensor_sizes_that_would_take_terabytes_are_refused(capsys, sizes):
+    """--tensor allocates zeros: a few characters must not ask for terabytes (or an int64 overflow)."""
+    rc, _, err = run(capsys, "show", "score + t[q_idx, kv_idx]", "--tensor", f"t=float32[{sizes}]")
+    assert rc == 2 and "is too large; flexattn binds tensors of at most" in err
+    rc, out, _ = run(capsys, "show", "score + t", "--tensor", "t=float32[]")
+    assert rc == 0 and "B0: t  float32, 0-d" in out
