@@ -292,6 +292,9 @@ def test_cache_cap_comes_from_the_environment(monkeypatch):
     assert cache.max_bytes() == cache.DEFAULT_MAX_MB << 20
     monkeypatch.setenv("FLEXATTN_CACHE_MAX_MB", "1.5")
     assert cache.max_bytes() == 3 << 19
+    for raw in ("1e308", "1.7e308"):  # finite megabytes, infinite bytes: no cap, not an OverflowError
+        monkeypatch.setenv("FLEXATTN_CACHE_MAX_MB", raw)
+        assert cache.max_bytes() == 2**63
     for raw in ("lots", "0", "-5", "nan", "inf"):
         monkeypatch.setenv("FLEXATTN_CACHE_MAX_MB", raw)
         with pytest.raises(ValueError, match=f"FLEXATTN_CACHE_MAX_MB must be a positive number of megabytes, got '{raw}'"):

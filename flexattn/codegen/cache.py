@@ -176,7 +176,7 @@ def max_bytes() -> int:
         mb = -1.0
     if not 0 < mb < math.inf:  # (nan and inf too: int() of inf overflows at the first write)
         raise ValueError(f"FLEXATTN_CACHE_MAX_MB must be a positive number of megabytes, got {raw!r}")
-    return int(mb * (1 << 20))
+    return int(min(mb * (1 << 20), 2.0**63))  # (1e308 MB is finite, its bytes are not)
 
 
 def evict(directory: Path, limit: int, keep: Path | None = None) -> None:
