@@ -472,3 +472,16 @@ def test_a_stored_winner_that_is_no_candidate_is_tuned_again(fresh, monkeypatch,
     made.clear()
     plan, config = tuning.choose("test|good", candidates, make, lambda plan: None, cpu)
     assert config is candidates[1] and made == [candidates[1]]  # a stored candidate: nothing timed
+
+
+def test_the_winners_file_is_written_through_a_fresh_file(fresh):
+    """A file already at a temporary name the writer could guess (a link to another file, in a
+    shared cache directory) is never written through."""
+    victim = fresh / "victim.txt"
+    victim.write_text("keep me")
+    for pid in range(os.getpid() - 2, os.getpid() + 3):
+        (fresh / f"tuning-v2.{pid}.tmp").symlink_to(victim)
+    tuning._store("test|link", {"BLOCK_M": 32})
+    assert victim.read_text() == "keep me"
+    assert json.loads((fresh / tuning._FILE).read_text()) == {"test|link": {"BLOCK_M": 32}}
+    assert not list(fresh.glob(".tuning_*"))

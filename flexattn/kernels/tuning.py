@@ -24,9 +24,11 @@ and how far it is.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, Callable, Hashable, Iterable
@@ -260,9 +262,16 @@ def _store(key: str, config: dict[str, Any]) -> None:
             pass
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(winners, indent=1, sort_keys=True))
-            os.replace(tmp, path)
+            # A new file of a fresh name (never one found there, which could be a link to anything).
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning_", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(json.dumps(winners, indent=1, sort_keys=True))
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
         except OSError:
             pass  # a read-only cache: the winner still holds for this process
 
