@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import subprocess
 import sys
@@ -190,3 +191,22 @@ def test_bytecode_in_pycache_is_never_run_nor_written(tmp_path, monkeypatch):
     module = cache.load_source(source, "probe", interpret=True)
     assert "FLEXATTN_TEST_PLANTED" not in os.environ
     assert _twice(module) == 7.0
+
+
+def test_triton_reads_the_checked_text_not_the_file_again(tmp_path, monkeypatch):
+    """The entry is checked, then imported: `triton.jit` reads each function's source with
+    `inspect` as the module runs, and must see the checked text even if the file changed between."""
+    _fresh(tmp_path, monkeypatch)
+    source = SOURCE + "# reread\n"
+    path = cache.write_source(source, "probe", interpret=False)
+    real = cache._interpret_mode
+
+    @contextlib.contextmanager
+    def swap_then_import(enabled):
+        path.write_text(path.read_text().replace("* 2", "* 3"))  # after the check, before the import
+        with real(enabled):
+            yield
+
+    monkeypatch.setattr(cache, "_interpret_mode", swap_then_import)
+    module = cache.load_source(source, "probe", interpret=False)
+    assert "* 2" in module.twice.src and "* 3" not in module.twice.src

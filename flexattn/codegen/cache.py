@@ -28,6 +28,7 @@ import contextlib
 import hashlib
 import importlib.machinery
 import importlib.util
+import linecache
 import math
 import os
 import sys
@@ -49,7 +50,8 @@ _LOCK = threading.RLock()
 # kernel runs: threads take turns.
 INTERPRETER_LOCK = threading.RLock()
 # Bound: an imported module holds its Triton kernels; a dropped one leaves sys.modules too.
-_LOADED = LRU(1024, on_evict=lambda key, module: sys.modules.pop(module.__name__, None))
+_LOADED = LRU(1024, on_evict=lambda key, module: (sys.modules.pop(module.__name__, None),
+                                                   linecache.cache.pop(module.__file__, None)))
 _FALLBACK: dict[str, Path] = {}  # configured directory -> the private one used instead
 _WARNED: set[str] = set()
 _HEADER = "# flexattn cache entry, sha256 of the rest: "
@@ -260,6 +262,10 @@ class _CheckedLoader(importlib.machinery.SourceFileLoader):
         return self.text
 
     def get_code(self, fullname: str):
+        # `triton.jit` reads its functions' source with `inspect`, through linecache: it finds
+        # this text there (an entry without mtime is never checked against the disk), not the
+        # file, which could have changed since it was checked.
+        linecache.cache[self.path] = (len(self.text), None, self.text.splitlines(True), self.path)
         return compile(self.text, self.path, "exec", dont_inherit=True)
 
 
@@ -275,6 +281,7 @@ def _import(path: Path, interpret: bool, text: str) -> ModuleType:
             loader.exec_module(mod)
     except BaseException as e:
         sys.modules.pop(name, None)
+        linecache.cache.pop(str(path), None)
         if isinstance(e, Exception) and not isinstance(e, FileNotFoundError):
             with contextlib.suppress(OSError):  # not for Ctrl-C: the entry itself may be fine
                 path.unlink()
