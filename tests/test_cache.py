@@ -210,3 +210,23 @@ def test_triton_reads_the_checked_text_not_the_file_again(tmp_path, monkeypatch)
     monkeypatch.setattr(cache, "_interpret_mode", swap_then_import)
     module = cache.load_source(source, "probe", interpret=False)
     assert "* 2" in module.twice.src and "* 3" not in module.twice.src
+
+
+def test_eviction_removes_entries_only(tmp_path, monkeypatch):
+    """FLEXATTN_CACHE_DIR may name a directory that holds other files (a project's own folder):
+    the size cap removes cache entries, never a .py file it did not write, however old or large."""
+    import os
+
+    _fresh(tmp_path, monkeypatch)
+    folder = tmp_path / "kernels"
+    folder.mkdir()
+    own = {"train.py": "x = 1\n" * 100_000, "model_0123456789abcdef01234567.py": "y = 2\n" * 100_000}
+    for name, text in own.items():
+        (folder / name).write_text(text)
+        os.utime(folder / name, (1, 1))  # the least recently used of all
+    old = cache.write_source(SOURCE + "# old\n", "probe", interpret=True)
+    os.utime(old, (2, 2))
+    monkeypatch.setenv("FLEXATTN_CACHE_MAX_MB", "0.5")
+    new = cache.write_source(SOURCE + "# new\n", "probe", interpret=True)
+    assert all((folder / name).read_text() == text for name, text in own.items())
+    assert new.exists() and not old.exists()

@@ -31,6 +31,7 @@ import importlib.util
 import linecache
 import math
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -181,6 +182,17 @@ def max_bytes() -> int:
     return int(min(mb * (1 << 20), 2.0**63))  # (1e308 MB is finite, its bytes are not)
 
 
+_ENTRY_NAME = re.compile(r"[a-z_]+_[0-9a-f]{24}\.py")
+
+
+def _is_entry(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(_HEADER)) == _HEADER.encode()
+    except OSError:
+        return False
+
+
 def evict(directory: Path, limit: int, keep: Path | None = None) -> None:
     """Remove the least recently used entries of ``directory`` (by modification time) until
     their total size is at most 90% of ``limit``, if it is over ``limit``; never ``keep``.
@@ -189,7 +201,8 @@ def evict(directory: Path, limit: int, keep: Path | None = None) -> None:
     total = 0
     with os.scandir(directory) as it:
         for e in it:
-            if not e.name.endswith(".py") or e.name.startswith("."):
+            # Entries only: the directory may be one that holds other files (FLEXATTN_CACHE_DIR=.).
+            if not _ENTRY_NAME.fullmatch(e.name):
                 continue
             try:
                 st = e.stat()
@@ -203,7 +216,7 @@ def evict(directory: Path, limit: int, keep: Path | None = None) -> None:
     for _, size, name in entries:
         if total <= limit * 0.9:
             break
-        if keep is not None and name == str(keep):
+        if (keep is not None and name == str(keep)) or not _is_entry(name):
             continue
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name)
