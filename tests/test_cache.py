@@ -230,3 +230,27 @@ def test_eviction_removes_entries_only(tmp_path, monkeypatch):
     new = cache.write_source(SOURCE + "# new\n", "probe", interpret=True)
     assert all((folder / name).read_text() == text for name, text in own.items())
     assert new.exists() and not old.exists()
+
+
+@pytest.mark.parametrize("thing", ["fifo", "device"])
+def test_an_entry_that_is_no_regular_file_of_its_size_is_never_read(tmp_path, thing):
+    """A pipe (a read would wait for a writer forever) or /dev/zero (endless) at an entry's path is
+    replaced without being read."""
+    script = textwrap.dedent(f"""
+        import os, warnings
+        os.environ["FLEXATTN_CACHE_DIR"] = {str(tmp_path)!r}
+        from flexattn.codegen import cache
+        source = {SOURCE!r}
+        path = cache.write_source(source, "probe", interpret=True)
+        path.unlink()
+        if {thing!r} == "fifo":
+            os.mkfifo(path)
+        else:
+            path.symlink_to("/dev/zero")
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            cache.load_source(source, "probe", interpret=True)
+        assert path.read_text() == cache.entry_text(source) and "regenerated" in str(w[0].message)
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr

@@ -32,6 +32,7 @@ import linecache
 import math
 import os
 import re
+import stat
 import sys
 import tempfile
 import threading
@@ -139,8 +140,14 @@ def _publish(path: Path, text: str, stem: str) -> None:
         raise
 
 
-def _read(path: Path) -> str | None:
+def _read(path: Path, size: int) -> str | None:
+    """The entry at ``path`` if it is a regular file of ``size`` bytes, None if there is none, ""
+    for anything else (unreadable, not text, another size): never read, so a pipe, a device or a
+    link to a large file costs nothing."""
     try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            return ""
         return path.read_bytes().decode("utf-8")
     except FileNotFoundError:
         return None
@@ -154,7 +161,7 @@ def write_source(source: str, stem: str, interpret: bool) -> Path:
     _check_importable(source, stem)
     text = entry_text(source)
     path = cache_dir() / f"{stem}_{source_key(source, interpret)}.py"
-    found = _read(path)
+    found = _read(path, len(text.encode("utf-8")))
     if found == text:
         with contextlib.suppress(OSError):
             os.utime(path)  # used now: the last to be evicted
