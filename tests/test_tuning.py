@@ -485,3 +485,19 @@ def test_the_winners_file_is_written_through_a_fresh_file(fresh):
     assert victim.read_text() == "keep me"
     assert json.loads((fresh / tuning._FILE).read_text()) == {"test|link": {"BLOCK_M": 32}}
     assert not list(fresh.glob(".tuning_*"))
+
+
+@pytest.mark.parametrize("damage", ["nested", "directory", "not_objects"])
+def test_a_damaged_winners_file_means_no_winners(fresh, damage):
+    """Whatever is at tuning-v2.json (JSON nested past the parser's recursion limit, no regular file,
+    other JSON), the tuner reads no winner from it, and stores its own where it can."""
+    path = fresh / tuning._FILE
+    if damage == "nested":
+        path.write_text("[" * 100_000)
+    elif damage == "directory":
+        path.mkdir()
+    else:
+        path.write_text(json.dumps({"test|x": [1], "test|y": 3}))
+    assert tuning._stored() == {}
+    tuning._store("test|z", {"BLOCK_M": 32})
+    assert damage == "directory" or json.loads(path.read_text()) == {"test|z": {"BLOCK_M": 32}}

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import sys
 import tempfile
 import threading
@@ -235,16 +236,29 @@ def _path():
     return cache_dir() / _FILE
 
 
+# Far more than any real file (a winner is about 100 bytes); a larger one is not read.
+MAX_FILE_BYTES = 64 << 20
+
+
+def _read_winners(path) -> dict[str, dict[str, Any]]:
+    """The winners in the file at ``path``; {} where there is none or it is not a JSON object of
+    objects (damaged, edited, a pipe or a device, nested past the parser's recursion limit)."""
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE_BYTES:
+            return {}
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(v, dict)} if isinstance(data, dict) else {}
+
+
 def _stored() -> dict[str, dict[str, Any]]:
     global _WINNERS
     if _WINNERS is None:
         with _LOCK:
             if _WINNERS is None:
-                try:
-                    data = json.loads(_path().read_text())
-                    _WINNERS = {k: v for k, v in data.items() if isinstance(v, dict)} if isinstance(data, dict) else {}
-                except (OSError, ValueError):
-                    _WINNERS = {}
+                _WINNERS = _read_winners(_path())
     return _WINNERS
 
 
@@ -254,12 +268,7 @@ def _store(key: str, config: dict[str, Any]) -> None:
     with _LOCK:
         winners[key] = dict(config)
         path = _path()
-        try:
-            on_disk = json.loads(path.read_text())
-            if isinstance(on_disk, dict):
-                winners.update({k: v for k, v in on_disk.items() if k not in winners and isinstance(v, dict)})
-        except (OSError, ValueError):
-            pass
+        winners.update({k: v for k, v in _read_winners(path).items() if k not in winners})
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             # A new file of a fresh name (never one found there, which could be a link to anything).
