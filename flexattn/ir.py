@@ -202,14 +202,17 @@ def buffers_of(root: Node | Iterable[Node]) -> list[Buffer]:
     return [found[i] for i in sorted(found)]
 
 
-def substitute(root: Node, mapping: Callable[[Node], Node | None]) -> Node:
-    """Rebuild ``root`` bottom-up; ``mapping(node)`` may return a replacement for any leaf/node."""
+def substitute(root: Node, mapping: Callable[[Node], Node | None],
+               rebuilt: Callable[[Node, tuple], Node] | None = None) -> Node:
+    """Rebuild ``root`` bottom-up; ``mapping(node)`` may return a replacement for any leaf/node;
+    a node whose operands changed is made again by ``rebuilt(node, operands)`` (`rebuild`)."""
+    rebuilt = rebuilt or rebuild
     memo: dict[int, Node] = {}
     for n in toposort(root):
         rep = mapping(n)
         if rep is None:
             src = tuple(memo[id(s)] for s in n.src)
-            rep = n if all(a is b for a, b in zip(src, n.src)) else rebuild(n, src)
+            rep = n if all(a is b for a, b in zip(src, n.src)) else rebuilt(n, src)
         memo[id(n)] = rep
     return memo[id(root)]
 

@@ -280,6 +280,12 @@ _FLAT_KINDS = {**dict.fromkeys(_ATOMS, _ATOM), torch.Tensor: _TENSOR, torch.nn.P
                **dict.fromkeys(_BY_IDENTITY, _IDENTITY)}
 
 
+def _atom_key(t: type, v) -> tuple:
+    """A plain value's part of a key: floats by their text where equality would mislead (0.0 and
+    -0.0 apart, NaN equal to NaN)."""
+    return (t, v) if t is not float or v and v == v else (t, str(v))
+
+
 def _flat_fingerprint(fn: types.FunctionType, names: tuple[str, ...], chains: tuple,
                       dynamic: dict) -> tuple[tuple | None, list[torch.Tensor]]:
     """The walk of `fingerprint` for the common model-code mod, a function without defaults whose
@@ -308,7 +314,7 @@ def _flat_fingerprint(fn: types.FunctionType, names: tuple[str, ...], chains: tu
         t = type(v)
         kind = _FLAT_KINDS.get(t)
         if kind is _ATOM:
-            key.append((t, v) if t is not float or v and v == v else (t, str(v)))  # (0.0 and -0.0 apart; NaN equal to NaN)
+            key.append(_atom_key(t, v))
         elif kind is _TENSOR:
             for i, x in enumerate(tensors):
                 if x is v:
@@ -382,7 +388,7 @@ def _walk(fn: Any) -> tuple[tuple | None, list[torch.Tensor]]:
             return None, tensors
         t = type(v)
         if t in _ATOMS:
-            key.append((t, v) if t is not float or v and v == v else (t, str(v)))
+            key.append(_atom_key(t, v))
             continue
         if isinstance(v, torch.Tensor):
             prev = seen.get(id(v))

@@ -789,14 +789,8 @@ def _retype(mod: Mod, kind, score_dtype, name) -> Mod:
     current = mod.score_dtype
     if mod.kind == SCORE and (current not in (None, score_dtype) or mod.ir.dtype != score_dtype):
         new_score = ir.input_("score", score_dtype)
-        memo: dict[int, ir.Node] = {}
-        for n in ir.toposort(mod.ir):
-            src = tuple(memo[id(s)] for s in n.src)
-            if n.op == "input" and n.arg == "score":
-                memo[id(n)] = new_score
-            else:
-                memo[id(n)] = _rebuild(n, src) if any(a is not b for a, b in zip(src, n.src)) else n
-        root = memo[id(mod.ir)]
+        root = ir.substitute(mod.ir, lambda n: new_score if n.op == "input" and n.arg == "score" else None,
+                             _rebuild)
         return Mod(mod.kind, ir.cast(root, score_dtype), mod.buffers, name=name or mod.name,
                    source=mod.source, fn=mod.fn)
     if name is not None and name != mod.name:
