@@ -197,6 +197,7 @@ def choose(key: str, candidates: list[dict[str, Any]], make: Callable[[dict], An
         except Exception:  # noqa: BLE001 - a stale entry (other kernel version): tune again
             pass
     timed = []  # [ms, plan, config] of the candidates that ran within CLOSE of the fastest so far
+    seen = []  # [ms, config] of every candidate that ran, for the message
     start = time.perf_counter()
     tty = sys.stderr.isatty()
     for i, config in enumerate(candidates):
@@ -205,6 +206,7 @@ def choose(key: str, candidates: list[dict[str, Any]], make: Callable[[dict], An
         try:
             plan = make(config)
             timed.append([bench(lambda: run(plan), device), plan, config])
+            seen.append(timed[-1][::2])
         except Exception:  # noqa: BLE001 - e.g. triton.runtime.errors.OutOfResources
             continue
         fastest = min(t[0] for t in timed)
@@ -223,7 +225,9 @@ def choose(key: str, candidates: list[dict[str, Any]], make: Callable[[dict], An
     if config is None:
         print(f"\rflexattn: tuning {key}: no candidate ran ({took:.1f} s)", file=sys.stderr)
         return None, None
-    print(f"\rflexattn: tuned {key} in {took:.1f} s: {config} ({ms:.3f} ms)", file=sys.stderr)
+    others = "; ".join(f"{c} {t:.3f}" for t, c in seen if c is not config)
+    print(f"\rflexattn: tuned {key} in {took:.1f} s: {config} ({ms:.3f} ms)"
+          + (f" [first timings of the others, ms: {others}]" if others else ""), file=sys.stderr)
     _store(key, config)
     return plan, config
 
