@@ -245,7 +245,7 @@ def test_float8_forward_at_head_dim_128_is_chosen_by_timing(monkeypatch, tmp_pat
     tuning.forget()
     asked = []
 
-    def choose(key, candidates, make, run, device):  # the fake clock: the winner is the parameter's
+    def choose(key, candidates, make, run, device, prefer=0.0):  # the fake clock: the winner is the parameter's
         asked.append((key, candidates))
         config = candidates[-1] if winner == "hopper" else candidates[0]
         return make(config), config
@@ -284,7 +284,7 @@ def test_masked_forward_at_head_dim_64_times_the_hopper_kernel_on_regrouped_list
     tuning.forget()
     asked = []
 
-    def choose(key, candidates, make, run, device):
+    def choose(key, candidates, make, run, device, prefer=0.0):
         asked.append((key, candidates))
         return make(candidates[-1]), candidates[-1]
 

@@ -55,11 +55,11 @@ def clock(monkeypatch):
 
     real_choose = tuning.choose
 
-    def choose(key, candidates, make, run, device):
+    def choose(key, candidates, make, run, device, prefer=0.0):
         def make_and_remember(config):
             current.append(make(config))
             return current[-1]
-        return real_choose(key, candidates, make_and_remember, run, device)
+        return real_choose(key, candidates, make_and_remember, run, device, prefer)
 
     monkeypatch.setattr(tuning, "bench", fake_bench)
     monkeypatch.setattr(tuning, "choose", choose)
@@ -186,6 +186,29 @@ def test_close_candidates_rank_by_the_longer_of_gpu_and_host_time(fresh, monkeyp
     # a candidate whose host keeps ahead of its GPU ranks by its GPU time
     names = ["one pass", "dq pass", "quick host"]
     assert tuning.choose("test|host 2", [{"name": n} for n in names], dict, run, cpu)[1] == {"name": "quick host"}
+
+
+def test_prefer_keeps_the_first_listed_candidate_within_its_share(fresh, monkeypatch):
+    """With ``prefer``, a candidate listed earlier wins against faster ones within that share of
+    the best, and loses to one faster by more; without it the fastest wins."""
+    gpu = {"dq pass": 1.016, "one pass": 1.000, "triton": 1.5}
+
+    def run(plan):
+        ran.append(plan["name"])
+
+    def fake_bench(fn, device):
+        fn()
+        return gpu[ran[-1]]
+
+    monkeypatch.setattr(tuning, "bench", fake_bench)
+    monkeypatch.setattr(tuning, "host_ms", lambda fn, device: 0.0)
+    cpu = torch.device("cpu")
+    names = [{"name": n} for n in gpu]
+    for key, prefer, want in (("a", 0.02, "dq pass"), ("b", 0.0, "one pass"), ("c", 0.01, "one pass")):
+        ran = []
+        assert tuning.choose(f"test|prefer {key}", names, dict, run, cpu, prefer)[1] == {"name": want}, key
+    assert {"DQ_PASS": True} == tuning.hopper_backward_candidates(cpu, torch.bfloat16, 128)[0]
+    assert 0 < tuning.HOPPER_BACKWARD_PREFER < tuning.CLOSE
 
 
 @pytest.mark.parametrize("options", [{"AUTOTUNE": True, "BLOCK_M": 64}, {"AUTOTUNE": True, "num_warps": 4},
@@ -373,8 +396,8 @@ def test_the_hopper_backward_times_its_two_forms_under_a_block_mask(monkeypatch)
     monkeypatch.setattr(hopper, "_machine_reason", lambda query, options: None)
     seen = {}
 
-    def choose(key, candidates, make, run, device):
-        seen["key"], seen["plans"] = key, [make(c) for c in candidates]
+    def choose(key, candidates, make, run, device, prefer):
+        seen["key"], seen["plans"], seen["prefer"] = key, [make(c) for c in candidates], prefer
         return seen["plans"][-1], candidates[-1]
 
     monkeypatch.setattr(tuning, "choose", choose)
@@ -392,7 +415,8 @@ def test_the_hopper_backward_times_its_two_forms_under_a_block_mask(monkeypatch)
 
     chosen = plan(tables)
     assert seen["key"].startswith("backward hopper|")
-    one_pass, split, small = seen["plans"]
+    split, one_pass, small = seen["plans"]  # (the dQ pass first: it wins ties, HOPPER_BACKWARD_PREFER)
+    assert seen["prefer"] == tuning.HOPPER_BACKWARD_PREFER
     assert one_pass.dq_pass is None and one_pass.main.constexprs["COMPUTE_DQ"]
     assert isinstance(split.dq_pass, bwd.HopperDqPlan) and not split.main.constexprs["COMPUTE_DQ"]
     assert (small.dq_pass.dq.constexprs["BLOCK_M2"], small.dq_pass.dq.constexprs["BLOCK_N2"]) == (64, 32)

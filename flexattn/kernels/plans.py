@@ -215,7 +215,8 @@ def _make_backward_plan(query, key, value, out, grad_out, score, mask, tables, o
         plan = None
         if tables is not None and not buffer_grads:  # (the one pass is ahead without a block mask)
             plan = _tuned("backward hopper", tuning.HOPPER_BACKWARD_KNOBS, tuning.hopper_backward_candidates,
-                          extra, query, key, value, score, tables, options, make_hopper, launch_once)
+                          extra, query, key, value, score, tables, options, make_hopper, launch_once,
+                          prefer=tuning.HOPPER_BACKWARD_PREFER)
         return plan if plan is not None else make_hopper({})
     plan = _tuned("backward", tuning.BACKWARD_KNOBS, tuning.backward_candidates, extra,
                   query, key, value, score, tables, options, make, launch_once)
@@ -223,10 +224,10 @@ def _make_backward_plan(query, key, value, out, grad_out, score, mask, tables, o
 
 
 def _tuned(family: str, knobs, candidates_for, extra: tuple[str, ...], query, key, value, score: Mod,
-           tables: Tables | None, options: dict, make, run):
+           tables: Tables | None, options: dict, make, run, prefer: float = 0.0):
     """The plan of the tuning winner for one kernel family (``make(config)`` builds a plan,
     ``run(plan)`` launches it once), or None: tuning is off, the call is too short for tiles to
-    matter, there is nothing to choose from, or no candidate ran."""
+    matter, there is nothing to choose from, or no candidate ran. ``prefer``: see `tuning.choose`."""
     B, Hq, Q_LEN, E = query.shape
     device = query.device
     if B * Hq * Q_LEN * key.shape[2] < TUNE_MIN_WORK or not tuning.enabled(options, device, knobs):
@@ -235,7 +236,7 @@ def _tuned(family: str, knobs, candidates_for, extra: tuple[str, ...], query, ke
     if len(candidates) < 2:
         return None
     features = (*_tuning_features(query, key, value, score, tables), *extra)
-    plan, _ = tuning.choose(tuning.tuning_key(family, device, *features), candidates, make, run, device)
+    plan, _ = tuning.choose(tuning.tuning_key(family, device, *features), candidates, make, run, device, prefer)
     return plan
 
 
