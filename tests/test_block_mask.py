@@ -20,6 +20,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 
 import flexattn
 from flexattn import ir
+from flexattn.block_mask import create as create_module
 from flexattn.block_mask import (BlockMask, and_masks, create_block_mask, create_mask, noop_mask,
                                  or_masks)
 from flexattn.mods import Mod
@@ -256,6 +257,58 @@ def test_interval_fast_path_equals_exact_evaluation(root, shape):
         ours = create_block_mask(mod, 2, 2, Q, KV, "cpu", bs, backend=backend)
         assert torch.equal(ours.tile_states(), exact), backend
         assert_same(ours, theirs)
+
+
+@settings(max_examples=8, deadline=None)
+@given(mask_irs, st.tuples(st.integers(1, 120), st.integers(1, 120), st.sampled_from([16, (16, 32), 32])),
+       st.sampled_from([1, 7, 64, 300]))
+def test_undecided_tiles_evaluated_in_slabs_equal_whole_tiles(root, shape, step):
+    # With a step smaller than a tile, the torch path evaluates each undecided tile in slabs of
+    # rows and columns (a step of 1: element by element); the states must not change.
+    Q, KV, bs = shape
+    mod = _ir_mod(root)
+    exact = tile_states_of_dense(create_mask(mod, 2, 2, Q, KV, "cpu"), *((bs, bs) if isinstance(bs, int) else bs))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(create_module, "_CPU_ELEMENTS_PER_STEP", step)
+        ours = create_block_mask(mod, 2, 2, Q, KV, "cpu", bs, backend="torch")
+    assert torch.equal(ours.tile_states(), exact)
+
+
+def _check_blocks_larger_than_the_sequence(device, backends):
+    # One tile of 2**20 x 2**20 (about 10**12 elements) over a 300 x 200 sequence that the interval
+    # analysis cannot decide: evaluated over its 60,000 real elements (it ran out of memory on the
+    # CPU; on the GPU its unrolled sub-tiles never compiled). Never full: the tile is cut by the
+    # sequence end.
+    table = (torch.rand(300, 200) < 0.5).to(device)
+
+    def mask(b, h, q_idx, kv_idx):
+        return table[q_idx, kv_idx]
+
+    def nothing(b, h, q_idx, kv_idx):
+        return table[q_idx, kv_idx] & False
+
+    # Every element kept, which the interval analysis cannot tell (1 x 1, 1 x 2 or 2 x 2, never
+    # 3): a tile cut by the sequence end stays partial where its real elements end on a sub-tile's
+    # edge (256 rows), and the same sequence in a tile of its own size is full.
+    ones_twos = torch.randint(1, 3, (256, 256)).to(device)
+
+    def never_three(b, h, q_idx, kv_idx):
+        return ones_twos[q_idx, kv_idx] * ones_twos[kv_idx, q_idx] != 3
+
+    for backend in backends:
+        for mod, Q, KV, block, state in ((mask, 300, 200, 1 << 20, 1), (nothing, 300, 200, 1 << 20, 0),
+                                         (never_three, 256, 256, 2048, 1), (never_three, 256, 256, 256, 2)):
+            bm = create_block_mask(mod, 1, 1, Q, KV, device, BLOCK_SIZE=block, backend=backend)
+            assert bm.tile_states().tolist() == [[[[state]]]], (backend, mod.__name__, block)
+
+
+def test_a_block_larger_than_the_sequence_is_evaluated_over_the_sequence_only():
+    _check_blocks_larger_than_the_sequence("cpu", ("torch", "triton"))
+
+
+@pytest.mark.gpu
+def test_gpu_a_block_larger_than_the_sequence_is_evaluated_over_the_sequence_only():
+    _check_blocks_larger_than_the_sequence("cuda", ("triton",))
 
 
 # ---------------------------------------------------------------------------------------------

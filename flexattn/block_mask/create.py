@@ -84,25 +84,33 @@ def _classify_torch(mod: Mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, QB: int
 
 
 def _evaluate_unknown(mod: Mod, st: torch.Tensor, r0: int, Q_LEN: int, KV_LEN: int, QB: int, KVB: int):
-    """Evaluate the UNKNOWN tiles of ``st`` element by element (in place), a batch at a time."""
+    """Evaluate the UNKNOWN tiles of ``st`` element by element (in place), about
+    `_CPU_ELEMENTS_PER_STEP` elements at a time: several tiles per step, or a tile in slabs of rows
+    (and of columns) where one holds more. A tile's elements past the lengths are not evaluated (a
+    block larger than its sequence spans only the sequence); they count as masked out."""
     unknown = (st == interval.UNKNOWN).nonzero()
     if unknown.numel() == 0:
         return
     device = st.device
-    oq = torch.arange(QB, device=device).view(1, QB, 1)
-    okv = torch.arange(KVB, device=device).view(1, 1, KVB)
-    per_step = max(1, _CPU_ELEMENTS_PER_STEP // (QB * KVB))
+    rows, cols = min(QB, Q_LEN), min(KVB, KV_LEN)  # (a tile's extent within the lengths, at most)
+    slab_cols = min(cols, _CPU_ELEMENTS_PER_STEP)
+    slab_rows = min(rows, max(1, _CPU_ELEMENTS_PER_STEP // slab_cols))
+    per_step = max(1, _CPU_ELEMENTS_PER_STEP // (slab_rows * slab_cols))
     for u0 in range(0, unknown.shape[0], per_step):
         bb, hh, rr, cc = unknown[u0:u0 + per_step].unbind(1)
-        q = (rr + r0).view(-1, 1, 1) * QB + oq
-        kv = cc.view(-1, 1, 1) * KVB + okv
-        keep = ir.evaluate(mod.ir, {
-            "b": bb.view(-1, 1, 1).int(), "h": hh.view(-1, 1, 1).int(),
-            "q_idx": q.clamp(max=Q_LEN - 1).int(), "kv_idx": kv.clamp(max=KV_LEN - 1).int(),
-        }, mod.buffers, device=device)
-        if Q_LEN % QB or KV_LEN % KVB:
-            keep = keep & (q < Q_LEN) & (kv < KV_LEN)  # padding counts as masked out
-        count = keep.expand(len(bb), QB, KVB).reshape(len(bb), -1).sum(1, dtype=torch.int32)
+        count = torch.zeros(len(bb), dtype=torch.int64, device=device)
+        for q0 in range(0, rows, slab_rows):
+            for k0 in range(0, cols, slab_cols):
+                q = (rr + r0).view(-1, 1, 1) * QB + torch.arange(q0, min(q0 + slab_rows, rows), device=device).view(1, -1, 1)
+                kv = cc.view(-1, 1, 1) * KVB + torch.arange(k0, min(k0 + slab_cols, cols), device=device).view(1, 1, -1)
+                keep = ir.evaluate(mod.ir, {
+                    "b": bb.view(-1, 1, 1).int(), "h": hh.view(-1, 1, 1).int(),
+                    "q_idx": q.clamp(max=Q_LEN - 1).int(), "kv_idx": kv.clamp(max=KV_LEN - 1).int(),
+                }, mod.buffers, device=device)
+                if Q_LEN % QB or KV_LEN % KVB:
+                    keep = keep & (q < Q_LEN) & (kv < KV_LEN)  # padding counts as masked out
+                count += keep.expand(len(bb), q.shape[1], kv.shape[2]).reshape(len(bb), -1).sum(1)
+        # (a tile cut by the lengths never reaches QB x KVB: never full)
         new = torch.where(count == QB * KVB, interval.FULL, torch.where(count > 0, interval.PARTIAL, interval.EMPTY))
         st[bb, hh, rr, cc] = new.to(torch.int8)
 

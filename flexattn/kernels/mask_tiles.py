@@ -195,9 +195,11 @@ def classify(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BL
     n_words = -(-n_kv // 16)
     BH = BD * HD
     state = torch.empty(BH, n_q, n_words, dtype=torch.int32, device=device)
-    # The interpreter runs one program at a time: bigger vectors, fewer steps. On the GPU, sub-tiles
-    # of 64 x 64 keep registers in check.
-    sub_q, sub_kv = (Q_BLOCK, KV_BLOCK) if interpret else (min(Q_BLOCK, 64), min(KV_BLOCK, 64))
+    # The interpreter runs one program at a time: bigger vectors, fewer steps (up to 256 x 256,
+    # the memory of a tile's evaluation bounded). On the GPU, sub-tiles of 64 x 64 keep registers
+    # in check.
+    sub = 256 if interpret else 64
+    sub_q, sub_kv = min(Q_BLOCK, sub), min(KV_BLOCK, sub)
     chunk_words, _, _ = chunks(n_q, n_kv, interpret)
     # (a chunk's undecided tiles from DEFER_MIN on go to exact_kernel, whose programs share them:
     # where the mask gathers from captured tensors, whose rows can be undecided wholesale (a query

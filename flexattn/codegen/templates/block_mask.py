@@ -71,6 +71,28 @@ UNKNOWN = tl.constexpr(3)
 
 
 @triton.jit
+def _exact_sub(
+    b, h, q0, kv0, Q_LEN, KV_LEN, $mod_params
+    SUB_Q: tl.constexpr, SUB_KV: tl.constexpr,
+):
+    # -- mask_mod on one sub-tile: (any element kept, every element kept), padding masked out
+    q_idx = q0 + tl.arange(0, SUB_Q)[:, None]
+    kv_idx = kv0 + tl.arange(0, SUB_KV)[None, :]
+    inside = (q_idx < Q_LEN) & (kv_idx < KV_LEN)
+    q_idx = tl.minimum(q_idx, Q_LEN - 1)
+    kv_idx = tl.minimum(kv_idx, KV_LEN - 1)
+    keep = ($mod_call) & inside
+    keep = keep.to(tl.int32)
+    return _tile_max(keep), _tile_min(keep)
+
+
+# Sub-tiles per tile up to which the loops over them are unrolled (a 128 x 128 tile has 4 on the
+# GPU). Past it they run as loops that stop at the sequence end: a tile larger than the sequence
+# (BLOCK_SIZE=2**20 on a short one) is evaluated over its real elements only.
+UNROLL_SUBS = tl.constexpr(16)
+
+
+@triton.jit
 def _exact_tile(
     b, h, q_lo, kv_lo, Q_LEN, KV_LEN, $mod_params
     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, SUB_Q: tl.constexpr, SUB_KV: tl.constexpr,
@@ -78,17 +100,21 @@ def _exact_tile(
     # -- evaluate mask_mod on every element of one tile: empty, partial or full
     any_true = tl.full([], 0, tl.int32)
     all_true = tl.full([], 1, tl.int32)
-    for sq in tl.static_range(0, BLOCK_Q, SUB_Q):
-        for sk in tl.static_range(0, BLOCK_KV, SUB_KV):
-            q_idx = q_lo + sq + tl.arange(0, SUB_Q)[:, None]
-            kv_idx = kv_lo + sk + tl.arange(0, SUB_KV)[None, :]
-            inside = (q_idx < Q_LEN) & (kv_idx < KV_LEN)
-            q_idx = tl.minimum(q_idx, Q_LEN - 1)
-            kv_idx = tl.minimum(kv_idx, KV_LEN - 1)
-            keep = ($mod_call) & inside
-            keep = keep.to(tl.int32)
-            any_true = tl.maximum(any_true, _tile_max(keep))
-            all_true = tl.minimum(all_true, _tile_min(keep))
+    if (BLOCK_Q // SUB_Q) * (BLOCK_KV // SUB_KV) <= UNROLL_SUBS:
+        for sq in tl.static_range(0, BLOCK_Q, SUB_Q):
+            for sk in tl.static_range(0, BLOCK_KV, SUB_KV):
+                most, least = _exact_sub(b, h, q_lo + sq, kv_lo + sk, Q_LEN, KV_LEN, $mod_params SUB_Q, SUB_KV)
+                any_true = tl.maximum(any_true, most)
+                all_true = tl.minimum(all_true, least)
+    else:
+        # (a tile cut by the sequence end is never full: all_true drops to 0 below)
+        for sq in range(0, tl.minimum(BLOCK_Q, Q_LEN - q_lo), SUB_Q):
+            for sk in range(0, tl.minimum(BLOCK_KV, KV_LEN - kv_lo), SUB_KV):
+                most, least = _exact_sub(b, h, q_lo + sq, kv_lo + sk, Q_LEN, KV_LEN, $mod_params SUB_Q, SUB_KV)
+                any_true = tl.maximum(any_true, most)
+                all_true = tl.minimum(all_true, least)
+        cut = (q_lo + BLOCK_Q > Q_LEN) | (kv_lo + BLOCK_KV > KV_LEN)
+        all_true = tl.where(cut, 0, all_true)
     return tl.where(all_true == 1, FULL, tl.where(any_true == 1, PARTIAL, EMPTY))
 
 
