@@ -69,7 +69,6 @@ class Layout:
         hit = _POSITIONS.get(key)
         if hit is None:
             hit = _runs_to_positions(self.runs(length, world_size, rank), device)
-            interval.Summary.keep(hit)  # (every block mask of the shard reads its summary)
             _POSITIONS[key] = hit
         return hit
 

@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple
 import torch
 
 import flexattn
-from flexattn import scalars
+from flexattn import interval, scalars
 from flexattn.block_mask import ranks
 from flexattn.block_mask.create import _resolve_mask as resolve_mask, classify
 from flexattn.block_mask.sizes import _check_block_sizes, _check_positive
@@ -500,6 +500,8 @@ class _Shards(_Positioned):
                  kv_block: int, device: torch.device):
         self.key, self.P, self.rank, self.q_block, self.kv_block = key, P, r, q_block, kv_block
         self.qpos = layout.positions(Q_LEN, P, r, device)
+        if interval.Summary.kept(self.qpos) is None:  # (what a classification reads: not every shard's positions)
+            interval.Summary.keep(self.qpos)
         self.kvpos = [layout.positions(KV_LEN, P, j, device) for j in range(P)]
         self.tiled, self.kept, self.n = layout.tiled_positions(KV_LEN, P, kv_block, device)
         # (whether every query tile and every KV tile holds consecutive positions: each run of the
