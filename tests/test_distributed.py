@@ -926,6 +926,40 @@ def test_pair_tables_are_the_masks_built_for_those_positions(layout, backend, mo
     assert partial_rows and partial_cols and (empty > 0) == (layout == "window")
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("layout", ["head_tail", "documents"])
+def test_unpadded_shards_read_no_kept_table(layout, backend, monkeypatch):
+    """Where every KV shard fills whole blocks (S = 192: shards of 96 positions, 6 blocks of 16),
+    a rank's classification reads its query positions and the KV shards side by side, and no
+    table of kept keys (a captured tensor, its summary and a gather per element fewer); each
+    pair's tables are still those of the mask read at the pair's positions. The ranks' ranges
+    are classified here rank by rank, as the gather would share them."""
+    from flexattn.block_mask import create
+    from flexattn.distributed import masks as dmasks
+    if backend == "triton":  # (the generated kernels, interpreted: the GPU's path)
+        monkeypatch.setattr(dmasks, "classify", lambda *a, defer=True: create.classify(*a[:8], "triton", defer=defer))
+    S, P = 192, 2
+    mask, lb = {"head_tail": (masks.causal, fd.HeadTail()),
+                "documents": (masks.document(lengths=[64, 96, 32], causal=True), fd.PerDocument([64, 96, 32]))}[layout]
+    mod = dmasks.as_mask_mod(mask)
+    built = [dmasks._classified(mod, None, None, S, S, BLOCK, lb, P, r, torch.device("cpu")) for r in range(P)]
+    tables = [tiles.shard_ranges(P, shards.n).flatten().tolist() for shards, tiles, _, _ in built]
+    for r, (shards, tiles, _, _) in enumerate(built):
+        assert len(shards.positioned(mod)[0].buffers) == len(mod.buffers) + 2, r
+        pairs, pair_masks = dmasks._listed(mod, shards, tiles, tables)
+        assert pairs.read == list(range(P)), pairs.read  # (head-tail: every rank reads every shard)
+        for j in pairs.read:
+            qpos, kvpos = pairs.qpos_rows[j], pairs.kvpos_held[j]
+
+            def at_pair(b, h, q_idx, kv_idx, qpos=qpos, kvpos=kvpos):
+                return mask(b, h, qpos[q_idx], kvpos[kv_idx])
+
+            want = flexattn.create_block_mask(at_pair, None, None, qpos.numel(), kvpos.numel(), device="cpu",
+                                              BLOCK_SIZE=BLOCK)
+            for name in PAIR_TABLES:
+                assert torch.equal(getattr(pair_masks[j], name), getattr(want, name)), (r, j, name)
+
+
 @pytest.mark.parametrize("P", [2, 3])
 def test_layouts_match_torch(P):
     """Every rank's positions together cover the sequence once; head-tail in the order of torch's

@@ -508,8 +508,11 @@ class _Shards(_Positioned):
         # layout starts on a tile's edge of its shard)
         self.tiles_in_runs = _runs_on_edges(layout.runs(Q_LEN, P, r), q_block) and all(
             _runs_on_edges(layout.runs(KV_LEN, P, j), kv_block) for j in range(P))
-        # (this rank's queries against every KV shard side by side, kept where not padding)
-        super().__init__([(self.qpos, self.tiled, self.kept)])
+        # (this rank's queries against every KV shard side by side, kept where not padding; where
+        # no shard is padded, as where the lengths are multiples of P blocks, the mask reads no
+        # table of kept keys)
+        padded = any(p.numel() < self.n * kv_block for p in self.kvpos)
+        super().__init__([(self.qpos, self.tiled, self.kept if padded else None)])
 
 
 def _runs_on_edges(runs: list[tuple[int, int]], block: int) -> bool:
