@@ -960,6 +960,27 @@ def test_unpadded_shards_read_no_kept_table(layout, backend, monkeypatch):
                 assert torch.equal(getattr(pair_masks[j], name), getattr(want, name)), (r, j, name)
 
 
+def test_per_document_positions_take_a_few_ops():
+    """A per-document layout's positions (two runs per document on each rank) are made in a few
+    torch ops whatever the number of documents, not in an arange per run: on a GPU each op is a
+    kernel launch, and a packed batch of 200 documents made 401 of them per rank at a new layout."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counted(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counted.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    lengths = [7 + i % 5 for i in range(200)]
+    layout, S = fd.PerDocument(lengths), sum(lengths)
+    with Counted():
+        pos = layout.positions(S, 2, 1)
+    assert Counted.ops <= 12, Counted.ops
+    assert torch.equal(pos, torch.cat([torch.arange(a, b, dtype=torch.int32) for a, b in layout.runs(S, 2, 1)]))
+
+
 @pytest.mark.parametrize("P", [2, 3])
 def test_layouts_match_torch(P):
     """Every rank's positions together cover the sequence once; head-tail in the order of torch's

@@ -43,7 +43,23 @@ def _chunk_bounds(start: int, length: int, n: int) -> list[tuple[int, int]]:
 def _runs_to_positions(runs: list[tuple[int, int]], device) -> torch.Tensor:
     if not runs:
         return torch.empty(0, dtype=torch.int32, device=device)
-    return torch.cat([torch.arange(a, b, dtype=torch.int32, device=device) for a, b in runs])
+    if len(runs) <= _FEW_RUNS:
+        return torch.cat([torch.arange(a, b, dtype=torch.int32, device=device) for a, b in runs])
+    # (many runs, as a per-document layout's two per document: a few ops, not an arange each. A
+    # position is its local index plus its run's shift; the shifts and lengths copied to the
+    # device from pinned memory, with no stream sync)
+    shifts, lengths, at = [], [], 0
+    for a, b in runs:
+        shifts.append(a - at)
+        lengths.append(b - a)
+        at += b - a
+    table = torch.tensor([shifts, lengths], dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
+    shifts_t, lengths_t = table.to(device, non_blocking=True)
+    return torch.arange(at, dtype=torch.int32, device=device) + torch.repeat_interleave(shifts_t, lengths_t,
+                                                                                        output_size=at)
+
+
+_FEW_RUNS = 2  # (head-tail's two per shard: one arange each is fewer ops)
 
 
 class Layout:
