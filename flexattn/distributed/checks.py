@@ -23,6 +23,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from flexattn.kernels import launch
 from flexattn.lru import LRU
 
 
@@ -204,9 +205,8 @@ def _launch(group: dist.ProcessGroup, what: str, fields: dict, local_error: str,
         raise ValueError(f"{what}: a table of {table.numel()} entries is wider than a gather's {width}")
 
     def make():  # (the header, then a table of zeros; from pinned memory: a copy from pageable memory syncs the stream)
-        return torch.tensor([0 if local_error else 1, _digest((what, sorted(fields.items()))), _HOST, int(bool(can)),
-                             int(later)] + [0] * width, dtype=torch.int64,
-                            pin_memory=device.type == "cuda").to(device, non_blocking=True)
+        return launch.to_device([0 if local_error else 1, _digest((what, sorted(fields.items()))), _HOST,
+                                 int(bool(can)), int(later)] + [0] * width, torch.int64, device)
 
     key = (what, tuple(fields.items()), bool(local_error), bool(can), later, width, device)
     try:  # (made once per description: a repeated build sends it from the device as it is)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from flexattn import interval
+from flexattn.kernels import launch
 from flexattn.lru import LRU
 
 # (layout key, length, world size, rank, device) -> positions, and (layout key, length, world
@@ -53,8 +54,7 @@ def _runs_to_positions(runs: list[tuple[int, int]], device) -> torch.Tensor:
         shifts.append(a - at)
         lengths.append(b - a)
         at += b - a
-    table = torch.tensor([shifts, lengths], dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
-    shifts_t, lengths_t = table.to(device, non_blocking=True)
+    shifts_t, lengths_t = launch.to_device([shifts, lengths], torch.int32, device)
     return torch.arange(at, dtype=torch.int32, device=device) + torch.repeat_interleave(shifts_t, lengths_t,
                                                                                         output_size=at)
 

@@ -98,6 +98,14 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
     return torch.empty_permuted(shape, order, dtype=dtype, device=device)
 
 
+def to_device(data, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.tensor(data, dtype=dtype)`` on ``device`` with no host sync: on CUDA through pinned
+    memory and a non-blocking copy (``torch.tensor(..., device="cuda")`` copies from pageable
+    memory, which waits for the stream's queued work)."""
+    device = torch.device(device)
+    return torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+
+
 @functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
     """Programs ``device`` runs at once, per wave: its streaming multiprocessors; 1 on the CPU,

@@ -92,8 +92,8 @@ class Tiles:
         row keeps, then of the query-tile rows that keep any; (n, 0, n_q, 0) where none is kept
         (templates/tile_ranges.py)."""
         device, interpret = self.state.device, self.interpret
-        out = _RANGES_START.get_or_make((shards, n, self.n_q, device), lambda: torch.tensor(
-            [[n, 0, self.n_q, 0]] * shards, dtype=torch.int32, device=device)).clone()
+        out = _RANGES_START.get_or_make((shards, n, self.n_q, device), lambda: launch.to_device(
+            [[n, 0, self.n_q, 0]] * shards, torch.int32, device)).clone()
         module = _plain_module("tile_ranges", interpret)
         chunk = min(1024, launch.pow2_at_least(n, 1)) if interpret else 256
         _launch(module.tile_ranges_kernel, (self.n_q, shards), self.state, out, self.BD * self.HD, n,
@@ -126,8 +126,7 @@ class Tiles:
         many = len(rects) > 1
         if many:
             rows = tuple((q0, q1 - q0, kv0, kv1 - kv0, *at[i], 0) for i, ((q0, q1), (kv0, kv1)) in enumerate(rects))
-            table = _RECTS.get_or_make((rows, device), lambda: torch.tensor(
-                rows, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True))
+            table = _RECTS.get_or_make((rows, device), lambda: launch.to_device(rows, torch.int64, device))
             corner = (0, 0)
         else:
             table, corner = state, (rects[0][0][0], rects[0][1][0])  # (Rects unread: the corner in the scalars)
