@@ -244,19 +244,25 @@ def _assert_pairs(bm, mask, label) -> tuple:
         assert (pair is None) == (bm.rows[j] is None), (label, j)
         if pair is None:
             continue
+        at_pair = _assert_pair_tables(pair, bm.qpos_rows[j], bm.kvpos_held[j], mask, (label, j))
         qpos, kvpos = bm.qpos_rows[j], bm.kvpos_held[j]
-
-        def at_pair(b, h, q_idx, kv_idx, qpos=qpos, kvpos=kvpos):
-            return mask(b, h, qpos[q_idx], kvpos[kv_idx])
-
-        want = flexattn.create_block_mask(at_pair, None, None, qpos.numel(), kvpos.numel(), device="cpu",
-                                          BLOCK_SIZE=BLOCK)
-        for name in PAIR_TABLES:
-            assert torch.equal(getattr(pair, name), getattr(want, name)), (label, j, name)
         dense = flexattn.create_mask(at_pair, None, None, qpos.numel(), kvpos.numel(), device="cpu")
         assert torch.equal(flexattn.create_mask(pair.mask_mod, None, None, qpos.numel(), kvpos.numel(),
                                                 device="cpu"), dense), (label, j)
     return bm.needs, bm.windows, bm.rows
+
+
+def _assert_pair_tables(pair, qpos, kvpos, mask, label):
+    """``pair``'s tables are those of flexattn's one-process build of ``mask`` read at positions
+    ``qpos`` / ``kvpos``; returns that mask."""
+    def at_pair(b, h, q_idx, kv_idx):
+        return mask(b, h, qpos[q_idx], kvpos[kv_idx])
+
+    want = flexattn.create_block_mask(at_pair, None, None, qpos.numel(), kvpos.numel(), device="cpu",
+                                      BLOCK_SIZE=BLOCK)
+    for name in PAIR_TABLES:
+        assert torch.equal(getattr(pair, name), getattr(want, name)), (label, name)
+    return at_pair
 
 
 _REACH = torch.tensor([9])
@@ -949,15 +955,7 @@ def test_unpadded_shards_read_no_kept_table(layout, backend, monkeypatch):
         pairs, pair_masks = dmasks._listed(mod, shards, tiles, tables)
         assert pairs.read == list(range(P)), pairs.read  # (head-tail: every rank reads every shard)
         for j in pairs.read:
-            qpos, kvpos = pairs.qpos_rows[j], pairs.kvpos_held[j]
-
-            def at_pair(b, h, q_idx, kv_idx, qpos=qpos, kvpos=kvpos):
-                return mask(b, h, qpos[q_idx], kvpos[kv_idx])
-
-            want = flexattn.create_block_mask(at_pair, None, None, qpos.numel(), kvpos.numel(), device="cpu",
-                                              BLOCK_SIZE=BLOCK)
-            for name in PAIR_TABLES:
-                assert torch.equal(getattr(pair_masks[j], name), getattr(want, name)), (r, j, name)
+            _assert_pair_tables(pair_masks[j], pairs.qpos_rows[j], pairs.kvpos_held[j], mask, (r, j))
 
 
 def test_per_document_positions_take_a_few_ops():
