@@ -151,10 +151,12 @@ class Summary:
         return Summary(mins, maxs, _offsets(K, mins.device), 1)
 
     @staticmethod
-    def keep(t: torch.Tensor) -> None:
+    def keep(t: torch.Tensor, summary: "Summary | None" = None) -> None:
         """Keep ``t``'s summary for every later `of` (while ``t`` is unchanged): for tables that
-        flexattn makes once and reads in many block masks (the positions of a shard)."""
-        _KEPT[id(t)] = (t, t._version, Summary._of(t))
+        flexattn makes once and reads in many block masks (the positions of a shard). ``summary``:
+        ``t``'s, made elsewhere (the block-mask kernels' host side makes a 1-D table's in two
+        launches, `flexattn.kernels.mask_tiles.summary`); else made here."""
+        _KEPT[id(t)] = (t, t._version, summary if summary is not None else Summary._of(t))
 
     @staticmethod
     def _of(t: torch.Tensor) -> "Summary":

@@ -979,6 +979,23 @@ def test_per_document_positions_take_a_few_ops():
     assert torch.equal(pos, torch.cat([torch.arange(a, b, dtype=torch.int32) for a, b in layout.runs(S, 2, 1)]))
 
 
+def test_kept_position_summaries_are_the_tables_summaries():
+    """The summaries a layout keeps of its tiled positions and kept-key table (made by the
+    block-mask kernels' pyramid, a launch or two instead of a reduction per level) are those
+    `interval.Summary` makes of the tables, level by level."""
+    from flexattn import interval
+
+    for layout, S in ((fd.HeadTail(), 1000), (fd.PerDocument([300, 333, 367]), 1000), (fd.HeadTail(), 1344)):  # (1344: 7 blocks per shard)
+        positions, kept, _ = layout.tiled_positions(S, 3, 64, "cpu")
+        padded = not bool(kept.all())
+        for table in (positions, kept) if padded else (positions,):
+            got, want = interval.Summary.kept(table), interval.Summary._of(table)
+            assert got is not None
+            for name in ("mins", "maxs", "offsets"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), (layout, S, name)
+        assert padded == (S == 1000)
+
+
 @pytest.mark.parametrize("P", [2, 3])
 def test_layouts_match_torch(P):
     """Every rank's positions together cover the sequence once; head-tail in the order of torch's

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from flexattn import interval
-from flexattn.kernels import launch
+from flexattn.kernels import launch, mask_tiles
 from flexattn.lru import LRU
 
 # (layout key, length, world size, rank, device) -> positions, and (layout key, length, world
@@ -110,9 +110,9 @@ class Layout:
                 positions[j, :s.numel()] = s
                 kept[j, :s.numel()] = True
             hit = (positions.flatten(), kept.flatten(), n)
-            interval.Summary.keep(hit[0])
+            interval.Summary.keep(hit[0], mask_tiles.summary(hit[0]))
             if any(s.numel() < n * block for s in shards):  # (with no padding no mask reads it)
-                interval.Summary.keep(hit[1])
+                interval.Summary.keep(hit[1], mask_tiles.summary(hit[1]))
             _POSITIONS[key] = hit
         return hit
 

@@ -25,6 +25,7 @@ from flexattn.block_mask.create import _resolve_mask as resolve_mask, classify
 from flexattn.block_mask.sizes import _check_block_sizes, _check_positive
 from flexattn.distributed import checks, copies
 from flexattn.distributed.layout import Layout, as_layout
+from flexattn.kernels import mask_tiles
 from flexattn.kernels.tables import block_size_pair
 from flexattn.lru import LRU
 
@@ -501,7 +502,7 @@ class _Shards(_Positioned):
         self.key, self.P, self.rank, self.q_block, self.kv_block = key, P, r, q_block, kv_block
         self.qpos = layout.positions(Q_LEN, P, r, device)
         if interval.Summary.kept(self.qpos) is None:  # (what a classification reads: not every shard's positions)
-            interval.Summary.keep(self.qpos)
+            interval.Summary.keep(self.qpos, mask_tiles.summary(self.qpos))
         self.kvpos = [layout.positions(KV_LEN, P, j, device) for j in range(P)]
         self.tiled, self.kept, self.n = layout.tiled_positions(KV_LEN, P, kv_block, device)
         # (whether every query tile and every KV tile holds consecutive positions: each run of the
