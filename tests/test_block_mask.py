@@ -311,6 +311,39 @@ def test_gpu_a_block_larger_than_the_sequence_is_evaluated_over_the_sequence_onl
     _check_blocks_larger_than_the_sequence("cuda", ("triton",))
 
 
+@pytest.mark.parametrize("bs", [(32, 64), (64, 32), (16, 128), (128, 16)])
+def test_many_sub_tiles_loops_stay_within_their_tile(bs, monkeypatch):
+    # With sub-tiles of 8 x 8 in the interpreter, every tile here holds more than 16 of them: the
+    # generated kernels evaluate it in loops that stop at the sequence end (UNROLL_SUBS). Over many
+    # tiles (lengths no multiple of the blocks) each must read its own elements only, and a tile
+    # cut by the sequence end must not be full, also where its real elements end on a sub-tile's
+    # edge: the states are the dense mask's.
+    from flexattn.kernels import mask_tiles
+    monkeypatch.setattr(mask_tiles, "INTERPRET_SUB", 8)
+    table = torch.rand(240, 240) < 0.5
+
+    def gathered(b, h, q_idx, kv_idx):
+        return table[q_idx, kv_idx] | (q_idx >= kv_idx + 40)
+
+    # (gathered from tables, so that the interval analysis decides no tile and each is evaluated
+    # element by element: full and empty tiles next to partial ones, either way)
+    q, kv = torch.arange(240).view(-1, 1), torch.arange(240).view(1, -1)
+    lower, blocks = q >= kv, q // 37 == kv // 53
+
+    def causal(b, h, q_idx, kv_idx):
+        return lower[q_idx, kv_idx]
+
+    def documents(b, h, q_idx, kv_idx):
+        return blocks[q_idx, kv_idx]
+
+    for mod in (gathered, causal, documents):
+        # (152 and 232: each a multiple of the sub-tile, no multiple of the blocks)
+        for Q, KV in ((152, 232), (232, 152), (149, 7), (3, 229), (1, 1)):
+            want = tile_states_of_dense(create_mask(mod, 1, 1, Q, KV, "cpu"), *bs)
+            got = create_block_mask(mod, 1, 1, Q, KV, "cpu", bs, backend="triton").tile_states()
+            assert torch.equal(got, want), (mod.__name__, Q, KV, bs)
+
+
 # ---------------------------------------------------------------------------------------------
 # BlockMask methods against torch's
 

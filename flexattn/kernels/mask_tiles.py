@@ -194,10 +194,10 @@ def classify(mod, BD: int, HD: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BL
     n_words = -(-n_kv // 16)
     BH = BD * HD
     state = torch.empty(BH, n_q, n_words, dtype=torch.int32, device=device)
-    # The interpreter runs one program at a time: bigger vectors, fewer steps (up to 256 x 256,
-    # the memory of a tile's evaluation bounded). On the GPU, sub-tiles of 64 x 64 keep registers
-    # in check.
-    sub = 256 if interpret else 64
+    # The interpreter runs one program at a time: bigger vectors, fewer steps (up to
+    # `INTERPRET_SUB` square, the memory of a tile's evaluation bounded). On the GPU, sub-tiles of
+    # 64 x 64 keep registers in check.
+    sub = INTERPRET_SUB if interpret else 64
     sub_q, sub_kv = min(Q_BLOCK, sub), min(KV_BLOCK, sub)
     chunk_words, _, _ = chunks(n_q, n_kv, interpret)
     # (a chunk's undecided tiles from DEFER_MIN on go to exact_kernel, whose programs share them:
@@ -248,6 +248,11 @@ def summary(t: torch.Tensor) -> interval.Summary:
     if K > L:
         _launch(module.top_kernel, (1,), mins, maxs, K=K, L=L)
     return interval.Summary.pyramid(mins, maxs, K)
+
+
+# The interpreter's largest sub-tile side (a tile of more than 16 sub-tiles is evaluated in loops
+# that stop at the sequence end: templates/block_mask.py, UNROLL_SUBS); a test makes it small.
+INTERPRET_SUB = 256
 
 
 # Levels of a summary pyramid that one program of pyramid_kernel writes (2**8 granules: 4,096
