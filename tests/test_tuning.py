@@ -417,6 +417,8 @@ def test_the_hopper_backward_times_its_two_forms_under_a_block_mask(monkeypatch)
     assert seen["key"].startswith("backward hopper|")
     split, one_pass, small = seen["plans"]  # (the dQ pass first: it wins ties, HOPPER_BACKWARD_PREFER)
     assert seen["prefer"] == tuning.HOPPER_BACKWARD_PREFER
+    # (its own key: a winner stored by the plain ranking, often the one pass, is not reused)
+    assert seen["key"].endswith(f"|prefer {tuning.HOPPER_BACKWARD_PREFER:g}"), seen["key"]
     assert one_pass.dq_pass is None and one_pass.main.constexprs["COMPUTE_DQ"]
     assert isinstance(split.dq_pass, bwd.HopperDqPlan) and not split.main.constexprs["COMPUTE_DQ"]
     assert (small.dq_pass.dq.constexprs["BLOCK_M2"], small.dq_pass.dq.constexprs["BLOCK_N2"]) == (64, 32)

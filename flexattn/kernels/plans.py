@@ -236,6 +236,8 @@ def _tuned(family: str, knobs, candidates_for, extra: tuple[str, ...], query, ke
     if len(candidates) < 2:
         return None
     features = (*_tuning_features(query, key, value, score, tables), *extra)
+    if prefer:  # (a winner stored by a plain ranking, before the preference, is not reused)
+        features += (f"prefer {prefer:g}",)
     plan, _ = tuning.choose(tuning.tuning_key(family, device, *features), candidates, make, run, device, prefer)
     return plan
 
