@@ -100,9 +100,11 @@ def _evaluate_unknown(mod: Mod, st: torch.Tensor, r0: int, Q_LEN: int, KV_LEN: i
         bb, hh, rr, cc = unknown[u0:u0 + per_step].unbind(1)
         count = torch.zeros(len(bb), dtype=torch.int64, device=device)
         for q0 in range(0, rows, slab_rows):
+            oq = torch.arange(q0, min(q0 + slab_rows, rows), device=device).view(1, -1, 1)
+            q = (rr + r0).view(-1, 1, 1) * QB + oq
             for k0 in range(0, cols, slab_cols):
-                q = (rr + r0).view(-1, 1, 1) * QB + torch.arange(q0, min(q0 + slab_rows, rows), device=device).view(1, -1, 1)
-                kv = cc.view(-1, 1, 1) * KVB + torch.arange(k0, min(k0 + slab_cols, cols), device=device).view(1, 1, -1)
+                okv = torch.arange(k0, min(k0 + slab_cols, cols), device=device).view(1, 1, -1)
+                kv = cc.view(-1, 1, 1) * KVB + okv
                 keep = ir.evaluate(mod.ir, {
                     "b": bb.view(-1, 1, 1).int(), "h": hh.view(-1, 1, 1).int(),
                     "q_idx": q.clamp(max=Q_LEN - 1).int(), "kv_idx": kv.clamp(max=KV_LEN - 1).int(),

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from flexattn import interval
 from flexattn.kernels import launch, mask_tiles
 from flexattn.lru import LRU
 
@@ -91,7 +90,8 @@ class Layout:
     def tiled_positions(self, length: int, world_size: int, block: int, device=None) -> tuple:
         """Every shard's positions side by side, each padded to ``n`` blocks of ``block`` (``n``:
         the longest shard's block count): ``(positions, kept, n)``, int32 positions (0 in the
-        padding) and bool, False in the padding. Blocks ``n * j .. n * j + n - 1`` are shard j's,
+        padding) and bool, False in the padding, or None where no shard is padded (a mask then
+        reads no table of kept keys). Blocks ``n * j .. n * j + n - 1`` are shard j's,
         so one block mask over them holds every shard's tiles (made once per layout, length and
         block, and shared).
 
@@ -109,10 +109,10 @@ class Layout:
             for j, s in enumerate(shards):
                 positions[j, :s.numel()] = s
                 kept[j, :s.numel()] = True
-            hit = (positions.flatten(), kept.flatten(), n)
-            interval.Summary.keep(hit[0], mask_tiles.summary(hit[0]))
-            if any(s.numel() < n * block for s in shards):  # (with no padding no mask reads it)
-                interval.Summary.keep(hit[1], mask_tiles.summary(hit[1]))
+            padded = any(s.numel() < n * block for s in shards)
+            hit = (positions.flatten(), kept.flatten() if padded else None, n)
+            for table in hit[:2] if padded else hit[:1]:
+                mask_tiles.keep_summary(table)
             _POSITIONS[key] = hit
         return hit
 

@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple
 import torch
 
 import flexattn
-from flexattn import interval, scalars
+from flexattn import scalars
 from flexattn.block_mask import ranks
 from flexattn.block_mask.create import _resolve_mask as resolve_mask, classify
 from flexattn.block_mask.sizes import _check_block_sizes, _check_positive
@@ -501,8 +501,7 @@ class _Shards(_Positioned):
                  kv_block: int, device: torch.device):
         self.key, self.P, self.rank, self.q_block, self.kv_block = key, P, r, q_block, kv_block
         self.qpos = layout.positions(Q_LEN, P, r, device)
-        if interval.Summary.kept(self.qpos) is None:  # (what a classification reads: not every shard's positions)
-            interval.Summary.keep(self.qpos, mask_tiles.summary(self.qpos))
+        mask_tiles.keep_summary(self.qpos)  # (what a classification reads: not every shard's positions)
         self.kvpos = [layout.positions(KV_LEN, P, j, device) for j in range(P)]
         self.tiled, self.kept, self.n = layout.tiled_positions(KV_LEN, P, kv_block, device)
         # (whether every query tile and every KV tile holds consecutive positions: each run of the
@@ -510,10 +509,9 @@ class _Shards(_Positioned):
         self.tiles_in_runs = _runs_on_edges(layout.runs(Q_LEN, P, r), q_block) and all(
             _runs_on_edges(layout.runs(KV_LEN, P, j), kv_block) for j in range(P))
         # (this rank's queries against every KV shard side by side, kept where not padding; where
-        # no shard is padded, as where the lengths are multiples of P blocks, the mask reads no
-        # table of kept keys)
-        padded = any(p.numel() < self.n * kv_block for p in self.kvpos)
-        super().__init__([(self.qpos, self.tiled, self.kept if padded else None)])
+        # no shard is padded, as where the lengths are multiples of P blocks, there is no table of
+        # kept keys to read)
+        super().__init__([(self.qpos, self.tiled, self.kept)])
 
 
 def _runs_on_edges(runs: list[tuple[int, int]], block: int) -> bool:

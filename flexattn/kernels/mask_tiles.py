@@ -250,6 +250,13 @@ def summary(t: torch.Tensor) -> interval.Summary:
     return interval.Summary.pyramid(mins, maxs, K)
 
 
+def keep_summary(t: torch.Tensor) -> None:
+    """`interval.Summary.keep` of ``t`` with its summary made as `summary` makes it (two launches
+    for a 1-D integer or bool table): for the tables a distributed build makes once and reads in
+    many block masks."""
+    interval.Summary.keep(t, summary(t))
+
+
 # The interpreter's largest sub-tile side (a tile of more than 16 sub-tiles is evaluated in loops
 # that stop at the sequence end: templates/block_mask.py, UNROLL_SUBS); a test makes it small.
 INTERPRET_SUB = 256
