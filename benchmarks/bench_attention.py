@@ -119,6 +119,10 @@ def cases(H: int, S: int, window: int, docs: int, device: str, names=None):
         made[ON_REQUEST[0]] = (cap_read_at_run_time(device), None, None)
     if ON_REQUEST[1] in names:
         made[ON_REQUEST[1]] = (None, documents_int64, None)
+    unknown = sorted(set(names) - made.keys())
+    if unknown:
+        raise ValueError(f"--cases: no case named {', '.join(map(repr, unknown))}; the cases at these "
+                         f"arguments: {', '.join(map(repr, [*made, *ON_REQUEST]))}")
     return {name: case for name, case in made.items() if name in names}
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks import __main__ as cli
-from benchmarks import report, results
+from benchmarks import bench_attention, report, results
 
 
 def env(gpu: str, date: str = "2030-01-02") -> dict:
@@ -323,6 +323,15 @@ def test_attention_suite_on_the_cpu_writes_its_results(tmp_path, capsys):
     assert det["impl"] == "flexattn deterministic" and det["bwd_ms"] > 0 and det["grad_diff"] < 1e-5
     out = capsys.readouterr().out
     assert "causal" in out and "flexattn determ." in out
+
+
+def test_an_unknown_case_name_is_an_error_that_lists_the_cases():
+    """``--cases "sliding window"`` (the case is "sliding window 1024") used to run nothing of it
+    and save the other cases as if it had."""
+    with pytest.raises(ValueError, match=r"--cases: no case named 'sliding window'.*'sliding window 8'"):
+        bench_attention.cases(2, 40, 8, 3, "cpu", {"causal", "sliding window"})
+    assert list(bench_attention.cases(2, 40, 8, 3, "cpu", {"causal", "sliding window 8"})) == [
+        "causal", "sliding window 8"]
 
 
 def test_varlen_suite_on_the_cpu_writes_its_results(tmp_path, capsys):
