@@ -326,28 +326,33 @@ def summary(suites: dict) -> str:
 
 
 def plot(record: dict, path: Path) -> None:
-    """TF/s per training case, forward and backward, for flexattn, torch.compile(flex) and cuDNN."""
+    """TF/s per training case, forward and backward, for flexattn, torch.compile(flex) and cuDNN:
+    a row of two panels per shape."""
     import matplotlib  # optional (the plot extra): imported only when a plot is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cases = training_cases(record)
-    several = len({shape for shape, _ in cases}) > 1
-    labels = [f"{case}\n{shape}" if several else case for shape, case in cases]
-    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 1.1 * len(labels) * 2), 4.2), sharey=True)
+    by_shape: dict = {}
+    for (shape, case), impls in training_cases(record).items():
+        by_shape.setdefault(shape, {})[case] = impls
+    widest = max(len(cases) for cases in by_shape.values())
+    height = 3.4 * len(by_shape) + 0.6
+    fig, axes = plt.subplots(len(by_shape), 2, figsize=(max(8.0, 2.2 * widest), height), sharey="row", squeeze=False)
     width = 0.8 / len(TRAINING_IMPLS)
-    for ax, key, title in zip(axes, ("fwd_tflops", "bwd_tflops"), ("forward", "backward")):
-        for i, (impl, name) in enumerate(TRAINING_IMPLS.items()):
-            values = [(impls.get(impl) or {}).get(key) or 0.0 for impls in cases.values()]
-            ax.bar([x + (i - 1) * width for x in range(len(labels))], values, width, label=name)
-        ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
-        ax.set_title(f"{title}, TFLOP/s")
-        ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8)
+    for row_axes, (shape, cases) in zip(axes, by_shape.items()):
+        B, H, S, D = shape.split("x")
+        for ax, key, title in zip(row_axes, ("fwd_tflops", "bwd_tflops"), ("forward", "backward")):
+            for i, (impl, name) in enumerate(TRAINING_IMPLS.items()):
+                values = [(impls.get(impl) or {}).get(key) or 0.0 for impls in cases.values()]
+                ax.bar([x + (i - 1) * width for x in range(len(cases))], values, width, label=name)
+            ax.set_xticks(range(len(cases)), list(cases), rotation=20, ha="right", fontsize=8)
+            ax.set_title(f"{title}, TFLOP/s: B={B} H={H} S={S} D={D}", fontsize=9)
+            ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
     fig.suptitle(f"{record['gpu']}, {record.get('config', {}).get('dtype', '')} "
                  f"(torch {record.get('torch', '?')}, triton {record.get('triton', '?')}, {record['date']})")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / height))  # (the title's room above the first row)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
