@@ -302,6 +302,7 @@ def _repeated_builds(group) -> None:
             return (q_idx >= kv_idx) & (q_idx - kv_idx < reach[0])
 
         bm = fd.create_block_mask(window, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
+        assert gathers.classified == 1, (width, in_place)  # (a captured tensor: every build classifies)
         assert gathers.listed == 1 and gathers.taken() == (previous is None), (width, in_place)
         plan = _assert_pairs(bm, window, width)  # (its first use reads the gather, and lists it again)
         assert gathers.listed == (previous not in (None, width)), (width, in_place)
@@ -330,9 +331,11 @@ def _repeated_builds(group) -> None:
             window, None, None, S, S, device="cpu", BLOCK_SIZE=BLOCK))
         torch.testing.assert_close(fd.unshard(out, group, seq_dim=2), want, rtol=1e-4, atol=1e-5)
         assert gathers.listed == 2 and gathers.taken() == 0, width
-    # a mask that reads no tensor: the first build of its arguments gathers, the next do not
+    # a mask that reads no tensor: the first build of its arguments gathers, the next do not, and
+    # they take its classification and pair masks as they are
     for expect in (1, 0, 0):
         bm = fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
+        assert gathers.classified == 0 or expect, expect
         assert gathers.taken() == expect, expect
         _assert_pairs(bm, masks.causal, "causal")
     # an error while a repeated build classifies: every rank raises at its next call in the group
@@ -344,17 +347,18 @@ def _repeated_builds(group) -> None:
     def failing(*args, **kwargs):
         raise RuntimeError("out of memory (simulated)")
 
-    def built_failing_on_the_last_rank(step: str):
-        """A causal build in which ``step`` of `flexattn.distributed.masks` fails on the last rank."""
+    def built_failing_on_the_last_rank(step: str, mask=masks.causal):
+        """A build of ``mask`` in which ``step`` of `flexattn.distributed.masks` fails on the last rank."""
         inner = getattr(dmasks, step)
         if last:
             setattr(dmasks, step, failing)
         try:
-            return fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
+            return fd.create_block_mask(mask, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
         finally:
             setattr(dmasks, step, inner)
 
-    bm = built_failing_on_the_last_rank("classify")
+    # (the window, which reads a tensor, classifies at every build; a repeated causal build does not)
+    bm = built_failing_on_the_last_rank("classify", window)
     with pytest.raises(fd.DistributedMismatchError, match=failed):
         fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
     for _ in range(2):
@@ -363,8 +367,8 @@ def _repeated_builds(group) -> None:
     assert gathers.taken() == 0
     # the agreement was forgotten: the next build reads its gather at once, and the one after repeats
     for expect in (1, 0):
-        _assert_pairs(fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK),
-                      masks.causal, "again")
+        _assert_pairs(fd.create_block_mask(window, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK),
+                      window, "again")
         assert gathers.taken() == expect
     # an error after the classification (listing the pairs' tables) in a repeat: the same, and the
     # stand-in mask has its positions
@@ -428,13 +432,18 @@ def _repeated_builds(group) -> None:
 
 class _Gathers:
     """Counts this rank's pre-collective gathers (`checks._gather_single`), the builds' gathers
-    read at once (`checks.agree_table`, a host sync) and the listings of a mask's pairs
-    (``listed``) until `close`."""
+    read at once (`checks.agree_table`, a host sync), the listings of a mask's pairs (``listed``)
+    and the classifications of its tiles (``classified``) until `close`."""
 
     def __init__(self):
         from flexattn.distributed import masks as dmasks
-        self.launched, self.read, self.listed = 0, 0, 0
+        self.launched, self.read, self.listed, self.classified = 0, 0, 0, 0
         self.gather, self.agree, self.list = checks._gather_single, checks.agree_table, dmasks._listed
+        self.classify = dmasks.classify
+
+        def classify(*args, **kwargs):
+            self.classified += 1
+            return self.classify(*args, **kwargs)
 
         def gather(*args, **kwargs):
             self.launched += 1
@@ -449,17 +458,19 @@ class _Gathers:
             return self.list(*args, **kwargs)
 
         checks._gather_single, checks.agree_table, dmasks._listed = gather, agree, listed
+        dmasks.classify = classify
 
     def taken(self) -> int:
         """The builds' gathers read at once since the last call (every build launches one); the
-        count of listings starts again."""
+        counts of listings and classifications start again."""
         assert self.launched >= 1, "a build without a gather"
-        n, self.launched, self.read, self.listed = self.read, 0, 0, 0
+        n, self.launched, self.read, self.listed, self.classified = self.read, 0, 0, 0, 0
         return n
 
     def close(self) -> None:
         from flexattn.distributed import masks as dmasks
         checks._gather_single, checks.agree_table, dmasks._listed = self.gather, self.agree, self.list
+        dmasks.classify = self.classify
 
 
 def _errors(group) -> None:
@@ -942,17 +953,19 @@ def test_unpadded_shards_read_no_kept_table(layout, backend, monkeypatch):
     are classified here rank by rank, as the gather would share them."""
     from flexattn.block_mask import create
     from flexattn.distributed import masks as dmasks
+    from flexattn.lru import LRU
     if backend == "triton":  # (the generated kernels, interpreted: the GPU's path)
         monkeypatch.setattr(dmasks, "classify", lambda *a, defer=True: create.classify(*a[:8], "triton", defer=defer))
+    monkeypatch.setattr(dmasks, "_SHARDS", LRU(16))  # (a causal classification made by the other backend is kept there)
     S, P = 192, 2
     mask, lb = {"head_tail": (masks.causal, fd.HeadTail()),
                 "documents": (masks.document(lengths=[64, 96, 32], causal=True), fd.PerDocument([64, 96, 32]))}[layout]
     mod = dmasks.as_mask_mod(mask)
     built = [dmasks._classified(mod, None, None, S, S, BLOCK, lb, P, r, torch.device("cpu")) for r in range(P)]
-    tables = [tiles.shard_ranges(P, shards.n).flatten().tolist() for shards, tiles, _, _ in built]
-    for r, (shards, tiles, _, _) in enumerate(built):
+    tables = [classified.ranges.flatten().tolist() for _, classified in built]
+    for r, (shards, classified) in enumerate(built):
         assert len(shards.positioned(mod)[0].buffers) == len(mod.buffers) + 2, r
-        pairs, pair_masks = dmasks._listed(mod, shards, tiles, tables)
+        pairs, pair_masks = dmasks._listed(mod, shards, classified, tables)
         assert pairs.read == list(range(P)), pairs.read  # (head-tail: every rank reads every shard)
         for j in pairs.read:
             _assert_pair_tables(pair_masks[j], pairs.qpos_rows[j], pairs.kvpos_held[j], mask, (r, j))

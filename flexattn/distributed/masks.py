@@ -288,11 +288,10 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     # (each rank classifies the tiles of its queries against every KV shard at once, then one
     # gather both checks that the ranks agree and shares which tiles each rank keeps; an error
     # while classifying is reported by that gather)
-    error, failure, table, shards, tiles = "", None, None, None, None
+    error, failure, table, shards, classified = "", None, None, None, None
     try:  # (arguments checked here: an error on one rank is raised on every rank by the gather)
-        shards, tiles, q_block, kv_block = _classified(mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, layout, P, r, device)
-        table = tiles.shard_ranges(P, shards.n) if tiles is not None else \
-            torch.zeros(P, 4, dtype=torch.int64, device=device)  # (a rank without queries keeps nothing)
+        shards, classified = _classified(mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, layout, P, r, device)
+        table = classified.ranges
     except Exception as e:  # noqa: BLE001 - (any error of one rank, Triton's too, goes to the gather)
         error, failure = str(e) or type(e).__name__, e
     if agreed is not None:  # (a repeat: the mask made first, then the gather launched and read at the next call)
@@ -300,7 +299,7 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         bm = None
         if failure is None:
             try:
-                bm = _assembled(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, shards, tiles, tables,
+                bm = _assembled(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, shards, classified, tables,
                                 copy_engines, name)
             except Exception as e:  # noqa: BLE001 - (as above: the gather carries it)
                 error, failure = str(e) or type(e).__name__, e
@@ -310,7 +309,7 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
                            f"{WHAT}: this rank failed while building the mask: {type(failure).__name__}: {error}",
                            shards))
         bm._unread = True
-        listing = (mod, shards, tiles)
+        listing = (mod, shards, classified)
         _UNREAD.setdefault(group, []).append(_Unread(pending, weakref.ref(bm), key, None, agreed, listing))
         return DistributedBlockMask(bm)
     try:
@@ -322,31 +321,25 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         raise e from failure
     if key is not None:
         _agreed(group)[key] = (tables, copy_engines)
-    return DistributedBlockMask(_assembled(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, shards, tiles,
+    return DistributedBlockMask(_assembled(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, mod, shards, classified,
                                            tables, copy_engines, name))
 
 
-def _assembled(group, layout: Layout, B, H, seq_lengths: tuple, BLOCK_SIZE, mod, shards: "_Shards", tiles, tables,
+def _assembled(group, layout: Layout, B, H, seq_lengths: tuple, BLOCK_SIZE, mod, shards: "_Shards", classified, tables,
                copy_engines: bool, name: str) -> _Mask:
     """The mask of a build whose ranges are ``tables`` (every rank's): `_listed`."""
-    listed = _listed(mod, shards, tiles, tables)
+    listed = _listed(mod, shards, classified, tables)
     checks.ring_groups(group)  # (made here, where every rank of the group is)
     bm = _Mask(group, layout, B, H, seq_lengths, BLOCK_SIZE, mod, shards, name)
     bm._planned(*listed, copy_engines)
     return bm
 
 
-def _listed(mod, shards: "_Shards", tiles, tables) -> tuple["_Pairs", list]:
+def _listed(mod, shards: "_Shards", classified: "_Classification", tables) -> tuple["_Pairs", list]:
     """``(pairs, masks)`` of ranges ``tables`` (every rank's): each pair's tables, of the rows that
     read the shard against what travels of it, listed from the one classification."""
     pairs = _PAIRS.get_or_make((shards.key, tuple(map(tuple, tables))), lambda: _Pairs(shards, tables))
-    masks = [None] * shards.P
-    for j, lists, local in zip(pairs.read, tiles.tables_of(pairs.rects) if pairs.read else [],
-                               pairs.positioned(mod)):
-        rows, held = pairs.rows[j], pairs.held[j]
-        masks[j] = flexattn.BlockMask((rows[1] - rows[0], held[1] - held[0]), *lists,
-                                      BLOCK_SIZE=(shards.q_block, shards.kv_block), mask_mod=local, validate=False)
-    return pairs, masks
+    return pairs, classified.listed(mod, pairs)
 
 
 def _failed(group, layout: Layout, B, H, seq_lengths: tuple, BLOCK_SIZE, name: str, key, message: str,
@@ -421,23 +414,51 @@ def verify(group, at_call: bool = True) -> None:
 
 
 def _classified(mod, B, H, Q_LEN: int, KV_LEN: int, BLOCK_SIZE, layout: Layout, P: int, r: int,
-                device: torch.device) -> tuple:
-    """``(shards, tiles, q_block, kv_block)``: the arguments checked, and every tile of this rank's
-    queries against all KV shards side by side classified (tiles None for a rank without
-    queries)."""
+                device: torch.device) -> tuple["_Shards", "_Classification"]:
+    """``(shards, classification)``: the arguments checked, and every tile of this rank's queries
+    against all KV shards side by side classified, with the ranges of each shard it keeps. A mask
+    mod that captures no tensor classifies the same at every build of the same arguments: its
+    classification is made once per mod, B and H (`_Shards.classified`), so that a repeated causal
+    or sliding-window build launches no block-mask kernel."""
     B, H = _check_positive("B", B, allow_none=True), _check_positive("H", H, allow_none=True)
     Q_LEN, KV_LEN = _check_positive("Q_LEN", Q_LEN), _check_positive("KV_LEN", KV_LEN)
     q_block, kv_block = block_size_pair(BLOCK_SIZE)
     _check_block_sizes((q_block, kv_block))
     shards = _shards(layout, Q_LEN, KV_LEN, P, r, q_block, kv_block, device)
-    if not shards.qpos.numel():
-        return shards, None, q_block, kv_block
+    if not shards.qpos.numel():  # (a rank without queries keeps nothing)
+        return shards, _Classification(None, torch.zeros(P, 4, dtype=torch.int64, device=device), False)
+    if mod.buffers:
+        return shards, _classify_shards(mod, B, H, shards, device, False)
+    return shards, shards.classified.get_or_make((mod.key(), B, H),
+                                                 lambda: _classify_shards(mod, B, H, shards, device, True))
+
+
+def _classify_shards(mod, B, H, shards: "_Shards", device: torch.device, kept: bool) -> "_Classification":
     # (undecided tiles listed for a kernel of their own only where a tile can span two runs of
     # positions, or the mask reads tensors of its own: else they lie along its edges)
-    tiles = classify(shards.positioned(mod)[0], B, H, shards.qpos.numel(), shards.tiled.numel(), q_block, kv_block,
-                     device, "triton" if device.type == "cuda" else "torch",
+    tiles = classify(shards.positioned(mod)[0], B, H, shards.qpos.numel(), shards.tiled.numel(), shards.q_block,
+                     shards.kv_block, device, "triton" if device.type == "cuda" else "torch",
                      defer=bool(mod.buffer_specs) or not shards.tiles_in_runs)
-    return shards, tiles, q_block, kv_block
+    return _Classification(tiles, tiles.shard_ranges(shards.P, shards.n), kept)
+
+
+class _Classification:
+    """A rank's classified tiles (`classify`; None for a rank without queries) and the ranges of
+    each KV shard they keep (`Classified.shard_ranges`). ``kept``: it is a mask's that captures no
+    tensor, kept for the builds of the same arguments (`_Shards.classified`), and so are the pair
+    masks it lists last, which those builds share: read them, do not change them."""
+
+    def __init__(self, tiles, ranges: torch.Tensor, kept: bool):
+        self.tiles, self.ranges, self.kept = tiles, ranges, kept
+        self._last = (None, ())  # (pairs, their masks): where kept
+
+    def listed(self, mod, pairs: "_Pairs") -> list:
+        """``pairs.masks(mod, tiles)``, where kept made once for the pairs listed last."""
+        if not self.kept:
+            return pairs.masks(mod, self.tiles)
+        if self._last[0] is not pairs:
+            self._last = (pairs, tuple(pairs.masks(mod, self.tiles)))
+        return list(self._last[1])
 
 
 def _repeat_key(mod: "flexattn.Mod", numbers: tuple, layout: Layout, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, P: int,
@@ -508,6 +529,8 @@ class _Shards(_Positioned):
         # layout starts on a tile's edge of its shard)
         self.tiles_in_runs = _runs_on_edges(layout.runs(Q_LEN, P, r), q_block) and all(
             _runs_on_edges(layout.runs(KV_LEN, P, j), kv_block) for j in range(P))
+        # ((mod key, B, H) -> `_Classification` of a mask mod that captures no tensor: `_classified`)
+        self.classified = LRU(4)
         # (this rank's queries against every KV shard side by side, kept where not padding; where
         # no shard is padded, as where the lengths are multiples of P blocks, there is no table of
         # kept keys to read)
@@ -561,8 +584,19 @@ class _Pairs(_Positioned):
                       for j in self.read]  # (shard j's tiles: n j ..)
         self.kvpos_held = [p if j == r else p[slice(*self.windows[j])] for j, p in enumerate(kvpos)]
         self.qpos_rows = [None if g is None else qpos[slice(*g)] for g in self.rows]
+        self.block = (q_block, kv_block)
         # (each pair this rank reads, in that order: its rows against what it holds of the shard)
         super().__init__([(self.qpos_rows[j], self.kvpos_held[j], None) for j in self.read])
+
+    def masks(self, mod, tiles) -> list:
+        """The BlockMask of each pair this rank reads (None for the others), listed from the
+        classification ``tiles`` of ``mod``."""
+        masks = [None] * len(self.held)
+        for j, lists, local in zip(self.read, tiles.tables_of(self.rects) if self.read else [], self.positioned(mod)):
+            rows, held = self.rows[j], self.held[j]
+            masks[j] = flexattn.BlockMask((rows[1] - rows[0], held[1] - held[0]), *lists, BLOCK_SIZE=self.block,
+                                          mask_mod=local, validate=False)
+        return masks
 
 
 # (`_Shards.key`, every rank's ranges) -> `_Pairs`
