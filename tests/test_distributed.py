@@ -419,8 +419,10 @@ def _repeated_builds(group) -> None:
     # again does not (only on the pair: the number's history decides its trace, and rank 0 has not
     # seen these calls)
     if group is not dist.group.WORLD:
+        gathers.classified = 0
         for width, expect in ((9, 1), (30, 1), (9, 1), (30, 0), (9, 0)):
             bm = fd.create_block_mask(_within(width), None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
+            assert gathers.classified == expect, (width, expect)  # (classified once per number's value)
             assert gathers.taken() == expect, (width, expect)
             assert _assert_pairs(bm, _within(width), width) == seen[width], width
         # numbers that differ between the ranks: every rank raises (the numbers are in the check)

@@ -417,9 +417,10 @@ def _classified(mod, B, H, Q_LEN: int, KV_LEN: int, BLOCK_SIZE, layout: Layout, 
                 device: torch.device) -> tuple["_Shards", "_Classification"]:
     """``(shards, classification)``: the arguments checked, and every tile of this rank's queries
     against all KV shards side by side classified, with the ranges of each shard it keeps. A mask
-    mod that captures no tensor classifies the same at every build of the same arguments: its
-    classification is made once per mod, B and H (`_Shards.classified`), so that a repeated causal
-    or sliding-window build launches no block-mask kernel."""
+    mod that captures no tensor but the Python numbers it reads (`flexattn.scalars`) classifies the
+    same at every build of the same arguments and numbers' values: its classification is made once
+    per mod, numbers, B and H (`_Shards.classified`), so that a repeated causal or sliding-window
+    build launches no block-mask kernel."""
     B, H = _check_positive("B", B, allow_none=True), _check_positive("H", H, allow_none=True)
     Q_LEN, KV_LEN = _check_positive("Q_LEN", Q_LEN), _check_positive("KV_LEN", KV_LEN)
     q_block, kv_block = block_size_pair(BLOCK_SIZE)
@@ -427,9 +428,10 @@ def _classified(mod, B, H, Q_LEN: int, KV_LEN: int, BLOCK_SIZE, layout: Layout, 
     shards = _shards(layout, Q_LEN, KV_LEN, P, r, q_block, kv_block, device)
     if not shards.qpos.numel():  # (a rank without queries keeps nothing)
         return shards, _Classification(None, torch.zeros(P, 4, dtype=torch.int64, device=device), False)
-    if mod.buffers:
+    numbers = tuple(map(scalars.number_of, mod.buffers))
+    if None in numbers:  # (a tensor whose values the host does not know: read at every build)
         return shards, _classify_shards(mod, B, H, shards, device, False)
-    return shards, shards.classified.get_or_make((mod.key(), B, H),
+    return shards, shards.classified.get_or_make((mod.key(), numbers, B, H),
                                                  lambda: _classify_shards(mod, B, H, shards, device, True))
 
 
@@ -445,8 +447,8 @@ def _classify_shards(mod, B, H, shards: "_Shards", device: torch.device, kept: b
 class _Classification:
     """A rank's classified tiles (`classify`; None for a rank without queries) and the ranges of
     each KV shard they keep (`Classified.shard_ranges`). ``kept``: it is a mask's that captures no
-    tensor, kept for the builds of the same arguments (`_Shards.classified`), and so are the pair
-    masks it lists last, which those builds share: read them, do not change them."""
+    tensor but Python numbers, kept for the builds of the same arguments (`_Shards.classified`), and
+    so are the pair masks it lists last, which those builds share: read them, do not change them."""
 
     def __init__(self, tiles, ranges: torch.Tensor, kept: bool):
         self.tiles, self.ranges, self.kept = tiles, ranges, kept
@@ -529,7 +531,8 @@ class _Shards(_Positioned):
         # layout starts on a tile's edge of its shard)
         self.tiles_in_runs = _runs_on_edges(layout.runs(Q_LEN, P, r), q_block) and all(
             _runs_on_edges(layout.runs(KV_LEN, P, j), kv_block) for j in range(P))
-        # ((mod key, B, H) -> `_Classification` of a mask mod that captures no tensor: `_classified`)
+        # ((mod key, numbers, B, H) -> `_Classification` of a mask mod that captures no tensor but
+        # Python numbers: `_classified`)
         self.classified = LRU(4)
         # (this rank's queries against every KV shard side by side, kept where not padding; where
         # no shard is padded, as where the lengths are multiples of P blocks, there is no table of
