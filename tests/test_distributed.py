@@ -332,12 +332,15 @@ def _repeated_builds(group) -> None:
         torch.testing.assert_close(fd.unshard(out, group, seq_dim=2), want, rtol=1e-4, atol=1e-5)
         assert gathers.listed == 2 and gathers.taken() == 0, width
     # a mask that reads no tensor: the first build of its arguments gathers, the next do not, and
-    # they take its classification and pair masks as they are
+    # they take its classification and pair masks as they are, and send what the first repeat sent
+    sent = []
     for expect in (1, 0, 0):
         bm = fd.create_block_mask(masks.causal, None, None, S, S, group, device="cpu", BLOCK_SIZE=BLOCK)
         assert gathers.classified == 0 or expect, expect
+        sent.append(gathers.sent)
         assert gathers.taken() == expect, expect
         _assert_pairs(bm, masks.causal, "causal")
+    assert sent[1] is sent[2] and sent[0] is not sent[1]
     # an error while a repeated build classifies: every rank raises at its next call in the group
     # (here the next build), before that call's collectives, and the mask raises at every use
     from flexattn.distributed import copies, masks as dmasks
@@ -433,9 +436,9 @@ def _repeated_builds(group) -> None:
 
 
 class _Gathers:
-    """Counts this rank's pre-collective gathers (`checks._gather_single`), the builds' gathers
-    read at once (`checks.agree_table`, a host sync), the listings of a mask's pairs (``listed``)
-    and the classifications of its tiles (``classified``) until `close`."""
+    """Counts this rank's pre-collective gathers (`checks._gather_single`; ``sent``: what the last
+    one sent), the builds' gathers read at once (`checks.agree_table`, a host sync), the listings of
+    a mask's pairs (``listed``) and the classifications of its tiles (``classified``) until `close`."""
 
     def __init__(self):
         from flexattn.distributed import masks as dmasks
@@ -447,9 +450,9 @@ class _Gathers:
             self.classified += 1
             return self.classify(*args, **kwargs)
 
-        def gather(*args, **kwargs):
-            self.launched += 1
-            return self.gather(*args, **kwargs)
+        def gather(output, sent, **kwargs):
+            self.launched, self.sent = self.launched + 1, sent
+            return self.gather(output, sent, **kwargs)
 
         def agree(*args, **kwargs):
             self.read += 1

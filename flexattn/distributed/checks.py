@@ -183,18 +183,19 @@ def _pinned(group: dist.ProcessGroup, every: torch.Tensor) -> tuple[torch.Tensor
 
 
 def launch_table(group: dist.ProcessGroup, what: str, fields: dict, local_error: str, table: torch.Tensor | None,
-                 can: bool) -> Pending:
+                 can: bool, fixed: bool = False) -> Pending:
     """The gather of `agree_table`, launched and not read, for a rank that repeats the arguments
     of a build the ranks agreed on: it takes part in the gather with no host sync and reads it
     later (`Pending.check`). Every rank decides the same from the gather: a rank that reads its
     gather at once and finds a mismatch raises by itself (the ranks that read later are not there
-    to gather descriptions)."""
-    every = _launch(group, what, fields, local_error, can, table, later=True)
+    to gather descriptions). ``fixed``: ``table`` is a tensor whose values do not change (a kept
+    classification's ranges), so what this rank sends is made once per description and table."""
+    every = _launch(group, what, fields, local_error, can, table, later=True, fixed=fixed)
     return Pending(group, what, every, 0 if table is None else table.numel())
 
 
 def _launch(group: dist.ProcessGroup, what: str, fields: dict, local_error: str, can: bool = True,
-            table: torch.Tensor | None = None, later: bool = False) -> torch.Tensor:
+            table: torch.Tensor | None = None, later: bool = False, fixed: bool = False) -> torch.Tensor:
     """The all-gather of every rank's ``[no local error, digest of what and fields, digest of the
     host name, can, reads later, *table]``, the table padded with zeros to ``WIDTH`` entries per
     rank of the group (all zeros where None or ``local_error``), on the device the group's backend
@@ -212,9 +213,15 @@ def _launch(group: dist.ProcessGroup, what: str, fields: dict, local_error: str,
     try:  # (made once per description: a repeated build sends it from the device as it is)
         mine = _HEADERS.get_or_make(key, make)
     except TypeError:  # (a value that cannot be hashed, such as a list passed for B: no entry)
-        mine = make()
+        key, mine = None, make()
     if table is not None and not local_error:  # (int64: cat promotes the table)
-        mine = torch.cat([mine[:_HEADER], table.flatten().to(device), mine[_HEADER + table.numel():]])
+        header = mine
+
+        def sent():
+            return table, torch.cat([header[:_HEADER], table.flatten().to(device), header[_HEADER + table.numel():]])
+
+        # (a fixed table by its id: the entry holds the table, so that no other tensor takes that id)
+        mine = (_SENT.get_or_make((key, id(table)), sent) if fixed and key is not None else sent())[1]
     every = torch.empty(group.size() * mine.numel(), dtype=torch.int64, device=device)
     _gather_single(every, mine, group=group)
     return every
@@ -237,6 +244,8 @@ def _summary(what: str, rows: list[list[int]], local_error: str = "") -> str:
 
 # (what, fields, no local error, can, reads later, width, device) -> the header and zeros a gather sends
 _HEADERS = LRU(256)
+# (that key, id of a fixed table) -> (the table, the header with the table that a gather sends: `launch_table`)
+_SENT = LRU(64)
 _HEADER = 5
 _HOST = _digest(socket.gethostname())
 # (one output tensor: torch 2.13 names it all_gather_single, earlier releases all_gather_into_tensor)

@@ -303,7 +303,8 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
                                 copy_engines, name)
             except Exception as e:  # noqa: BLE001 - (as above: the gather carries it)
                 error, failure = str(e) or type(e).__name__, e
-        pending = checks.launch_table(group, WHAT, fields, error, None if failure else table, can)
+        pending = checks.launch_table(group, WHAT, fields, error, None if failure else table, can,
+                                      fixed=failure is None and classified.kept)
         if failure is not None:  # (the others read it at their next call: every rank raises there)
             return DistributedBlockMask(_failed(group, layout, B, H, (Q_LEN, KV_LEN), BLOCK_SIZE, name, key,
                            f"{WHAT}: this rank failed while building the mask: {type(failure).__name__}: {error}",
