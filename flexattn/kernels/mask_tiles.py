@@ -28,9 +28,10 @@ from flexattn.lru import LRU
 _MODULES = LRU(256)
 # (shards, tiles per shard, query tiles, device) -> the start of `Tiles.shard_ranges`' atomics
 _RANGES_START = LRU(64)
-# (rectangles and their offsets, device) -> the table of them `Tiles.tables_of` passes its kernels
-# (read only: a distributed build lists the same rectangles every step)
-_RECTS = LRU(64)
+# (rectangles, B and H of the tiles, separate full, interpreter, device) -> what `Tiles.tables_of`
+# makes of them before its launches (`_layout`; its table of rectangles read only: a distributed
+# build lists the same rectangles every step)
+_LAYOUTS = LRU(64)
 # (kernel, grid, device, arguments' values or dtypes, constexprs) -> its `launch.Launch`
 _LAUNCHES = LRU(256)
 
@@ -111,48 +112,61 @@ class Tiles:
         """`tables` of each ``(rows, cols)`` of ``rects``, from one launch of each order kernel
         (the tables of several rectangles lie in one buffer of each kind, each a view of it)."""
         BH, device, state = self.BD * self.HD, self.state.device, self.state
-        shapes = [(q1 - q0, kv1 - kv0) for (q0, q1), (kv0, kv1) in rects]
-        n_q, n_kv = max(r for r, _ in shapes), max(c for _, c in shapes)
-        _, chunk_q, chunk_kv = chunks(n_q, n_kv, self.interpret)
-        # (offsets of each rectangle's KV-order counts, Q-order counts and indices in the buffers,
-        # each table 16-byte aligned, as the kernels' direct launch takes its tensors)
-        at = [(0, 0, 0)]
-        for r, c in shapes:
-            at.append((at[-1][0] + _aligned(BH * r), at[-1][1] + _aligned(BH * c), at[-1][2] + _aligned(BH * r * c)))
-        total = at[-1]
+        key = (tuple(rects), self.BD, self.HD, separate_full, self.interpret, device)
+        n_q, n_kv, chunk_q, chunk_kv, sizes, table, views = _LAYOUTS.get_or_make(
+            key, lambda: _layout(rects, self.BD, self.HD, separate_full, self.interpret, device))
         kinds = 2 if separate_full else 1  # (partial and full, or every non-empty tile)
-        kv_num, q_num, kv_idx, q_idx = (torch.empty(kinds, n, dtype=torch.int32, device=device)
-                                        for n in (total[0], total[1], total[2], total[2]))
-        many = len(rects) > 1
-        if many:
-            rows = tuple((q0, q1 - q0, kv0, kv1 - kv0, *at[i], 0) for i, ((q0, q1), (kv0, kv1)) in enumerate(rects))
-            table = _RECTS.get_or_make((rows, device), lambda: launch.to_device(rows, torch.int64, device))
-            corner = (0, 0)
-        else:
-            table, corner = state, (rects[0][0][0], rects[0][1][0])  # (Rects unread: the corner in the scalars)
+        bufs = [torch.empty(kinds, n, dtype=torch.int32, device=device) for n in sizes]
+        kv_num, q_num, kv_idx, q_idx = bufs
+        many = table is not None
+        # (one rectangle: its corner in the scalars, the table of rectangles unread)
+        corner = (0, 0) if many else (rects[0][0][0], rects[0][1][0])
         # (integer kernels: fp fusion is moot, set so that Triton 3.9 has no default to warn about)
         common = dict(SEPARATE_FULL=separate_full, SEL=1 if separate_full else 0, RECTS=many, enable_fp_fusion=False)
         full = 1 if separate_full else 0  # (unread without separate full tiles)
         # (the arguments in the order `signatures.KV_ORDER` / `Q_ORDER` declare)
         _launch(self.module.kv_order_kernel, (n_q, BH, len(rects)),
-                state, kv_num[0], kv_idx[0], kv_num[full], kv_idx[full], table, state.stride(0), state.stride(1),
-                n_q, n_kv, *corner, CHUNK=chunk_kv, **common)
+                state, kv_num[0], kv_idx[0], kv_num[full], kv_idx[full], table if many else state, state.stride(0),
+                state.stride(1), n_q, n_kv, *corner, CHUNK=chunk_kv, **common)
         _launch(self.module.q_order_kernel, (n_kv, BH, len(rects)),
-                state, q_num[0], q_idx[0], q_num[full], q_idx[full], table, state.stride(0), state.stride(1),
-                n_q, n_kv, *corner, CHUNK=chunk_q, **common)
+                state, q_num[0], q_idx[0], q_num[full], q_idx[full], table if many else state, state.stride(0),
+                state.stride(1), n_q, n_kv, *corner, CHUNK=chunk_q, **common)
+        # (one as_strided per table: a distributed build takes 8 per pair)
+        return [tuple(None if v is None else bufs[v[0]].as_strided(*v[1:]) for v in tables) for tables in views]
 
-        def part(buf, k, lo, *shape):  # (a rectangle's table: BH * shape entries of row k from lo)
-            n = math.prod(shape)  # (one as_strided: a distributed build takes 32 of them)
-            inner = (shape[1], 1) if len(shape) == 2 else (1,)
-            return buf.as_strided((self.BD, self.HD, *shape), (self.HD * n, n, *inner), k * buf.stride(0) + lo)
 
-        out = []
-        for (r, c), (kv_at, q_at, idx_at) in zip(shapes, at):
-            lists = [(part(kv_num, k, kv_at, r), part(kv_idx, k, idx_at, r, c), part(q_num, k, q_at, c),
-                      part(q_idx, k, idx_at, c, r)) for k in range(kinds)]
-            full_lists = lists[1] if separate_full else (None,) * 4
-            out.append((*lists[0][:2], *full_lists[:2], *lists[0][2:], *full_lists[2:]))
-        return out
+def _layout(rects: list, BD: int, HD: int, separate_full: bool, interpret: bool, device: torch.device) -> tuple:
+    """What `Tiles.tables_of` makes of ``rects`` before its launches: ``(n_q, n_kv, CHUNK of the
+    q lists, CHUNK of the kv lists, the four buffers' lengths, the table of rectangles (None for
+    one), and for each rectangle its eight tables as (buffer, size, stride, offset) or None)``."""
+    BH = BD * HD
+    shapes = [(q1 - q0, kv1 - kv0) for (q0, q1), (kv0, kv1) in rects]
+    n_q, n_kv = max(r for r, _ in shapes), max(c for _, c in shapes)
+    _, chunk_q, chunk_kv = chunks(n_q, n_kv, interpret)
+    # (offsets of each rectangle's KV-order counts, Q-order counts and indices in the buffers,
+    # each table 16-byte aligned, as the kernels' direct launch takes its tensors)
+    at = [(0, 0, 0)]
+    for r, c in shapes:
+        at.append((at[-1][0] + _aligned(BH * r), at[-1][1] + _aligned(BH * c), at[-1][2] + _aligned(BH * r * c)))
+    total = at[-1]
+    sizes = (total[0], total[1], total[2], total[2])  # (kv counts, q counts, kv indices, q indices)
+    table = None
+    if len(rects) > 1:
+        rows = tuple((q0, q1 - q0, kv0, kv1 - kv0, *at[i], 0) for i, ((q0, q1), (kv0, kv1)) in enumerate(rects))
+        table = launch.to_device(rows, torch.int64, device)
+
+    def part(b, k, lo, *shape):  # (a rectangle's table: BH * shape entries of buffer b's row k from lo)
+        n = math.prod(shape)
+        inner = (shape[1], 1) if len(shape) == 2 else (1,)
+        return b, (BD, HD, *shape), (HD * n, n, *inner), k * sizes[b] + lo
+
+    views = []
+    for (r, c), (kv_at, q_at, idx_at) in zip(shapes, at):
+        lists = [(part(0, k, kv_at, r), part(2, k, idx_at, r, c), part(1, k, q_at, c), part(3, k, idx_at, c, r))
+                 for k in range(2 if separate_full else 1)]
+        full_lists = lists[1] if separate_full else (None,) * 4
+        views.append((*lists[0][:2], *full_lists[:2], *lists[0][2:], *full_lists[2:]))
+    return n_q, n_kv, chunk_q, chunk_kv, sizes, table, views
 
 
 def _plain_module(template: str, interpret: bool):
