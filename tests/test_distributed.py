@@ -30,7 +30,7 @@ import triton
 
 import flexattn
 import flexattn.distributed as fd
-from flexattn import AuxRequest, masks
+from flexattn import AuxRequest, masks, scalars
 from flexattn.distributed import checks
 from flexattn.reference import apply_score_mod, attention_reference
 from tests.helpers.testing import assert_close_to_reference, backward_atol, weighted_grads
@@ -966,7 +966,9 @@ def test_unpadded_shards_read_no_kept_table(layout, backend, monkeypatch):
     mask, lb = {"head_tail": (masks.causal, fd.HeadTail()),
                 "documents": (masks.document(lengths=[64, 96, 32], causal=True), fd.PerDocument([64, 96, 32]))}[layout]
     mod = dmasks.as_mask_mod(mask)
-    built = [dmasks._classified(mod, None, None, S, S, BLOCK, lb, P, r, torch.device("cpu")) for r in range(P)]
+    numbers = tuple(map(scalars.number_of, mod.buffers))
+    built = [dmasks._classified(mod, numbers, None, None, S, S, BLOCK, lb, P, r, torch.device("cpu"))
+             for r in range(P)]
     tables = [classified.ranges.flatten().tolist() for _, classified in built]
     for r, (shards, classified) in enumerate(built):
         assert len(shards.positioned(mod)[0].buffers) == len(mod.buffers) + 2, r

@@ -290,7 +290,7 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     # while classifying is reported by that gather)
     error, failure, table, shards, classified = "", None, None, None, None
     try:  # (arguments checked here: an error on one rank is raised on every rank by the gather)
-        shards, classified = _classified(mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, layout, P, r, device)
+        shards, classified = _classified(mod, numbers, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, layout, P, r, device)
         table = classified.ranges
     except Exception as e:  # noqa: BLE001 - (any error of one rank, Triton's too, goes to the gather)
         error, failure = str(e) or type(e).__name__, e
@@ -414,14 +414,15 @@ def verify(group, at_call: bool = True) -> None:
             bm._unread = False
 
 
-def _classified(mod, B, H, Q_LEN: int, KV_LEN: int, BLOCK_SIZE, layout: Layout, P: int, r: int,
+def _classified(mod, numbers: tuple, B, H, Q_LEN: int, KV_LEN: int, BLOCK_SIZE, layout: Layout, P: int, r: int,
                 device: torch.device) -> tuple["_Shards", "_Classification"]:
     """``(shards, classification)``: the arguments checked, and every tile of this rank's queries
     against all KV shards side by side classified, with the ranges of each shard it keeps. A mask
     mod that captures no tensor but the Python numbers it reads (`flexattn.scalars`) classifies the
     same at every build of the same arguments and numbers' values: its classification is made once
     per mod, numbers, B and H (`_Shards.classified`), so that a repeated causal or sliding-window
-    build launches no block-mask kernel."""
+    build launches no block-mask kernel. ``numbers``: `scalars.number_of` of each of the mod's
+    buffers, None for a tensor (a mod whose int64 ids `ranks.ranked` replaced has one)."""
     B, H = _check_positive("B", B, allow_none=True), _check_positive("H", H, allow_none=True)
     Q_LEN, KV_LEN = _check_positive("Q_LEN", Q_LEN), _check_positive("KV_LEN", KV_LEN)
     q_block, kv_block = block_size_pair(BLOCK_SIZE)
@@ -429,7 +430,6 @@ def _classified(mod, B, H, Q_LEN: int, KV_LEN: int, BLOCK_SIZE, layout: Layout, 
     shards = _shards(layout, Q_LEN, KV_LEN, P, r, q_block, kv_block, device)
     if not shards.qpos.numel():  # (a rank without queries keeps nothing)
         return shards, _Classification(None, torch.zeros(P, 4, dtype=torch.int64, device=device), False)
-    numbers = tuple(map(scalars.number_of, mod.buffers))
     if None in numbers:  # (a tensor whose values the host does not know: read at every build)
         return shards, _classify_shards(mod, B, H, shards, device, False)
     return shards, shards.classified.get_or_make((mod.key(), numbers, B, H),

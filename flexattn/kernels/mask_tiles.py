@@ -120,17 +120,17 @@ class Tiles:
         kv_num, q_num, kv_idx, q_idx = bufs
         many = table is not None
         # (one rectangle: its corner in the scalars, the table of rectangles unread)
-        corner = (0, 0) if many else (rects[0][0][0], rects[0][1][0])
+        corner, table = ((0, 0), table) if many else ((rects[0][0][0], rects[0][1][0]), state)
         # (integer kernels: fp fusion is moot, set so that Triton 3.9 has no default to warn about)
         common = dict(SEPARATE_FULL=separate_full, SEL=1 if separate_full else 0, RECTS=many, enable_fp_fusion=False)
         full = 1 if separate_full else 0  # (unread without separate full tiles)
         # (the arguments in the order `signatures.KV_ORDER` / `Q_ORDER` declare)
         _launch(self.module.kv_order_kernel, (n_q, BH, len(rects)),
-                state, kv_num[0], kv_idx[0], kv_num[full], kv_idx[full], table if many else state, state.stride(0),
-                state.stride(1), n_q, n_kv, *corner, CHUNK=chunk_kv, **common)
+                state, kv_num[0], kv_idx[0], kv_num[full], kv_idx[full], table, state.stride(0), state.stride(1),
+                n_q, n_kv, *corner, CHUNK=chunk_kv, **common)
         _launch(self.module.q_order_kernel, (n_kv, BH, len(rects)),
-                state, q_num[0], q_idx[0], q_num[full], q_idx[full], table if many else state, state.stride(0),
-                state.stride(1), n_q, n_kv, *corner, CHUNK=chunk_q, **common)
+                state, q_num[0], q_idx[0], q_num[full], q_idx[full], table, state.stride(0), state.stride(1),
+                n_q, n_kv, *corner, CHUNK=chunk_q, **common)
         # (one as_strided per table: a distributed build takes 8 per pair)
         return [tuple(None if v is None else bufs[v[0]].as_strided(*v[1:]) for v in tables) for tables in views]
 
